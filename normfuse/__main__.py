@@ -1,0 +1,3 @@
+from normfuse.cli import main
+
+raise SystemExit(main())

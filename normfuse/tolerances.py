@@ -1,0 +1,53 @@
+"""The one tolerance table of the project.
+
+A result passes against an fp64 reference when
+    err(candidate, fp64) <= factor(dtype) * err(baseline, fp64) + atol(dtype)
+where the baseline is what eager PyTorch computes in the same dtype. This is the
+rule of PyTorch's accuracy minifier and flash-attn's tests: the candidate may be
+a small multiple worse than eager, never arbitrarily worse.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ERROR_FACTOR", "ATOL", "error_factor", "atol", "within_tolerance"]
+
+# m in the rule above.
+ERROR_FACTOR = {torch.float64: 2.0, torch.float32: 2.0, torch.float16: 3.0, torch.bfloat16: 3.0}
+
+# Absolute slack for outputs of magnitude ~1 (normalized values, gradients of them).
+ATOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+def error_factor(dtype: torch.dtype) -> float:
+    return ERROR_FACTOR.get(dtype, 2.0)
+
+
+def atol(dtype: torch.dtype) -> float:
+    return ATOL.get(dtype, 1e-5)
+
+
+def within_tolerance(candidate: torch.Tensor, baseline: torch.Tensor, reference: torch.Tensor,
+                     dtype: torch.dtype | None = None, scale_atol: float | None = None):
+    """Elementwise rule applied as a max: returns (ok, err_candidate, err_baseline, bound).
+
+    Errors are max-abs differences against ``reference`` (usually fp64). ``scale_atol``
+    multiplies atol for outputs whose magnitude is far from 1 (e.g. weight gradients
+    summed over many rows); by default atol scales with the reference's max magnitude
+    when that exceeds 1.
+    """
+    dtype = dtype or candidate.dtype
+    cand, base, ref = candidate.double(), baseline.double(), reference.double()
+    # Non-finite values must sit where eager put them (NaN/Inf propagate as in eager);
+    # the error is measured on the positions where the reference is finite.
+    same_nonfinite = bool(torch.equal(cand.isnan(), base.isnan()) and
+                          torch.equal(cand.isinf() & (cand > 0), base.isinf() & (base > 0)) and
+                          torch.equal(cand.isinf() & (cand < 0), base.isinf() & (base < 0)))
+    finite = ref.isfinite() & cand.isfinite() & base.isfinite()
+    err_c = (cand - ref)[finite].abs().max().item() if finite.any() else 0.0
+    err_b = (base - ref)[finite].abs().max().item() if finite.any() else 0.0
+    mag = ref[finite].abs().max().item() if finite.any() else 0.0
+    scale = scale_atol if scale_atol is not None else max(1.0, mag)
+    bound = error_factor(dtype) * err_b + atol(dtype) * scale
+    return (same_nonfinite and err_c <= bound), err_c, err_b, bound
