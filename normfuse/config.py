@@ -1,0 +1,59 @@
+"""Options of the pass, validated once: ``FuseConfig`` plus keyword shortcuts."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from normfuse.errors import InvalidOptionError, closest
+
+__all__ = ["FuseConfig", "make_config"]
+
+
+@dataclass
+class FuseConfig:
+    """What ``optimize`` / ``fuse_graph`` / the backends do.
+
+    filter_fn:  ``filter_fn(site) -> bool``; a site for which it returns False is left
+                as it was (reason "excluded by filter_fn"). ``site`` is a ``normfuse.Site``
+                (``site.fqn``, ``site.placement``, ``site.kind``, ...).
+    standalone: also rewrite norms with no add next to them into the single-kernel norm.
+    fuse_output_add: fold ``x + norm(f)`` (res-post, sandwich) into the norm-then-add op.
+    prenorm:    convert Post-Norm blocks to Pre-Norm first (changes the function by design).
+    check:      run the numeric equivalence checker on the first call and warn on failure.
+    """
+
+    filter_fn: Callable[[Any], bool] | None = None
+    standalone: bool = True
+    fuse_output_add: bool = True
+    prenorm: bool = False
+    check: bool = False
+
+    def __post_init__(self):
+        if self.filter_fn is not None and not callable(self.filter_fn):
+            raise InvalidOptionError(
+                f"filter_fn must be a callable taking a normfuse.Site and returning bool, got "
+                f"{type(self.filter_fn).__name__}. Pass e.g. filter_fn=lambda site: site.placement != 'post'.")
+        for name in ("standalone", "fuse_output_add", "prenorm", "check"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise InvalidOptionError(f"{name} must be True or False, got {value!r}.")
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(FuseConfig))
+
+
+def make_config(config: FuseConfig | None = None, **options: Any) -> FuseConfig:
+    """A config from an optional FuseConfig and keyword shortcuts (which override it)."""
+    if config is not None and not isinstance(config, FuseConfig):
+        raise InvalidOptionError(f"config must be a normfuse.FuseConfig, got {type(config).__name__}.")
+    for name in options:
+        if name not in OPTION_NAMES:
+            raise InvalidOptionError(
+                f"unknown option {name!r}.{closest(name, OPTION_NAMES)} Options are: {', '.join(OPTION_NAMES)}.")
+    base = dataclasses.asdict(config) if config is not None else {}
+    if config is not None:
+        base["filter_fn"] = config.filter_fn
+    base.update(options)
+    return FuseConfig(**base)

@@ -1,0 +1,229 @@
+"""Canonicalize: one table from every spelling of a primitive to its canonical form.
+
+Dynamo's torch-level graphs, ``torch.export`` ATen graphs and post-grad graphs spell
+the same primitive many ways (``operator.add``, ``torch.add``, ``Tensor.add``,
+``iadd``, ``aten.add.Tensor``; ``.to(dtype)``, ``.float()``, ``aten._to_copy``, ...).
+Every matcher reads the canonical view built here and never looks at a raw target.
+Adding a spelling is one line in ``SPELLINGS``.
+
+The view does not change the graph: ``canonicalize(graph)`` returns a dict
+``node -> Canon`` for the nodes whose target is in the table.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+__all__ = ["Canon", "canonicalize", "canonical", "SPELLINGS", "PARAMS", "tensor_meta", "node_dtype",
+           "node_shape", "LOW_PRECISION", "is_exact_upcast"]
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def _aten(*names: str) -> list:
+    """ATen overloads by 'op.overload' name, skipping those this torch build lacks."""
+    found = []
+    for name in names:
+        op_name, _, overload = name.partition(".")
+        packet = getattr(aten, op_name, None)
+        if packet is not None and hasattr(packet, overload or "default"):
+            found.append(getattr(packet, overload or "default"))
+    return found
+
+
+# Canonical primitive -> its parameter names (how positional args and kwargs are bound).
+PARAMS: dict[str, tuple[str, ...]] = {
+    "add": ("input", "other", "alpha"),
+    "sub": ("input", "other", "alpha"),
+    "mul": ("input", "other"),
+    "div": ("input", "other"),
+    "pow": ("input", "exponent"),
+    "square": ("input",),
+    "rsqrt": ("input",),
+    "sqrt": ("input",),
+    "reciprocal": ("input",),
+    "mean": ("input", "dim", "keepdim"),
+    "var": ("input", "dim", "unbiased", "keepdim"),
+    "cast": ("input",),  # the target dtype is read off the node's output metadata
+    "view": ("input",),  # reshapes, views, contiguous, clone: same values, maybe another shape
+    "dropout": ("input", "p", "training"),
+    "layer_norm": ("input", "normalized_shape", "weight", "bias", "eps"),
+    "rms_norm": ("input", "normalized_shape", "weight", "eps"),
+}
+
+# Canonical primitive -> every spelling of it: call_function targets (callables, ATen
+# overloads) and call_method names (strings).
+SPELLINGS: dict[str, list[Any]] = {
+    "add": [operator.add, operator.iadd, torch.add, torch.Tensor.add, "add", "add_", "__add__", "__radd__",
+            *_aten("add.Tensor", "add_.Tensor", "add.Scalar")],
+    "sub": [operator.sub, operator.isub, torch.sub, torch.Tensor.sub, "sub", "sub_", "__sub__",
+            *_aten("sub.Tensor", "sub.Scalar")],
+    "mul": [operator.mul, operator.imul, torch.mul, torch.Tensor.mul, "mul", "mul_", "__mul__", "__rmul__",
+            *_aten("mul.Tensor", "mul_.Tensor", "mul.Scalar")],
+    "div": [operator.truediv, operator.itruediv, torch.div, torch.true_divide, "div", "div_", "true_divide",
+            "__truediv__", *_aten("div.Tensor", "div.Scalar")],
+    "pow": [operator.pow, torch.pow, "pow", "__pow__", *_aten("pow.Tensor_Scalar")],
+    "square": [torch.square, "square", *_aten("square.default")],
+    "rsqrt": [torch.rsqrt, "rsqrt", *_aten("rsqrt.default")],
+    "sqrt": [torch.sqrt, "sqrt", *_aten("sqrt.default")],
+    "reciprocal": [torch.reciprocal, "reciprocal", *_aten("reciprocal.default")],
+    "mean": [torch.mean, "mean", *_aten("mean.dim")],
+    "var": [torch.var, "var", *_aten("var.correction", "var.dim")],
+    "cast": ["to", "float", "half", "bfloat16", "double", "type", "type_as",
+             *_aten("_to_copy.default", "to.dtype", "to.dtype_layout", "to.device"),
+             *([prims.convert_element_type.default] if hasattr(prims, "convert_element_type") else [])],
+    "view": ["view", "reshape", "contiguous", "clone", "view_as", "reshape_as", torch.reshape, torch.clone,
+             *_aten("view.default", "reshape.default", "_unsafe_view.default", "clone.default", "alias.default")],
+    "dropout": [F.dropout, torch.dropout, "dropout", *_aten("dropout.default")],
+    "layer_norm": [F.layer_norm, torch.layer_norm, *_aten("layer_norm.default", "native_layer_norm.default")],
+    "rms_norm": [F.rms_norm, *( [torch.rms_norm] if hasattr(torch, "rms_norm") else []),
+                 *_aten("rms_norm.default", "_fused_rms_norm.default")],
+}
+
+# Defaults of optional parameters, per primitive (only those the matchers read).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "add": {"alpha": 1}, "sub": {"alpha": 1},
+    "mean": {"dim": None, "keepdim": False},
+    "var": {"dim": None, "unbiased": True, "keepdim": False},
+    "dropout": {"p": 0.5, "training": True},
+    "layer_norm": {"weight": None, "bias": None, "eps": 1e-5},
+    "rms_norm": {"weight": None, "eps": None},
+}
+
+# ATen spellings whose positional layout differs from the canonical one.
+_ATEN_POSITIONAL = {
+    "var.correction": ("input", "dim"),  # correction / keepdim are keyword-only
+    "dropout.default": ("input", "p", "training"),
+}
+
+_FUNCTION_TABLE: dict[Any, str] = {}
+_METHOD_TABLE: dict[str, str] = {}
+for _prim, _spellings in SPELLINGS.items():
+    for _s in _spellings:
+        if isinstance(_s, str):
+            _METHOD_TABLE[_s] = _prim
+        else:
+            _FUNCTION_TABLE[_s] = _prim
+
+# Torch-level spellings whose positional layout differs from the canonical one.
+_POSITIONAL_OVERRIDES: dict[Any, tuple[str, ...]] = {
+    torch.dropout: ("input", "p", "training"),
+    torch.layer_norm: ("input", "normalized_shape", "weight", "bias", "eps"),
+}
+
+
+@dataclass
+class Canon:
+    """A node seen as a canonical primitive: ``prim`` with its arguments bound by name."""
+
+    prim: str
+    args: dict[str, Any] = field(default_factory=dict)
+    multi_output: bool = False  # ATen native_layer_norm / _fused_rms_norm return tuples
+
+    def __getitem__(self, name: str) -> Any:
+        return self.args.get(name, _DEFAULTS.get(self.prim, {}).get(name))
+
+
+def canonical(node: fx.Node) -> Canon | None:
+    """The canonical view of one node, or None when its target is not in the table."""
+    if node.op == "call_function":
+        try:
+            prim = _FUNCTION_TABLE.get(node.target)
+        except TypeError:  # unhashable target
+            prim = None
+    elif node.op == "call_method":
+        prim = _METHOD_TABLE.get(node.target)
+    else:
+        prim = None
+    if prim is None:
+        return None
+    names = _POSITIONAL_OVERRIDES.get(node.target, PARAMS[prim])
+    if isinstance(node.target, torch._ops.OpOverload):
+        overload = f"{node.target._opname}.{node.target._overloadname}"
+        names = _ATEN_POSITIONAL.get(overload, names)
+    args = dict(zip(names, node.args))
+    for key, value in node.kwargs.items():
+        args["input" if key == "self" else key] = value
+    if prim == "var" and "correction" in args and "unbiased" not in args:
+        args["unbiased"] = args["correction"] != 0
+    if prim == "dropout" and "train" in args:
+        args["training"] = args.pop("train")
+    if isinstance(args.get("dim"), int):
+        args["dim"] = [args["dim"]]
+    multi = node.target in _aten("native_layer_norm.default", "_fused_rms_norm.default")
+    return Canon(prim, args, multi)
+
+
+def canonicalize(graph: fx.Graph) -> dict[fx.Node, Canon]:
+    """The canonical view of a whole graph: every node whose target the table knows."""
+    view = {}
+    for node in graph.nodes:
+        canon = canonical(node)
+        if canon is not None:
+            view[node] = canon
+    return view
+
+
+# --- metadata: dynamo puts fake tensors in meta["example_value"], ATen graphs in meta["val"]
+
+def tensor_meta(node: Any):
+    if not isinstance(node, fx.Node):
+        return None
+    for key in ("val", "example_value"):
+        value = node.meta.get(key)
+        if isinstance(value, torch.Tensor):
+            return value
+    tm = node.meta.get("tensor_meta")
+    if tm is not None and hasattr(tm, "dtype"):
+        return tm
+    return None
+
+
+def node_dtype(node: Any) -> torch.dtype | None:
+    meta = tensor_meta(node)
+    return getattr(meta, "dtype", None)
+
+
+def node_shape(node: Any) -> tuple | None:
+    meta = tensor_meta(node)
+    return tuple(meta.shape) if meta is not None else None
+
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def is_exact_upcast(src: torch.dtype | None, dst: torch.dtype | None) -> bool:
+    """A cast that changes no value: same dtype, or a wider float that holds every value of src."""
+    if src is None or dst is None:
+        return False
+    if src == dst:
+        return True
+    return src in LOW_PRECISION and dst in (torch.float32, torch.float64) or (
+        src == torch.float32 and dst == torch.float64)
+
+
+def _same_dim(a, b) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return a.node.expr == b.node.expr  # no guard: compare the symbolic expressions
+    return False
+
+
+def same_shape(a, b) -> bool:
+    """Equal shapes, symbolic dims included, without adding guards to a traced graph."""
+    return a is not None and b is not None and len(a) == len(b) and all(_same_dim(x, y) for x, y in zip(a, b))
+
+
+def last_dim(node) -> int | None:
+    shape = node_shape(node)
+    if not shape or not isinstance(shape[-1], int):
+        return None
+    return shape[-1]

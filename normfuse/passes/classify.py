@@ -1,0 +1,130 @@
+"""Classify: where each norm sits on the residual stream.
+
+Which operand of a residual add is the stream is a graph question: in
+``s = x + F(x)`` the stream ``x`` is an ancestor of the branch ``F(x)``.
+
+| placement  | what the graph shows                                                   |
+|------------|------------------------------------------------------------------------|
+| pre        | the norm reads a sum that also continues the stream (GPT-2, LLaMA);    |
+|            | also the final norm of a pre-norm stack                                |
+| post       | the norm reads a sum nothing else reads, and its output is the stream  |
+| res_post   | the norm's output is the branch of a residual add (``x + norm(F(x))``) |
+| sandwich   | res_post whose add then feeds another norm (Gemma 2/3)                 |
+| parallel   | two norms read the same value (GPT-NeoX, Falcon)                       |
+| deepnorm   | post, with the stream scaled: ``norm(a*x + F(x))``                     |
+| embedding  | a post-style norm of a sum with no stream and no norm upstream (BERT)  |
+| standalone | a norm with no add on either side (first pre-norm, q/k norms)          |
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from normfuse.passes.find import AddMatch, GraphIndex, NormMatch, is_pass_through
+
+__all__ = ["SiteState", "classify", "stream_operand"]
+
+
+@dataclass
+class SiteState:
+    """A norm on its way through the pipeline: the match, its adds, its placement."""
+
+    match: NormMatch
+    in_add: AddMatch | None = None
+    out_add: AddMatch | None = None
+    out_chain: list[fx.Node] = field(default_factory=list)
+    placement: str = "standalone"
+    group: list["SiteState"] = field(default_factory=list)  # sites reading the same value
+
+    @property
+    def input_is_add(self) -> bool:
+        return self.in_add is not None
+
+    @property
+    def output_feeds_add(self) -> bool:
+        return self.out_add is not None
+
+
+def stream_operand(index: GraphIndex, add: AddMatch) -> int | None:
+    """Index (0/1) of the add's operand that is the residual stream: the one the other descends from."""
+    a, b = add.node.all_input_nodes[:2] if len(add.node.all_input_nodes) >= 2 else (None, None)
+    if a is None:
+        return None
+    if index.is_ancestor(a, b):
+        return 0
+    if index.is_ancestor(b, a):
+        return 1
+    return None
+
+
+def _root_value(index: GraphIndex, site: SiteState) -> fx.Node:
+    """The value a norm reads, before pass-through nodes: its add, or its input."""
+    if site.in_add is not None:
+        return site.in_add.node
+    node = site.match.input
+    n = site.match.hidden_size
+    while isinstance(node, fx.Node) and is_pass_through(index, node, n):
+        node = index.canon(node)["input"]
+    return node
+
+
+def _sum_continues(site: SiteState) -> bool:
+    """Whether the sum the norm reads is read by anything but the norm (the stream goes on)."""
+    add = site.in_add
+    inside = set(add.chain) | set(site.match.nodes)
+    for node in (add.node, *add.chain):
+        if any(u not in inside for u in node.users):
+            return True
+    return False
+
+
+def classify(index: GraphIndex, sites: list[SiteState]) -> None:
+    by_root: dict[fx.Node, list[SiteState]] = defaultdict(list)
+    for site in sites:
+        by_root[_root_value(index, site)].append(site)
+    for group in by_root.values():
+        for site in group:
+            site.group = group
+
+    feeding = {site.in_add.node: site for site in sites if site.in_add is not None}
+    placed: list[SiteState] = []
+    for site in sites:  # graph order, so upstream sites are placed first
+        site.placement = _place(index, site, feeding, placed)
+        placed.append(site)
+
+
+def _place(index: GraphIndex, site: SiteState, feeding: dict, placed: list[SiteState]) -> str:
+    m = site.match
+    if site.out_add is not None:
+        stream = stream_operand(index, site.out_add)
+        branch = site.out_add.node.all_input_nodes[1 - stream] if stream is not None else None
+        chain_end = site.out_chain[-1] if site.out_chain else m.output
+        if branch is chain_end and site.in_add is None:
+            return "sandwich" if site.out_add.node in feeding else "res_post"
+    if len(site.group) > 1:
+        return "parallel"
+    if site.in_add is None:
+        return "standalone"
+    add = site.in_add
+    stream = stream_operand(index, add)
+    if add.scaled is not None and add.residual_scale != 1.0:
+        return "deepnorm"
+    if _sum_continues(site):
+        return "pre"
+    # post-style: the norm alone reads the sum
+    ancestors = index.ancestors(add.node)
+    upstream = [p for p in placed if p.match.output in ancestors]
+    if stream is None and not upstream:
+        return "embedding"
+    if site.out_add is not None:
+        out_stream = stream_operand(index, site.out_add)
+        chain_end = site.out_chain[-1] if site.out_chain else m.output
+        if out_stream is not None and site.out_add.node.all_input_nodes[out_stream] is chain_end:
+            return "post"
+    # the end of a stream: post if the stream was post-norm so far, else a pre-norm stack's final norm
+    if any(p.placement in ("post", "deepnorm") for p in upstream):
+        return "post"
+    return "pre"

@@ -1,0 +1,578 @@
+"""Find sites: every norm in a graph, and the residual adds next to it.
+
+A norm is matched in one of two ways, always on the canonical view:
+- a norm call (``F.layer_norm``, ``torch.rms_norm``, ``aten.native_layer_norm``, ...);
+- a decomposed norm, anchored at its row statistic ``mean(-1, keepdim=True)``:
+  RMSNorm ``u * rsqrt(mean(u^2) + eps)`` and LayerNorm ``(u - mean) * rsqrt(var + eps)``
+  in every spelling the canonical table knows, followed by an optional tail of casts,
+  ``* weight`` (or ``* (offset + weight)``) and ``+ bias``.
+
+Eps, weight, bias, offset and where each cast rounds are read off the graph. The
+tail's rounding points decide the fused op's modes (``resolve_tail``); a tail the op
+cannot reproduce is cut short, so the unmatched rest stays in the graph as it was.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from normfuse.passes.canonical import (Canon, canonical, is_exact_upcast, last_dim, node_dtype, node_shape, same_shape,
+                                       tensor_meta)
+
+__all__ = ["NormMatch", "AddMatch", "find_norms", "find_input_add", "find_output_add", "GraphIndex"]
+
+F32 = torch.float32
+
+
+@dataclass
+class NormMatch:
+    kind: str                        # "layer_norm" | "rms_norm"
+    form: str
+    input: fx.Node                   # the value normalized (before exact upcasts)
+    output: fx.Node                  # the last node of the norm (what its users read)
+    nodes: list[fx.Node]             # every node of the norm, the output included
+    eps: float
+    weight: fx.Node | None = None
+    bias: fx.Node | None = None
+    weight_offset: float = 0.0
+    norm_round_dtype: torch.dtype | None = None
+    out_dtype: torch.dtype | None = None
+    hidden_size: int | None = None
+    reason: str | None = None        # set when the norm itself cannot be fused
+    anchor: fx.Node | None = None    # the node that identified it (for ordering and messages)
+
+
+@dataclass
+class AddMatch:
+    node: fx.Node                    # the add
+    operands: tuple[Any, Any]        # (a, b) as the graph adds them, exact upcasts stripped
+    scaled: int | None = None        # index of the operand multiplied by residual_scale
+    residual_scale: float = 1.0
+    chain: list[fx.Node] = field(default_factory=list)  # pass-through nodes between the add and the norm
+    reason: str | None = None        # why it cannot be folded into the kernel
+
+
+class GraphIndex:
+    """Graph order and the canonical view, with cheap ancestor queries."""
+
+    def __init__(self, graph: fx.Graph, view: dict[fx.Node, Canon]):
+        self.graph = graph
+        self.view = view
+        self.order = {n: i for i, n in enumerate(graph.nodes)}
+        self.replaced: dict[fx.Node, fx.Node] = {}  # old node -> node holding its value after a rewrite
+
+    def resolve(self, node: Any) -> Any:
+        """The node that now holds the value ``node`` held before earlier rewrites."""
+        while isinstance(node, fx.Node) and node in self.replaced:
+            node = self.replaced[node]
+        return node
+
+    def refresh(self, node: fx.Node) -> None:
+        c = canonical(node)
+        if c is not None:
+            self.view[node] = c
+
+    def canon(self, node: Any) -> Canon | None:
+        return self.view.get(node) if isinstance(node, fx.Node) else None
+
+    def prim(self, node: Any) -> str | None:
+        c = self.canon(node)
+        return c.prim if c else None
+
+    def ancestors(self, node: fx.Node) -> set[fx.Node]:
+        seen, stack = set(), [node]
+        while stack:
+            for p in stack.pop().all_input_nodes:
+                if p not in seen:
+                    seen.add(p)
+                    stack.append(p)
+        return seen
+
+    def is_ancestor(self, a: fx.Node, b: fx.Node) -> bool:
+        """Whether ``a`` is an ancestor of ``b``; the search stops below a's position."""
+        if not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
+            return False
+        lo = self.order[a]
+        seen, stack = set(), [b]
+        while stack:
+            n = stack.pop()
+            for p in n.all_input_nodes:
+                if p is a:
+                    return True
+                if p not in seen and self.order[p] > lo:
+                    seen.add(p)
+                    stack.append(p)
+        return False
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _const(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _last_dim_only(dims: Any, ndim: int | None) -> bool:
+    if dims is None or ndim is None:
+        return False
+    dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
+    return len(dims) == 1 and isinstance(dims[0], int) and dims[0] in (-1, ndim - 1)
+
+
+def strip_upcasts(index: GraphIndex, node: Any) -> Any:
+    """The value before any chain of exact upcasts (casts that change no value)."""
+    while index.prim(node) == "cast":
+        src = index.canon(node)["input"]
+        if not isinstance(src, fx.Node) or not is_exact_upcast(node_dtype(src), node_dtype(node)):
+            break
+        node = src
+    return node
+
+
+def _same_value(index: GraphIndex, a: Any, b: Any) -> bool:
+    return a is b or strip_upcasts(index, a) is strip_upcasts(index, b)
+
+
+def _is_param_like(index: GraphIndex, node: Any) -> bool:
+    """A tensor that does not depend on activations: a parameter, buffer or graph input."""
+    node = strip_upcasts(index, node)
+    return isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr")
+
+
+def _vector_of(node: Any, n: int | None) -> bool:
+    shape = node_shape(node)
+    return shape is not None and n is not None and len(shape) >= 1 and last_dim(node) == n and all(
+        isinstance(d, int) and d == 1 for d in shape[:-1])
+
+
+def _other(c: Canon, node: Any) -> Any:
+    a, b = c["input"], c["other"]
+    return b if a is node else a if b is node else None
+
+
+def _single_user(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _identity_dropout(c: Canon) -> bool:
+    return c.prim == "dropout" and (c["training"] is False or c["p"] == 0 or c["p"] == 0.0)
+
+
+def is_pass_through(index: GraphIndex, node: fx.Node, n: int | None) -> bool:
+    """Same values in, same values out, rows kept: casts, last-dim-keeping views, identity dropout."""
+    c = index.canon(node)
+    if c is None:
+        return False
+    if c.prim == "cast":
+        return True
+    if c.prim == "view":
+        return n is not None and last_dim(c["input"]) == n and last_dim(node) == n
+    return _identity_dropout(c)
+
+
+# --------------------------------------------------------------------------- norm calls
+
+def _match_norm_call(index: GraphIndex, node: fx.Node, c: Canon) -> NormMatch | None:
+    x = c["input"]
+    n = last_dim(x)
+    form = "aten" if isinstance(node.target, torch._ops.OpOverload) else "functional"
+    eps = c["eps"]
+    if c.prim == "rms_norm" and eps is None and node_dtype(x) is not None:
+        eps = torch.finfo(node_dtype(x)).eps  # torch.rms_norm's documented default
+    output = node
+    nodes = [node]
+    reason = None
+    if c.multi_output:
+        # native_layer_norm / _fused_rms_norm return (out, stats...): only out may be used
+        getitems = list(node.users)
+        outs = [u for u in getitems if u.args[1:] == (0,)]
+        if len(outs) != 1 or len(getitems) != 1:
+            reason = "the norm's saved statistics (mean/rstd) are used by other nodes"
+            output = outs[0] if outs else node
+        else:
+            output = outs[0]
+        nodes = [node, output] if output is not node else [node]
+    ns = c["normalized_shape"]
+    ns = list(ns) if isinstance(ns, (list, tuple, torch.Size)) else [ns]
+    if len(ns) != 1 or ns[0] != n:
+        reason = f"normalizes over {len(ns)} trailing dims {tuple(ns)}, not only the last dim"
+    m = NormMatch(kind=c.prim, form=form, input=x, output=output, nodes=nodes, eps=float(eps or 0.0),
+                  weight=c["weight"], bias=c["bias"] if c.prim == "layer_norm" else None,
+                  out_dtype=node_dtype(output), hidden_size=n, reason=reason, anchor=node)
+    if reason is None and node_dtype(output) is not None and node_dtype(x) is not None \
+            and node_dtype(output) != node_dtype(x):
+        m.reason = (f"the norm returns {node_dtype(output)} for a {node_dtype(x)} input (autocast?); "
+                    "the fused op keeps the input dtype")
+    return m
+
+
+# --------------------------------------------------------------------------- decomposed norms
+
+def _rstd_users(index: GraphIndex, denom_src: fx.Node):
+    """From ``var + eps`` to the ways it becomes rstd. Yields (kind, node):
+    ("mul", rstd) for rsqrt / 1/sqrt / pow(-0.5), ("div", sqrt) for ``v / sqrt(var + eps)``."""
+    for u in denom_src.users:
+        c = index.canon(u)
+        if c is None:
+            continue
+        if c.prim == "rsqrt":
+            yield "mul", u, [u]
+        elif c.prim == "pow" and c["input"] is denom_src and _const(c["exponent"]) == -0.5:
+            yield "mul", u, [u]
+        elif c.prim == "sqrt":
+            for uu in u.users:
+                cc = index.canon(uu)
+                if cc is None:
+                    continue
+                if cc.prim == "reciprocal":
+                    yield "mul", uu, [u, uu]
+                elif cc.prim == "div" and cc["other"] is u and _const(cc["input"]) == 1.0:
+                    yield "mul", uu, [u, uu]
+                elif cc.prim == "div" and cc["other"] is u:
+                    yield "div", uu, [u]
+
+
+def _eps_of(index: GraphIndex, stat: fx.Node):
+    """``stat + eps`` -> (node, eps) for each such user."""
+    for u in stat.users:
+        c = index.canon(u)
+        if c is not None and c.prim == "add" and c["alpha"] == 1:
+            other = _other(c, stat)
+            if _const(other) is not None:
+                yield u, _const(other)
+
+
+def _square_of(index: GraphIndex, node: Any) -> Any:
+    c = index.canon(node)
+    if c is None:
+        return None
+    if c.prim == "pow" and _const(c["exponent"]) == 2.0:
+        return c["input"]
+    if c.prim == "square":
+        return c["input"]
+    if c.prim == "mul" and c["input"] is c["other"]:
+        return c["input"]
+    return None
+
+
+def _find_normalized(index: GraphIndex, denom: fx.Node, value: Any):
+    """The node computing ``value * rstd`` (or ``value / sqrt``) from ``var + eps``."""
+    for how, r, extra in _rstd_users(index, denom):
+        for u in r.users:
+            c = index.canon(u)
+            if c is None:
+                continue
+            if how == "mul" and c.prim == "mul":
+                other = _other(c, r)
+                if other is not None and _same_value(index, other, value):
+                    return u, extra
+            if how == "div" and c.prim == "div" and c["other"] is r and _same_value(index, c["input"], value):
+                return u, extra
+        if how == "div" and _same_value(index, index.canon(r)["input"], value):
+            return r, extra
+    return None, None
+
+
+def _match_decomposed(index: GraphIndex, mean: fx.Node, c: Canon) -> NormMatch | None:
+    """Anchored at ``mean(t, -1, keepdim=True)``: RMSNorm when t = u^2, LayerNorm when ``u - mean`` follows."""
+    t = c["input"]
+    shape = node_shape(t)
+    n = last_dim(t)
+    if shape is None or n is None or not _last_dim_only(c["dim"], len(shape)) or not c["keepdim"]:
+        return None
+    sq = _square_of(index, t)
+    if sq is not None:  # RMSNorm: mean(u^2)
+        for denom, eps in _eps_of(index, mean):
+            normed, extra = _find_normalized(index, denom, sq)
+            if normed is not None:
+                nodes = [t, mean, denom, *extra, normed]
+                if sq is not strip_upcasts(index, sq):
+                    nodes.insert(0, sq)
+                return _with_tail(index, NormMatch(
+                    kind="rms_norm", form="decomposed", input=strip_upcasts(index, sq), output=normed,
+                    nodes=nodes, eps=eps, hidden_size=n, anchor=mean))
+        return None
+    # LayerNorm: d = u - mean(u); var = mean(d^2) (or var(u, unbiased=False)); n = d * rstd
+    u = t
+    for d in mean.users:
+        cd = index.canon(d)
+        if cd is None or cd.prim != "sub" or cd["other"] is not mean or not _same_value(index, cd["input"], u):
+            continue
+        for sqn in d.users:
+            if _square_of(index, sqn) is not d:
+                continue
+            for var in sqn.users:
+                cv = index.canon(var)
+                if cv is None or cv.prim != "mean" or not _last_dim_only(cv["dim"], len(shape)) or not cv["keepdim"]:
+                    continue
+                for denom, eps in _eps_of(index, var):
+                    normed, extra = _find_normalized(index, denom, d)
+                    if normed is not None:
+                        nodes = [mean, d, sqn, var, denom, *extra, normed]
+                        if u is not strip_upcasts(index, u):
+                            nodes.insert(0, u)
+                        return _with_tail(index, NormMatch(
+                            kind="layer_norm", form="decomposed", input=strip_upcasts(index, u), output=normed,
+                            nodes=nodes, eps=eps, hidden_size=n, anchor=mean))
+    # var(u, unbiased=False) spelling
+    return None
+
+
+def _match_var_layer_norm(index: GraphIndex, var: fx.Node, c: Canon) -> NormMatch | None:
+    """``(u - mean(u)) * rsqrt(var(u, unbiased=False) + eps)``."""
+    u = c["input"]
+    shape = node_shape(u)
+    if shape is None or not _last_dim_only(c["dim"], len(shape)) or not c["keepdim"] or c["unbiased"]:
+        return None
+    for mean in (x for x in (getattr(u, "users", None) or ()) if index.prim(x) == "mean"):
+        cm = index.canon(mean)
+        if not _last_dim_only(cm["dim"], len(shape)) or not cm["keepdim"]:
+            continue
+        for d in mean.users:
+            cd = index.canon(d)
+            if cd is None or cd.prim != "sub" or cd["other"] is not mean:
+                continue
+            for denom, eps in _eps_of(index, var):
+                normed, extra = _find_normalized(index, denom, d)
+                if normed is not None:
+                    return _with_tail(index, NormMatch(
+                        kind="layer_norm", form="decomposed", input=strip_upcasts(index, u), output=normed,
+                        nodes=[mean, d, var, denom, *extra, normed], eps=eps, hidden_size=last_dim(u), anchor=var))
+    return None
+
+
+# --------------------------------------------------------------------------- the tail
+
+def _weight_operand(index: GraphIndex, operand: Any, n: int):
+    """``w``, ``w.float()`` or ``offset + w`` (in fp32) -> (w, offset, nodes) or None."""
+    if _is_param_like(index, operand) and _vector_of(operand, n):
+        nodes = []
+        cur = operand
+        while cur is not strip_upcasts(index, cur) and index.prim(cur) == "cast":
+            nodes.append(cur)
+            cur = index.canon(cur)["input"]
+        return strip_upcasts(index, operand), 0.0, nodes
+    c = index.canon(operand)
+    if c is not None and c.prim == "add" and c["alpha"] == 1 and _vector_of(operand, n):
+        a, b = c["input"], c["other"]
+        off, w = (_const(a), b) if _const(a) is not None else (_const(b), a)
+        if off is not None and _is_param_like(index, w) and node_dtype(operand) == F32:
+            inner = [x for x in [w] if index.prim(x) == "cast"]
+            return strip_upcasts(index, w), off, [operand, *inner]
+    return None
+
+
+def _with_tail(index: GraphIndex, m: NormMatch) -> NormMatch:
+    """Extend a matched normalization ``n`` with casts, ``* weight`` and ``+ bias`` while the
+    fused op can reproduce every rounding point; stop before the first step it cannot.
+
+    The op computes ``round(out, [round(r, n)] * (w + offset) + b)``: at most one rounding
+    of n before the weight (Llama) and one rounding at the end (Gemma, F.layer_norm).
+    """
+    n = m.hidden_size
+    cur = m.output
+    cur_dtype = node_dtype(cur) or F32
+    phase = "n"                 # "n": before the weight, "w": after it
+    round_dtype = None          # where n was rounded before the weight
+    weight = bias = None
+    offset = 0.0
+    extra: list[fx.Node] = []
+    best = (cur, None, None, 0.0, None, cur_dtype, [])  # the last state the op can reproduce
+    while True:
+        user = _single_user(cur)
+        c = index.canon(user) if user is not None else None
+        if c is None:
+            break
+        dt = node_dtype(user) or cur_dtype
+        added = [user]
+        if c.prim == "cast":
+            if dt == cur_dtype:
+                pass                                  # identity cast
+            elif phase == "n" and round_dtype is None and cur_dtype == F32 and dt.itemsize < 4:
+                round_dtype = dt                      # n rounded (before a weight, or as the output)
+            elif phase == "n" and round_dtype is not None and cur_dtype == round_dtype and dt == F32:
+                pass                                  # exact upcast of the rounded n
+            elif phase == "w" and cur_dtype == F32 and dt.itemsize < 4:
+                phase = "out"                         # the one rounding of "multiply then round"
+            else:
+                break
+        elif c.prim == "mul" and phase == "n":
+            wm = _weight_operand(index, _other(c, cur), n)
+            if wm is None:
+                break
+            weight, offset, wnodes = wm
+            added += wnodes
+            phase = "w"
+        elif c.prim == "add" and c["alpha"] == 1 and phase in ("n", "w") and bias is None \
+                and m.kind == "layer_norm" and cur_dtype == F32:
+            other = _other(c, cur)
+            if other is None or not _is_param_like(index, other) or not _vector_of(other, n):
+                break
+            bias = strip_upcasts(index, other)
+            phase = "w"
+        else:
+            break
+        cur, cur_dtype = user, dt
+        extra += added
+        if phase != "n":
+            best = (cur, weight, bias, offset, round_dtype, cur_dtype, list(extra))
+        elif round_dtype is None or cur_dtype == round_dtype:
+            # no weight: a rounded n is "multiply by 1, then round once"
+            best = (cur, None, None, 0.0, None, cur_dtype, list(extra))
+    out, weight, bias, offset, round_dtype, out_dtype, extra = best
+    m.output, m.weight, m.bias, m.weight_offset = out, weight, bias, offset
+    m.norm_round_dtype, m.out_dtype = round_dtype, out_dtype
+    m.nodes = m.nodes + [x for x in extra if x not in m.nodes]
+    if m.kind == "layer_norm":
+        style = "layernorm"
+    elif round_dtype is not None:
+        style = "llama"                       # round n to the input dtype, then * weight
+    elif offset:
+        style = "gemma"                       # * (1 + w) in fp32, round once
+    else:
+        style = "rmsnorm"
+    m.form = f"decomposed:{style}"
+    return m
+
+
+# --------------------------------------------------------------------------- all norms
+
+def find_norms(index: GraphIndex) -> list[NormMatch]:
+    found: list[NormMatch] = []
+    claimed: set[fx.Node] = set()
+    for node in index.graph.nodes:
+        if node in claimed:
+            continue
+        c = index.canon(node)
+        if c is None:
+            continue
+        m = None
+        if c.prim in ("layer_norm", "rms_norm"):
+            m = _match_norm_call(index, node, c)
+        elif c.prim == "mean":
+            m = _match_decomposed(index, node, c)
+        elif c.prim == "var":
+            m = _match_var_layer_norm(index, node, c)
+        if m is None or any(x in claimed for x in m.nodes):
+            continue
+        if m.weight is not None and not _vector_of(m.weight, m.hidden_size):
+            m.reason = f"weight of shape {node_shape(m.weight)} is not a vector of the hidden size {m.hidden_size}"
+        if m.bias is not None and not _vector_of(m.bias, m.hidden_size):
+            m.reason = f"bias of shape {node_shape(m.bias)} is not a vector of the hidden size {m.hidden_size}"
+        claimed.update(m.nodes)
+        found.append(m)
+    found.sort(key=lambda m: index.order[m.output])
+    return found
+
+
+# --------------------------------------------------------------------------- adds next to a norm
+
+def _as_add(index: GraphIndex, node: Any, n: int | None) -> AddMatch | None:
+    c = index.canon(node)
+    if c is None or c.prim != "add":
+        return None
+    a, b = c["input"], c["other"]
+    if not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
+        return None
+    sa, sb = node_shape(a), node_shape(b)
+    if sa is None or sb is None:
+        return None
+    am = AddMatch(node=node, operands=(a, b))
+    if not same_shape(sa, sb):
+        am.reason = f"the add broadcasts ({tuple(sa)} + {tuple(sb)})"
+        return am
+    if c["alpha"] != 1:
+        am.reason = f"torch.add with alpha={c['alpha']} (scaled operand inside the add)"
+        return am
+    ops = []
+    for i, op in enumerate((a, b)):
+        co = index.canon(op)
+        if co is not None and co.prim == "mul" and am.scaled is None and len(op.users) == 1:
+            k = _const(co["other"]) if _const(co["other"]) is not None else _const(co["input"])
+            inner = co["input"] if _const(co["other"]) is not None else co["other"]
+            if k is not None and isinstance(inner, fx.Node) and same_shape(node_shape(inner), sa) and \
+                    node_dtype(inner) == node_dtype(op):
+                am.scaled, am.residual_scale = i, k
+                ops.append(inner)
+                continue
+        ops.append(strip_upcasts(index, op))
+    am.operands = tuple(ops)
+    dts = [node_dtype(o) for o in ops]
+    if any(d not in (torch.float32, torch.float16, torch.bfloat16) for d in dts):
+        am.reason = f"operand dtypes {dts} are not ones the kernels take"
+    return am
+
+
+def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
+    """The add whose sum the norm reads, seen through pass-through nodes."""
+    chain = []
+    cur = m.input
+    n = m.hidden_size
+    while isinstance(cur, fx.Node):
+        am = _as_add(index, cur, n)
+        if am is not None:
+            am.chain = chain
+            if am.reason is None:
+                for p in chain:
+                    if index.prim(p) == "cast" and not is_exact_upcast(node_dtype(p.args[0]) if p.args else None,
+                                                                        node_dtype(p)):
+                        am.reason = "a rounding cast sits between the residual add and the norm"
+            return am
+        if not is_pass_through(index, cur, n):
+            return None
+        chain.append(cur)
+        cur = index.canon(cur)["input"]
+    return None
+
+
+def find_output_add(index: GraphIndex, m: NormMatch) -> tuple[AddMatch, list[fx.Node]] | None:
+    """The add the norm's output goes into directly (through identity dropout or views)."""
+    frontier = [(m.output, [])]
+    n = m.hidden_size
+    while frontier:
+        node, chain = frontier.pop()
+        for u in node.users:
+            am = _as_add(index, u, n)
+            if am is not None and am.reason is None:
+                return am, chain
+            if is_pass_through(index, u, n) and index.prim(u) != "cast":
+                frontier.append((u, chain + [u]))
+    return None
+
+
+_FQN_PREFIX = re.compile(r"^L\[[^\]]*\](\[[^\]]*\])*\.?")
+
+
+def module_info(node: fx.Node) -> tuple[str | None, str | None]:
+    """(fqn, class name) of the innermost module a node came from, if the graph recorded it."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None, None
+    path, cls = list(stack.values())[-1]
+    fqn = _FQN_PREFIX.sub("", str(path)).replace("._modules", "")
+    fqn = re.sub(r"\[(\d+)\]", r".\1", fqn).replace("['", ".").replace("']", "").strip(".")
+    name = getattr(cls, "__name__", None) or str(cls).rsplit(".", 1)[-1].rstrip("'>")
+    return fqn or None, name
+
+
+def source_of(node: fx.Node) -> str | None:
+    """'file:line' of the innermost frame of the node's stack trace."""
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return None
+    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    if not frames:
+        return None
+    path, line = frames[-1]
+    return f"{path}:{line}"
+
+
+def tensor_of(node: Any):
+    return tensor_meta(node)

@@ -1,0 +1,150 @@
+"""The pass, one direction: canonicalize -> find -> classify -> rewrite -> report.
+
+``run(gm, config)`` rewrites a copy of the graph and swaps it in only when every stage
+succeeded; any failure leaves the user's graph untouched, with one warning and the
+reason in the report. The user's model must never break.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+
+import torch.fx as fx
+
+from normfuse.config import FuseConfig
+from normfuse.passes.canonical import canonicalize, node_dtype
+from normfuse.passes.classify import SiteState, classify
+from normfuse.passes.find import GraphIndex, find_input_add, find_norms, find_output_add, module_info, source_of
+from normfuse.passes import rewrite
+from normfuse.reporting import FusionReport, Site
+
+__all__ = ["run", "STAGES", "PassFailure"]
+
+log = logging.getLogger("normfuse")
+
+STAGES = ("canonicalize", "find", "classify", "rewrite", "verify")
+
+# Tests inject a failure into a stage by name, to prove the fallback.
+_FAULT_INJECTION: dict[str, Exception] = {}
+
+
+class PassFailure(Exception):
+    def __init__(self, stage: str, error: BaseException):
+        super().__init__(f"{stage}: {type(error).__name__}: {error}")
+        self.stage = stage
+        self.error = error
+
+
+def _stage(name: str):
+    fault = _FAULT_INJECTION.get(name)
+    if fault is not None:
+        raise fault
+
+
+def _site_record(index: GraphIndex, st: SiteState, number: int) -> Site:
+    m = st.match
+    fqn, cls = module_info(m.output) if m.output.meta.get("nn_module_stack") else module_info(m.anchor or m.output)
+    # a norm call made by a norm module (nn.LayerNorm, nn.RMSNorm, ...) is reported as "module"
+    form = "module" if m.form == "functional" and cls and cls.endswith("Norm") else m.form
+    return Site(
+        id=f"g0.s{number}", kind=m.kind, form=form, placement=st.placement,
+        input_is_add=st.input_is_add, output_feeds_add=st.output_feeds_add,
+        hidden_size=m.hidden_size, dtype=str(node_dtype(m.input)) if node_dtype(m.input) else None,
+        eps=m.eps, fqn=fqn, source=source_of(m.output) or source_of(m.anchor or m.output),
+        weight_offset=m.weight_offset,
+        residual_scale=st.in_add.residual_scale if st.in_add is not None else 1.0,
+        norm_round_dtype=str(m.norm_round_dtype) if m.norm_round_dtype else None,
+        out_dtype=str(m.out_dtype) if m.out_dtype else None, module_type=cls)
+
+
+def analyze(graph: fx.Graph) -> tuple[GraphIndex, list[SiteState]]:
+    """Canonicalize, find and classify, without changing the graph."""
+    _stage("canonicalize")
+    index = GraphIndex(graph, canonicalize(graph))
+    _stage("find")
+    states = []
+    for m in find_norms(index):
+        st = SiteState(match=m, in_add=find_input_add(index, m))
+        out = find_output_add(index, m)
+        if out is not None:
+            st.out_add, st.out_chain = out
+        states.append(st)
+    _stage("classify")
+    classify(index, states)
+    return index, states
+
+
+def _already_fused(graph: fx.Graph) -> int:
+    return sum(1 for n in graph.nodes if n.op == "call_function" and n.target in rewrite.FUSED_TARGETS)
+
+
+def run(gm: fx.GraphModule, config: FuseConfig | None = None, *, apply: bool = True) -> FusionReport:
+    """Find, classify and (when ``apply``) rewrite every site of ``gm`` in place."""
+    config = config or FuseConfig()
+    report = FusionReport(graphs=1)
+    try:
+        report.sites = _run(gm, config, report, apply)
+    except Exception as error:  # noqa: BLE001 - the user's model must never break
+        failure = error if isinstance(error, PassFailure) else PassFailure("rewrite", error)
+        message = (f"normfuse left this graph unchanged: the pass failed in stage {failure}. "
+                   "Please report it with the model that triggers it.")
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        report.warnings.append(message)
+        log.debug("normfuse pass failure", exc_info=True)
+    return report
+
+
+def _run(gm: fx.GraphModule, config: FuseConfig, report: FusionReport, apply: bool) -> list[Site]:
+    # work on a copy: the user's graph is swapped only when everything succeeded
+    graph = fx.Graph(owning_module=gm, tracer_cls=getattr(gm.graph, "_tracer_cls", None))
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    if _already_fused(graph):
+        report.notes.append(f"graph already optimized ({_already_fused(graph)} fused op calls): left as is")
+    try:
+        index, states = analyze(graph)
+    except PassFailure:
+        raise
+    except Exception as error:
+        raise PassFailure("find/classify", error) from error
+    sites = [_site_record(index, st, i) for i, st in enumerate(states)]
+    _stage("rewrite")
+    claimed: set = set()
+    reserved = {st.in_add.node for st in states if st.in_add is not None and st.in_add.reason is None}
+    for st, site in zip(states, sites):
+        if config.filter_fn is not None and not config.filter_fn(site):
+            site.reason = "excluded by filter_fn"
+            continue
+        p, reason = rewrite.plan(index, st, claimed, reserved, config.fuse_output_add)
+        if p is None:
+            site.reason = reason
+            continue
+        if p.op == "norm" and not config.standalone:
+            site.reason = "standalone norms not rewritten (standalone=False)"
+            continue
+        if not apply:
+            site.reason = "not applied (analysis only)"
+            site.op = p.op
+            continue
+        rewrite.apply(index, p)
+        site.fused, site.op = True, p.op
+        site.fused_add = p.op in ("add_norm", "norm_add")
+        site.residual_scale = p.residual_scale
+        site.sum_dtype = str(p.sum_dtype) if p.sum_dtype is not None else None
+        for node in (st.in_add.node if p.op == "add_norm" else None, p.post_add):
+            if node is not None:
+                claimed.add(node)
+        if p.op == "add_norm" and not site.input_is_add:
+            site.input_is_add = True
+    # a site that shares its add with an earlier fused site reads that site's sum
+    for st, site in zip(states, sites):
+        if not site.fused and site.reason is None:
+            site.reason = "not rewritten"
+    if apply:
+        _stage("verify")
+        graph.lint()
+        gm.graph = graph
+        gm.recompile()
+    return sites

@@ -1,0 +1,125 @@
+"""What the pass found and did: one ``Site`` per norm, gathered in a ``FusionReport``."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+__all__ = ["Site", "FusionReport", "PLACEMENTS", "KINDS"]
+
+PLACEMENTS = ("pre", "post", "res_post", "sandwich", "parallel", "deepnorm", "embedding", "standalone")
+KINDS = ("layer_norm", "rms_norm")
+
+
+@dataclass
+class Site:
+    """One norm found in a graph, and what the pass did with it."""
+
+    id: str                     # "g0.s3": graph 0, site 3 in graph order
+    kind: str                   # "layer_norm" | "rms_norm"
+    form: str                   # "module" | "functional" | "aten" | "decomposed:<which>"
+    placement: str              # one of PLACEMENTS
+    input_is_add: bool          # the norm's input is a residual add (seen through casts, views, identity dropout)
+    output_feeds_add: bool      # the norm's output goes straight into a residual add
+    hidden_size: int | None
+    dtype: str | None           # dtype of the norm's input, e.g. "torch.bfloat16"
+    eps: float | None
+    fqn: str | None = None      # module path, e.g. "layers.0.input_layernorm"
+    source: str | None = None   # "file.py:line" of the user's code
+    fused: bool = False
+    reason: str | None = None   # why not fused (None when fused)
+    op: str | None = None       # the fused op that replaced it: "add_norm" | "norm_add" | "norm"
+    fused_add: bool = False     # the residual add was folded into the same kernel
+    converted: bool = False     # rewritten from Post-Norm to Pre-Norm
+    weight_offset: float = 0.0
+    residual_scale: float = 1.0
+    sum_dtype: str | None = None
+    norm_round_dtype: str | None = None
+    out_dtype: str | None = None
+    module_type: str | None = None
+    graph: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class FusionReport:
+    """Every site the pass saw in every graph of a model, and what it did with each."""
+
+    sites: list[Site] = field(default_factory=list)
+    graphs: int = 0
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    # --- summaries
+    @property
+    def fused(self) -> list[Site]:
+        return [s for s in self.sites if s.fused]
+
+    @property
+    def unfused(self) -> list[Site]:
+        return [s for s in self.sites if not s.fused]
+
+    def counts(self) -> dict[str, Any]:
+        return {
+            "sites": len(self.sites),
+            "fused": len(self.fused),
+            "fused_with_add": sum(s.fused and s.fused_add for s in self.sites),
+            "input_is_add": sum(s.input_is_add for s in self.sites),
+            "output_feeds_add": sum(s.output_feeds_add for s in self.sites),
+            "by_placement": dict(Counter(s.placement for s in self.sites)),
+            "by_kind": dict(Counter(s.kind for s in self.sites)),
+            "by_form": dict(Counter(s.form for s in self.sites)),
+            "converted": sum(s.converted for s in self.sites),
+        }
+
+    def extend(self, other: "FusionReport") -> None:
+        offset = self.graphs
+        for site in other.sites:
+            site.graph += offset
+            site.id = f"g{site.graph}.{site.id.split('.', 1)[-1]}"
+            self.sites.append(site)
+        self.graphs += other.graphs
+        self.warnings += other.warnings
+        self.notes += other.notes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sites": [s.to_dict() for s in self.sites], "summary": self.counts(),
+                "graphs": self.graphs, "warnings": list(self.warnings), "notes": list(self.notes)}
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def to_markdown(self) -> str:
+        cols = ("id", "fqn", "kind", "form", "placement", "input_is_add", "output_feeds_add",
+                "hidden_size", "dtype", "eps", "fused", "reason", "source")
+        lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for s in self.sites:
+            row = []
+            for c in cols:
+                v = getattr(s, c)
+                row.append("" if v is None else str(v).replace("|", "\\|"))
+            lines.append("| " + " | ".join(row) + " |")
+        c = self.counts()
+        lines.append("")
+        lines.append(f"{c['fused']} of {c['sites']} sites fused ({c['fused_with_add']} with their residual add); "
+                     f"placements: {c['by_placement']}; kinds: {c['by_kind']}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        c = self.counts()
+        head = (f"FusionReport: {c['sites']} norm sites in {self.graphs} graph(s), {c['fused']} fused "
+                f"({c['fused_with_add']} with their residual add)")
+        rows = [head]
+        for s in self.sites:
+            what = f"fused as {s.op}" if s.fused else f"left: {s.reason}"
+            rows.append(f"  {s.id:8s} {s.placement:10s} {s.kind:10s} {s.form:22s} {s.fqn or '?':40s} {what}")
+        for w in self.warnings:
+            rows.append(f"  warning: {w}")
+        return "\n".join(rows)
+
+
+SITE_FIELDS = tuple(f.name for f in fields(Site))
