@@ -1,0 +1,28 @@
+"""Fused kernels and their custom ops (``torch.ops.normfuse.*``).
+
+The functional API is re-exported lazily, so importing this package neither
+imports triton nor registers the ops until a name is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    name: "normfuse.kernels.add_norm"
+    for name in ("add_norm", "add_rms_norm", "add_layer_norm", "norm_add", "rms_norm_add", "layer_norm_add",
+                 "add_norm_ref", "norm_add_ref", "add_norm_bwd_ref")
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'normfuse.kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__():
+    return sorted(__all__)

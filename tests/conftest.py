@@ -1,0 +1,33 @@
+"""Shared fixtures.
+
+Triton's interpreter is chosen when a kernel is decorated, so TRITON_INTERPRET must
+be set before anything imports triton: here, at conftest import. On a machine with
+CUDA it is left alone so that GPU tests run the compiled kernels.
+"""
+
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def triton_cpu(monkeypatch):
+    """Run the fused ops' Triton kernels on CPU tensors, under Triton's interpreter."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels are compiled for the GPU here (TRITON_INTERPRET is not 1)")
+    monkeypatch.setenv("NORMFUSE_TRITON_CPU", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
