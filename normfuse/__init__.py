@@ -28,8 +28,8 @@ _EXPORTS = {
     "fuse_graph": "normfuse.api",
     "report": "normfuse.api",
     "FuseConfig": "normfuse.config",
-    "FusionReport": "normfuse.report",
-    "Site": "normfuse.report",
+    "FusionReport": "normfuse.reporting",
+    "Site": "normfuse.reporting",
     # checking and auditing
     "check": "normfuse.verify.check",
     "CheckResult": "normfuse.verify.check",

@@ -344,7 +344,8 @@ def _match_var_layer_norm(index: GraphIndex, var: fx.Node, c: Canon) -> NormMatc
                 if normed is not None:
                     return _with_tail(index, NormMatch(
                         kind="layer_norm", form="decomposed", input=strip_upcasts(index, u), output=normed,
-                        nodes=[mean, d, var, denom, *extra, normed], eps=eps, hidden_size=last_dim(u), anchor=var))
+                        nodes=[*([u] if u is not strip_upcasts(index, u) else []), mean, d, var, denom, *extra,
+                               normed], eps=eps, hidden_size=last_dim(u), anchor=var))
     return None
 
 

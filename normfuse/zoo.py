@@ -1,0 +1,302 @@
+"""Small models to try normfuse on: a configurable toy transformer and shrunk HF models.
+
+``ToyTransformer`` covers every placement and every spelling of the norms the pass
+recognizes; the demo, the examples, the tests and the fuzzer build on it.
+``hf_model(model_type)`` builds a transformers model from its config (no download).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["ToyTransformer", "make_norm", "NORM_SPELLINGS", "PLACEMENTS", "hf_config", "hf_model",
+           "example_inputs", "TINY_HF"]
+
+PLACEMENTS = ("pre", "post", "res_post", "sandwich", "parallel", "deepnorm")
+
+# how a norm is written in the model's code
+NORM_SPELLINGS = {
+    "rms_norm": ("module", "functional", "llama", "llama_pow_half", "gemma", "t5", "square_div_sqrt"),
+    "layer_norm": ("module", "functional", "manual", "manual_var", "manual_div"),
+}
+
+
+class _LlamaRMSNorm(nn.Module):
+    """HF Llama: upcast, mean of squares, rsqrt, round to the input dtype, then * weight."""
+
+    def __init__(self, n, eps=1e-6, inv="rsqrt"):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps, self.inv = eps, inv
+
+    def forward(self, x):
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        var = h.pow(2).mean(-1, keepdim=True)
+        if self.inv == "rsqrt":
+            h = h * torch.rsqrt(var + self.eps)
+        elif self.inv == "pow":
+            h = h * (var + self.eps) ** -0.5
+        else:  # 1 / sqrt spelled as a division
+            h = h / torch.sqrt(var + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class _GemmaRMSNorm(nn.Module):
+    """Gemma: normalize in fp32, multiply by (1 + w) in fp32, round once."""
+
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class _T5LayerNorm(nn.Module):
+    """T5: the variance in fp32, the multiply on the un-upcast input, weight last."""
+
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x):
+        var = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(var + self.eps)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            x = x.to(self.weight.dtype)
+        return self.weight * x
+
+
+class _SquareRMSNorm(nn.Module):
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h / torch.sqrt(torch.square(h).mean(dim=x.ndim - 1, keepdim=True) + self.eps)
+        return (h * self.weight).to(x.dtype)
+
+
+class _FunctionalNorm(nn.Module):
+    def __init__(self, n, kind, eps):
+        super().__init__()
+        self.kind, self.eps, self.n = kind, eps, n
+        self.weight = nn.Parameter(torch.ones(n))
+        self.bias = nn.Parameter(torch.zeros(n)) if kind == "layer_norm" else None
+
+    def forward(self, x):
+        if self.kind == "layer_norm":
+            return F.layer_norm(x, (self.n,), self.weight, self.bias, self.eps)
+        return F.rms_norm(x, (self.n,), self.weight, self.eps)
+
+
+class _ManualLayerNorm(nn.Module):
+    """LayerNorm written out (Cohere/OLMo style): mean, subtract, variance, rsqrt."""
+
+    def __init__(self, n, eps=1e-5, how="manual"):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.bias = nn.Parameter(torch.zeros(n))
+        self.eps, self.how = eps, how
+
+    def forward(self, x):
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        mean = h.mean(-1, keepdim=True)
+        if self.how == "manual_var":
+            var = h.var(-1, keepdim=True, unbiased=False)
+            h = (h - mean) * torch.rsqrt(var + self.eps)
+        elif self.how == "manual_div":
+            d = h - mean
+            var = (d * d).mean(-1, keepdim=True)
+            h = d / torch.sqrt(var + self.eps)
+        else:
+            d = h - mean
+            var = d.pow(2).mean(-1, keepdim=True)
+            h = d * torch.rsqrt(var + self.eps)
+        return (self.weight * h + self.bias).to(dtype)
+
+
+def make_norm(kind: str, spelling: str, n: int, eps: float | None = None) -> nn.Module:
+    """A norm module of ``kind`` written the ``spelling`` way (see NORM_SPELLINGS)."""
+    eps = eps if eps is not None else (1e-6 if kind == "rms_norm" else 1e-5)
+    if spelling == "module":
+        return nn.LayerNorm(n, eps=eps) if kind == "layer_norm" else nn.RMSNorm(n, eps=eps)
+    if spelling == "functional":
+        return _FunctionalNorm(n, kind, eps)
+    if kind == "rms_norm":
+        return {"llama": lambda: _LlamaRMSNorm(n, eps), "llama_pow_half": lambda: _LlamaRMSNorm(n, eps, "pow"),
+                "gemma": lambda: _GemmaRMSNorm(n, eps), "t5": lambda: _T5LayerNorm(n, eps),
+                "square_div_sqrt": lambda: _SquareRMSNorm(n, eps)}[spelling]()
+    return _ManualLayerNorm(n, eps, spelling)
+
+
+class _Attention(nn.Module):
+    def __init__(self, n, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(n, 3 * n)
+        self.proj = nn.Linear(n, n)
+
+    def forward(self, x):
+        b, t, n = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, n // self.heads).permute(2, 0, 3, 1, 4)  # (3, B, h, T, d)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, n))
+
+
+class _MLP(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.up = nn.Linear(n, 2 * n)
+        self.down = nn.Linear(2 * n, n)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class _Block(nn.Module):
+    """One transformer block with its norms where ``placement`` puts them."""
+
+    def __init__(self, n, heads, placement, kind, spelling, eps, alpha, dropout):
+        super().__init__()
+        self.placement, self.alpha = placement, alpha
+        self.attn, self.mlp = _Attention(n, heads), _MLP(n)
+        self.norm1 = make_norm(kind, spelling, n, eps)
+        self.norm2 = make_norm(kind, spelling, n, eps)
+        if placement == "sandwich":
+            self.post1 = make_norm(kind, spelling, n, eps)
+            self.post2 = make_norm(kind, spelling, n, eps)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        p = self.placement
+        if p == "pre":
+            x = x + self.drop(self.attn(self.norm1(x)))
+            return x + self.drop(self.mlp(self.norm2(x)))
+        if p == "post":
+            x = self.norm1(x + self.drop(self.attn(x)))
+            return self.norm2(x + self.drop(self.mlp(x)))
+        if p == "deepnorm":
+            x = self.norm1(x * self.alpha + self.attn(x))
+            return self.norm2(x * self.alpha + self.mlp(x))
+        if p == "res_post":
+            x = x + self.norm1(self.attn(x))
+            return x + self.norm2(self.mlp(x))
+        if p == "sandwich":
+            x = x + self.post1(self.attn(self.norm1(x)))
+            return x + self.post2(self.mlp(self.norm2(x)))
+        if p == "parallel":
+            return x + self.attn(self.norm1(x)) + self.mlp(self.norm2(x))
+        raise ValueError(f"unknown placement {p!r}; choose one of {PLACEMENTS}")
+
+
+class ToyTransformer(nn.Module):
+    """A small transformer: token + position embeddings, ``depth`` blocks, a head.
+
+    placement: where the norms sit ("pre", "post", "res_post", "sandwich", "parallel", "deepnorm").
+    kind / spelling: which norm and how its code is written (NORM_SPELLINGS).
+    embed_norm: a norm of ``tok + pos`` before the first block (BERT style).
+    final_norm: a norm after the last block (pre-norm stacks have one).
+    """
+
+    def __init__(self, vocab=64, hidden=32, heads=4, depth=2, max_len=64, placement="pre", kind="layer_norm",
+                 spelling="module", eps=None, alpha=None, embed_norm=False, final_norm=None, dropout=0.0):
+        super().__init__()
+        self.config = dict(vocab=vocab, hidden=hidden, heads=heads, depth=depth, placement=placement, kind=kind,
+                           spelling=spelling, eps=eps, embed_norm=embed_norm)
+        self.tok = nn.Embedding(vocab, hidden)
+        self.pos = nn.Embedding(max_len, hidden)
+        self.embed_norm = make_norm(kind, spelling, hidden, eps) if embed_norm else None
+        alpha = alpha if alpha is not None else (2 * depth) ** 0.25
+        self.blocks = nn.ModuleList(_Block(hidden, heads, placement, kind, spelling, eps, alpha, dropout)
+                                    for _ in range(depth))
+        final_norm = placement in ("pre", "sandwich", "parallel") if final_norm is None else final_norm
+        self.final_norm = make_norm(kind, spelling, hidden, eps) if final_norm else None
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, ids):
+        t = ids.shape[-1]
+        x = self.tok(ids) + self.pos(torch.arange(t, device=ids.device))
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        for block in self.blocks:
+            x = block(x)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return self.head(x)
+
+
+# --------------------------------------------------------------------------- HF models
+
+# Shrinking overrides applied to any HF config that has the field (2 layers, hidden 64).
+TINY_HF = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+               num_hidden_layers=2, vocab_size=128, n_embd=64, n_layer=2, n_head=4, d_model=64, d_ff=128,
+               num_layers=2, num_heads=4, d_kv=16, head_dim=16, num_decoder_layers=2, encoder_layers=2,
+               decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+               decoder_ffn_dim=128, max_position_embeddings=128, n_positions=128, image_size=32, patch_size=8,
+               layer_types=None)
+
+
+def hf_config(model_type: str, tiny: bool = True, **overrides: Any):
+    """A transformers config for ``model_type`` with its defaults, shrunk when ``tiny``."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    for key, value in {**(TINY_HF if tiny else {}), **overrides}.items():
+        if hasattr(config, key) and (value is not None or key in overrides):
+            setattr(config, key, value)
+    if hasattr(config, "use_cache"):
+        config.use_cache = False
+    return config
+
+
+def hf_model(model_type: str, dtype: torch.dtype = torch.float32, tiny: bool = True, seed: int = 0,
+             device: str | torch.device = "cpu", **overrides: Any) -> nn.Module:
+    """A transformers base model built from its config (no weights downloaded), in eval mode."""
+    from transformers import AutoModel
+
+    config = hf_config(model_type, tiny, **overrides)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModel.from_config(config, torch_dtype=dtype)
+    return model.eval()
+
+
+def example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Keyword inputs a HF model accepts: token ids inside its vocabulary, pixel values, ..."""
+    config = getattr(model, "config", None)
+    g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    if config is None:
+        vocab = getattr(getattr(model, "tok", None), "num_embeddings", 64)
+        return {"ids": torch.randint(0, vocab, (batch, seq), generator=g).to(device)}
+    main = getattr(model, "main_input_name", "input_ids")
+    if main == "pixel_values":
+        size = getattr(config, "image_size", 224)
+        channels = getattr(config, "num_channels", 3)
+        dtype = next(model.parameters()).dtype
+        return {"pixel_values": torch.randn(batch, channels, size, size, generator=g).to(device, dtype)}
+    if main == "input_features":
+        bins = getattr(config, "num_mel_bins", 80)
+        frames = 2 * getattr(config, "max_source_positions", 1500)
+        dtype = next(model.parameters()).dtype
+        inputs = {"input_features": torch.randn(batch, bins, frames, generator=g).to(device, dtype)}
+        inputs["decoder_input_ids"] = torch.randint(0, config.vocab_size, (batch, seq), generator=g).to(device)
+        return inputs
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g).to(device)
+    inputs = {"input_ids": ids}
+    if getattr(config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = ids.clone()
+    return inputs
