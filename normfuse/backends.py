@@ -37,6 +37,7 @@ def make_backend(config: FuseConfig | None = None, report: FusionReport | None =
             from normfuse.passes import prenorm
             report.extend(prenorm.convert_graph(gm, config, model=model))
         graph_report = pipeline.run(gm, config)
+        graph_report.graph_modules.append(gm)
         report.extend(graph_report)
         if config.check:
             from normfuse.verify.check import check_graph_on_first_call

@@ -53,6 +53,9 @@ class FusionReport:
     graphs: int = 0
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # the rewritten graphs themselves (not serialized): the checker and the Pre-Norm
+    # structure check read them
+    graph_modules: list = field(default_factory=list, repr=False, compare=False)
 
     # --- summaries
     @property
@@ -85,6 +88,7 @@ class FusionReport:
         self.graphs += other.graphs
         self.warnings += other.warnings
         self.notes += other.notes
+        self.graph_modules += other.graph_modules
 
     def to_dict(self) -> dict[str, Any]:
         return {"sites": [s.to_dict() for s in self.sites], "summary": self.counts(),
