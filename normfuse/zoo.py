@@ -270,7 +270,7 @@ def hf_model(model_type: str, dtype: torch.dtype = torch.float32, tiny: bool = T
     config = hf_config(model_type, tiny, **overrides)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModel.from_config(config, torch_dtype=dtype)
+        model = AutoModel.from_config(config, dtype=dtype)
     return model.eval()
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-__all__ = ["Canon", "canonicalize", "canonical", "SPELLINGS", "PARAMS", "tensor_meta", "node_dtype",
+__all__ = ["real_users", "is_check_only", "Canon", "canonicalize", "canonical", "SPELLINGS", "PARAMS", "tensor_meta", "node_dtype",
            "node_shape", "LOW_PRECISION", "is_exact_upcast"]
 
 aten = torch.ops.aten
@@ -77,7 +77,7 @@ SPELLINGS: dict[str, list[Any]] = {
     "mean": [torch.mean, "mean", *_aten("mean.dim")],
     "var": [torch.var, "var", *_aten("var.correction", "var.dim")],
     "cast": ["to", "float", "half", "bfloat16", "double", "type", "type_as",
-             *_aten("_to_copy.default", "to.dtype", "to.dtype_layout", "to.device"),
+             *_aten("_to_copy.default", "to.dtype", "to.dtype_layout", "to.device", "type_as.default"),
              *([prims.convert_element_type.default] if hasattr(prims, "convert_element_type") else [])],
     "view": ["view", "reshape", "contiguous", "clone", "view_as", "reshape_as", torch.reshape, torch.clone,
              *_aten("view.default", "reshape.default", "_unsafe_view.default", "clone.default", "alias.default")],
@@ -169,6 +169,20 @@ def canonicalize(graph: fx.Graph) -> dict[fx.Node, Canon]:
         if canon is not None:
             view[node] = canon
     return view
+
+
+# Nodes that read a value only to check it (torch.export inserts them): they are not
+# users that keep a value alive or make it escape a site.
+CHECK_ONLY = set(_aten("_assert_tensor_metadata.default", "_assert_scalar.default", "sym_constrain_range_for_size.default"))
+
+
+def is_check_only(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in CHECK_ONLY
+
+
+def real_users(node: fx.Node) -> list[fx.Node]:
+    """The users of a node, without the check-only ones."""
+    return [u for u in node.users if not is_check_only(u)]
 
 
 # --- metadata: dynamo puts fake tensors in meta["example_value"], ATen graphs in meta["val"]

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from normfuse.passes.canonical import real_users
 from normfuse.passes.find import AddMatch, GraphIndex, NormMatch, is_pass_through
 
 __all__ = ["SiteState", "classify", "stream_operand"]
@@ -76,7 +77,7 @@ def _sum_continues(site: SiteState) -> bool:
     add = site.in_add
     inside = set(add.chain) | set(site.match.nodes)
     for node in (add.node, *add.chain):
-        if any(u not in inside for u in node.users):
+        if any(u not in inside for u in real_users(node)):
             return True
     return False
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from normfuse.passes.canonical import (Canon, canonical, is_exact_upcast, last_dim, node_dtype, node_shape, same_shape,
+from normfuse.passes.canonical import (Canon, canonical, real_users, is_exact_upcast, last_dim, node_dtype, node_shape, same_shape,
                                        tensor_meta)
 
 __all__ = ["NormMatch", "AddMatch", "find_norms", "find_input_add", "find_output_add", "GraphIndex"]
@@ -157,7 +157,7 @@ def _other(c: Canon, node: Any) -> Any:
 
 
 def _single_user(node: fx.Node) -> fx.Node | None:
-    users = list(node.users)
+    users = real_users(node)
     return users[0] if len(users) == 1 else None
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from normfuse.kernels.add_norm import add_norm, norm_add
-from normfuse.passes.canonical import node_dtype, node_shape, same_shape
+from normfuse.passes.canonical import is_check_only, node_dtype, node_shape, real_users, same_shape
 from normfuse.passes.classify import SiteState, stream_operand
 from normfuse.passes.find import GraphIndex, _as_add
 
@@ -141,7 +141,7 @@ def apply(index: GraphIndex, p: Plan) -> list[fx.Node]:
     with graph.inserting_before(first):
         if p.op == "norm_add":
             post = p.post_add
-            y_used = any(u is not post for u in m.output.users)
+            y_used = any(u is not post for u in real_users(m.output))
             call = graph.call_function(norm_add, (p.x, p.residual, m.weight, m.bias),
                                        dict(modes, add_dtype=node_dtype(post), return_norm=y_used))
             out = graph.call_function(operator.getitem, (call, 0))
@@ -160,7 +160,7 @@ def apply(index: GraphIndex, p: Plan) -> list[fx.Node]:
         else:
             add = p.site.in_add if p.op == "add_norm" else None
             s_used = add is not None and any(
-                u not in set(add.chain) | set(m.nodes) for node in (add.node, *add.chain) for u in node.users)
+                u not in set(add.chain) | set(m.nodes) for node in (add.node, *add.chain) for u in real_users(node))
             call = graph.call_function(add_norm, (p.x, p.residual, m.weight, m.bias),
                                        dict(modes, sum_dtype=p.sum_dtype, return_sum=s_used))
             y = graph.call_function(operator.getitem, (call, 0))
@@ -200,5 +200,8 @@ def _erase_dead(graph: fx.Graph, nodes: list[fx.Node], index: GraphIndex) -> Non
                       or isinstance(n, fx.Node) and n.op == "call_method"},
                      key=lambda n: index.order.get(n, -1), reverse=True)
     for node in pending:
-        if not node.users and node.graph is graph:
-            graph.erase_node(node)
+        if node.graph is not graph or real_users(node):
+            continue
+        for check in list(node.users):  # checks of a value that no longer exists
+            graph.erase_node(check)
+        graph.erase_node(node)
