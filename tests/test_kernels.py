@@ -224,3 +224,12 @@ REF_CASES = [*size_cases(), *mode_cases(), *EDGE_CASES]
 def test_reference_path(case):
     """CPU tensors: the ops run the reference (fast eager kernels where identical)."""
     check_case(case)
+
+
+TRITON_CASES = REF_CASES
+
+
+@pytest.mark.parametrize("case", TRITON_CASES, ids=str)
+def test_triton_path(case, triton_cpu):
+    """The Triton kernels, run on CPU tensors by Triton's interpreter."""
+    check_case(case)

@@ -286,17 +286,443 @@ def _add_norm_bwd_cpu(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, 
 # --------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------
+# One forward kernel (and its looped sibling for rows wider than one block) serves
+# both orders. Pointer S holds "the residual sum" of either order: the pre-norm sum
+# s of add_norm, or out = r' + y of norm_add (POST_ADD). Flags are constexpr, so
+# each combination compiles to straight-line code. Rows are addressed with 64-bit
+# offsets (row * row_stride), so tensors past 2^31 elements and strided rows work.
 
-# (added with the launcher below)
+# The interpreter's fp32 -> bf16 cast truncates (triton 3.8 passes it no rounding
+# mode), unlike the GPU's round-to-nearest-even; under the interpreter _round does
+# the rounding by hand so the CPU tests see the GPU's numbers.
+_INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+if triton is not None:
+    _RNE_BY_HAND = tl.constexpr(_INTERPRETED)
+
+    @triton.jit
+    def _round(v, DTYPE: tl.constexpr):
+        """v rounded to DTYPE (to nearest even), through fp32."""
+        v = v.to(tl.float32)
+        if _RNE_BY_HAND and DTYPE == tl.bfloat16:
+            bits = v.to(tl.uint32, bitcast=True)
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+            v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+        return v.to(DTYPE)
+
+    @triton.jit
+    def _load_norm_input(X, R, x_off, r_off, cols, mask, residual_scale,
+                         HAS_RESIDUAL: tl.constexpr, SCALE_RESIDUAL: tl.constexpr, SUM_DTYPE: tl.constexpr):
+        """s = round(SUM_DTYPE, float(x) + float(round(r.dtype, scale * r))), returned in SUM_DTYPE."""
+        x = tl.load(X + x_off + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(R + r_off + cols, mask=mask, other=0.0)
+            if SCALE_RESIDUAL:
+                r = _round(r.to(tl.float32) * residual_scale, R.dtype.element_ty)
+            s = _round(x.to(tl.float32) + r.to(tl.float32), SUM_DTYPE)
+        else:
+            s = _round(x, SUM_DTYPE)
+        return s
+
+    @triton.jit
+    def _normalize_and_store(u, mean, rstd, W, B, Y, S, R, y_off, s_off, r_off, cols, mask, weight_offset,
+                             residual_scale, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             IS_RMS: tl.constexpr, ROUND_FIRST: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr,
+                             OUT_DTYPE: tl.constexpr, STORE_Y: tl.constexpr, POST_ADD: tl.constexpr,
+                             SCALE_RESIDUAL: tl.constexpr):
+        """y = round(OUT_DTYPE, n * w' + b) (n rounded first when ROUND_FIRST); then the post-add."""
+        if IS_RMS:
+            n = u * rstd
+        else:
+            n = (u - mean) * rstd
+        if ROUND_FIRST:
+            n = _round(n, NORM_ROUND_DTYPE).to(tl.float32)
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+            n = n * w
+        if HAS_BIAS:
+            n = n + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _round(n, OUT_DTYPE)
+        if STORE_Y:
+            tl.store(Y + y_off + cols, y, mask=mask)
+        if POST_ADD:
+            r = tl.load(R + r_off + cols, mask=mask, other=0.0)
+            if SCALE_RESIDUAL:
+                r = _round(r.to(tl.float32) * residual_scale, R.dtype.element_ty)
+            tl.store(S + s_off + cols, _round(r.to(tl.float32) + y.to(tl.float32), S.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _add_norm_fwd_kernel(
+        X, R, W, B, Y, S, MEAN, RSTD,                        # S: the sum (pre: s; POST_ADD: out)
+        stride_x, stride_r, stride_y, stride_s,              # row strides, in elements
+        n_rows, N, eps, weight_offset, residual_scale, rows_per_program,
+        SUM_DTYPE: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
+        ROUND_FIRST: tl.constexpr, STORE_SUM: tl.constexpr, STORE_Y: tl.constexpr, POST_ADD: tl.constexpr,
+        SCALE_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """A row fits one block: one read of each input and one write of each output per row."""
+        cols = tl.arange(0, BLOCK_N)
+        for i in range(rows_per_program):
+            row = tl.program_id(0) * rows_per_program + i
+            mask = (cols < N) & (row < n_rows)
+            row = row.to(tl.int64)
+            s = _load_norm_input(X, R, row * stride_x, row * stride_r, cols, mask, residual_scale,
+                                 HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL, SUM_DTYPE)
+            if STORE_SUM and not POST_ADD:
+                tl.store(S + row * stride_s + cols, s, mask=mask)
+            u = s.to(tl.float32)                                     # stats in fp32 registers
+            if IS_RMS:
+                mean = 0.0
+                var = tl.sum(u * u, axis=0) / N
+            else:
+                mean = tl.sum(u, axis=0) / N
+                d = tl.where(mask, u - mean, 0.0)
+                var = tl.sum(d * d, axis=0) / N
+                tl.store(MEAN + row, mean, mask=row < n_rows)
+            rstd = tl.rsqrt(var + eps)
+            tl.store(RSTD + row, rstd, mask=row < n_rows)
+            _normalize_and_store(u, mean, rstd, W, B, Y, S, R, row * stride_y, row * stride_s, row * stride_r,
+                                 cols, mask, weight_offset, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS,
+                                 ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD, SCALE_RESIDUAL)
+
+    @triton.jit
+    def _add_norm_fwd_looped_kernel(
+        X, R, W, B, Y, S, MEAN, RSTD,
+        stride_x, stride_r, stride_y, stride_s,
+        n_rows, N, eps, weight_offset, residual_scale, rows_per_program,
+        SUM_DTYPE: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
+        ROUND_FIRST: tl.constexpr, STORE_SUM: tl.constexpr, STORE_Y: tl.constexpr, POST_ADD: tl.constexpr,
+        SCALE_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """Rows wider than one block: pass 1 accumulates the stats block by block (Chan's
+        parallel mean/M2 update for layer_norm), pass 2 re-reads the row and writes."""
+        cols0 = tl.arange(0, BLOCK_N)
+        zero = tl.sum(tl.zeros([BLOCK_N], dtype=tl.float32), axis=0)
+        for i in range(rows_per_program):
+            row = tl.program_id(0) * rows_per_program + i
+            row_ok = row < n_rows
+            row = row.to(tl.int64)
+            mean = zero
+            m2 = zero
+            count = zero
+            for start in range(0, N, BLOCK_N):
+                cols = start + cols0
+                mask = (cols < N) & row_ok
+                s = _load_norm_input(X, R, row * stride_x, row * stride_r, cols, mask, residual_scale,
+                                     HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL, SUM_DTYPE)
+                if STORE_SUM and not POST_ADD:
+                    tl.store(S + row * stride_s + cols, s, mask=mask)
+                u = s.to(tl.float32)
+                if IS_RMS:
+                    m2 += tl.sum(u * u, axis=0)
+                else:
+                    n_b = tl.sum((cols < N).to(tl.float32), axis=0)
+                    mean_b = tl.sum(u, axis=0) / n_b
+                    d = tl.where(mask, u - mean_b, 0.0)
+                    total = count + n_b
+                    delta = mean_b - mean
+                    mean += delta * (n_b / total)
+                    m2 += tl.sum(d * d, axis=0) + delta * delta * (count * n_b / total)
+                    count = total
+            rstd = tl.rsqrt(m2 / N + eps)
+            tl.store(RSTD + row, rstd, mask=row_ok)
+            if not IS_RMS:
+                tl.store(MEAN + row, mean, mask=row_ok)
+            for start in range(0, N, BLOCK_N):
+                cols = start + cols0
+                mask = (cols < N) & row_ok
+                if STORE_SUM and not POST_ADD:
+                    s = tl.load(S + row * stride_s + cols, mask=mask, other=0.0)
+                else:
+                    s = _load_norm_input(X, R, row * stride_x, row * stride_r, cols, mask, residual_scale,
+                                         HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL, SUM_DTYPE)
+                _normalize_and_store(s.to(tl.float32), mean, rstd, W, B, Y, S, R, row * stride_y, row * stride_s,
+                                     row * stride_r, cols, mask, weight_offset, residual_scale, HAS_WEIGHT,
+                                     HAS_BIAS, IS_RMS, ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD,
+                                     SCALE_RESIDUAL)
+
+    @triton.jit
+    def _row_grads(DY, DE, INP, W, row, stride_dy, stride_de, stride_inp, cols, mask, mean, rstd, weight_offset,
+                   HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr,
+                   POST_ADD: tl.constexpr):
+        """x_hat, the gradient into the norm output (dn) and g = dn * w' of one block of a row."""
+        u = tl.load(INP + row * stride_inp + cols, mask=mask, other=0.0).to(tl.float32)
+        if IS_RMS:
+            xhat = u * rstd
+        else:
+            xhat = (u - mean) * rstd
+        xhat = tl.where(mask, xhat, 0.0)
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        dn = dy
+        if POST_ADD and HAS_DEXTRA:
+            dn += tl.load(DE + row * stride_de + cols, mask=mask, other=0.0).to(tl.float32)
+        g = dn
+        if HAS_WEIGHT:
+            g = dn * (tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset)
+        return xhat, dy, dn, g
+
+    @triton.jit
+    def _store_input_grads(DE, DX, DRES, row, stride_de, stride_dx, stride_dres, cols, mask, xhat, dy, g, c1, c2,
+                           rstd, residual_scale, HAS_DEXTRA: tl.constexpr, HAS_DRES: tl.constexpr,
+                           IS_RMS: tl.constexpr, POST_ADD: tl.constexpr):
+        """du = rstd * (g - mean(g) - x_hat * mean(g * x_hat)); dx, dresidual from it."""
+        if IS_RMS:
+            du = (g - xhat * c1) * rstd
+        else:
+            du = (g - c2 - xhat * c1) * rstd
+        if HAS_DEXTRA and not POST_ADD:
+            du += tl.load(DE + row * stride_de + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + row * stride_dx + cols, _round(du, DX.dtype.element_ty), mask=mask)
+        if HAS_DRES:
+            dres = dy if POST_ADD else du
+            tl.store(DRES + row * stride_dres + cols, _round(dres * residual_scale, DRES.dtype.element_ty),
+                     mask=mask)
+
+    @triton.jit
+    def _add_norm_bwd_kernel(
+        DY, DE, INP, MEAN, RSTD, W, DX, DRES, DW_PART, DB_PART,   # DE: grad of s (pre) / of y (POST_ADD)
+        stride_dy, stride_de, stride_inp, stride_dx, stride_dres,
+        n_rows, N, weight_offset, residual_scale, rows_per_program,
+        HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr,
+        IS_RMS: tl.constexpr, POST_ADD: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """Each program takes a contiguous chunk of rows and writes fp32 dw/db partials
+        to row `pid` of [programs, N] buffers, summed on the host."""
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_N)
+        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for i in range(rows_per_program):
+            row = pid * rows_per_program + i
+            row_ok = row < n_rows
+            mask = (cols < N) & row_ok
+            row = row.to(tl.int64)
+            rstd = tl.load(RSTD + row, mask=row_ok, other=0.0)
+            mean = 0.0 if IS_RMS else tl.load(MEAN + row, mask=row_ok, other=0.0)
+            xhat, dy, dn, g = _row_grads(DY, DE, INP, W, row, stride_dy, stride_de, stride_inp, cols, mask, mean,
+                                         rstd, weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD)
+            c1 = tl.sum(g * xhat, axis=0) / N
+            c2 = 0.0 if IS_RMS else tl.sum(g, axis=0) / N
+            _store_input_grads(DE, DX, DRES, row, stride_de, stride_dx, stride_dres, cols, mask, xhat, dy, g, c1,
+                               c2, rstd, residual_scale, HAS_DEXTRA, HAS_DRES, IS_RMS, POST_ADD)
+            dw += dn * xhat
+            db += dn
+        part = pid.to(tl.int64) * N + cols
+        if HAS_WEIGHT:
+            tl.store(DW_PART + part, dw, mask=cols < N)
+        if HAS_BIAS:
+            tl.store(DB_PART + part, db, mask=cols < N)
+
+    @triton.jit
+    def _add_norm_bwd_looped_kernel(
+        DY, DE, INP, MEAN, RSTD, W, DX, DRES, DW_PART, DB_PART,
+        stride_dy, stride_de, stride_inp, stride_dx, stride_dres,
+        n_rows, N, weight_offset, residual_scale, rows_per_program,
+        HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr,
+        IS_RMS: tl.constexpr, POST_ADD: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """Rows wider than one block: pass 1 reduces mean(g * x_hat) and mean(g), pass 2
+        writes the input grads and adds into this program's own partial row (zeroed
+        on the host; read and written back by the same threads, so no atomics)."""
+        pid = tl.program_id(0)
+        cols0 = tl.arange(0, BLOCK_N)
+        zero = tl.sum(tl.zeros([BLOCK_N], dtype=tl.float32), axis=0)
+        for i in range(rows_per_program):
+            row = pid * rows_per_program + i
+            row_ok = row < n_rows
+            row = row.to(tl.int64)
+            rstd = tl.load(RSTD + row, mask=row_ok, other=0.0)
+            mean = 0.0 if IS_RMS else tl.load(MEAN + row, mask=row_ok, other=0.0)
+            c1 = zero
+            c2 = zero
+            for start in range(0, N, BLOCK_N):
+                cols = start + cols0
+                mask = (cols < N) & row_ok
+                xhat, dy, dn, g = _row_grads(DY, DE, INP, W, row, stride_dy, stride_de, stride_inp, cols, mask,
+                                             mean, rstd, weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD)
+                c1 += tl.sum(g * xhat, axis=0)
+                c2 += tl.sum(g, axis=0)
+            c1 = c1 / N
+            c2 = c2 / N
+            for start in range(0, N, BLOCK_N):
+                cols = start + cols0
+                mask = (cols < N) & row_ok
+                xhat, dy, dn, g = _row_grads(DY, DE, INP, W, row, stride_dy, stride_de, stride_inp, cols, mask,
+                                             mean, rstd, weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD)
+                _store_input_grads(DE, DX, DRES, row, stride_de, stride_dx, stride_dres, cols, mask, xhat, dy, g,
+                                   c1, c2, rstd, residual_scale, HAS_DEXTRA, HAS_DRES, IS_RMS, POST_ADD)
+                part = pid.to(tl.int64) * N + cols
+                if HAS_WEIGHT:
+                    tl.store(DW_PART + part, tl.load(DW_PART + part, mask=mask, other=0.0) + dn * xhat, mask=mask)
+                if HAS_BIAS:
+                    tl.store(DB_PART + part, tl.load(DB_PART + part, mask=mask, other=0.0) + dn, mask=mask)
 
 
 # --------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------
+# Block, warps and rows per program (no GPU query at import; the SM count is read on
+# the first CUDA launch and cached):
+#   * A row runs in one block when next_pow2(N) * element_size <= 64 KiB (N <= 32768 in
+#     bf16/fp16, 16384 in fp32); wider rows use the looped kernels with 8192-column
+#     blocks (fp32: 4096), i.e. 16 KiB of input per block.
+#   * num_warps = clamp(BLOCK_N // 256, 1, 16): about 8 columns per thread, i.e. one
+#     16-byte vector load of bf16 each; 16 warps (64 columns per thread) at the top.
+#   * Forward: a program takes several rows when rows are short, to amortize the weight
+#     load, while keeping at least 8 programs per SM:
+#     rows_per_program = clamp(ceil(M / (8 * SMs)), 1, max(1, 4096 // BLOCK_N)).
+#   * Backward: programs = min(M, k * SMs), k = 4 for BLOCK_N <= 1024, 2 up to 4096,
+#     else 1; each program takes ceil(M / programs) contiguous rows and one row of the
+#     [programs, N] fp32 dw/db partials.
 
-def _use_triton(x: Tensor) -> bool:
+_MAX_FUSED_BYTES = 65536
+_LOOP_BLOCK_BYTES = 16384
+_INTERPRETER_SMS = 4  # stands in for the SM count under the CPU interpreter
+_TL_DTYPES = {} if triton is None else {torch.float32: tl.float32, torch.float16: tl.float16,
+                                        torch.bfloat16: tl.bfloat16}
+
+
+def _use_triton(x: Tensor, *dtypes) -> bool:
     """CUDA/ROCm tensors run Triton; CPU tensors run the reference unless NORMFUSE_TRITON_CPU=1."""
-    return False
+    if triton is None or any(d is not None and d not in _TL_DTYPES for d in (x.dtype, *dtypes)):
+        return False
+    if x.device.type == "cpu":
+        if os.environ.get("NORMFUSE_TRITON_CPU") != "1":
+            return False
+        if not _INTERPRETED:
+            raise InvalidOptionError(
+                "NORMFUSE_TRITON_CPU=1 runs the Triton kernels on CPU under Triton's interpreter, which has to "
+                "be on when the kernels are defined: set NORMFUSE_TRITON_CPU=1 (or TRITON_INTERPRET=1) before "
+                "normfuse.kernels.add_norm and triton are first imported.")
+        return True
+    return x.device.type == "cuda"  # ROCm devices are "cuda" in torch too
+
+
+_SM_COUNTS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def _blocking(n_cols: int, element_size: int):
+    """(BLOCK_N, num_warps, looped) for a row of n_cols elements."""
+    block = triton.next_power_of_2(n_cols)
+    looped = block * element_size > _MAX_FUSED_BYTES
+    if looped:
+        block = _LOOP_BLOCK_BYTES // element_size
+    return block, min(max(block // 256, 1), 16), looped
+
+
+def _rows_2d(t: Optional[Tensor], n_cols: int) -> Optional[Tensor]:
+    """(M, N) view with a contiguous last dim: strided rows are kept, a strided last dim is copied once."""
+    if t is None:
+        return None
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    try:
+        return t.view(-1, n_cols)
+    except RuntimeError:  # leading dims that do not collapse into one row stride
+        return t.reshape(-1, n_cols)
+
+
+def _param(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.contiguous()
+
+
+def _launch_fwd(x, residual, weight, bias, y, s, kind, eps, weight_offset, residual_scale, sum_dtype,
+                norm_round_dtype, out_dtype, store_sum, store_y, post_add):
+    """Shared by both orders; y and s are (M, N) outputs or None when not stored."""
+    n_cols = x.shape[-1]
+    x2, r2 = _rows_2d(x, n_cols), _rows_2d(residual, n_cols)
+    n_rows = x2.shape[0]
+    acc = torch.float32
+    mean = x.new_empty((n_rows,) if kind == "layer_norm" else (0,), dtype=acc)
+    rstd = x.new_empty((n_rows,), dtype=acc)
+    if n_rows == 0:
+        return mean, rstd
+    block, num_warps, looped = _blocking(n_cols, max(x.element_size(), s.element_size() if s is not None else 0))
+    rows_per_program = min(max(triton.cdiv(n_rows, 8 * _sm_count(x.device)), 1), max(1, 4096 // block))
+    grid = (triton.cdiv(n_rows, rows_per_program),)
+    kernel = _add_norm_fwd_looped_kernel if looped else _add_norm_fwd_kernel
+    dummy = rstd  # stands in for absent pointers; never read or written
+    kernel[grid](
+        x2, dummy if r2 is None else r2, _param(weight) if weight is not None else dummy,
+        _param(bias) if bias is not None else dummy, dummy if y is None else y, dummy if s is None else s,
+        mean if kind == "layer_norm" else dummy, rstd,
+        x2.stride(0), 0 if r2 is None else r2.stride(0), 0 if y is None else y.stride(0),
+        0 if s is None else s.stride(0),
+        n_rows, n_cols, eps, weight_offset, residual_scale, rows_per_program,
+        SUM_DTYPE=_TL_DTYPES[sum_dtype], NORM_ROUND_DTYPE=_TL_DTYPES[norm_round_dtype or out_dtype],
+        OUT_DTYPE=_TL_DTYPES[out_dtype], HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None, IS_RMS=kind == "rms_norm", ROUND_FIRST=norm_round_dtype is not None,
+        STORE_SUM=store_sum, STORE_Y=store_y, POST_ADD=post_add, SCALE_RESIDUAL=residual_scale != 1.0,
+        BLOCK_N=block, num_warps=num_warps)
+    return mean, rstd
+
+
+def _add_norm_fwd_triton(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
+                         norm_round_dtype, out_dtype, store_sum):
+    y = x.new_empty(x.shape, dtype=out_dtype)
+    s = x.new_empty(x.shape, dtype=sum_dtype) if store_sum else None
+    n_cols = x.shape[-1]
+    mean, rstd = _launch_fwd(x, residual, weight, bias, y.view(-1, n_cols), None if s is None else s.view(-1, n_cols),
+                             kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype, out_dtype,
+                             store_sum, True, False)
+    return y, (s if s is not None else _empty(x, sum_dtype)), mean, rstd
+
+
+def _norm_add_fwd_triton(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, norm_round_dtype,
+                         out_dtype, add_dtype, store_norm):
+    out = x.new_empty(x.shape, dtype=add_dtype)
+    y = x.new_empty(x.shape, dtype=out_dtype) if store_norm else None
+    n_cols = x.shape[-1]
+    mean, rstd = _launch_fwd(x, residual, weight, bias, None if y is None else y.view(-1, n_cols),
+                             out.view(-1, n_cols), kind, eps, weight_offset, residual_scale, x.dtype,
+                             norm_round_dtype, out_dtype, True, store_norm, True)
+    return out, (y if y is not None else _empty(x, out_dtype)), mean, rstd
+
+
+def _add_norm_bwd_triton(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add,
+                         x_dtype, residual_dtype, bias_dtype):
+    n_cols = inp.shape[-1]
+    inp2, dy2, de2 = _rows_2d(inp, n_cols), _rows_2d(dy, n_cols), _rows_2d(dextra, n_cols)
+    n_rows = inp2.shape[0]
+    dx = inp.new_empty(inp.shape, dtype=x_dtype)
+    dres = inp.new_empty(inp.shape, dtype=residual_dtype) if residual_dtype is not None else None
+    block, num_warps, looped = _blocking(n_cols, max(inp.element_size(), dy.element_size()))
+    k = 4 if block <= 1024 else 2 if block <= 4096 else 1
+    programs = max(1, min(n_rows, k * _sm_count(inp.device)))
+    rows_per_program = triton.cdiv(n_rows, programs) if n_rows else 0
+    alloc = torch.zeros if looped else torch.empty
+    dw_part = alloc((programs, n_cols), dtype=torch.float32, device=inp.device) if weight is not None else None
+    db_part = alloc((programs, n_cols), dtype=torch.float32, device=inp.device) if bias_dtype is not None else None
+    if n_rows:
+        dummy = rstd
+        kernel = _add_norm_bwd_looped_kernel if looped else _add_norm_bwd_kernel
+        kernel[(programs,)](
+            dy2, dummy if de2 is None else de2, inp2, mean if kind == "layer_norm" else dummy, rstd,
+            _param(weight) if weight is not None else dummy, dx.view(-1, n_cols),
+            dummy if dres is None else dres.view(-1, n_cols), dummy if dw_part is None else dw_part,
+            dummy if db_part is None else db_part,
+            dy2.stride(0), 0 if de2 is None else de2.stride(0), inp2.stride(0), n_cols, n_cols,
+            n_rows, n_cols, weight_offset, residual_scale, rows_per_program,
+            HAS_DEXTRA=dextra is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias_dtype is not None,
+            HAS_DRES=dres is not None, IS_RMS=kind == "rms_norm", POST_ADD=post_add, BLOCK_N=block,
+            num_warps=num_warps)
+    elif dw_part is not None or db_part is not None:  # zero rows: the sums below must be zero
+        dw_part = None if dw_part is None else dw_part.zero_()
+        db_part = None if db_part is None else db_part.zero_()
+    dw = _empty(inp, inp.dtype) if weight is None else dw_part.sum(0).to(weight.dtype)
+    db = _empty(inp, inp.dtype) if bias_dtype is None else db_part.sum(0).to(bias_dtype)
+    return dx, (dres if dres is not None else _empty(inp, inp.dtype)), dw, db
 
 
 # --------------------------------------------------------------------------------------
@@ -393,9 +819,10 @@ def add_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor]
     _validate(x, residual, weight, bias, kind, eps,
               {"sum_dtype": sum_dtype, "norm_round_dtype": norm_round_dtype, "out_dtype": out_dtype})
     store_sum = store_sum and residual is not None
-    if _use_triton(x):
-        return _add_norm_fwd_triton(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
-                                    sum_dtype, norm_round_dtype, out_dtype, store_sum)
+    if _use_triton(x, *(t.dtype for t in (residual, weight, bias) if t is not None), sum_dtype, norm_round_dtype,
+                   out_dtype):
+        return _fresh(_add_norm_fwd_triton(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
+                                           sum_dtype, norm_round_dtype, out_dtype, store_sum), ())
     y, s, mean, rstd = _add_norm_fwd_ref(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
                                          sum_dtype, norm_round_dtype, out_dtype)
     return _fresh((y, s if store_sum else _empty(x, sum_dtype), mean, rstd), (x, residual, weight, bias))
@@ -418,9 +845,10 @@ def norm_add_fwd(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Op
     """Norm-then-add. Returns (out, y, mean, rstd): y is empty unless store_norm."""
     _validate(x, residual, weight, bias, kind, eps,
               {"norm_round_dtype": norm_round_dtype, "out_dtype": out_dtype, "add_dtype": add_dtype})
-    if _use_triton(x):
-        return _norm_add_fwd_triton(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
-                                    norm_round_dtype, out_dtype, add_dtype, store_norm)
+    if _use_triton(x, *(t.dtype for t in (residual, weight, bias) if t is not None), norm_round_dtype, out_dtype,
+                   add_dtype):
+        return _fresh(_norm_add_fwd_triton(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
+                                           norm_round_dtype, out_dtype, add_dtype, store_norm), ())
     out, y, mean, rstd = _norm_add_fwd_ref(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
                                            norm_round_dtype, out_dtype, add_dtype)
     return _fresh((out, y if store_norm else _empty(x, out_dtype), mean, rstd), (x, residual, weight, bias))
@@ -441,9 +869,9 @@ def add_norm_bwd(dy: Tensor, dextra: Optional[Tensor], inp: Tensor, mean: Tensor
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Backward of add_norm_fwd (post_add=False) and norm_add_fwd (post_add=True); see add_norm_bwd_ref.
     Returns (dx, dresidual, dweight, dbias), each empty when that input does not exist."""
-    if _use_triton(inp):
-        return _add_norm_bwd_triton(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale,
-                                    post_add, x_dtype, residual_dtype, bias_dtype)
+    if _use_triton(inp, dy.dtype, x_dtype, residual_dtype, bias_dtype, None if weight is None else weight.dtype):
+        return _fresh(_add_norm_bwd_triton(dy, dextra, inp, mean, rstd, weight, kind, weight_offset,
+                                           residual_scale, post_add, x_dtype, residual_dtype, bias_dtype), ())
     grads = _add_norm_bwd_cpu(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add,
                               x_dtype, residual_dtype, bias_dtype)
     dtypes = (x_dtype, residual_dtype, None if weight is None else weight.dtype, bias_dtype)
