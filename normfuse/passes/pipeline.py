@@ -16,7 +16,8 @@ import torch.fx as fx
 from normfuse.config import FuseConfig
 from normfuse.passes.canonical import canonicalize, node_dtype
 from normfuse.passes.classify import SiteState, classify
-from normfuse.passes.find import GraphIndex, find_input_add, find_norms, find_output_add, module_info, source_of
+from normfuse.passes.find import (GraphIndex, find_input_add, find_norms, find_output_add, is_norm_module_class,
+                                  module_class, module_info, source_of)
 from normfuse.passes import rewrite
 from normfuse.reporting import FusionReport, Site
 
@@ -46,8 +47,9 @@ def _stage(name: str):
 def _site_record(index: GraphIndex, st: SiteState, number: int) -> Site:
     m = st.match
     fqn, cls = module_info(m.output) if m.output.meta.get("nn_module_stack") else module_info(m.anchor or m.output)
-    # a norm call made by a norm module (nn.LayerNorm, nn.RMSNorm, ...) is reported as "module"
-    form = "module" if m.form == "functional" and cls and cls.endswith("Norm") else m.form
+    # a norm call made by a torch norm module (nn.LayerNorm, nn.RMSNorm) is reported as "module"
+    form = "module" if m.form in ("functional", "call_module") and is_norm_module_class(module_class(
+        m.output)) else m.form
     return Site(
         id=f"g0.s{number}", kind=m.kind, form=form, placement=st.placement,
         input_is_add=st.input_is_add, output_feeds_add=st.output_feeds_add,
@@ -76,6 +78,20 @@ def analyze(graph: fx.Graph) -> tuple[GraphIndex, list[SiteState]]:
     return index, states
 
 
+def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
+    """A copy of gm's graph; nodes keep their meta and the attributes dynamo set on them."""
+    graph = fx.Graph(owning_module=gm, tracer_cls=getattr(gm.graph, "_tracer_cls", None))
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    value_map: dict[fx.Node, fx.Node] = {}
+    output = graph.graph_copy(gm.graph, value_map)
+    graph.output(output)
+    for old, new in value_map.items():
+        for key, value in vars(old).items():  # e.g. placeholders' _dynamo_source
+            if key.startswith("_dynamo") and not hasattr(new, key):
+                setattr(new, key, value)
+    return graph
+
+
 def _already_fused(graph: fx.Graph) -> int:
     return sum(1 for n in graph.nodes if n.op == "call_function" and n.target in rewrite.FUSED_TARGETS)
 
@@ -98,9 +114,7 @@ def run(gm: fx.GraphModule, config: FuseConfig | None = None, *, apply: bool = T
 
 def _run(gm: fx.GraphModule, config: FuseConfig, report: FusionReport, apply: bool) -> list[Site]:
     # work on a copy: the user's graph is swapped only when everything succeeded
-    graph = fx.Graph(owning_module=gm, tracer_cls=getattr(gm.graph, "_tracer_cls", None))
-    output = graph.graph_copy(gm.graph, {})
-    graph.output(output)
+    graph = _copy_graph(gm)
     if _already_fused(graph):
         report.notes.append(f"graph already optimized ({_already_fused(graph)} fused op calls): left as is")
     try:
@@ -124,6 +138,10 @@ def _run(gm: fx.GraphModule, config: FuseConfig, report: FusionReport, apply: bo
         if p.op == "norm" and not config.standalone:
             site.reason = "standalone norms not rewritten (standalone=False)"
             continue
+        # an add folded into one kernel is not folded into another, in analysis mode too
+        for node in (st.in_add.node if p.op == "add_norm" else None, p.post_add):
+            if node is not None:
+                claimed.add(node)
         if not apply:
             site.reason = "not applied (analysis only)"
             site.op = p.op
@@ -133,9 +151,6 @@ def _run(gm: fx.GraphModule, config: FuseConfig, report: FusionReport, apply: bo
         site.fused_add = p.op in ("add_norm", "norm_add")
         site.residual_scale = p.residual_scale
         site.sum_dtype = str(p.sum_dtype) if p.sum_dtype is not None else None
-        for node in (st.in_add.node if p.op == "add_norm" else None, p.post_add):
-            if node is not None:
-                claimed.add(node)
         if p.op == "add_norm" and not site.input_is_add:
             site.input_is_add = True
     # a site that shares its add with an earlier fused site reads that site's sum
