@@ -131,8 +131,39 @@ class Canon:
         return self.args.get(name, _DEFAULTS.get(self.prim, {}).get(name))
 
 
+def _param_node(node: fx.Node, qualname: str) -> fx.Node:
+    """A get_attr node for a parameter of the graph's module, created before ``node`` if needed."""
+    for n in node.graph.nodes:
+        if n.op == "get_attr" and n.target == qualname:
+            return n
+    with node.graph.inserting_before(node):
+        attr = node.graph.get_attr(qualname)
+    attr.meta["val"] = node.graph.owning_module.get_parameter(qualname).detach()
+    return attr
+
+
+def _module_norm(node: fx.Node) -> Canon | None:
+    """A leaf norm module called by a symbolically traced graph (``call_module``)."""
+    owner = node.graph.owning_module
+    try:
+        mod = owner.get_submodule(node.target) if owner is not None else None
+    except AttributeError:
+        return None
+    rms = getattr(torch.nn, "RMSNorm", ())
+    if not isinstance(mod, (torch.nn.LayerNorm, rms)) or not node.args:
+        return None
+    param = lambda name: _param_node(node, f"{node.target}.{name}") if getattr(mod, name, None) is not None else None
+    args = {"input": node.args[0], "normalized_shape": tuple(mod.normalized_shape), "weight": param("weight"),
+            "eps": mod.eps}
+    if isinstance(mod, torch.nn.LayerNorm):
+        return Canon("layer_norm", {**args, "bias": param("bias")})
+    return Canon("rms_norm", args)
+
+
 def canonical(node: fx.Node) -> Canon | None:
     """The canonical view of one node, or None when its target is not in the table."""
+    if node.op == "call_module":
+        return _module_norm(node)
     if node.op == "call_function":
         try:
             prim = _FUNCTION_TABLE.get(node.target)

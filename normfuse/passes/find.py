@@ -182,7 +182,8 @@ def is_pass_through(index: GraphIndex, node: fx.Node, n: int | None) -> bool:
 def _match_norm_call(index: GraphIndex, node: fx.Node, c: Canon) -> NormMatch | None:
     x = c["input"]
     n = last_dim(x)
-    form = "aten" if isinstance(node.target, torch._ops.OpOverload) else "functional"
+    form = "aten" if isinstance(node.target, torch._ops.OpOverload) else (
+        "call_module" if node.op == "call_module" else "functional")
     eps = c["eps"]
     if c.prim == "rms_norm" and eps is None and node_dtype(x) is not None:
         eps = torch.finfo(node_dtype(x)).eps  # torch.rms_norm's documented default
@@ -463,9 +464,9 @@ def find_norms(index: GraphIndex) -> list[NormMatch]:
             m = _match_var_layer_norm(index, node, c)
         if m is None or any(x in claimed for x in m.nodes):
             continue
-        if m.weight is not None and not _vector_of(m.weight, m.hidden_size):
+        if m.reason is None and m.weight is not None and not _vector_of(m.weight, m.hidden_size):
             m.reason = f"weight of shape {node_shape(m.weight)} is not a vector of the hidden size {m.hidden_size}"
-        if m.bias is not None and not _vector_of(m.bias, m.hidden_size):
+        if m.reason is None and m.bias is not None and not _vector_of(m.bias, m.hidden_size):
             m.reason = f"bias of shape {node_shape(m.bias)} is not a vector of the hidden size {m.hidden_size}"
         claimed.update(m.nodes)
         found.append(m)
@@ -561,6 +562,24 @@ def module_info(node: fx.Node) -> tuple[str | None, str | None]:
     fqn = re.sub(r"\[(\d+)\]", r".\1", fqn).replace("['", ".").replace("']", "").strip(".")
     name = getattr(cls, "__name__", None) or str(cls).rsplit(".", 1)[-1].rstrip("'>")
     return fqn or None, name
+
+
+def module_class(node: fx.Node) -> type | None:
+    """The class of the innermost module a node came from (call_module: that module)."""
+    if node.op == "call_module" and node.graph.owning_module is not None:
+        return type(node.graph.owning_module.get_submodule(node.target))
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    cls = list(stack.values())[-1][1]
+    return cls if isinstance(cls, type) else None
+
+
+NORM_MODULES = (torch.nn.LayerNorm, *((torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ()))
+
+
+def is_norm_module_class(cls: type | None) -> bool:
+    return isinstance(cls, type) and issubclass(cls, NORM_MODULES)
 
 
 def source_of(node: fx.Node) -> str | None:

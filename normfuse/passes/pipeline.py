@@ -157,6 +157,9 @@ def _run(gm: fx.GraphModule, config: FuseConfig, report: FusionReport, apply: bo
     for st, site in zip(states, sites):
         if not site.fused and site.reason is None:
             site.reason = "not rewritten"
+    for node in list(graph.nodes):  # parameters read only by a norm that is gone now
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
     if apply:
         _stage("verify")
         graph.lint()

@@ -196,8 +196,9 @@ def apply(index: GraphIndex, p: Plan) -> list[fx.Node]:
 
 def _erase_dead(graph: fx.Graph, nodes: list[fx.Node], index: GraphIndex) -> None:
     """Erase the site's old nodes that nothing reads any more, last first."""
-    pending = sorted({n for n in nodes if isinstance(n, fx.Node) and n.op == "call_function"
-                      or isinstance(n, fx.Node) and n.op == "call_method"},
+    # the site's own nodes are pure (arithmetic, casts, views, norm calls or norm modules)
+    pending = sorted({n for n in nodes if isinstance(n, fx.Node) and n.op in ("call_function", "call_method",
+                                                                             "call_module")},
                      key=lambda n: index.order.get(n, -1), reverse=True)
     for node in pending:
         if node.graph is not graph or real_users(node):

@@ -1,0 +1,236 @@
+"""The graph pass on hand-written models: one per placement and per spelling.
+
+Asserts what the pass found (site counts, placements, input_is_add / output_feeds_add,
+which op replaced each site), not only that outputs still match.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import normfuse
+from normfuse.tolerances import within_tolerance
+from normfuse.zoo import NORM_SPELLINGS, ToyTransformer
+
+# depth 2. Expected per placement, with the reasoning:
+#   pre:      2 blocks x 2 norms + final norm = 5, all "pre". Block 0's first norm reads
+#             tok + pos, which broadcasts (pos has no batch dim): input_is_add, but the add
+#             stays outside the kernel -> 4 sites fused with their add.
+#   post:     embedding norm of tok + pos (broadcast, so norm only) + 2 x 2 post norms.
+#   res_post: x + norm(F(x)), 2 x 2, each folded with the add after it (norm_add).
+#   sandwich: 2 x 2 pre norms + final (pre) and 2 x 2 inner norms (sandwich); the add after
+#             each inner norm is folded into the next pre norm, so inner norms run alone.
+#   parallel: two norms read the same x in each block (4 parallel) + the final norm; all read
+#             an add (tok + pos, then x + attn + mlp); each add is folded into one of its two norms.
+#   deepnorm: norm(alpha * x + F(x)), 2 x 2.
+EXPECTED = {
+    "pre": dict(placements={"pre": 5}, fused_add=4, input_is_add=5, ops={"add_norm": 4, "norm": 1}),
+    "post": dict(placements={"embedding": 1, "post": 4}, fused_add=4, input_is_add=5,
+                 ops={"add_norm": 4, "norm": 1}),
+    "res_post": dict(placements={"res_post": 4}, fused_add=4, input_is_add=0, ops={"norm_add": 4}),
+    "sandwich": dict(placements={"pre": 5, "sandwich": 4}, fused_add=4, input_is_add=5,
+                     ops={"add_norm": 4, "norm": 5}),
+    "parallel": dict(placements={"parallel": 4, "pre": 1}, fused_add=2, input_is_add=5,
+                     ops={"add_norm": 2, "norm": 3}),
+    "deepnorm": dict(placements={"deepnorm": 4}, fused_add=4, input_is_add=4, ops={"add_norm": 4}),
+}
+
+
+def _run(model, ids, **options):
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref = model(ids)
+        normfuse.optimize(model, **options)
+        out = model(ids)
+    return ref, out, normfuse.report(model)
+
+
+def _ops(rep):
+    ops = {}
+    for s in rep.sites:
+        if s.fused:
+            ops[s.op] = ops.get(s.op, 0) + 1
+    return ops
+
+
+@pytest.mark.parametrize("placement", list(EXPECTED))
+@pytest.mark.parametrize("kind,spelling", [("layer_norm", "module"), ("rms_norm", "llama")])
+def test_placements(placement, kind, spelling):
+    torch.manual_seed(0)
+    model = ToyTransformer(placement=placement, kind=kind, spelling=spelling, embed_norm=placement == "post").eval()
+    ids = torch.randint(0, 64, (2, 8))
+    ref, out, rep = _run(model, ids)
+    want = EXPECTED[placement]
+    c = rep.counts()
+    assert c["by_placement"] == want["placements"]
+    assert c["fused"] == c["sites"], [s.reason for s in rep.unfused]
+    assert c["fused_with_add"] == want["fused_add"]
+    assert c["input_is_add"] == want["input_is_add"]
+    assert _ops(rep) == want["ops"]
+    assert all(s.kind == kind for s in rep.sites)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind,spelling", [(k, s) for k, ss in NORM_SPELLINGS.items() for s in ss])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_spellings(kind, spelling, dtype):
+    """Every spelling of both norms is recognized, with its eps, in fp32 and bf16."""
+    torch.manual_seed(0)
+    model = ToyTransformer(placement="pre", kind=kind, spelling=spelling, eps=1e-3).eval().to(dtype)
+    ids = torch.randint(0, 64, (2, 8))
+    ref, out, rep = _run(model, ids)
+    assert len(rep.sites) == 5 and len(rep.fused) == 5, [s.reason for s in rep.sites]
+    assert all(s.kind == kind and s.eps == pytest.approx(1e-3) for s in rep.sites)
+    expected_form = {"module": "module", "functional": "functional"}.get(spelling, "decomposed")
+    assert all(s.form.startswith(expected_form) for s in rep.sites), [s.form for s in rep.sites]
+    if spelling == "gemma":
+        assert all(s.weight_offset == 1.0 for s in rep.sites)
+    if spelling == "llama" and dtype == torch.bfloat16:
+        assert all(s.norm_round_dtype == "torch.bfloat16" for s in rep.sites)
+    # the fused op reproduces the graph's rounding: bf16 differs from eager only by the
+    # order of the row reduction
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.float() - ref.float()).abs().max().item() <= tol
+
+
+def test_backward_matches_eager():
+    torch.manual_seed(0)
+    model = ToyTransformer(placement="pre", kind="rms_norm", spelling="llama").train()
+    twin = ToyTransformer(placement="pre", kind="rms_norm", spelling="llama").train()
+    twin.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 64, (2, 8))
+    torch._dynamo.reset()
+    normfuse.optimize(model)
+    model(ids).square().mean().backward()
+    twin(ids).square().mean().backward()
+    assert len(normfuse.report(model).fused) == 5
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5, rtol=1e-4), name
+
+
+def test_state_dict_keys_unchanged_and_idempotent():
+    model = ToyTransformer(placement="post", embed_norm=True).eval()
+    keys = list(model.state_dict())
+    ids = torch.randint(0, 64, (2, 8))
+    _run(model, ids)
+    assert list(model.state_dict()) == keys
+    assert normfuse.optimize(model) is model  # a second optimize is a no-op
+    with torch.no_grad():
+        model(ids)
+    assert len(normfuse.report(model).sites) == 5
+
+
+def test_fuse_graph_twice_finds_nothing_new():
+    model = ToyTransformer(placement="pre").eval()
+    gm = torch.fx.symbolic_trace(model)
+    ids = torch.randint(0, 64, (2, 8))
+    from torch.fx.passes.shape_prop import ShapeProp
+    ShapeProp(gm).propagate(ids)
+    gm, rep = normfuse.fuse_graph(gm)
+    assert len(rep.fused) == 5
+    gm, rep2 = normfuse.fuse_graph(gm)
+    assert rep2.sites == [] and "already optimized" in rep2.notes[0]
+    with torch.no_grad():
+        assert torch.allclose(gm(ids), model(ids), atol=1e-6)
+
+
+def test_source_and_fqn_point_at_user_code():
+    model = ToyTransformer(placement="pre", kind="layer_norm").eval()
+    _, _, rep = _run(model, torch.randint(0, 64, (2, 8)))
+    fqns = [s.fqn for s in rep.sites]
+    assert fqns == ["blocks.0.norm1", "blocks.0.norm2", "blocks.1.norm1", "blocks.1.norm2", "final_norm"]
+    assert all(s.source and "zoo.py:" in s.source for s in rep.sites), [s.source for s in rep.sites]
+    assert all(s.module_type == "LayerNorm" and s.form == "module" for s in rep.sites)
+
+
+def test_filter_fn_and_standalone_option():
+    model = ToyTransformer(placement="parallel").eval()
+    _, _, rep = _run(model, torch.randint(0, 64, (2, 8)), filter_fn=lambda site: site.fqn != "final_norm",
+                     standalone=False)
+    by_fqn = {s.fqn: s for s in rep.sites}
+    assert by_fqn["final_norm"].reason == "excluded by filter_fn"
+    assert not by_fqn["blocks.0.norm1"].fused and "standalone" in by_fqn["blocks.0.norm1"].reason
+    assert by_fqn["blocks.1.norm1"].fused and by_fqn["blocks.1.norm1"].op == "add_norm"
+    assert all(s.reason for s in rep.sites if not s.fused)
+
+
+class _Unfusable(nn.Module):
+    """Sites the pass must leave alone, each with a reason."""
+
+    def __init__(self, n=16):
+        super().__init__()
+        self.lin = nn.Linear(n, n)
+        self.ln2d = nn.LayerNorm((8, n))              # normalizes over the last two dims
+        self.ln = nn.LayerNorm(n)
+        self.bias_row = nn.Parameter(torch.randn(n))
+
+    def forward(self, x):
+        a = self.ln2d(x + self.lin(x))                # not only the last dim
+        b = self.ln(a + self.bias_row)                # the add broadcasts: norm fused alone
+        c = F.layer_norm((b + self.lin(b)).double(), (16,))  # fp64: not a kernel dtype
+        return c.float()
+
+
+def test_unfusable_sites_are_left_with_reasons():
+    torch.manual_seed(0)
+    model = _Unfusable().eval()
+    x = torch.randn(2, 8, 16)
+    ref, out, rep = _run(model, x)
+    assert len(rep.sites) == 3
+    first, second, third = rep.sites
+    assert not first.fused and "last dim" in first.reason
+    assert second.fused and second.op == "norm" and second.input_is_add  # add broadcast -> kept outside
+    assert not third.fused and "float64" in third.reason
+    assert torch.allclose(out, ref, atol=1e-6)
+
+
+class _GraphBreak(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = ToyTransformer(placement="pre", depth=1)
+        self.n = nn.LayerNorm(64)
+
+    def forward(self, ids):
+        h = self.a(ids)
+        torch._dynamo.graph_break()
+        return self.n(h + h.flip(-1))
+
+
+def test_graph_breaks_each_graph_rewritten():
+    model = _GraphBreak().eval()
+    ids = torch.randint(0, 64, (2, 8))
+    ref, out, rep = _run(model, ids)
+    assert rep.graphs == 2
+    assert {s.graph for s in rep.fused} == {0, 1}
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_torch_compile_backends_by_name():
+    model = ToyTransformer(placement="pre").eval()
+    ids = torch.randint(0, 64, (2, 8))
+    from normfuse.backends import last_report
+    for backend in ("normfuse", "normfuse_inductor"):
+        torch._dynamo.reset()
+        before = len(last_report().sites)
+        compiled = torch.compile(model, backend=backend)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = compiled(ids)
+            ref = model(ids)
+        assert torch.allclose(out, ref, atol=1e-5), backend
+        assert len(last_report().sites) - before == 5, backend
+        assert list(compiled.state_dict())[0].startswith("_orig_mod.")
+
+
+def test_triton_interpreter_path(triton_cpu):
+    """A subset of the pass running the fused ops' Triton kernels (interpreter)."""
+    torch.manual_seed(0)
+    model = ToyTransformer(placement="pre", kind="rms_norm", spelling="llama", hidden=32).eval()
+    ids = torch.randint(0, 64, (1, 4))
+    ref, out, rep = _run(model, ids)
+    assert len(rep.fused) == 5
+    ok, err, base, bound = within_tolerance(out, ref, ref.double(), torch.float32, scale_atol=1.0)
+    assert err < 1e-4, err
