@@ -30,7 +30,8 @@ import torch.nn as nn
 
 from normfuse.errors import TargetError, closest
 
-__all__ = ["load_target", "make_inputs", "parse_overrides", "parse_dtype", "hf_model_types", "LAYER_FIELDS"]
+__all__ = ["load_target", "make_inputs", "default_seq", "parse_overrides", "parse_dtype", "hf_model_types",
+           "LAYER_FIELDS"]
 
 # config fields that hold a layer count; --layers sets every one the config has
 LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers",
@@ -223,10 +224,27 @@ def _to(value: Any, device: str, dtype: torch.dtype | None) -> Any:
     return value
 
 
-def make_inputs(model: nn.Module, batch: int = 2, seq: int = 8) -> tuple[tuple, dict]:
-    """Inputs for a model that came without any: token ids, pixel values or audio features for a
-    transformers model, token ids for a ``zoo.ToyTransformer``."""
+# config fields that bound the sequence length a model takes
+MAX_SEQ_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx")
+
+
+def default_seq(model: nn.Module, cap: int = 2048) -> int:
+    """``cap``, or the model's maximum sequence length when that is shorter."""
     from normfuse import zoo
+
+    if isinstance(model, zoo.ToyTransformer):
+        return min(cap, model.pos.num_embeddings)
+    config = getattr(model, "config", None)
+    limits = [getattr(config, f) for f in MAX_SEQ_FIELDS if isinstance(getattr(config, f, None), int)]
+    return min([cap, *[n for n in limits if n > 0]])
+
+
+def make_inputs(model: nn.Module, batch: int = 2, seq: int | None = 8) -> tuple[tuple, dict]:
+    """Inputs for a model that came without any: token ids, pixel values or audio features for a
+    transformers model, token ids for a ``zoo.ToyTransformer``. ``seq=None``: ``default_seq(model)``."""
+    from normfuse import zoo
+
+    seq = default_seq(model) if seq is None else seq
 
     if isinstance(model, zoo.ToyTransformer):
         vocab, max_len = model.tok.num_embeddings, model.pos.num_embeddings
@@ -246,7 +264,7 @@ def make_inputs(model: nn.Module, batch: int = 2, seq: int = 8) -> tuple[tuple, 
 # --------------------------------------------------------------------------- entry point
 
 def load_target(spec: str, *, layers: int | None = None, overrides: dict[str, Any] | None = None,
-                dtype: Any = None, device: str = "cpu", batch: int = 2, seq: int = 8
+                dtype: Any = None, device: str = "cpu", batch: int = 2, seq: int | None = 8
                 ) -> tuple[nn.Module, tuple, dict]:
     """``(model, args, kwargs)`` for a target; ``model(*args, **kwargs)`` runs it.
 
@@ -257,12 +275,13 @@ def load_target(spec: str, *, layers: int | None = None, overrides: dict[str, An
                factory (factory targets).
     dtype:     parameters and floating inputs in this dtype (``torch.bfloat16`` or ``"bf16"``).
     device:    ``"cpu"``, or ``"meta"`` to build without memory (shapes and dtypes only).
-    batch/seq: sizes of the inputs made for the model.
+    batch/seq: sizes of the inputs made for the model (``seq=None``: up to 2048 tokens, fewer when
+               the model's maximum sequence length is shorter).
     """
     if not isinstance(spec, str) or not spec.strip():
         raise TargetError(f"a target is a non-empty string, got {spec!r}. Use hf:<model_type>, "
                           "path/to/config.json, file.py:factory or package.module:factory.")
-    if batch < 1 or seq < 1:
+    if batch < 1 or (seq is not None and seq < 1):
         raise TargetError(f"batch and seq must be positive, got batch={batch}, seq={seq}.")
     spec = spec.strip()
     overrides = dict(overrides or {})
