@@ -50,8 +50,12 @@ def _site_record(index: GraphIndex, st: SiteState, number: int) -> Site:
     # a norm call made by a torch norm module (nn.LayerNorm, nn.RMSNorm) is reported as "module"
     form = "module" if m.form in ("functional", "call_module") and is_norm_module_class(module_class(
         m.output)) else m.form
+    # a norm moved by the Pre-Norm conversion (normfuse/passes/prenorm.py) is a pre-norm,
+    # also the first one of a stream, which no add feeds
+    converted = bool(m.output.meta.get("normfuse_converted"))
     return Site(
-        id=f"g0.s{number}", kind=m.kind, form=form, placement=st.placement,
+        id=f"g0.s{number}", kind=m.kind, form=form, placement="pre" if converted else st.placement,
+        converted=converted,
         input_is_add=st.input_is_add, output_feeds_add=st.output_feeds_add,
         hidden_size=m.hidden_size, dtype=str(node_dtype(m.input)) if node_dtype(m.input) else None,
         eps=m.eps, fqn=fqn, source=source_of(m.output) or source_of(m.anchor or m.output),
