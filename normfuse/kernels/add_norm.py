@@ -325,11 +325,21 @@ if triton is not None:
         return s
 
     @triton.jit
-    def _normalize_and_store(u, mean, rstd, W, B, Y, S, R, y_off, s_off, r_off, cols, mask, weight_offset,
-                             residual_scale, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             IS_RMS: tl.constexpr, ROUND_FIRST: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr,
-                             OUT_DTYPE: tl.constexpr, STORE_Y: tl.constexpr, POST_ADD: tl.constexpr,
-                             SCALE_RESIDUAL: tl.constexpr):
+    def _load_params(W, B, cols, mask, weight_offset, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """w' = float(w) + weight_offset and float(b) of one block (1 and 0 when absent)."""
+        w = 1.0
+        b = 0.0
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+        if HAS_BIAS:
+            b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        return w, b
+
+    @triton.jit
+    def _normalize_and_store(u, mean, rstd, w, b, Y, S, R, y_off, s_off, r_off, cols, mask, residual_scale,
+                             HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
+                             ROUND_FIRST: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                             STORE_Y: tl.constexpr, POST_ADD: tl.constexpr, SCALE_RESIDUAL: tl.constexpr):
         """y = round(OUT_DTYPE, n * w' + b) (n rounded first when ROUND_FIRST); then the post-add."""
         if IS_RMS:
             n = u * rstd
@@ -338,10 +348,9 @@ if triton is not None:
         if ROUND_FIRST:
             n = _round(n, NORM_ROUND_DTYPE).to(tl.float32)
         if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
             n = n * w
         if HAS_BIAS:
-            n = n + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+            n = n + b
         y = _round(n, OUT_DTYPE)
         if STORE_Y:
             tl.store(Y + y_off + cols, y, mask=mask)
@@ -363,6 +372,7 @@ if triton is not None:
     ):
         """A row fits one block: one read of each input and one write of each output per row."""
         cols = tl.arange(0, BLOCK_N)
+        w, b = _load_params(W, B, cols, cols < N, weight_offset, HAS_WEIGHT, HAS_BIAS)  # once per program
         for i in range(rows_per_program):
             row = tl.program_id(0) * rows_per_program + i
             mask = (cols < N) & (row < n_rows)
@@ -382,9 +392,9 @@ if triton is not None:
                 tl.store(MEAN + row, mean, mask=row < n_rows)
             rstd = tl.rsqrt(var + eps)
             tl.store(RSTD + row, rstd, mask=row < n_rows)
-            _normalize_and_store(u, mean, rstd, W, B, Y, S, R, row * stride_y, row * stride_s, row * stride_r,
-                                 cols, mask, weight_offset, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS,
-                                 ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD, SCALE_RESIDUAL)
+            _normalize_and_store(u, mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s, row * stride_r,
+                                 cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS, ROUND_FIRST,
+                                 NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD, SCALE_RESIDUAL)
 
     @triton.jit
     def _add_norm_fwd_looped_kernel(
@@ -438,13 +448,13 @@ if triton is not None:
                 else:
                     s = _load_norm_input(X, R, row * stride_x, row * stride_r, cols, mask, residual_scale,
                                          HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL, SUM_DTYPE)
-                _normalize_and_store(s.to(tl.float32), mean, rstd, W, B, Y, S, R, row * stride_y, row * stride_s,
-                                     row * stride_r, cols, mask, weight_offset, residual_scale, HAS_WEIGHT,
-                                     HAS_BIAS, IS_RMS, ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD,
-                                     SCALE_RESIDUAL)
+                w, b = _load_params(W, B, cols, mask, weight_offset, HAS_WEIGHT, HAS_BIAS)
+                _normalize_and_store(s.to(tl.float32), mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s,
+                                     row * stride_r, cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS,
+                                     ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD, SCALE_RESIDUAL)
 
     @triton.jit
-    def _row_grads(DY, DE, INP, W, row, stride_dy, stride_de, stride_inp, cols, mask, mean, rstd, weight_offset,
+    def _row_grads(DY, DE, INP, w, row, stride_dy, stride_de, stride_inp, cols, mask, mean, rstd,
                    HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr,
                    POST_ADD: tl.constexpr):
         """x_hat, the gradient into the norm output (dn) and g = dn * w' of one block of a row."""
@@ -460,7 +470,7 @@ if triton is not None:
             dn += tl.load(DE + row * stride_de + cols, mask=mask, other=0.0).to(tl.float32)
         g = dn
         if HAS_WEIGHT:
-            g = dn * (tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset)
+            g = dn * w
         return xhat, dy, dn, g
 
     @triton.jit
@@ -492,6 +502,7 @@ if triton is not None:
         to row `pid` of [programs, N] buffers, summed on the host."""
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
+        w, _ = _load_params(W, W, cols, cols < N, weight_offset, HAS_WEIGHT, False)  # once per program
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
         db = tl.zeros([BLOCK_N], dtype=tl.float32)
         for i in range(rows_per_program):
@@ -501,8 +512,8 @@ if triton is not None:
             row = row.to(tl.int64)
             rstd = tl.load(RSTD + row, mask=row_ok, other=0.0)
             mean = 0.0 if IS_RMS else tl.load(MEAN + row, mask=row_ok, other=0.0)
-            xhat, dy, dn, g = _row_grads(DY, DE, INP, W, row, stride_dy, stride_de, stride_inp, cols, mask, mean,
-                                         rstd, weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD)
+            xhat, dy, dn, g = _row_grads(DY, DE, INP, w, row, stride_dy, stride_de, stride_inp, cols, mask, mean,
+                                         rstd, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD)
             c1 = tl.sum(g * xhat, axis=0) / N
             c2 = 0.0 if IS_RMS else tl.sum(g, axis=0) / N
             _store_input_grads(DE, DX, DRES, row, stride_de, stride_dx, stride_dres, cols, mask, xhat, dy, g, c1,
@@ -540,8 +551,9 @@ if triton is not None:
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
                 mask = (cols < N) & row_ok
-                xhat, dy, dn, g = _row_grads(DY, DE, INP, W, row, stride_dy, stride_de, stride_inp, cols, mask,
-                                             mean, rstd, weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD)
+                w, _ = _load_params(W, W, cols, mask, weight_offset, HAS_WEIGHT, False)
+                xhat, dy, dn, g = _row_grads(DY, DE, INP, w, row, stride_dy, stride_de, stride_inp, cols, mask,
+                                             mean, rstd, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD)
                 c1 += tl.sum(g * xhat, axis=0)
                 c2 += tl.sum(g, axis=0)
             c1 = c1 / N
@@ -549,8 +561,9 @@ if triton is not None:
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
                 mask = (cols < N) & row_ok
-                xhat, dy, dn, g = _row_grads(DY, DE, INP, W, row, stride_dy, stride_de, stride_inp, cols, mask,
-                                             mean, rstd, weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD)
+                w, _ = _load_params(W, W, cols, mask, weight_offset, HAS_WEIGHT, False)
+                xhat, dy, dn, g = _row_grads(DY, DE, INP, w, row, stride_dy, stride_de, stride_inp, cols, mask,
+                                             mean, rstd, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD)
                 _store_input_grads(DE, DX, DRES, row, stride_de, stride_dx, stride_dres, cols, mask, xhat, dy, g,
                                    c1, c2, rstd, residual_scale, HAS_DEXTRA, HAS_DRES, IS_RMS, POST_ADD)
                 part = pid.to(tl.int64) * N + cols
