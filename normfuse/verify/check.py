@@ -1,0 +1,493 @@
+"""Did the rewrite keep the model? ``normfuse.check`` and ``normfuse check TARGET``.
+
+    res = normfuse.check(model, *example_args, **example_kwargs)
+    res.ok                  # every output, gradient and rewritten site passed
+    res.outputs             # per output / gradient: error vs fp64, the original's error, the bound
+    res.sites               # per rewritten site: numeric check vs its original subgraph, symbolic proof
+    res.first_divergence    # the first failing site in graph order (id, fqn, source) or None
+
+Three runs on the same inputs: the original model, the optimized one and an fp64 copy of
+the original (``numeric.Fp64Mode`` widens the casts in its code). Each output and each
+gradient (floating inputs, every parameter) passes when
+``err(optimized, fp64) <= m * err(original, fp64) + atol`` (``normfuse.tolerances``).
+Each rewritten site is then held to the subgraph it replaced (``numeric.check_site``,
+``symbolic.prove_site``), on the values that reached it in a run of the original graph,
+so a failure names the site instead of a far-away output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from normfuse.errors import InvalidModelError, NormfuseError
+from normfuse.reporting import FusionReport, Site
+from normfuse.verify.numeric import (Fp64Mode, OutputCheck, SiteNumeric, check_site, compare, copy_graph_module,
+                                     flatten, fp64_copy, run_graph, to_fp64)
+from normfuse.verify.sites import pair_sites, site_order
+from normfuse.verify.symbolic import SymbolicResult, prove_site
+
+__all__ = ["check", "CheckResult", "SiteCheck", "register_cli", "check_graph_on_first_call"]
+
+
+@dataclass
+class SiteCheck:
+    """One rewritten site: its numeric check against the original subgraph and its proof."""
+
+    id: str
+    fqn: str | None
+    source: str | None
+    op: str | None
+    placement: str
+    kind: str
+    numeric: SiteNumeric
+    symbolic: SymbolicResult
+
+    @property
+    def passed(self) -> bool:
+        return self.numeric.passed and self.symbolic.status != "refuted"
+
+    @property
+    def reason(self) -> str | None:
+        if self.passed:
+            return None
+        parts = [] if self.numeric.passed else [self.numeric.reason]
+        if self.symbolic.status == "refuted":
+            parts.append(f"symbolic: refuted ({self.symbolic.detail})")
+        return "; ".join(p for p in parts if p)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "fqn": self.fqn, "source": self.source, "op": self.op, "placement": self.placement,
+                "kind": self.kind, "passed": self.passed, "reason": self.reason,
+                "numeric": self.numeric.to_dict(), "symbolic": self.symbolic.to_dict()}
+
+    def __str__(self) -> str:
+        return f"{self.id} {self.fqn or '?'} ({self.source or 'no source line'})"
+
+
+@dataclass
+class CheckResult:
+    """What ``normfuse.check`` found; ``print(res)`` gives the tables, ``res.to_dict()`` the data."""
+
+    ok: bool
+    outputs: list[OutputCheck] = field(default_factory=list)
+    sites: list[SiteCheck] = field(default_factory=list)
+    first_divergence: SiteCheck | None = None
+    by_design: bool = False             # Post-Norm -> Pre-Norm conversion: the function changes on purpose
+    structure_ok: bool | None = None    # the residual stream promise of that conversion
+    notes: list[str] = field(default_factory=list)
+    report: FusionReport | None = field(default=None, repr=False)
+
+    def summary(self) -> dict[str, Any]:
+        ratios = [o.ratio for o in self.outputs if o.ratio != float("inf")]
+        statuses = [s.symbolic.status for s in self.sites]
+        return {
+            "ok": self.ok, "outputs": len(self.outputs), "outputs_failed": sum(not o.passed for o in self.outputs),
+            "max_error_ratio": max(ratios, default=0.0),
+            "sites": len(self.sites), "sites_failed": sum(not s.passed for s in self.sites),
+            "proved": statuses.count("proved"), "refuted": statuses.count("refuted"),
+            "unsupported": statuses.count("unsupported"),
+            "max_site_ulp": max((o.ulp_max for s in self.sites for o in s.numeric.outputs), default=0.0),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"summary": self.summary(), "outputs": [o.to_dict() for o in self.outputs],
+                "sites": [s.to_dict() for s in self.sites],
+                "first_divergence": self.first_divergence.to_dict() if self.first_divergence else None,
+                "by_design": self.by_design, "structure_ok": self.structure_ok, "notes": list(self.notes)}
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), default=_json_default, **kwargs)
+
+    def __str__(self) -> str:
+        s = self.summary()
+        verdict = "EQUIVALENT" if self.ok else "NOT EQUIVALENT"
+        if self.by_design:
+            verdict = f"CHANGED BY DESIGN (Post-Norm -> Pre-Norm), structure {'kept' if self.structure_ok else 'NOT kept' if self.structure_ok is False else 'not checked'}"
+        lines = [f"normfuse check: {verdict}: {s['outputs'] - s['outputs_failed']}/{s['outputs']} outputs and "
+                 f"gradients pass, {s['sites'] - s['sites_failed']}/{s['sites']} sites pass "
+                 f"({s['proved']} proved, {s['refuted']} refuted, {s['unsupported']} unsupported); "
+                 f"largest error ratio {s['max_error_ratio']:.3g}"]
+        lines.append("")
+        lines.append(f"  {'output':48s} {'dtype':15s} {'err':>9s} {'err orig':>9s} {'ratio':>6s} {'bound':>9s} "
+                     f"{'ulp':>5s} {'diff%':>6s}  pass")
+        forward = [o for o in self.outputs if not o.name.startswith("grad:")]
+        grads = sorted((o for o in self.outputs if o.name.startswith("grad:")),
+                       key=lambda o: (o.passed, -o.ratio))
+        shown = forward + grads[:8]
+        for o in shown:
+            lines.append(f"  {o.name[:48]:48s} {o.dtype:15s} {o.max_abs:9.2e} {o.err_original:9.2e} "
+                         f"{o.ratio:6.2f} {o.tolerance:9.2e} {o.ulp_max:5.0f} {100 * o.mismatch:6.2f}  "
+                         f"{'ok' if o.passed else 'FAIL: ' + str(o.reason)}")
+        if len(grads) > 8:
+            rest = grads[8:]
+            lines.append(f"  ... {len(rest)} more gradients, {sum(o.passed for o in rest)} pass")
+        if self.sites:
+            lines.append("")
+            lines.append(f"  {'site':8s} {'fqn':40s} {'op':9s} {'ulp':>4s} {'diff%':>6s} {'symbolic':12s} result")
+            for site in self.sites:
+                outs = site.numeric.outputs
+                ulp = max((o.ulp_max for o in outs), default=0.0)
+                diff = max((o.mismatch for o in outs), default=0.0)
+                sym = site.symbolic.status
+                lines.append(f"  {site.id:8s} {(site.fqn or '?')[:40]:40s} {site.op or '?':9s} {ulp:4.0f} "
+                             f"{100 * diff:6.2f} {sym:12s} {'ok' if site.passed else 'FAIL: ' + str(site.reason)}")
+        if self.first_divergence is not None:
+            lines.append("")
+            lines.append(f"first divergence: {self.first_divergence}")
+        for note in self.notes:
+            lines.append(f"note: {note}")
+        return "\n".join(lines)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, float):
+        return str(value)
+    return str(value)
+
+
+# --------------------------------------------------------------------------- runs
+
+def _inputs_with_grad(args: tuple, kwargs: dict, backward: bool) -> tuple[tuple, dict, list[tuple[str, torch.Tensor]]]:
+    """Fresh copies of the floating inputs (requiring grad when ``backward``) and their names."""
+    leaves: list[tuple[str, torch.Tensor]] = []
+
+    def fresh(name, value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            value = value.detach().clone().requires_grad_(backward)
+            leaves.append((name, value))
+        return value
+
+    new_args = tuple(fresh(f"input[{i}]", a) for i, a in enumerate(args))
+    new_kwargs = {k: fresh(f"input.{k}", v) for k, v in kwargs.items()}
+    return new_args, new_kwargs, leaves
+
+
+def _named_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(name.removeprefix("_orig_mod."), p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def _run(model: nn.Module, args: tuple, kwargs: dict, backward: bool, seed: int,
+         fp64: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | None]]:
+    """Forward (and backward) of one model: (outputs by name, gradients by name).
+
+    The backward pulls a fixed random cotangent (drawn in fp64 from ``seed``, then cast to
+    each output's dtype) through every floating output."""
+    args, kwargs, leaves = _inputs_with_grad(args, kwargs, backward)
+    with torch.set_grad_enabled(backward), (Fp64Mode() if fp64 else contextlib.nullcontext()):
+        out = model(*args, **kwargs)
+    outputs = dict(flatten(out))
+    grads: dict[str, torch.Tensor | None] = {}
+    if backward:
+        cotangents = _cotangents(outputs, seed)
+        differentiable = [(k, v) for k, v in outputs.items() if v.requires_grad and v.is_floating_point()]
+        wrt = leaves + _named_parameters(model)
+        if differentiable and wrt:
+            got = torch.autograd.grad([v for _, v in differentiable],
+                                      [t for _, t in wrt],
+                                      [cotangents[k].to(v.dtype) for k, v in differentiable], allow_unused=True)
+            grads = {f"grad:{name}": g for (name, _), g in zip(wrt, got)}
+    return {k: v.detach() for k, v in outputs.items()}, grads
+
+
+def _cotangents(outputs: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=g, dtype=torch.float64).to(v.device)
+            for k, v in outputs.items() if v.is_floating_point()}
+
+
+class _Recorder:
+    """A dynamo backend that keeps each captured graph (untouched) and its first call's inputs."""
+
+    def __init__(self):
+        self.graphs: list[tuple[fx.GraphModule, list[Any] | None]] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):
+        entry = [copy_graph_module(gm), None]
+        self.graphs.append(entry)
+
+        def forward(*args):
+            if entry[1] is None:
+                entry[1] = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+            return gm.forward(*args)
+
+        return forward
+
+
+def _capture(model: nn.Module, args: tuple, kwargs: dict) -> list[tuple[fx.GraphModule, list[Any]]]:
+    recorder = _Recorder()
+    with torch.no_grad():
+        torch.compile(model, backend=recorder)(*args, **kwargs)
+    return [(gm, inputs) for gm, inputs in recorder.graphs if inputs is not None]
+
+
+# --------------------------------------------------------------------------- sites
+
+def _placeholders(gm: fx.GraphModule) -> list[str]:
+    return [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def check_sites(report: FusionReport, originals: list[tuple[fx.GraphModule, list[Any]]],
+                notes: list[str]) -> list[SiteCheck]:
+    """Numeric and symbolic check of every fused site of ``report`` against ``originals``
+    (the untouched captures with their inputs), matched to the rewritten graphs by inputs."""
+    checks: list[SiteCheck] = []
+    used: set[int] = set()
+    for g, rewritten in enumerate(report.graph_modules):
+        sites = [s for s in report.sites if s.graph == g]
+        if not any(s.fused for s in sites):
+            continue
+        same = [i for i, (gm, _) in enumerate(originals) if _placeholders(gm) == _placeholders(rewritten)]
+        match = next((i for i in same if i not in used), same[0] if same else None)
+        if match is None:
+            notes.append(f"graph {g}: no captured original graph has the same inputs; its sites were not "
+                         "localized (was the optimized model run on other inputs?)")
+            continue
+        used.add(match)
+        checks += check_graph_sites(*originals[match], rewritten, sites)
+    return sorted(checks, key=lambda c: site_order(c.id))
+
+
+def check_graph_sites(original: fx.GraphModule, inputs: list[Any], rewritten: fx.GraphModule,
+                      sites: list[Site]) -> list[SiteCheck]:
+    """Every fused site of one rewritten graph, against the original graph run on ``inputs``."""
+    _, env = run_graph(original, inputs)
+    checks = []
+    for pair in pair_sites(original, rewritten, sites):
+        s = pair.site
+        numeric = check_site(original, pair, env) if not s.converted else SiteNumeric(
+            reason="converted from Post-Norm to Pre-Norm: no original subgraph to compare with")
+        checks.append(SiteCheck(s.id, s.fqn, s.source, s.op, s.placement, s.kind, numeric, prove_site(pair)))
+    return checks
+
+
+def _structure(report: FusionReport, notes: list[str]) -> bool | None:
+    try:
+        from normfuse.passes import prenorm
+        check_structure = prenorm.check_structure
+    except (ImportError, AttributeError):
+        notes.append("the Post-Norm -> Pre-Norm structure check (normfuse.passes.prenorm.check_structure) is not "
+                     "available in this build: structure_ok is unknown")
+        return None
+    ok, message = check_structure(report.graph_modules)
+    if message:
+        notes.append(f"structure: {message}")
+    return bool(ok)
+
+
+# --------------------------------------------------------------------------- the API
+
+def _progress(callback: Callable[[str], None] | None, message: str) -> None:
+    if callback is not None:
+        callback(message)
+
+
+def check(model: nn.Module, *example_args: Any, optimized: nn.Module | None = None, backward: bool = True,
+          seed: int = 0, progress: Callable[[str], None] | None = None, **example_kwargs: Any) -> CheckResult:
+    """Check that ``optimized`` (default: ``normfuse.optimize`` of a deep copy of ``model``) computes
+    what ``model`` computes, output by output, gradient by gradient and site by site.
+
+    example_args / example_kwargs: the inputs; made for transformers models and
+    ``zoo.ToyTransformer`` when none are given. backward: also compare the gradients of
+    floating inputs and of every parameter. progress: called with a line per stage.
+    ``model`` itself is never changed.
+    """
+    if not isinstance(model, nn.Module):
+        raise InvalidModelError(f"check takes the original torch.nn.Module, got {type(model).__name__}.")
+    if optimized is not None and not isinstance(optimized, nn.Module):
+        raise InvalidModelError(f"optimized must be an nn.Module optimized by normfuse, got "
+                                f"{type(optimized).__name__}.")
+    import normfuse
+
+    args, kwargs = example_args, example_kwargs
+    if not args and not kwargs:
+        from normfuse.targets import make_inputs
+        try:
+            args, kwargs = make_inputs(model)
+        except NormfuseError as error:
+            raise InvalidModelError(f"no example inputs given and none can be made: {error} Pass them: "
+                                    "normfuse.check(model, *args, **kwargs).") from error
+    notes: list[str] = []
+    if model.training:
+        notes.append("the model is in training mode: dropout makes runs differ; call model.eval() first")
+    if optimized is None:
+        _progress(progress, "optimizing a deep copy")
+        optimized = normfuse.optimize(copy.deepcopy(model))
+    _progress(progress, "running the original, the optimized model and the fp64 reference")
+    out_orig, grad_orig = _run(model, args, kwargs, backward, seed)
+    out_new, grad_new = _run(optimized, args, kwargs, backward, seed)
+    out_ref, grad_ref = _run(fp64_copy(model), to_fp64(args), to_fp64(kwargs), backward, seed, fp64=True)
+    report = normfuse.report(optimized)
+    outputs = _compare_all({**out_orig, **grad_orig}, {**out_new, **grad_new}, {**out_ref, **grad_ref})
+
+    _progress(progress, "capturing the original graph to localize")
+    originals = _capture(model, args, kwargs)
+    if not originals:
+        notes.append("dynamo captured no graph of the original model (recompile limit reached? call "
+                      "torch._dynamo.reset()): sites were not localized")
+    _progress(progress, f"checking {len(report.fused)} rewritten sites (numeric and symbolic)")
+    sites = check_sites(report, originals, notes) if originals else []
+    return _result(outputs, sites, report, notes)
+
+
+def _compare_all(orig: dict, new: dict, ref: dict) -> list[OutputCheck]:
+    checks = []
+    for name, base in orig.items():
+        cand, reference = new.get(name), ref.get(name)
+        if base is None and cand is None:
+            continue
+        if not isinstance(base, torch.Tensor) or not base.is_floating_point():
+            if isinstance(base, torch.Tensor) and isinstance(cand, torch.Tensor) and not torch.equal(base, cand):
+                checks.append(OutputCheck(name, str(base.dtype), tuple(base.shape), float("inf"), float("inf"), 0.0,
+                                          0.0, float("inf"), float("inf"), 1.0, False, "integer output differs"))
+            continue
+        if cand is None or reference is None:
+            checks.append(OutputCheck(name, str(base.dtype), tuple(base.shape), float("inf"), float("inf"), 0.0, 0.0,
+                                      float("inf"), float("inf"), 1.0, False,
+                                      "missing in the optimized model" if cand is None else "missing in fp64"))
+            continue
+        checks.append(compare(name, cand, base, reference))
+    return checks
+
+
+def _result(outputs: list[OutputCheck], sites: list[SiteCheck], report: FusionReport,
+            notes: list[str]) -> CheckResult:
+    by_design = any(s.converted for s in report.sites)
+    failing = [s for s in sites if not s.passed]
+    res = CheckResult(ok=False, outputs=outputs, sites=sites, first_divergence=failing[0] if failing else None,
+                      by_design=by_design, notes=notes, report=report)
+    if by_design:
+        res.structure_ok = _structure(report, notes)
+        worst = max((o.ratio for o in outputs), default=0.0)
+        notes.append(f"Post-Norm -> Pre-Norm changes the function by design: outputs deviate from the original "
+                     f"by up to {worst:.3g}x the original's own error; the structure is what is checked")
+        res.ok = res.structure_ok is True
+    else:
+        res.ok = all(o.passed for o in outputs) and not failing
+    return res
+
+
+# --------------------------------------------------------------------------- inside the backend
+
+def check_graph_on_first_call(gm: fx.GraphModule, graph_report: FusionReport, example_inputs: list[Any],
+                              original: fx.GraphModule | None = None) -> fx.GraphModule:
+    """The check behind ``FuseConfig(check=True)``: run the rewritten graph, the original graph
+    and its fp64 reference once on the first call's inputs, hold every graph output and every
+    fused site to the rule, and warn (RuntimeWarning naming the first diverging site) when it
+    fails. Returns the GraphModule to run (``gm`` itself)."""
+    if original is None:
+        message = ("normfuse check=True: the backend did not pass the original graph, so this graph was not "
+                   "checked")
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        graph_report.warnings.append(message)
+        return gm
+    if not any(isinstance(a, torch._subclasses.FakeTensor) for a in example_inputs):
+        _check_graph(gm, graph_report, example_inputs, original)
+        return gm
+    checked = [False]
+    forward = gm.forward
+
+    def first_call(*args):
+        if not checked[0]:
+            checked[0] = True
+            _check_graph(gm, graph_report, list(args), original)
+        return forward(*args)
+
+    gm.forward = first_call  # the instance attribute wins over the class's forward
+    return gm
+
+
+def _check_graph(gm: fx.GraphModule, graph_report: FusionReport, inputs: list[Any],
+                 original: fx.GraphModule) -> None:
+    inputs = [a.detach() if isinstance(a, torch.Tensor) else a for a in inputs]
+    new_out, _ = run_graph(gm, inputs)
+    orig_out, _ = run_graph(original, inputs)
+    ref_out, _ = run_graph(original, inputs, fp64=True)
+    outputs = _compare_all(dict(flatten(orig_out)), dict(flatten(new_out)), dict(flatten(ref_out)))
+    notes: list[str] = []
+    sites = sorted(check_graph_sites(original, inputs, gm, graph_report.sites), key=lambda c: site_order(c.id))
+    res = _result(outputs, sites, graph_report, notes)
+    if not res.ok:
+        where = f"; first diverging site: {res.first_divergence}" if res.first_divergence else ""
+        bad = [o.name for o in outputs if not o.passed]
+        message = (f"normfuse check: the rewritten graph does not keep the original's numbers"
+                   f"{where}" + (f"; outputs failing: {', '.join(bad[:5])}" if bad else "") +
+                   ". Exclude the site with FuseConfig(filter_fn=...) and report it.")
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        graph_report.warnings.append(message)
+
+
+# --------------------------------------------------------------------------- command line
+
+def register_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "check", help="check that fusing a model keeps its outputs, gradients and every site's math",
+        description="Optimize a copy of the model, then compare it with the original and an fp64 reference "
+                    "(forward and backward), localize each rewritten site and prove it symbolically. "
+                    "Exit code 0 when equivalent, 1 when not, 2 when the target cannot be loaded.")
+    p.add_argument("target", help="hf:<model_type> | path/to/config.json | file.py:factory | package.module:factory")
+    p.add_argument("--dtype", default="fp32", help="parameter/activation dtype: fp32 (default), bf16, fp16")
+    p.add_argument("--layers", type=int, default=None, help="layer count of a transformers config")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="change a config field (hf/config.json) or pass a factory keyword; repeatable")
+    p.add_argument("--full", action="store_true",
+                   help="hf:<model_type>: the config's own sizes (default: shrunk to 2 layers, hidden 64)")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=8)
+    p.add_argument("--no-backward", action="store_true", help="compare the forward outputs only")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=_run_cli)
+
+
+def _load(args):
+    from normfuse import targets, zoo
+
+    overrides = targets.parse_overrides(args.set)
+    dtype = targets.parse_dtype(args.dtype)
+    if args.target.startswith("hf:") and not args.full:
+        model_type = args.target[3:].strip()
+        targets._hf_config_for_type(model_type)  # the loader's message for an unknown type
+        tiny = {k: v for k, v in zoo.TINY_HF.items() if k not in overrides}
+        config = zoo.hf_config(model_type, tiny=False)
+        unknown = [k for k in overrides if not hasattr(config, k)]
+        if unknown:
+            return targets.load_target(args.target, layers=args.layers, overrides=overrides, dtype=dtype,
+                                       batch=args.batch, seq=args.seq)
+        fields = {k: v for k, v in tiny.items() if hasattr(config, k)}
+        if args.layers is not None:
+            fields.update({f: args.layers for f in targets.LAYER_FIELDS if hasattr(config, f)})
+        model = zoo.hf_model(model_type, dtype=dtype or torch.float32, **fields, **overrides)
+        margs, mkwargs = targets.make_inputs(model, args.batch, args.seq)
+        return model, margs, mkwargs
+    return targets.load_target(args.target, layers=args.layers, overrides=overrides, dtype=dtype,
+                               batch=args.batch, seq=args.seq)
+
+
+def _run_cli(args) -> int:
+    from normfuse.errors import TargetError
+
+    started = time.perf_counter()
+
+    def progress(message: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    progress(f"loading {args.target}")
+    try:
+        model, margs, mkwargs = _load(args)
+    except (TargetError, NormfuseError) as error:
+        print(f"normfuse check: {error}", file=sys.stderr)
+        return 2
+    res = check(model, *margs, backward=not args.no_backward, progress=progress, **mkwargs)
+    progress("done")
+    print(res.to_json(indent=2) if args.json else res)
+    return 0 if res.ok else 1

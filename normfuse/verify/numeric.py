@@ -1,0 +1,279 @@
+"""Numeric checking: rewritten vs original vs an fp64 reference of the original.
+
+Whole model: run the original, the rewritten and an fp64 copy of the original (every
+in-graph cast redirected to fp64) on the same inputs, forward and backward, and apply
+the project's rule (``normfuse.tolerances.within_tolerance``) to every output and
+gradient.
+
+Per site: evaluate each fused call on the values that reached its original subgraph
+in a run of the original graph, and hold it to that subgraph on three counts:
+- same dtype and shape as the value it replaced;
+- the accuracy rule against the subgraph evaluated in fp64 (catches changed math);
+- the rounding budget of ``normfuse.tolerances.ROUNDING_BUDGET`` against the subgraph in
+  its own dtype: a faithful rewrite differs only where the order of the row reduction
+  flips a rounding (catches a moved or dropped rounding point).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.overrides import TorchFunctionMode
+
+from normfuse.tolerances import rounding_budget, within_tolerance
+from normfuse.verify.sites import SitePair
+
+__all__ = ["Fp64Mode", "fp64_copy", "to_fp64", "flatten", "OutputCheck", "compare", "ulp_diff",
+           "run_graph", "copy_graph_module", "SiteNumeric", "check_site"]
+
+F64 = torch.float64
+
+
+# --------------------------------------------------------------------------- fp64 reference
+
+def _widen(value: Any) -> Any:
+    if isinstance(value, torch.dtype) and value.is_floating_point:
+        return F64
+    return value
+
+
+class Fp64Mode(TorchFunctionMode):
+    """Redirects every cast to a floating dtype (and every ``dtype=`` of a float) to fp64.
+
+    ``.to(bf16)``, ``.float()``, ``.half()``, ``.type(...)``, ``.type_as(t)`` and
+    ``torch.zeros(..., dtype=torch.float32)`` all produce fp64, so a model copied to
+    fp64 computes in fp64 everywhere, including where its code rounds on purpose.
+    """
+
+    _TO_DOUBLE = {torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in self._TO_DOUBLE:
+            return args[0].double()
+        if func is torch.Tensor.type_as or (func is torch.Tensor.to and args[1:2] and
+                                             isinstance(args[1], torch.Tensor)):
+            other = args[1]
+            if other.dtype.is_floating_point and args[0].dtype.is_floating_point:
+                return args[0].to(F64)
+            return func(*args, **kwargs)
+        if func is torch.Tensor.type and (args[1:2] or "dtype" in kwargs):
+            target = args[1] if args[1:2] else kwargs["dtype"]
+            if isinstance(target, str):
+                target = getattr(torch, target.split(".")[-1].replace("Tensor", "").lower() or "float", None)
+            if isinstance(target, torch.dtype) and target.is_floating_point:
+                return args[0].to(F64)
+        if "dtype" in kwargs:
+            kwargs["dtype"] = _widen(kwargs["dtype"])
+        args = tuple(_widen(a) for a in args)
+        return func(*args, **kwargs)
+
+
+def to_fp64(value: Any) -> Any:
+    """Floating tensors (in any nesting of tuples, lists, dicts) to fp64; the rest as is."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(F64) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_fp64(v) for v in value) if not hasattr(value, "_fields") else \
+            type(value)(*(to_fp64(v) for v in value))
+    if isinstance(value, dict):
+        return {k: to_fp64(v) for k, v in value.items()}
+    return value
+
+
+def fp64_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` with every floating parameter and buffer in fp64."""
+    model64 = copy.deepcopy(model)
+    return model64.to(F64)
+
+
+# --------------------------------------------------------------------------- outputs
+
+def flatten(value: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Named tensors of a model output: tensors, tuples, lists, dicts, ModelOutputs."""
+    if isinstance(value, torch.Tensor):
+        return [(prefix or "output", value)]
+    items: list[tuple[str, torch.Tensor]] = []
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            items += flatten(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            items += flatten(v, f"{prefix}[{i}]")
+    return items
+
+
+def ulp_diff(candidate: torch.Tensor, baseline: torch.Tensor) -> tuple[float, float]:
+    """(max, fraction of elements that differ) of |candidate - baseline| in ulps of baseline's dtype."""
+    dtype = baseline.dtype
+    if not dtype.is_floating_point or baseline.numel() == 0:
+        return 0.0, 0.0
+    c, b = candidate.to(dtype), baseline
+    finite = b.isfinite() & c.isfinite()
+    ulp = (torch.nextafter(b.abs(), torch.full_like(b, float("inf"))) - b.abs()).double()
+    diff = (c.double() - b.double()).abs()
+    ulps = torch.where(finite, diff / ulp, torch.zeros_like(diff))
+    differ = (c != b) & finite
+    return float(ulps.max()), float(differ.double().mean())
+
+
+@dataclass
+class OutputCheck:
+    """One output (or gradient) held to the rule ``err(new) <= m * err(original) + atol``."""
+
+    name: str
+    dtype: str
+    shape: tuple
+    max_abs: float            # max |new - fp64|
+    max_rel: float            # max_abs / max |fp64|
+    err_original: float       # max |original - fp64|
+    tolerance: float          # the bound max_abs must stay under
+    ratio: float              # max_abs / err_original (inf when the original is exact and new is not)
+    ulp_max: float            # max |new - original| in ulps of the dtype
+    mismatch: float           # fraction of elements where new != original
+    passed: bool
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+
+def _ratio(err: float, base: float) -> float:
+    if base > 0:
+        return err / base
+    return 0.0 if err == 0 else float("inf")
+
+
+def compare(name: str, candidate: torch.Tensor, baseline: torch.Tensor, reference: torch.Tensor,
+            fidelity: bool = False) -> OutputCheck:
+    """The project rule for one tensor; ``fidelity`` adds the rounding budget (per-site checks)."""
+    dtype = baseline.dtype
+    reason = None
+    if candidate.dtype != baseline.dtype:
+        reason = f"dtype {candidate.dtype} where the original has {baseline.dtype}"
+    if candidate.shape != baseline.shape:
+        if candidate.numel() == baseline.numel():
+            candidate = candidate.reshape(baseline.shape)
+        else:
+            reason = f"shape {tuple(candidate.shape)} where the original has {tuple(baseline.shape)}"
+            return OutputCheck(name, str(dtype), tuple(baseline.shape), float("inf"), float("inf"), 0.0, 0.0,
+                               float("inf"), float("inf"), 1.0, False, reason)
+    ok, err_c, err_b, bound = within_tolerance(candidate.detach(), baseline.detach(), reference.detach(), dtype)
+    ulp_max, mismatch = ulp_diff(candidate.detach(), baseline.detach())
+    if reason is None and not ok:
+        reason = f"error {err_c:.3g} over the bound {bound:.3g} (original's error {err_b:.3g})"
+    if reason is None and fidelity:
+        max_ulps, max_fraction = rounding_budget(dtype)
+        if ulp_max > max_ulps or mismatch > max_fraction:
+            reason = (f"rounds differently from the original: {mismatch:.1%} of elements differ, by up to "
+                      f"{ulp_max:.3g} ulp (budget: {max_fraction:.1%}, {max_ulps:g} ulp)")
+    mag = reference.detach().double().abs().max().item() if reference.numel() else 0.0
+    return OutputCheck(name, str(dtype), tuple(baseline.shape), err_c, err_c / mag if mag > 0 else err_c, err_b,
+                       bound, _ratio(err_c, err_b), ulp_max, mismatch, reason is None, reason)
+
+
+# --------------------------------------------------------------------------- graphs
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` with its own graph (same node names and metadata), sharing its modules."""
+    graph = fx.Graph(owning_module=gm, tracer_cls=getattr(gm.graph, "_tracer_cls", None))
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+
+
+def _run_node(gm: fx.GraphModule, node: fx.Node, load: Callable[[Any], Any]) -> Any:
+    args = fx.node.map_arg(node.args, load)
+    kwargs = fx.node.map_arg(node.kwargs, load)
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    if node.op == "call_module":
+        return gm.get_submodule(node.target)(*args, **kwargs)
+    if node.op == "get_attr":
+        obj = gm
+        for part in node.target.split("."):
+            obj = getattr(obj, part)
+        return obj
+    raise ValueError(f"cannot evaluate node {node.name} ({node.op})")
+
+
+def run_graph(gm: fx.GraphModule, args: list[Any], fp64: bool = False) -> tuple[Any, dict[fx.Node, Any]]:
+    """Run ``gm`` node by node on ``args``; returns (output, every node's value).
+
+    ``fp64``: floating inputs widened and every cast redirected to fp64 (the reference)."""
+    env: dict[fx.Node, Any] = {}
+    inputs = iter(to_fp64(list(args)) if fp64 else args)
+    load = env.__getitem__
+    mode = Fp64Mode() if fp64 else None
+    with torch.no_grad(), (mode if mode is not None else contextlib.nullcontext()):
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(inputs)
+            elif node.op == "output":
+                return fx.node.map_arg(node.args[0], load), env
+            else:
+                env[node] = _run_node(gm, node, load)
+    return None, env
+
+
+# --------------------------------------------------------------------------- per site
+
+@dataclass
+class SiteNumeric:
+    """A fused call evaluated on what reached its original subgraph."""
+
+    outputs: list[OutputCheck] = field(default_factory=list)
+    passed: bool = True
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "reason": self.reason, "outputs": [o.to_dict() for o in self.outputs]}
+
+
+def _subgraph_values(gm: fx.GraphModule, pair: SitePair, env: dict[fx.Node, Any], fp64: bool) -> dict:
+    values: dict[fx.Node, Any] = {}
+
+    def load(node):
+        if node in values:
+            return values[node]
+        value = env[node]
+        return to_fp64(value) if fp64 else value
+
+    mode = Fp64Mode() if fp64 else contextlib.nullcontext()
+    with torch.no_grad(), mode:
+        for node in pair.nodes:
+            values[node] = _run_node(gm, node, load)
+    return values
+
+
+def check_site(gm: fx.GraphModule, pair: SitePair, env: dict[fx.Node, Any]) -> SiteNumeric:
+    """Hold one fused call to its original subgraph; ``env``: values of a run of the original graph."""
+    result = SiteNumeric()
+    if pair.problem:
+        result.passed, result.reason = False, pair.problem
+        return result
+    args = [env.get(a, a) if isinstance(a, fx.Node) else a for a in pair.args.values()]
+    with torch.no_grad():
+        got = pair.call.target(*args, **pair.call.kwargs)
+    ref = _subgraph_values(gm, pair, env, fp64=True)
+    for k, orig in pair.outputs:
+        if got[k] is None:
+            result.outputs.append(OutputCheck(f"{orig.name}", "", (), float("inf"), float("inf"), 0.0, 0.0,
+                                              float("inf"), float("inf"), 1.0, False,
+                                              f"the fused call returned no value for {orig.name}"))
+            continue
+        result.outputs.append(compare(orig.name, got[k], env[orig], ref[orig], fidelity=True))
+    failed = [o for o in result.outputs if not o.passed]
+    if failed:
+        result.passed = False
+        result.reason = "; ".join(f"{o.name}: {o.reason}" for o in failed)
+    return result

@@ -1,0 +1,171 @@
+"""Pair each rewritten site with the original subgraph it replaced.
+
+The checker holds two graphs of the same capture: the original (as dynamo gave it) and
+the rewritten one (``FusionReport.graph_modules``). The rewrite copies the graph keeping
+node names, so every node it did not touch has the same name in both. Each fused call
+replaced some original nodes: its outputs stand for the norm's output, the residual
+sum and the add after the norm. Analyzing the original graph again (the pass is
+deterministic) gives, per site, the nodes the rewrite removed.
+
+A ``SitePair`` says, for one fused call:
+- ``nodes``: the original subgraph (graph order) the call stands for;
+- ``inputs``: the original values that subgraph reads (its boundary);
+- ``outputs``: (call output index, original node it replaced);
+- ``args``: the original node each tensor argument of the call carries (None for None).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx as fx
+
+from normfuse.passes.pipeline import analyze
+from normfuse.passes.rewrite import FUSED_TARGETS
+from normfuse.reporting import Site
+
+__all__ = ["SitePair", "pair_sites", "fused_calls", "site_order"]
+
+_ARG_ROLES = ("x", "residual", "weight", "bias")
+
+
+@dataclass
+class SitePair:
+    site: Site
+    call: fx.Node | None = None                 # the fused call in the rewritten graph
+    nodes: list[fx.Node] = field(default_factory=list)
+    inputs: list[fx.Node] = field(default_factory=list)
+    outputs: list[tuple[int, fx.Node]] = field(default_factory=list)
+    args: dict[str, Any] = field(default_factory=dict)   # role -> original node / None / constant
+    eps: float | None = None                     # the eps the original subgraph uses
+    problem: str | None = None                   # why the pair could not be formed
+
+
+def fused_calls(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in FUSED_TARGETS]
+
+
+def site_order(site: Site | str) -> tuple[int, int]:
+    """(graph, number) of a site or site id 'g1.s3'."""
+    g, s = (site if isinstance(site, str) else site.id).split(".", 1)
+    return int(g.lstrip("g")), int(s.lstrip("s"))
+
+
+def _op_name(call: fx.Node) -> str:
+    return "norm_add" if call.target.__name__ == "norm_add" else ("add_norm" if call.args[1] is not None else "norm")
+
+
+def _operand_prep(index, add, operands) -> list[fx.Node]:
+    """The casts / constant scaling between an add and the operands the kernel reads."""
+    prep = []
+    for arg in add.all_input_nodes:
+        cur = arg
+        while isinstance(cur, fx.Node) and cur not in operands:
+            c = index.canon(cur)
+            if c is None or c.prim not in ("cast", "mul"):
+                break
+            prep.append(cur)
+            nxt = c["input"]
+            if c.prim == "mul" and not isinstance(nxt, fx.Node):
+                nxt = c["other"]
+            cur = nxt
+    return prep
+
+
+def _subgraph(index, state, op: str) -> tuple[list[fx.Node], list[tuple[int, fx.Node]]]:
+    """Original nodes a fused call of ``op`` stands for, and which output replaced which node."""
+    m = state.match
+    nodes = list(m.nodes)
+    if op == "add_norm":
+        add = state.in_add
+        nodes += [add.node, *add.chain, *_operand_prep(index, add.node, set(add.operands))]
+        outputs = [(0, m.output), (1, add.node)]
+    elif op == "norm_add":
+        out = state.out_add
+        nodes += [out.node, *_operand_prep(index, out.node, set(out.operands) | {m.output})]
+        outputs = [(0, out.node), (1, m.output)]
+    else:
+        outputs = [(0, m.output)]
+    unique = sorted(set(nodes), key=index.order.__getitem__)
+    return unique, outputs
+
+
+def _boundary(nodes: list[fx.Node]) -> list[fx.Node]:
+    inside = set(nodes)
+    seen: list[fx.Node] = []
+    for n in nodes:
+        for p in n.all_input_nodes:
+            if p not in inside and p not in seen:
+                seen.append(p)
+    return seen
+
+
+def pair_sites(original: fx.GraphModule, rewritten: fx.GraphModule, sites: list[Site]) -> list[SitePair]:
+    """One SitePair per fused site of one graph (``sites``: the report's sites of that graph)."""
+    index, states = analyze(original.graph)
+    by_name = {n.name: n for n in original.graph.nodes}
+    fused = sorted((s for s in sites if s.fused), key=site_order)
+    calls = fused_calls(rewritten.graph)
+    pairs: list[SitePair] = []
+    produced: dict[fx.Node, fx.Node] = {}   # rewritten node -> original node whose value it holds
+
+    def original_of(value: Any) -> Any:
+        if not isinstance(value, fx.Node):
+            return value
+        if value in produced:
+            return produced[value]
+        return by_name.get(value.name, _Unmapped(value.name))
+
+    if len(calls) != len(fused):
+        message = (f"the rewritten graph has {len(calls)} fused calls but the report lists {len(fused)} fused "
+                   "sites; the graphs do not belong together")
+        return [SitePair(site=s, problem=message) for s in fused]
+    for site, call in zip(fused, calls):
+        pair = SitePair(site=site, call=call)
+        pairs.append(pair)
+        number = site_order(site)[1]
+        kind = call.kwargs.get("kind")
+        if number >= len(states) or states[number].match.kind != kind:
+            pair.problem = (f"site {site.id} ({site.kind}) does not line up with the fused call {call.name} "
+                            f"({kind}) when the original graph is analyzed again")
+            continue
+        state = states[number]
+        op = _op_name(call)
+        if site.op and site.op != op:
+            pair.problem = f"the report says {site.id} became {site.op} but the graph calls {op}"
+        try:
+            pair.nodes, outputs = _subgraph(index, state, site.op or op)
+        except AttributeError as error:  # the analysis found no add where the report says one was fused
+            pair.problem = f"the original subgraph of {site.id} cannot be rebuilt ({error})"
+            continue
+        pair.inputs = _boundary(pair.nodes)
+        pair.eps = state.match.eps
+        for role, arg in zip(_ARG_ROLES, call.args):
+            pair.args[role] = original_of(arg)
+        unmapped = [f"{r}={a.name}" for r, a in pair.args.items() if isinstance(a, _Unmapped)]
+        if unmapped and pair.problem is None:
+            pair.problem = ("arguments of the fused call have no counterpart in the original graph: "
+                            + ", ".join(unmapped))
+        getitems = {u.args[1]: u for u in call.users if u.target is operator.getitem}
+        for k, orig in outputs:
+            item = getitems.get(k)
+            if item is None:
+                continue
+            pair.outputs.append((k, orig))
+            produced[item] = orig
+            for user in item.users:  # a reshape the rewrite inserted stands for the norm's output
+                if user.name not in by_name and user.op == "call_method" and user.target == "reshape":
+                    produced[user] = orig
+    return pairs
+
+
+class _Unmapped:
+    """A rewritten-graph value with no original counterpart (named for the message)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<unmapped {self.name}>"

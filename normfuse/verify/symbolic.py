@@ -1,0 +1,295 @@
+"""Symbolic checking: per site, the original subgraph equals the fused op's formula.
+
+Both sides become sympy expressions over one symbolic row of length ``ROW`` (x, the
+residual, the weight and the bias are rows of symbols, eps is a symbol): the original
+subgraph node by node through the canonical view, the fused call from its keyword
+arguments and the defining formula of ``normfuse.kernels.add_norm``. Casts, views and
+identity dropout are identities in exact arithmetic; the rounding points are the
+numeric checker's business.
+
+Equality is decided by algebra: every ``base**(k/2)`` becomes ``t**k`` for a positive
+symbol ``t`` per distinct (expanded) base, the difference is brought over one
+denominator and its numerator reduced modulo ``t**2 - base``. Only when that does not
+reach zero are random rational points substituted; a nonzero value refutes, zeros at
+every point are reported as such (``method``), never as an algebraic proof.
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import sympy
+import torch.fx as fx
+
+from normfuse.passes.canonical import canonical, node_shape
+from normfuse.verify.sites import SitePair
+
+__all__ = ["ROW", "SymbolicResult", "prove_site"]
+
+ROW = 4          # length of the symbolic row
+_POINTS = 3      # random rational points tried when algebra cannot decide
+
+
+@dataclass
+class SymbolicResult:
+    status: str                 # "proved" | "refuted" | "unsupported"
+    method: str | None = None   # "algebra" | "algebra (t^2 = base)" | "random rational points"
+    detail: str | None = None   # why unsupported / where it differs
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Unsupported(Exception):
+    pass
+
+
+# --------------------------------------------------------------------------- rows
+
+def _row(name: str, n: int) -> list:
+    return [sympy.Symbol(f"{name}{i}", real=True) for i in range(n)]
+
+
+def _bcast(a: list, b: list) -> tuple[list, list]:
+    if len(a) == len(b):
+        return a, b
+    if len(a) == 1:
+        return a * len(b), b
+    if len(b) == 1:
+        return a, b * len(a)
+    raise _Unsupported(f"rows of lengths {len(a)} and {len(b)} do not broadcast")
+
+
+def _elementwise(fn, *rows):
+    rows = [r if isinstance(r, list) else [r] for r in rows]
+    if len(rows) == 2:
+        rows = list(_bcast(*rows))
+    return [fn(*vals) for vals in zip(*rows)]
+
+
+def _const(value: Any, eps: float | None, eps_sym) -> Any:
+    if isinstance(value, bool):
+        return sympy.Integer(int(value))
+    if isinstance(value, int):
+        return sympy.Integer(value)
+    if isinstance(value, float):
+        if eps is not None and value == eps:
+            return eps_sym
+        return sympy.Rational(value)
+    return value
+
+
+def _mean(row: list) -> list:
+    return [sympy.Add(*row) / len(row)]
+
+
+def _var(row: list, unbiased: bool) -> list:
+    m = _mean(row)[0]
+    return [sympy.Add(*[(v - m) ** 2 for v in row]) / (len(row) - (1 if unbiased else 0))]
+
+
+def _norm(kind: str, s: list, weight, bias, eps_expr, offset=0) -> list:
+    if kind == "layer_norm":
+        m = _mean(s)[0]
+        rho = (_var(s, False)[0] + eps_expr) ** sympy.Rational(-1, 2)
+        n = [(v - m) * rho for v in s]
+    elif kind == "rms_norm":
+        rho = (sympy.Add(*[v ** 2 for v in s]) / len(s) + eps_expr) ** sympy.Rational(-1, 2)
+        n = [v * rho for v in s]
+    else:
+        raise _Unsupported(f"no formula for norm kind {kind!r}")
+    if weight is not None:
+        n = _elementwise(lambda a, w: a * (w + offset), n, weight)
+    if bias is not None:
+        n = _elementwise(operator.add, n, bias)
+    return n
+
+
+# --------------------------------------------------------------------------- the original subgraph
+
+def _eval_node(node: fx.Node, load, eps: float | None, eps_sym) -> Any:
+    def val(a):
+        return load(a) if isinstance(a, fx.Node) else _const(a, eps, eps_sym)
+
+    if node.op == "call_function" and node.target is operator.getitem:
+        src, idx = node.args
+        value = load(src)
+        if isinstance(value, tuple):
+            return value[idx]
+        raise _Unsupported(f"{node.name} indexes a value that is not a tuple")
+    c = canonical(node)
+    if c is None:
+        raise _Unsupported(f"no symbolic rule for node {node.name} ({node.op} {getattr(node.target, '__name__', node.target)})")
+    p = c.prim
+    if p in ("cast", "view", "dropout"):
+        return val(c["input"])
+    if p in ("add", "sub"):
+        alpha = _const(c["alpha"], None, None)
+        sign = 1 if p == "add" else -1
+        return _elementwise(lambda a, b: a + sign * alpha * b, val(c["input"]), val(c["other"]))
+    if p == "mul":
+        return _elementwise(operator.mul, val(c["input"]), val(c["other"]))
+    if p == "div":
+        return _elementwise(operator.truediv, val(c["input"]), val(c["other"]))
+    if p == "pow":
+        return _elementwise(lambda a, e: a ** e, val(c["input"]), val(c["exponent"]))
+    if p == "square":
+        return _elementwise(lambda a: a ** 2, val(c["input"]))
+    if p == "rsqrt":
+        return _elementwise(lambda a: a ** sympy.Rational(-1, 2), val(c["input"]))
+    if p == "sqrt":
+        return _elementwise(sympy.sqrt, val(c["input"]))
+    if p == "reciprocal":
+        return _elementwise(lambda a: 1 / a, val(c["input"]))
+    if p == "mean":
+        return _mean(val(c["input"]))
+    if p == "var":
+        return _var(val(c["input"]), bool(c["unbiased"]))
+    if p in ("layer_norm", "rms_norm"):
+        weight = val(c["weight"]) if c["weight"] is not None else None
+        bias = val(c["bias"]) if p == "layer_norm" and c["bias"] is not None else None
+        y = _norm(p, val(c["input"]), weight, bias, eps_sym)
+        return (y, None, None) if c.multi_output else y
+    raise _Unsupported(f"no symbolic rule for primitive {p!r} (node {node.name})")
+
+
+def _leaf(node: fx.Node, name: str, hidden: int | None) -> list:
+    shape = node_shape(node)
+    last = shape[-1] if shape else 1
+    if hidden is not None and last == hidden:
+        return _row(name, ROW)
+    if last == 1:
+        return _row(name, 1)
+    raise _Unsupported(f"input {node.name} of shape {shape} is neither a row of the hidden size nor a scalar")
+
+
+# --------------------------------------------------------------------------- the fused formula
+
+def _fused(pair: SitePair, rows: dict[str, Any], eps_sym, eps: float | None) -> list:
+    kw = pair.call.kwargs
+    kind = kw.get("kind")
+    x, r, w, b = (rows[k] for k in ("x", "residual", "weight", "bias"))
+    scale = _const(float(kw.get("residual_scale", 1.0)), None, None)
+    offset = _const(float(kw.get("weight_offset", 0.0)), None, None) if w is not None else 0
+    e = _const(float(kw["eps"]), eps, eps_sym)
+    if pair.call.target.__name__ == "norm_add":
+        y = _norm(kind, x, w, b, e, offset)
+        return [_elementwise(lambda rv, yv: scale * rv + yv, r, y), y]
+    s = x if r is None else _elementwise(lambda xv, rv: xv + scale * rv, x, r)
+    return [_norm(kind, s, w, b, e, offset), s]
+
+
+# --------------------------------------------------------------------------- equality
+
+def _radicals_to_symbols(exprs: list) -> tuple[list, list[tuple[Any, Any]]]:
+    """base**(k/2) -> t**k with one positive symbol t per distinct expanded base."""
+    table: dict[Any, Any] = {}
+
+    def is_half_power(e):
+        return e.is_Pow and e.exp.is_Rational and e.exp.q == 2
+
+    def sub(e):
+        key = sympy.expand(e.base)
+        t = table.setdefault(key, sympy.Symbol(f"t{len(table)}", positive=True))
+        return t ** e.exp.p
+
+    out = [e.replace(is_half_power, sub) if isinstance(e, sympy.Basic) else e for e in exprs]
+    return out, [(t, base) for base, t in table.items()]
+
+
+def _algebraic_zero(diff, relations) -> str | None:
+    num = sympy.expand(sympy.numer(sympy.together(diff)))
+    if num == 0:
+        return "algebra"
+    for t, base in relations:
+        num = sympy.expand(sympy.rem(num, t ** 2 - base, t))
+        if num == 0:
+            return "algebra (t^2 = base)"
+    return None
+
+
+def _random_point(symbols, rng: random.Random) -> dict:
+    point = {}
+    for s in symbols:
+        if s.name.startswith("eps"):
+            point[s] = sympy.Rational(rng.randint(1, 9), 1000)
+        else:
+            point[s] = sympy.Rational(rng.randint(-40, 40), rng.randint(1, 9))
+    return point
+
+
+def _decide(lhs, rhs, rng: random.Random) -> tuple[str, str, str | None]:
+    """(status, method, detail) for lhs == rhs."""
+    (l2, r2), relations = _radicals_to_symbols([lhs, rhs])
+    method = _algebraic_zero(l2 - r2, relations)
+    if method:
+        return "proved", method, None
+    diff = lhs - rhs
+    symbols = sorted(diff.free_symbols, key=lambda s: s.name)
+    for _ in range(_POINTS):
+        point = _random_point(symbols, rng)
+        value = sympy.N(diff.subs(point), 40)
+        scale = abs(sympy.N(lhs.subs(point), 40)) + 1
+        if abs(value) > sympy.Float("1e-25") * scale:
+            shown = ", ".join(f"{k}={v}" for k, v in list(point.items())[:6])
+            return "refuted", "random rational points", f"differ by {sympy.N(value, 6)} at {shown}"
+    return "proved", "random rational points", "simplify could not decide; equal at random rational points"
+
+
+def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
+    """Prove (or refute) that the fused call computes what its original subgraph computed."""
+    if pair.site.converted:
+        return SymbolicResult("unsupported", detail="converted from Post-Norm to Pre-Norm: changes the function "
+                                                    "by design")
+    if pair.problem:
+        return SymbolicResult("unsupported", detail=pair.problem)
+    hidden = pair.site.hidden_size
+    eps_sym = sympy.Symbol("eps", positive=True)
+    try:
+        leaves: dict[fx.Node, Any] = {}
+        rows: dict[str, Any] = {}
+        for role, node in pair.args.items():
+            if node is None:
+                rows[role] = None
+            elif isinstance(node, fx.Node):
+                if node not in leaves:
+                    leaves[node] = _leaf(node, role[0] if role != "residual" else "r", hidden)
+                rows[role] = leaves[node]
+            else:
+                raise _Unsupported(f"the fused call's {role} is a constant {node!r}")
+        for i, node in enumerate(pair.inputs):  # values the original reads that the call does not
+            if node not in leaves:
+                leaves[node] = _leaf(node, f"z{i}_", hidden)
+        values: dict[fx.Node, Any] = {}
+
+        def load(n):
+            if n in values:
+                return values[n]
+            if n in leaves:
+                return leaves[n]
+            raise _Unsupported(f"{n.name} is read by the subgraph but is outside it")
+
+        for node in pair.nodes:
+            values[node] = _eval_node(node, load, pair.eps, eps_sym)
+        fused = _fused(pair, rows, eps_sym, pair.eps)
+    except _Unsupported as why:
+        return SymbolicResult("unsupported", detail=str(why))
+    rng = random.Random(seed)
+    methods = []
+    for k, orig in pair.outputs:
+        want, got = values[orig], fused[k]
+        if not isinstance(want, list) or len(want) != len(got):
+            return SymbolicResult("unsupported", detail=f"{orig.name} is not a row of the hidden size")
+        for i, (a, b) in enumerate(zip(want, got)):
+            status, method, detail = _decide(a, b, rng)
+            if status != "proved":
+                return SymbolicResult(status, method, f"{orig.name}[{i}]: {detail}")
+            methods.append(method)
+    method = "random rational points" if "random rational points" in methods else (
+        "algebra (t^2 = base)" if "algebra (t^2 = base)" in methods else "algebra")
+    return SymbolicResult("proved", method, None if method.startswith("algebra") else
+                          "simplify could not decide; equal at random rational points")
+
