@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import logging
+import types
+import warnings
 from typing import Any
 
 import torch
@@ -12,10 +16,92 @@ from normfuse.config import FuseConfig, make_config
 from normfuse.errors import InvalidModelError
 from normfuse.reporting import FusionReport
 
-__all__ = ["optimize", "fuse_graph", "report"]
+__all__ = ["optimize", "fuse_graph", "report", "OptimizedForward"]
 
 _REPORT_ATTR = "_normfuse_report"
 _CONFIG_ATTR = "_normfuse_config"
+
+log = logging.getLogger("normfuse")
+
+
+class OptimizedForward:
+    """The forward of an optimized model: ``model.forward`` compiled with the normfuse backend.
+
+    It is installed as the instance attribute ``model.forward`` (not ``model.compile``):
+    - dynamo only sees a frame it traces: for a model whose forward lives in ``torch.nn``
+      (``nn.Sequential``, ``nn.TransformerEncoder``) ``nn.Module.compile`` captures nothing,
+      so such a forward is wrapped in a frame dynamo does trace, as ``torch.compile(model)`` does;
+    - ``nn.Module.__getstate__`` drops ``model.compile``'s compiled call, so a deep copy would
+      silently run eagerly; this attribute is copied with the model and the copy compiles
+      its own forward (on its own parameters) on its first call;
+    - a failure of dynamo's capture itself (``InternalTorchDynamoError``, ``BackendCompilerFailed``,
+      a fake-tensor error) is not the user's error: the call is repeated eagerly. When that
+      succeeds the model runs eagerly from then on, with one warning and the reason in the
+      report; when it raises too, the error was the user's own and propagates as in eager.
+    Hooks of the model run outside the compiled region, as with ``torch.compile(model)``.
+    """
+
+    def __init__(self, module: nn.Module, forward: Any, config: FuseConfig, report: FusionReport):
+        self.module = module
+        self.forward = forward            # the model's own forward, bound to it
+        self.__wrapped__ = forward        # inspect.signature(model.forward) shows the model's signature
+        self.config = config
+        self.report = report
+        self.eager_reason: str | None = None
+        self._compiled: Any = None        # built on the first call
+
+    def _compile(self) -> Any:
+        from torch._dynamo import trace_rules
+
+        from normfuse.backends import make_backend
+        backend = make_backend(self.config, self.report, model=self.module)
+        fn = self.forward
+        if isinstance(fn, types.MethodType) and fn.__self__ is self.module and trace_rules.check(fn):
+            # a torch.nn forward (nn.Sequential, nn.TransformerEncoder): dynamo skips its frame,
+            # so give it a frame of ours; the model stays the local `self`, so module paths
+            # in the report read as for any model ("layers.0.norm1")
+            func = fn.__func__
+
+            def forward_frame(self, *args: Any, **kwargs: Any) -> Any:
+                return func(self, *args, **kwargs)
+
+            compiled = torch.compile(forward_frame, backend=backend)
+            return lambda *args, **kwargs: compiled(self.module, *args, **kwargs)
+        return torch.compile(fn, backend=backend)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.eager_reason is not None or torch.compiler.is_compiling():
+            # inside another torch.compile region the outer compiler traces the plain forward
+            return self.forward(*args, **kwargs)
+        if self._compiled is None:
+            self._compiled = self._compile()
+        try:
+            return self._compiled(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as error:
+            log.debug("normfuse: capture failed", exc_info=True)
+            result = self.forward(*args, **kwargs)  # the user's own error raises here, as in eager
+            text = str(error).strip()
+            self.eager_reason = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+            message = (f"normfuse runs {type(self.module).__name__} eagerly (unoptimized): dynamo could not capture "
+                       f"its forward ({self.eager_reason}). The model's results are unchanged; run "
+                       "torch.compile(model, backend='eager') to see the capture error, and report it with the model.")
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            self.report.warnings.append(message)
+            return result
+
+    def __deepcopy__(self, memo: dict) -> "OptimizedForward":
+        # the model's copy gets its own forward, compiled afresh on its first call, and a
+        # report of its own graphs
+        report = copy.deepcopy(self.report, memo)
+        report.sites.clear(), report.warnings.clear(), report.notes.clear(), report.graph_modules.clear()
+        report.graphs = 0
+        return OptimizedForward(copy.deepcopy(self.module, memo), copy.deepcopy(self.forward, memo),
+                                self.config, report)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_compiled"] = None  # compiled code does not pickle; recompiled after loading
+        return state
 
 
 def fuse_graph(gm: fx.GraphModule, config: FuseConfig | None = None, **options: Any
@@ -26,14 +112,14 @@ def fuse_graph(gm: fx.GraphModule, config: FuseConfig | None = None, **options: 
         raise InvalidModelError(
             f"fuse_graph takes a torch.fx.GraphModule, got {type(gm).__name__}. For an nn.Module use "
             "normfuse.optimize(model); for an ExportedProgram pass ep.graph_module.")
-    from normfuse.passes import pipeline
+    from normfuse.backends import run_pass
     cfg = make_config(config, **options)
     if cfg.prenorm:
         from normfuse.passes import prenorm
         rep = prenorm.convert_graph(gm, cfg)
-        rep.extend(pipeline.run(gm, cfg))
+        rep.extend(run_pass(gm, cfg))
         return gm, rep
-    return gm, pipeline.run(gm, cfg)
+    return gm, run_pass(gm, cfg)
 
 
 def optimize(model: nn.Module, config: FuseConfig | None = None, **options: Any) -> nn.Module:
@@ -48,15 +134,20 @@ def optimize(model: nn.Module, config: FuseConfig | None = None, **options: Any)
             f"optimize takes a torch.nn.Module, got {type(model).__name__}. "
             "Wrap a function in an nn.Module, or use torch.compile(fn, backend='normfuse').")
     cfg = make_config(config, **options)
-    if getattr(model, _CONFIG_ATTR, None) is not None:
-        return model  # already optimized: a no-op
-    object.__setattr__(model, _REPORT_ATTR, FusionReport())
+    installed = model.__dict__.get("forward")
+    if isinstance(installed, OptimizedForward) and installed.module is model:  # already optimized: a no-op
+        if installed.config != cfg:
+            warnings.warn("normfuse.optimize: this model is already optimized, with another config; the new options "
+                          "are ignored. Optimize a fresh (unoptimized) copy of the model to use them.",
+                          RuntimeWarning, stacklevel=2)
+        return model
+    rep = FusionReport()
+    object.__setattr__(model, _REPORT_ATTR, rep)
     object.__setattr__(model, _CONFIG_ATTR, cfg)
     if cfg.prenorm:
         from normfuse.passes import prenorm
         prenorm.prepare_module(model)
-    from normfuse.backends import make_backend
-    model.compile(backend=make_backend(cfg, getattr(model, _REPORT_ATTR), model=model))
+    model.forward = OptimizedForward(model, model.forward, cfg, rep)
     return model
 
 
