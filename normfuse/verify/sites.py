@@ -74,17 +74,20 @@ def _operand_prep(index, add, operands) -> list[fx.Node]:
     return prep
 
 
-def _subgraph(index, state, op: str) -> tuple[list[fx.Node], list[tuple[int, fx.Node]]]:
-    """Original nodes a fused call of ``op`` stands for, and which output replaced which node."""
+def _subgraph(index, state, op: str, reads: set) -> tuple[list[fx.Node], list[tuple[int, fx.Node]]]:
+    """Original nodes a fused call of ``op`` stands for, and which output replaced which node.
+
+    ``reads``: the original values the call's arguments carry; the walk from an add to
+    its operands stops there (an operand may be another site's output, casts included)."""
     m = state.match
     nodes = list(m.nodes)
     if op == "add_norm":
         add = state.in_add
-        nodes += [add.node, *add.chain, *_operand_prep(index, add.node, set(add.operands))]
+        nodes += [add.node, *add.chain, *_operand_prep(index, add.node, set(add.operands) | reads)]
         outputs = [(0, m.output), (1, add.node)]
     elif op == "norm_add":
         out = state.out_add
-        nodes += [out.node, *_operand_prep(index, out.node, set(out.operands) | {m.output})]
+        nodes += [out.node, *_operand_prep(index, out.node, set(out.operands) | {m.output} | reads)]
         outputs = [(0, out.node), (1, m.output)]
     else:
         outputs = [(0, m.output)]
@@ -135,15 +138,16 @@ def pair_sites(original: fx.GraphModule, rewritten: fx.GraphModule, sites: list[
         op = _op_name(call)
         if site.op and site.op != op:
             pair.problem = f"the report says {site.id} became {site.op} but the graph calls {op}"
+        for role, arg in zip(_ARG_ROLES, call.args):
+            pair.args[role] = original_of(arg)
+        reads = {a for a in pair.args.values() if isinstance(a, fx.Node)}
         try:
-            pair.nodes, outputs = _subgraph(index, state, site.op or op)
+            pair.nodes, outputs = _subgraph(index, state, site.op or op, reads)
         except AttributeError as error:  # the analysis found no add where the report says one was fused
             pair.problem = f"the original subgraph of {site.id} cannot be rebuilt ({error})"
             continue
         pair.inputs = _boundary(pair.nodes)
         pair.eps = state.match.eps
-        for role, arg in zip(_ARG_ROLES, call.args):
-            pair.args[role] = original_of(arg)
         unmapped = [f"{r}={a.name}" for r, a in pair.args.items() if isinstance(a, _Unmapped)]
         if unmapped and pair.problem is None:
             pair.problem = ("arguments of the fused call have no counterpart in the original graph: "
