@@ -33,7 +33,7 @@ import torch.nn as nn
 from normfuse.errors import InvalidModelError, NormfuseError
 from normfuse.reporting import FusionReport, Site
 from normfuse.verify.numeric import (Fp64Mode, OutputCheck, SiteNumeric, check_site, compare, copy_graph_module,
-                                     flatten, fp64_copy, run_graph, to_fp64)
+                                     flatten, fp64_copy, perturb_vectors, run_graph, to_fp64)
 from normfuse.verify.sites import pair_sites, site_order
 from normfuse.verify.symbolic import SymbolicResult, prove_site
 
@@ -445,32 +445,35 @@ def register_cli(subparsers) -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=8)
     p.add_argument("--no-backward", action="store_true", help="compare the forward outputs only")
+    p.add_argument("--keep-init", action="store_true",
+                   help="check the model as built; by default its 1-D parameters (norm weights, biases) get "
+                        "small noise first, since weights of exactly 1 hide rounding-order faults")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_run_cli)
 
 
 def _load(args):
+    """(model, args, kwargs) of the target; ``hf:<type>`` is shrunk (zoo.TINY_HF) unless --full."""
     from normfuse import targets, zoo
+    from normfuse.errors import TargetError, closest
 
     overrides = targets.parse_overrides(args.set)
     dtype = targets.parse_dtype(args.dtype)
-    if args.target.startswith("hf:") and not args.full:
-        model_type = args.target[3:].strip()
-        targets._hf_config_for_type(model_type)  # the loader's message for an unknown type
-        tiny = {k: v for k, v in zoo.TINY_HF.items() if k not in overrides}
-        config = zoo.hf_config(model_type, tiny=False)
-        unknown = [k for k in overrides if not hasattr(config, k)]
-        if unknown:
-            return targets.load_target(args.target, layers=args.layers, overrides=overrides, dtype=dtype,
-                                       batch=args.batch, seq=args.seq)
-        fields = {k: v for k, v in tiny.items() if hasattr(config, k)}
-        if args.layers is not None:
-            fields.update({f: args.layers for f in targets.LAYER_FIELDS if hasattr(config, f)})
-        model = zoo.hf_model(model_type, dtype=dtype or torch.float32, **fields, **overrides)
-        margs, mkwargs = targets.make_inputs(model, args.batch, args.seq)
-        return model, margs, mkwargs
-    return targets.load_target(args.target, layers=args.layers, overrides=overrides, dtype=dtype,
-                               batch=args.batch, seq=args.seq)
+    if not args.target.startswith("hf:") or args.full:
+        return targets.load_target(args.target, layers=args.layers, overrides=overrides, dtype=dtype,
+                                   batch=args.batch, seq=args.seq)
+    model_type = args.target[3:].strip()
+    targets._hf_config_for_type(model_type)  # the loader's message for an unknown type
+    config = zoo.hf_config(model_type)
+    for key in overrides:
+        if not hasattr(config, key):
+            raise TargetError(f"{type(config).__name__} has no field {key!r}.{closest(key, config.to_dict())} "
+                              "--set only changes fields the config already has.")
+    if args.layers is not None:
+        overrides.update({f: args.layers for f in targets.LAYER_FIELDS if hasattr(config, f)})
+    model = zoo.hf_model(model_type, dtype=dtype or torch.float32, **overrides)
+    margs, mkwargs = targets.make_inputs(model, args.batch, args.seq)
+    return model, margs, mkwargs
 
 
 def _run_cli(args) -> int:
@@ -487,6 +490,8 @@ def _run_cli(args) -> int:
     except (TargetError, NormfuseError) as error:
         print(f"normfuse check: {error}", file=sys.stderr)
         return 2
+    if not args.keep_init:
+        perturb_vectors(model)
     res = check(model, *margs, backward=not args.no_backward, progress=progress, **mkwargs)
     progress("done")
     print(res.to_json(indent=2) if args.json else res)

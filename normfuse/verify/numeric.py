@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from normfuse.tolerances import rounding_budget, within_tolerance
 from normfuse.verify.sites import SitePair
 
-__all__ = ["Fp64Mode", "fp64_copy", "to_fp64", "flatten", "OutputCheck", "compare", "ulp_diff",
+__all__ = ["Fp64Mode", "fp64_copy", "perturb_vectors", "to_fp64", "flatten", "OutputCheck", "compare", "ulp_diff",
            "run_graph", "copy_graph_module", "SiteNumeric", "check_site"]
 
 F64 = torch.float64
@@ -91,6 +91,23 @@ def fp64_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A deep copy of ``model`` with every floating parameter and buffer in fp64."""
     model64 = copy.deepcopy(model)
     return model64.to(F64)
+
+
+def perturb_vectors(model: torch.nn.Module, scale: float = 0.1, seed: int = 0) -> torch.nn.Module:
+    """Add ``scale * N(0, 1)`` noise to every 1-D floating parameter (norm weights and biases,
+    linear biases), in place; returns the model.
+
+    A model built from its config has norm weights of exactly 1 and biases of 0. With
+    those, rounding ``n`` before or after ``* weight`` gives the same bits and a dropped
+    Gemma offset only scales by 1 - so a checker would miss the faults that matter. Trained
+    weights are never 1; this gives a freshly built model weights like them."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1 and p.is_floating_point():
+                noise = torch.randn(p.shape, generator=g, dtype=torch.float32) * scale
+                p.add_(noise.to(p.device, p.dtype))
+    return model
 
 
 # --------------------------------------------------------------------------- outputs
