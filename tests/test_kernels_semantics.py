@@ -203,8 +203,8 @@ def test_gradcheck_fp64(cfg):
     assert torch.autograd.gradcheck(f, (x, r, w, b))
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_compile_fullgraph(path, backend):
+def _check_compiled_block(backend):
+    """torch.compile(fullgraph=True) of the functional API: no graph break, same numbers."""
     torch._dynamo.reset()
 
     def block(x, r, w, b):
@@ -222,6 +222,19 @@ def test_compile_fullgraph(path, backend):
     assert torch.equal(got, expect)
     for g_got, g_exp in zip(torch.autograd.grad(got.float().sum(), (x, r, w, b)), grads):
         torch.testing.assert_close(g_got, g_exp)
+
+
+def test_compile_fullgraph(path):
+    _check_compiled_block("aot_eager")
+
+
+def test_compile_inductor():
+    _check_compiled_block("inductor")
+
+
+@pytest.mark.slow
+def test_compile_inductor_triton(triton_cpu):
+    _check_compiled_block("inductor")
 
 
 # ---- hypothesis -------------------------------------------------------------------------
@@ -246,6 +259,14 @@ def cases(draw, max_n=300):
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases())
 def test_hypothesis_reference_vs_fp64(case):
+    check_case(case)
+
+
+# The interpreter costs ~50 ms a case, so the Triton path gets a shorter run here.
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(case=cases())
+def test_hypothesis_triton_vs_fp64(triton_cpu, case):
     check_case(case)
 
 

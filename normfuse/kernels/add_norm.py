@@ -812,6 +812,12 @@ def _fresh(outputs, inputs) -> tuple:
     return tuple(fresh)
 
 
+def _validate_and_route(x, residual, weight, bias, kind, eps, rounding: dict) -> bool:
+    """Validate a forward call; True when it runs the Triton kernels, False for the reference."""
+    _validate(x, residual, weight, bias, kind, eps, rounding)
+    return _use_triton(x, *(t.dtype for t in (residual, weight, bias) if t is not None), *rounding.values())
+
+
 def _n_rows(x: Tensor):
     return math.prod(x.shape[:-1])
 
@@ -829,11 +835,9 @@ def add_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor]
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Add-then-norm. Returns (y, s, mean, rstd): s is empty unless store_sum and there is a residual;
     mean (empty for rms_norm) and rstd are flat per-row fp32 (fp64 for fp64 input)."""
-    _validate(x, residual, weight, bias, kind, eps,
-              {"sum_dtype": sum_dtype, "norm_round_dtype": norm_round_dtype, "out_dtype": out_dtype})
     store_sum = store_sum and residual is not None
-    if _use_triton(x, *(t.dtype for t in (residual, weight, bias) if t is not None), sum_dtype, norm_round_dtype,
-                   out_dtype):
+    if _validate_and_route(x, residual, weight, bias, kind, eps, {"sum_dtype": sum_dtype,
+                           "norm_round_dtype": norm_round_dtype, "out_dtype": out_dtype}):
         return _fresh(_add_norm_fwd_triton(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
                                            sum_dtype, norm_round_dtype, out_dtype, store_sum), ())
     y, s, mean, rstd = _add_norm_fwd_ref(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
@@ -856,10 +860,8 @@ def norm_add_fwd(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Op
                  out_dtype: torch.dtype, add_dtype: torch.dtype, store_norm: bool,
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Norm-then-add. Returns (out, y, mean, rstd): y is empty unless store_norm."""
-    _validate(x, residual, weight, bias, kind, eps,
-              {"norm_round_dtype": norm_round_dtype, "out_dtype": out_dtype, "add_dtype": add_dtype})
-    if _use_triton(x, *(t.dtype for t in (residual, weight, bias) if t is not None), norm_round_dtype, out_dtype,
-                   add_dtype):
+    if _validate_and_route(x, residual, weight, bias, kind, eps, {"norm_round_dtype": norm_round_dtype,
+                           "out_dtype": out_dtype, "add_dtype": add_dtype}):
         return _fresh(_norm_add_fwd_triton(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
                                            norm_round_dtype, out_dtype, add_dtype, store_norm), ())
     out, y, mean, rstd = _norm_add_fwd_ref(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
