@@ -13,10 +13,27 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ToyTransformer", "make_norm", "NORM_SPELLINGS", "PLACEMENTS", "hf_config", "hf_model",
+__all__ = ["ToyTransformer", "make_norm", "NORM_SPELLINGS", "PLACEMENTS", "ADD_ORDERS", "residual_add", "hf_config", "hf_model",
            "example_inputs", "TINY_HF"]
 
 PLACEMENTS = ("pre", "post", "res_post", "sandwich", "parallel", "deepnorm")
+
+# how the residual add is written: stream + branch, branch + stream, torch.add, in place
+ADD_ORDERS = ("x+f", "f+x", "torch.add", "iadd")
+
+
+def residual_add(x, f, order="x+f"):
+    """``x + f`` written the ``order`` way (ADD_ORDERS); "iadd" adds into the branch output."""
+    if order == "x+f":
+        return x + f
+    if order == "f+x":
+        return f + x
+    if order == "torch.add":
+        return torch.add(x, f)
+    if order == "iadd":
+        f += x
+        return f
+    raise ValueError(f"unknown add order {order!r}; choose one of {ADD_ORDERS}")
 
 # how a norm is written in the model's code
 NORM_SPELLINGS = {
@@ -169,9 +186,9 @@ class _MLP(nn.Module):
 class _Block(nn.Module):
     """One transformer block with its norms where ``placement`` puts them."""
 
-    def __init__(self, n, heads, placement, kind, spelling, eps, alpha, dropout):
+    def __init__(self, n, heads, placement, kind, spelling, eps, alpha, dropout, add_order="x+f"):
         super().__init__()
-        self.placement, self.alpha = placement, alpha
+        self.placement, self.alpha, self.add_order = placement, alpha, add_order
         self.attn, self.mlp = _Attention(n, heads), _MLP(n)
         self.norm1 = make_norm(kind, spelling, n, eps)
         self.norm2 = make_norm(kind, spelling, n, eps)
@@ -181,24 +198,24 @@ class _Block(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x):
-        p = self.placement
+        p, add = self.placement, (lambda a, b: residual_add(a, b, self.add_order))
         if p == "pre":
-            x = x + self.drop(self.attn(self.norm1(x)))
-            return x + self.drop(self.mlp(self.norm2(x)))
+            x = add(x, self.drop(self.attn(self.norm1(x))))
+            return add(x, self.drop(self.mlp(self.norm2(x))))
         if p == "post":
-            x = self.norm1(x + self.drop(self.attn(x)))
-            return self.norm2(x + self.drop(self.mlp(x)))
+            x = self.norm1(add(x, self.drop(self.attn(x))))
+            return self.norm2(add(x, self.drop(self.mlp(x))))
         if p == "deepnorm":
-            x = self.norm1(x * self.alpha + self.attn(x))
-            return self.norm2(x * self.alpha + self.mlp(x))
+            x = self.norm1(add(x * self.alpha, self.attn(x)))
+            return self.norm2(add(x * self.alpha, self.mlp(x)))
         if p == "res_post":
-            x = x + self.norm1(self.attn(x))
-            return x + self.norm2(self.mlp(x))
+            x = add(x, self.norm1(self.attn(x)))
+            return add(x, self.norm2(self.mlp(x)))
         if p == "sandwich":
-            x = x + self.post1(self.attn(self.norm1(x)))
-            return x + self.post2(self.mlp(self.norm2(x)))
-        if p == "parallel":
-            return x + self.attn(self.norm1(x)) + self.mlp(self.norm2(x))
+            x = add(x, self.post1(self.attn(self.norm1(x))))
+            return add(x, self.post2(self.mlp(self.norm2(x))))
+        if p == "parallel":  # x + attn(ln1(x)) + mlp(ln2(x))
+            return add(add(x, self.attn(self.norm1(x))), self.mlp(self.norm2(x)))
         raise ValueError(f"unknown placement {p!r}; choose one of {PLACEMENTS}")
 
 
@@ -209,18 +226,20 @@ class ToyTransformer(nn.Module):
     kind / spelling: which norm and how its code is written (NORM_SPELLINGS).
     embed_norm: a norm of ``tok + pos`` before the first block (BERT style).
     final_norm: a norm after the last block (pre-norm stacks have one).
+    add_order: how each residual add in the blocks is written (ADD_ORDERS).
     """
 
     def __init__(self, vocab=64, hidden=32, heads=4, depth=2, max_len=64, placement="pre", kind="layer_norm",
-                 spelling="module", eps=None, alpha=None, embed_norm=False, final_norm=None, dropout=0.0):
+                 spelling="module", eps=None, alpha=None, embed_norm=False, final_norm=None, dropout=0.0,
+                 add_order="x+f"):
         super().__init__()
         self.config = dict(vocab=vocab, hidden=hidden, heads=heads, depth=depth, placement=placement, kind=kind,
-                           spelling=spelling, eps=eps, embed_norm=embed_norm)
+                           spelling=spelling, eps=eps, embed_norm=embed_norm, add_order=add_order)
         self.tok = nn.Embedding(vocab, hidden)
         self.pos = nn.Embedding(max_len, hidden)
         self.embed_norm = make_norm(kind, spelling, hidden, eps) if embed_norm else None
         alpha = alpha if alpha is not None else (2 * depth) ** 0.25
-        self.blocks = nn.ModuleList(_Block(hidden, heads, placement, kind, spelling, eps, alpha, dropout)
+        self.blocks = nn.ModuleList(_Block(hidden, heads, placement, kind, spelling, eps, alpha, dropout, add_order)
                                     for _ in range(depth))
         final_norm = placement in ("pre", "sandwich", "parallel") if final_norm is None else final_norm
         self.final_norm = make_norm(kind, spelling, hidden, eps) if final_norm else None
