@@ -162,9 +162,10 @@ def stream_svg(rep, per_row: int = 16) -> str:
     one marker per site colored by placement; filled when it would fuse, hollow when not."""
     e = html.escape
     groups = _groups(rep)
-    box_w, gap, row_h, top = 64, 10, 92, 40
+    widest = max((len(sites) for _, sites in groups), default=1)
+    box_w, gap, row_h, top = max(64, 20 * widest + 12), 10, 92, 40  # markers 14 px wide, 6 px apart
     n_rows = max(1, -(-len(groups) // per_row))
-    width = per_row * (box_w + gap) + 40
+    width = max(min(len(groups), per_row) * (box_w + gap) + 40, 560)
     legend_y = top + n_rows * row_h + 10
     height = legend_y + 40
     out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
