@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import warnings
 
-from common import hf_overrides, machine, markdown_table, parse_args, reset_dynamo, save_plot, write_csv, write_json
+from common import (ResidualNormSite, hf_overrides, machine, markdown_table, parse_args, reset_dynamo, save_plot,
+                    site_norms, write_csv, write_json)
 
 import torch
 import torch.nn as nn
@@ -86,32 +87,10 @@ def model_rows(model_type: str, dtype_name: str, hidden: int, layers: int, batch
 
 # ------------------------------------------------------------------ one site
 
-class ResidualNormSite(nn.Module):
-    """``s = x + r; y = norm(s)``; pre-norm sites also hand ``s`` on (the residual stream)."""
-
-    def __init__(self, norm: nn.Module, pre: bool):
-        super().__init__()
-        self.norm, self.pre = norm, pre
-
-    def forward(self, x, r):
-        s = x + r
-        y = self.norm(s)
-        return (y, s) if self.pre else y
-
-
-def _site_norms(n: int, dtype: torch.dtype) -> dict[str, tuple[nn.Module, bool]]:
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    return {
-        "HF LlamaRMSNorm (pre)": (LlamaRMSNorm(n, eps=1e-6).to(dtype), True),
-        "nn.RMSNorm (pre)": (nn.RMSNorm(n, eps=1e-6).to(dtype), True),
-        "nn.LayerNorm (post, BERT)": (nn.LayerNorm(n, eps=1e-12).to(dtype), False),
-    }
-
-
 def site_rows(dtype_name: str, n: int, rows: int) -> list[dict]:
     dtype = DTYPES[dtype_name]
     out = []
-    for name, (norm, pre) in _site_norms(n, dtype).items():
+    for name, (norm, pre) in site_norms(n, dtype).items():
         g = torch.Generator().manual_seed(0)
         x = torch.randn(rows, n, generator=g).to(dtype).requires_grad_()
         r = torch.randn(rows, n, generator=g).to(dtype).requires_grad_()

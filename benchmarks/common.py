@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+import torch.nn as nn
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
@@ -161,6 +163,29 @@ def hf_overrides(model_type: str, hidden: int, layers: int) -> dict[str, Any]:
         # dropout off: the pass fuses norms whose add it can see (dropout in training mode is not an identity)
         common.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     return common
+
+
+class ResidualNormSite(nn.Module):
+    """One residual site: ``s = x + r; y = norm(s)``; pre-norm sites also hand ``s`` on."""
+
+    def __init__(self, norm: nn.Module, pre: bool):
+        super().__init__()
+        self.norm, self.pre = norm, pre
+
+    def forward(self, x, r):
+        s = x + r
+        y = self.norm(s)
+        return (y, s) if self.pre else y
+
+
+def site_norms(n: int, dtype) -> dict:
+    """One norm site each of the spellings the models use: name -> (module, is pre-norm)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    return {
+        "HF LlamaRMSNorm (pre)": (LlamaRMSNorm(n, eps=1e-6).to(dtype), True),
+        "nn.RMSNorm (pre)": (nn.RMSNorm(n, eps=1e-6).to(dtype), True),
+        "nn.LayerNorm (post, BERT)": (nn.LayerNorm(n, eps=1e-12).to(dtype), False),
+    }
 
 
 def reset_dynamo() -> None:
