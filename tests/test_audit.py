@@ -254,3 +254,16 @@ def test_bandwidth_and_verdict():
     assert verdict(["pre", "post", "embedding"])[0] == "mixed"
     assert verdict(["sandwich", "standalone"])[0] == "Pre-Norm"
     assert verdict(["standalone"])[0] == "no residual norms"
+
+
+def test_config_json_target(tmp_path):
+    from normfuse.zoo import hf_config
+    path = tmp_path / "config.json"
+    path.write_text(hf_config("gpt2").to_json_string())
+    out = tmp_path / "r.md"
+    assert _cli(str(path), "--layers", "3", "--seq", "8", "--format", "markdown", "--out", str(out)) == 0
+    text = out.read_text()
+    assert text.startswith("# normfuse audit:") and "7 norm sites" in text and "h.2.ln_2" in text
+    # batch 1 (the CLI default): the token + position embedding sum does not broadcast, so
+    # h.0.ln_1 fuses with it too (at batch 2 the position embeddings broadcast and it does not)
+    assert text.count("| would fuse as add_norm |") == 7
