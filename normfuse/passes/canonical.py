@@ -62,7 +62,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
 # overloads) and call_method names (strings).
 SPELLINGS: dict[str, list[Any]] = {
     "add": [operator.add, operator.iadd, torch.add, torch.Tensor.add, "add", "add_", "__add__", "__radd__",
-            *_aten("add.Tensor", "add_.Tensor", "add.Scalar")],
+            *_aten("add.Tensor", "add_.Tensor", "add.Scalar", "add_.Scalar")],
     "sub": [operator.sub, operator.isub, torch.sub, torch.Tensor.sub, "sub", "sub_", "__sub__",
             *_aten("sub.Tensor", "sub.Scalar")],
     "mul": [operator.mul, operator.imul, torch.mul, torch.Tensor.mul, "mul", "mul_", "__mul__", "__rmul__",

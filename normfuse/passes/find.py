@@ -186,20 +186,24 @@ def _match_norm_call(index: GraphIndex, node: fx.Node, c: Canon) -> NormMatch | 
         "call_module" if node.op == "call_module" else "functional")
     eps = c["eps"]
     if c.prim == "rms_norm" and eps is None and node_dtype(x) is not None:
-        eps = torch.finfo(node_dtype(x)).eps  # torch.rms_norm's documented default
+        # torch.rms_norm's default: the eps of its compute (opmath) dtype, fp32 for fp16/bf16 inputs
+        dt = node_dtype(x)
+        eps = torch.finfo(torch.float32 if dt in (torch.float16, torch.bfloat16) else dt).eps
     output = node
     nodes = [node]
     reason = None
     if c.multi_output:
         # native_layer_norm / _fused_rms_norm return (out, stats...): only out may be used
-        getitems = list(node.users)
+        # (make_fx / AOT graphs keep a getitem for every output, read or not)
+        dead = [u for u in node.users if not u.users and u.args[1:] != (0,)]
+        getitems = [u for u in node.users if u not in dead]
         outs = [u for u in getitems if u.args[1:] == (0,)]
         if len(outs) != 1 or len(getitems) != 1:
             reason = "the norm's saved statistics (mean/rstd) are used by other nodes"
             output = outs[0] if outs else node
         else:
             output = outs[0]
-        nodes = [node, output] if output is not node else [node]
+        nodes = [node, *dead, output] if output is not node else [node, *dead]
     ns = c["normalized_shape"]
     ns = list(ns) if isinstance(ns, (list, tuple, torch.Size)) else [ns]
     if len(ns) != 1 or ns[0] != n:
