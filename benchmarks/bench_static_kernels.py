@@ -1,0 +1,358 @@
+"""Benchmark 1: static kernel report, compiled ahead of time without a GPU.
+
+Every launch configuration the launcher picks (``_blocking``: block, warps, single pass
+or looped) for N in 512..65536, each dtype and each op the pass emits (forward and
+backward), is compiled for ``GPUTarget("cuda", 90, 32)``, ``("cuda", 80, 32)`` and
+``("hip", "gfx942", 64)``. Reported per kernel:
+
+* registers per thread, spills (cubin ``LOCAL`` bytes via the ``cuobjdump`` shipped in
+  the triton wheel; AMD: VGPR/SGPR spill counts from the hsaco metadata), shared memory;
+* an occupancy estimate (resident warps / the SM's or SIMD's maximum, from registers);
+* from the PTX: global loads and stores per row element of each tensor, found by
+  following each ``ld.global``/``st.global`` address back to the kernel parameter it
+  was computed from. 1.0 means the tensor is read (written) exactly once per row.
+
+Targets: no spills in single-pass configurations up to N = 32768 in bf16; the forward
+reads each input once and writes each output once per row.
+
+    python benchmarks/bench_static_kernels.py [--toy] [--targets cuda90 cuda80 gfx942]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("NORMFUSE_TRITON_CPU") == "1":
+    # kernels defined under the interpreter cannot be compiled: start again without it
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NORMFUSE_TRITON_CPU")}
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+import re
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common import machine, markdown_table, parse_args, save_plot, write_csv, write_json
+
+import torch
+
+from normfuse.errors import NormfuseError
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from normfuse.kernels import add_norm as K
+
+TARGETS = {"cuda90": GPUTarget("cuda", 90, 32), "cuda80": GPUTarget("cuda", 80, 32),
+           "gfx942": GPUTarget("hip", "gfx942", 64)}
+NS = [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
+DTYPES = {"fp32": (torch.float32, tl.float32), "fp16": (torch.float16, tl.float16),
+          "bf16": (torch.bfloat16, tl.bfloat16)}
+FLOAT_ARGS = {"eps", "weight_offset", "residual_scale"}
+INT_ARGS = {"N"}  # the kernels name pointers in capitals; N is the one capital integer
+STAT_PTRS = {"MEAN", "RSTD", "DW_PART", "DB_PART"}  # fp32 buffers: per-row stats, dw/db partials
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+class StaticReportError(NormfuseError):
+    """The kernels changed in a way this report does not know yet."""
+
+
+@dataclass
+class Op:
+    """One op the pass emits: which kernel pair, its constexpr flags, its tensors."""
+
+    name: str
+    backward: bool
+    flags: dict
+    inputs: tuple          # tensors read once per row
+    outputs: tuple         # tensors written once per row
+    dtype_args: tuple = field(default=())  # constexpr dtype arguments, set to the op's dtype
+
+
+OPS = [
+    Op("add_rms_norm (HF llama: round, then * w)", False,
+       dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=False, IS_RMS=True, ROUND_FIRST=True, STORE_SUM=True,
+            STORE_Y=True, POST_ADD=False, SCALE_RESIDUAL=False), ("X", "R"), ("Y", "S"),
+       ("SUM_DTYPE", "NORM_ROUND_DTYPE", "OUT_DTYPE")),
+    Op("add_layer_norm (w, b; BERT, GPT-2)", False,
+       dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=True, IS_RMS=False, ROUND_FIRST=False, STORE_SUM=True,
+            STORE_Y=True, POST_ADD=False, SCALE_RESIDUAL=False), ("X", "R"), ("Y", "S"),
+       ("SUM_DTYPE", "NORM_ROUND_DTYPE", "OUT_DTYPE")),
+    Op("rms_norm (standalone)", False,
+       dict(HAS_RESIDUAL=False, HAS_WEIGHT=True, HAS_BIAS=False, IS_RMS=True, ROUND_FIRST=True, STORE_SUM=False,
+            STORE_Y=True, POST_ADD=False, SCALE_RESIDUAL=False), ("X",), ("Y",),
+       ("SUM_DTYPE", "NORM_ROUND_DTYPE", "OUT_DTYPE")),
+    Op("rms_norm_add (res-post, sandwich)", False,
+       dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=False, IS_RMS=True, ROUND_FIRST=False, STORE_SUM=True,
+            STORE_Y=False, POST_ADD=True, SCALE_RESIDUAL=False), ("X", "R"), ("S",),
+       ("SUM_DTYPE", "NORM_ROUND_DTYPE", "OUT_DTYPE")),
+    Op("add_rms_norm backward", True,
+       dict(HAS_DEXTRA=True, HAS_WEIGHT=True, HAS_BIAS=False, HAS_DRES=True, IS_RMS=True, POST_ADD=False),
+       ("DY", "DE", "INP"), ("DX", "DRES")),
+    Op("add_layer_norm backward", True,
+       dict(HAS_DEXTRA=True, HAS_WEIGHT=True, HAS_BIAS=True, HAS_DRES=True, IS_RMS=False, POST_ADD=False),
+       ("DY", "DE", "INP"), ("DX", "DRES")),
+]
+
+
+def _kernel(op: Op, looped: bool):
+    if op.backward:
+        return K._add_norm_bwd_looped_kernel if looped else K._add_norm_bwd_kernel
+    return K._add_norm_fwd_looped_kernel if looped else K._add_norm_fwd_kernel
+
+
+def source(op: Op, dtype: str, block: int, looped: bool) -> ASTSource:
+    """The kernel as the launcher would launch it: types, constexprs, 16-divisibility of
+    pointers, strides and N (true for contiguous rows with N a multiple of 16)."""
+    fn = _kernel(op, looped)
+    tl_dtype = DTYPES[dtype][1]
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if fn.params[i].is_constexpr:
+            signature[name] = "constexpr"
+            if name == "BLOCK_N":
+                constexprs[name] = block
+            elif name in op.dtype_args:
+                constexprs[name] = tl_dtype
+            elif name in op.flags:
+                constexprs[name] = op.flags[name]
+            else:
+                raise StaticReportError(f"kernel {fn.__name__} has a constexpr {name!r} that op {op.name!r} does not "
+                                        f"set; add it to that op's flags in benchmarks/bench_static_kernels.py.")
+        elif name in FLOAT_ARGS:
+            signature[name] = "fp32"
+        elif _is_pointer(name):
+            signature[name] = "*fp32" if name in STAT_PTRS else f"*{_ptr_type(tl_dtype)}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride") or name == "N":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
+def _is_pointer(name: str) -> bool:
+    return name.isupper() and name not in INT_ARGS
+
+
+def _ptr_type(tl_dtype) -> str:
+    return {tl.float32: "fp32", tl.float16: "fp16", tl.bfloat16: "bf16"}[tl_dtype]
+
+
+# ------------------------------------------------------------------ PTX: global accesses per tensor
+
+_PARAM = re.compile(r"ld\.param\.\w+\s+(%\w+),\s*\[(\w+)_param_(\d+)\]")
+_INSTR = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z][\w.:]*)\s+(.*?);\s*$")
+_REG = re.compile(r"%\w+")
+_ACCESS = re.compile(r"^(ld|st)\.global(?:\.[\w:]+)*?(?:\.v(\d))?\.([bsuf])(\d+)$")
+
+
+def ptx_accesses(ptx: str, arg_names: list[str]) -> dict[str, dict[str, int]]:
+    """{tensor: {"load_bytes": per thread, "store_bytes": ..., "loads": n, "stores": n}}: each
+    global access attributed to the pointer parameter its address was computed from."""
+    origin: dict[str, set] = {}
+    out: dict[str, dict[str, int]] = {}
+    for line in ptx.splitlines():
+        m = _PARAM.search(line)
+        if m:
+            name = arg_names[int(m.group(3))]
+            origin[m.group(1)] = {name} if _is_pointer(name) else set()
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        opcode, operands = m.groups()
+        access = _ACCESS.match(opcode)
+        if access:
+            kind, vec, _, bits = access.groups()
+            addr = re.search(r"\[\s*(%\w+)", operands)
+            ptrs = origin.get(addr.group(1), set()) if addr else set()
+            name = "/".join(sorted(ptrs)) or "?"
+            rec = out.setdefault(name, {"load_bytes": 0, "store_bytes": 0, "loads": 0, "stores": 0})
+            width = int(vec or 1) * int(bits) // 8
+            rec["load_bytes" if kind == "ld" else "store_bytes"] += width
+            rec["loads" if kind == "ld" else "stores"] += 1
+            if kind == "ld":
+                for reg in _REG.findall(operands.split("[")[0]):
+                    origin[reg] = set()
+            continue
+        regs = _REG.findall(operands)
+        if not regs or opcode.startswith(("st.", "bra", "bar", "ret", "setp", "@")):
+            continue
+        dst, srcs = regs[0], regs[1:]
+        origin[dst] = set().union(*(origin.get(r, set()) for r in srcs)) if srcs else set()
+    return out
+
+
+# ------------------------------------------------------------------ resources and occupancy
+
+def cuda_resources(cubin: bytes) -> dict[str, int]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text)
+    if not m:
+        raise StaticReportError(f"cuobjdump printed no resource line for the kernel:\n{text}")
+    return dict(zip(("regs", "stack", "shared_static", "local"), map(int, m.groups())))
+
+
+def cuda_occupancy(regs: int, warps: int, shared: int, arch: int) -> float:
+    """Resident warps / 64 on sm80/sm90: registers (256-register granules per warp,
+    65536 per SM), shared memory (164 KiB sm80, 228 KiB sm90) and 32 blocks per SM."""
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    blocks_regs = 65536 // (per_warp * warps)
+    smem = (164 if arch == 80 else 228) * 1024
+    blocks_smem = smem // shared if shared else 32
+    blocks = min(blocks_regs, blocks_smem, 32, 64 // warps)
+    return blocks * warps / 64
+
+
+def hip_resources(amdgcn: str) -> dict[str, int]:
+    def field_(name):
+        m = re.search(rf"\.{name}:\s+(\d+)", amdgcn)
+        return int(m.group(1)) if m else 0
+    return {"regs": field_("vgpr_count"), "agprs": field_("agpr_count"), "sgprs": field_("sgpr_count"),
+            "local": field_("vgpr_spill_count") + field_("sgpr_spill_count"),
+            "shared_static": field_("group_segment_fixed_size"), "stack": field_("private_segment_fixed_size")}
+
+
+def hip_occupancy(vgprs: int, agprs: int, warps: int) -> float:
+    """Waves per SIMD / 8 on gfx942: 512 registers per lane (VGPRs + AGPRs, granule 8); a
+    block's waves spread over the CU's 4 SIMDs."""
+    total = -(-(vgprs + agprs) // 8) * 8
+    per_simd = min(8, 512 // max(total, 8))
+    blocks = max(1, (per_simd * 4) // warps) if warps <= per_simd * 4 else 0
+    return min(blocks * warps, per_simd * 4) / 32
+
+
+# ------------------------------------------------------------------ one configuration
+
+def configurations(ns: list[int], dtypes: list[str]):
+    """(op, dtype, N, block, warps, looped), as ``_blocking`` picks them, deduplicated on
+    what is compiled (all N past the single-pass limit share one looped kernel)."""
+    seen = set()
+    for op in OPS:
+        for dtype in dtypes:
+            size = DTYPES[dtype][0].itemsize
+            for n in ns:
+                block, warps, looped = K._blocking(n, size)
+                key = (op.name, dtype, block, warps, looped)
+                yield op, dtype, n, block, warps, looped, key in seen
+                seen.add(key)
+
+
+def compile_one(op: Op, dtype: str, block: int, warps: int, looped: bool, target: str) -> dict:
+    src = source(op, dtype, block, looped)
+    t0 = time.perf_counter()
+    kernel = triton.compile(src, target=TARGETS[target], options={"num_warps": warps})
+    row = {"compile_s": time.perf_counter() - t0, "shared": kernel.metadata.shared}
+    threads = warps * TARGETS[target].warp_size
+    if target.startswith("cuda"):
+        res = cuda_resources(kernel.asm["cubin"])
+        row.update(res)
+        row["occupancy"] = cuda_occupancy(res["regs"], warps, kernel.metadata.shared, TARGETS[target].arch)
+        elem = DTYPES[dtype][0].itemsize
+        fn = _kernel(op, looped)
+        for name, rec in ptx_accesses(kernel.asm["ptx"], fn.arg_names).items():
+            if name in STAT_PTRS or name == "?":
+                row[f"{name}_ld_st_instr"] = f"{rec['loads']}/{rec['stores']}"
+                continue
+            per_row = block * elem  # one pass over a row block, all threads together
+            if rec["load_bytes"]:
+                row[f"ld_{name}"] = rec["load_bytes"] * threads / per_row
+            if rec["store_bytes"]:
+                row[f"st_{name}"] = rec["store_bytes"] * threads / per_row
+            row[f"vec_bytes_{name}"] = max(rec["load_bytes"] // max(rec["loads"], 1),
+                                           rec["store_bytes"] // max(rec["stores"], 1))
+    else:
+        res = hip_resources(kernel.asm["amdgcn"])
+        row.update(res)
+        row["occupancy"] = hip_occupancy(res["regs"], res["agprs"], warps)
+    return row
+
+
+def check(row: dict, op: Op) -> list[str]:
+    """The targets, as the problems found in this row (empty: met)."""
+    problems = []
+    if not row["looped"] and row["local"] > 0 and (row["dtype"] != "bf16" or row["N"] <= 32768):
+        problems.append(f"spills {row['local']} bytes")
+    if row["target"].startswith("cuda") and not row["looped"]:
+        for name in op.inputs:
+            v = row.get(f"ld_{name}")
+            if v is not None and abs(v - 1.0) > 1e-6:
+                problems.append(f"{name} read {v:g}x per row")
+        for name in op.outputs:
+            v = row.get(f"st_{name}")
+            if v is not None and abs(v - 1.0) > 1e-6:
+                problems.append(f"{name} written {v:g}x per row")
+    return problems
+
+
+def main(argv=None) -> dict:
+    args = parse_args(__doc__.splitlines()[0], argv, lambda p: (
+        p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS)),
+        p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))))
+    if args.toy:
+        ns, dtypes, targets, ops = [1024], ["bf16"], ["cuda90", "gfx942"], OPS[:1] + OPS[4:5]
+    else:
+        ns, dtypes, targets, ops = NS, args.dtypes, args.targets, OPS
+    rows, compiled = [], {}
+    t_start = time.perf_counter()
+    for op, dtype, n, block, warps, looped, duplicate in configurations(ns, dtypes):
+        if op not in ops:
+            continue
+        for target in targets:
+            key = (op.name, dtype, block, warps, looped, target)
+            if key not in compiled:
+                compiled[key] = compile_one(op, dtype, block, warps, looped, target)
+            row = {"op": op.name, "dtype": dtype, "N": n, "target": target, "BLOCK_N": block, "warps": warps,
+                   "looped": looped, **compiled[key]}
+            row["problems"] = "; ".join(check(row, op))
+            rows.append(row)
+        if not duplicate:
+            print(f"  {op.name:42s} {dtype} N={n:6d} block={block:6d} warps={warps:2d} looped={looped!s:5s} "
+                  f"regs(sm90)={compiled.get((op.name, dtype, block, warps, looped, 'cuda90'), {}).get('regs')}",
+                  flush=True)
+    problems = [r for r in rows if r["problems"]]
+    verdict = {
+        "kernels_compiled": len(compiled), "rows": len(rows), "seconds": time.perf_counter() - t_start,
+        "no_spills_single_pass_bf16_to_32768": not any(
+            r["local"] for r in rows if not r["looped"] and r["dtype"] == "bf16" and r["N"] <= 32768),
+        "max_regs_cuda90": max((r["regs"] for r in rows if r["target"] == "cuda90"), default=None),
+        "forward_reads_once_writes_once": not any(
+            "per row" in r["problems"] for r in rows if not r["looped"] and "backward" not in r["op"]),
+        "problems": [f"{r['op']} {r['dtype']} N={r['N']} {r['target']}: {r['problems']}" for r in problems],
+    }
+    write_csv(args.out / "static_kernels.csv", rows)
+    payload = {"machine": machine(), "verdict": verdict, "rows": rows}
+    write_json(args.out / "static_kernels.json", payload)
+
+    def draw(ax):
+        for op in ops:
+            pts = [(r["N"], r["regs"]) for r in rows if r["op"] == op.name and r["dtype"] == "bf16"
+                   and r["target"] == "cuda90"]
+            if pts:
+                ax.plot(*zip(*pts), "o-", label=op.name, markersize=3)
+        ax.axhline(255, color="gray", linestyle=":", label="sm90 limit (255)")
+        ax.set(xscale="log", xlabel="N (bf16)", ylabel="registers / thread (sm90)", title="Registers per thread")
+        ax.legend(fontsize=6)
+    save_plot(args.out / "static_kernels.png", draw)
+    cols = ["op", "dtype", "N", "target", "BLOCK_N", "warps", "looped", "regs", "local", "shared", "occupancy",
+            "ld_X", "ld_R", "st_Y", "st_S", "ld_DY", "ld_INP", "st_DX", "problems"]
+    print(markdown_table([r for r in rows if r["target"] == "cuda90" and r["dtype"] == "bf16"], cols))
+    print("verdict:", {k: v for k, v in verdict.items() if k != "problems"})
+    for p in verdict["problems"][:40]:
+        print("  problem:", p)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
