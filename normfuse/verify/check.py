@@ -328,6 +328,9 @@ def check(model: nn.Module, *example_args: Any, optimized: nn.Module | None = No
     out_new, grad_new = _run(optimized, args, kwargs, backward, seed)
     out_ref, grad_ref = _run(fp64_copy(model), to_fp64(args), to_fp64(kwargs), backward, seed, fp64=True)
     report = normfuse.report(optimized)
+    notes += [f"pass: {w}" for w in report.warnings]
+    if not report.fused:
+        notes.append("the pass rewrote no site: the optimized model runs the original graph")
     outputs = _compare_all({**out_orig, **grad_orig}, {**out_new, **grad_new}, {**out_ref, **grad_ref})
 
     _progress(progress, "capturing the original graph to localize")

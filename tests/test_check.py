@@ -1,0 +1,217 @@
+"""The equivalence checker: numeric (vs fp64), per-site localization, symbolic proofs, CLI.
+
+The fault tests plant one bug in one fused call of a rewritten graph and require the
+checker to fail and to name that site. Models are shrunk HF models (2 layers) with
+their 1-D parameters perturbed: freshly built norm weights are exactly 1, which hides
+rounding-order faults (rounding before or after ``* 1`` gives the same bits).
+"""
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+
+import normfuse
+from normfuse.api import _REPORT_ATTR
+from normfuse.backends import make_backend
+from normfuse.reporting import FusionReport
+from normfuse.verify.check import _Recorder, check_graph_on_first_call
+from normfuse.verify.numeric import Fp64Mode, perturb_vectors, ulp_diff
+from normfuse.verify.sites import fused_calls
+from normfuse.zoo import ToyTransformer, hf_model
+
+pytest.importorskip("transformers")
+pytest.importorskip("sympy")
+
+
+def _model(family, dtype):
+    torch._dynamo.reset()
+    return perturb_vectors(hf_model(family, dtype=dtype))
+
+
+# --------------------------------------------------------------------------- planted faults
+
+def plant(gm, index, fault):
+    """Edit fused call number ``index`` of a rewritten graph the way a buggy rewrite would."""
+    call = fused_calls(gm.graph)[index]
+    kw = dict(call.kwargs)
+    if fault == "eps":
+        kw["eps"] = kw["eps"] * 10
+    elif fault == "offset":
+        assert kw["weight_offset"] == 1.0, "the offset fault needs a Gemma-style site"
+        kw["weight_offset"] = 0.0
+    elif fault == "cast_order":
+        assert kw["norm_round_dtype"] == torch.bfloat16, "the cast-order fault needs a Llama-style bf16 site"
+        kw["norm_round_dtype"] = None
+    elif fault == "sum_not_rounded":
+        assert kw["sum_dtype"] == torch.bfloat16
+        kw["sum_dtype"] = torch.float32
+    elif fault == "operand":
+        x, r = call.args[:2]
+        ev = r.meta["example_value"]
+        before = list(gm.graph.nodes)
+        before = before[:before.index(call)]
+        same = [n for n in before if n not in (x, r) and isinstance(n.meta.get("example_value"), torch.Tensor)
+                and n.meta["example_value"].shape == ev.shape and n.meta["example_value"].dtype == ev.dtype]
+        call.args = (x, same[-1], *call.args[2:])
+    else:
+        raise ValueError(fault)
+    call.kwargs = kw
+    gm.recompile()
+
+
+def faulty_copy(model, index, fault):
+    """normfuse.optimize of a deep copy, with ``fault`` planted in fused call ``index``."""
+    m = copy.deepcopy(model)
+    report = FusionReport()
+    inner = make_backend(report=report, model=m)
+
+    def backend(gm, example_inputs):
+        inner(gm, example_inputs)
+        plant(gm, index, fault)
+        return gm.forward
+
+    object.__setattr__(m, _REPORT_ATTR, report)
+    m.compile(backend=backend)
+    return m
+
+
+# (family, dtype, fused call index, fault, whether the exact math changes)
+FAULTS = [
+    ("llama", torch.float32, 2, "eps", True),
+    ("gemma2", torch.bfloat16, 2, "offset", True),
+    ("llama", torch.bfloat16, 1, "cast_order", False),
+    ("llama", torch.bfloat16, 3, "sum_not_rounded", False),
+    ("llama", torch.float32, 1, "operand", True),
+]
+
+
+@pytest.mark.parametrize("family,dtype,index,fault,math", FAULTS, ids=[f[3] for f in FAULTS])
+def test_planted_fault_fails_and_names_the_site(family, dtype, index, fault, math):
+    model = _model(family, dtype)
+    res = normfuse.check(model, optimized=faulty_copy(model, index, fault), backward=False)
+    assert not res.ok
+    planted = f"g0.s{index}"
+    assert res.first_divergence is not None and res.first_divergence.id == planted
+    assert res.first_divergence.source and ".py:" in res.first_divergence.source
+    failing = [s.id for s in res.sites if not s.passed]
+    assert failing == [planted], failing            # no other site is blamed
+    site = res.first_divergence
+    # faults that change the exact math are refuted; rounding faults are proved (casts are
+    # identities) and caught by the numeric check of that site alone
+    assert site.symbolic.status == ("refuted" if math else "proved"), site.symbolic
+    assert site.numeric.passed is False
+    if fault in ("cast_order", "sum_not_rounded"):
+        assert "rounds differently" in site.numeric.reason
+        # more accurate, not less: only the per-site rounding budget sees it
+        assert all(o.passed for o in res.outputs)
+
+
+# --------------------------------------------------------------------------- equivalent rewrites
+
+@pytest.mark.parametrize("family,dtype,sites", [("llama", torch.bfloat16, 5), ("gemma2", torch.float32, 9)])
+def test_rewrite_is_equivalent(family, dtype, sites):
+    model = _model(family, dtype)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    res = normfuse.check(model)
+    assert res.ok, str(res)
+    assert len(res.sites) == sites
+    assert all(s.symbolic.status == "proved" and s.symbolic.method.startswith("algebra") for s in res.sites)
+    names = [o.name for o in res.outputs]
+    assert "last_hidden_state" in names and "grad:embed_tokens.weight" in names
+    assert sum(n.startswith("grad:") for n in names) == sum(1 for _ in model.parameters())
+    assert max(o.ratio for o in res.outputs) <= 3.0
+    assert max(o.ulp_max for s in res.sites for o in s.numeric.outputs) <= 1
+    assert res.first_divergence is None
+    # the model passed in is untouched
+    assert not hasattr(model, _REPORT_ATTR)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    d = res.to_dict()
+    assert d["summary"]["proved"] == sites and json.loads(res.to_json())["summary"]["ok"] is True
+    assert "EQUIVALENT" in str(res)
+
+
+# every site kind the pass produces: ops add_norm / norm / norm_add, both norm kinds,
+# residual_scale (deepnorm), the decomposed spellings. bf16: a cast after every norm.
+TOYS = [("res_post", "rms_norm", "llama", {"norm_add"}),
+        ("deepnorm", "layer_norm", "manual_var", {"add_norm"}),
+        ("parallel", "layer_norm", "manual_div", {"add_norm", "norm"}),
+        ("sandwich", "rms_norm", "gemma", {"add_norm", "norm"}),
+        ("pre", "rms_norm", "t5", {"add_norm", "norm"}),
+        ("post", "layer_norm", "module", {"add_norm"}),
+        ("pre", "rms_norm", "square_div_sqrt", {"add_norm", "norm"})]
+
+
+@pytest.mark.parametrize("placement,kind,spelling,ops", TOYS, ids=[f"{t[0]}-{t[2]}" for t in TOYS])
+def test_symbolic_proofs_for_every_site_kind(placement, kind, spelling, ops):
+    torch._dynamo.reset()
+    model = perturb_vectors(ToyTransformer(placement=placement, kind=kind, spelling=spelling).eval().to(torch.bfloat16))
+    res = normfuse.check(model, backward=False)
+    assert res.ok, str(res)
+    assert res.sites and ops <= {s.op for s in res.sites}
+    assert [s.symbolic.status for s in res.sites] == ["proved"] * len(res.sites)
+
+
+# --------------------------------------------------------------------------- pieces
+
+def test_fp64_mode_redirects_casts():
+    x = torch.randn(3, dtype=torch.float64)
+    with Fp64Mode():
+        got = [x.to(torch.bfloat16), x.float(), x.half(), x.type(torch.float16), x.type_as(torch.ones(1)),
+               x.to(torch.ones(1, dtype=torch.bfloat16)), torch.zeros(2, dtype=torch.float32)]
+        ints = x.to(torch.int64)
+    assert [t.dtype for t in got] == [torch.float64] * len(got)
+    assert ints.dtype == torch.int64
+
+
+def test_ulp_diff():
+    b = torch.tensor([1.0, 2.0, -4.0, 0.5], dtype=torch.bfloat16)
+    c = b.clone()
+    c[1] = torch.nextafter(b[1:2], torch.tensor([9.0], dtype=torch.bfloat16))[0]
+    assert ulp_diff(c, b) == (1.0, 0.25)
+    assert ulp_diff(b, b) == (0.0, 0.0)
+
+
+def test_backend_check_warns_with_the_site():
+    torch._dynamo.reset()
+    model = perturb_vectors(ToyTransformer(placement="pre", kind="rms_norm", spelling="llama").to(torch.bfloat16))
+    ids = torch.randint(0, 64, (2, 8))
+    recorder = _Recorder()
+    torch.compile(model, backend=recorder)(ids)
+    original, inputs = recorder.graphs[0]
+    rewritten, report = normfuse.fuse_graph(copy.deepcopy(original))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check_graph_on_first_call(rewritten, report, inputs, original=original) is rewritten
+    plant(rewritten, 1, "cast_order")
+    with pytest.warns(RuntimeWarning, match=r"first diverging site: g0\.s1 blocks\.0\.norm2"):
+        check_graph_on_first_call(rewritten, report, inputs, original=original)
+
+
+def test_cli_exit_codes(capsys):
+    from normfuse.cli import main
+
+    torch._dynamo.reset()
+    assert main(["check", "hf:gpt2", "--json", "--no-backward"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["summary"]["ok"] is True and out["summary"]["sites"] == 5 and out["summary"]["proved"] == 5
+    assert main(["check", "hf:no_such_model_type"]) == 2
+    assert "no_such_model_type" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the full sweep
+
+FAMILIES = {"bert": 5, "gpt2": 5, "llama": 5, "gemma2": 9, "gpt_neox": 5, "t5": 12}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_families_equivalent(family, dtype):
+    res = normfuse.check(_model(family, dtype))
+    assert res.ok, str(res)
+    assert len(res.sites) == FAMILIES[family]
+    assert all(s.symbolic.status == "proved" for s in res.sites)
+    assert max(o.ratio for o in res.outputs) <= (2.0 if dtype == torch.float32 else 3.0)
