@@ -499,13 +499,15 @@ def audit(model: nn.Module, *args: Any, config=None, bandwidth: Any = None, name
 
 def _run_cli(args: argparse.Namespace) -> int:
     from normfuse.errors import TargetError
-    from normfuse.targets import load_target, parse_overrides
+    from normfuse.targets import is_config_target, load_target, parse_overrides
 
     start = time.perf_counter()
     try:
         label, bw = parse_bandwidth(args.bandwidth)
         overrides = parse_overrides(args.set)
-        model, margs, mkwargs = load_target(args.target, layers=args.layers, overrides=overrides, dtype=args.dtype,
+        # a transformers config is audited in bf16 unless told; a factory's model keeps its own dtype
+        dtype = args.dtype or ("bf16" if is_config_target(args.target) else None)
+        model, margs, mkwargs = load_target(args.target, layers=args.layers, overrides=overrides, dtype=dtype,
                                             device=args.device, batch=args.batch, seq=args.seq)
     except (TargetError, InvalidOptionError) as error:
         print(f"normfuse audit: error: {error}", file=sys.stderr)
@@ -543,7 +545,8 @@ def register_cli(subparsers) -> None:
     p.add_argument("--batch", type=int, default=1, help="batch size of the made inputs (default 1)")
     p.add_argument("--seq", type=int, default=None,
                    help="sequence length of the made inputs (default 2048, or the model's maximum if shorter)")
-    p.add_argument("--dtype", default="bf16", help="parameter/activation dtype (default bf16)")
+    p.add_argument("--dtype", default=None,
+                   help="parameter/activation dtype (default: bf16 for a transformers config, the factory's own)")
     p.add_argument("--device", default="meta", choices=("meta", "cpu"),
                    help="build on the meta device (default: no memory, no compute) or on the CPU")
     p.add_argument("--bandwidth", default=None,

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from normfuse.errors import TargetError, closest
 
-__all__ = ["load_target", "make_inputs", "default_seq", "parse_overrides", "parse_dtype", "hf_model_types",
+__all__ = ["load_target", "is_config_target", "make_inputs", "default_seq", "parse_overrides", "parse_dtype", "hf_model_types",
            "LAYER_FIELDS"]
 
 # config fields that hold a layer count; --layers sets every one the config has
@@ -263,6 +263,13 @@ def make_inputs(model: nn.Module, batch: int = 2, seq: int | None = 8) -> tuple[
 
 # --------------------------------------------------------------------------- entry point
 
+def is_config_target(spec: str) -> bool:
+    """Whether ``spec`` names a transformers config (``hf:<type>``, a config.json or its folder)
+    rather than a factory."""
+    spec = spec.strip()
+    return spec.startswith("hf:") or spec.endswith(".json") or os.path.isdir(spec)
+
+
 def load_target(spec: str, *, layers: int | None = None, overrides: dict[str, Any] | None = None,
                 dtype: Any = None, device: str = "cpu", batch: int = 2, seq: int | None = 8
                 ) -> tuple[nn.Module, tuple, dict]:
@@ -286,7 +293,7 @@ def load_target(spec: str, *, layers: int | None = None, overrides: dict[str, An
     spec = spec.strip()
     overrides = dict(overrides or {})
     dtype = parse_dtype(dtype)
-    if spec.startswith("hf:") or spec.endswith(".json") or os.path.isdir(spec):
+    if is_config_target(spec):
         if spec.startswith("hf:"):
             config = _hf_config_for_type(spec[3:].strip())
         else:

@@ -129,6 +129,7 @@ def test_factory_target(factory_file, tmp_path):
     assert data["summary"]["by_placement"] == {"embedding": 1, "post": 6}
     assert data["summary"]["verdict"] == "Post-Norm"
     assert "prenorm=True" in data["summary"]["conversion"]
+    assert {s["dtype"] for s in data["sites"]} == {"torch.float32"}  # a factory's model keeps its dtype
 
 
 def test_factory_with_example_args(factory_file):
