@@ -105,6 +105,15 @@ def _bytes(node: Any) -> int:
     return 0
 
 
+def _last_dim(node: Any) -> int:
+    from normfuse.passes.canonical import node_shape
+    shape = node_shape(node)
+    try:
+        return int(shape[-1]) if shape else 1
+    except Exception:  # noqa: BLE001
+        return 1
+
+
 def _numel(node: Any) -> int:
     from normfuse.passes.canonical import tensor_meta
     t = tensor_meta(node)
@@ -159,8 +168,10 @@ def _eager(index, node: fx.Node) -> Traffic:
     if prim in ("layer_norm", "rms_norm"):
         m = index.canon(node)
         x = m["input"]
-        rows = _numel(x) // max(1, (_numel(m["weight"]) or 1)) if m["weight"] is not None else _numel(x)
-        stats = (2 if prim == "layer_norm" else 1) * 4 * rows if not index.canon(node).multi_output else 0
+        rows = _numel(x) // max(1, _last_dim(x))
+        # ATen native_layer_norm returns its stats as outputs (counted in `out`); the torch-level
+        # calls write them too, as buffers the graph does not show
+        stats = 0 if m.multi_output else (2 if prim == "layer_norm" else 1) * 4 * rows
         t.add(fwd=reads + out + stats, fwd_kernels=1)
         # backward: reads dy, x, stats, weight; writes dx, dweight, dbias
         params = sum(_bytes(p) for p in (m["weight"], m["bias"]) if isinstance(p, fx.Node))
@@ -185,7 +196,7 @@ def _eager(index, node: fx.Node) -> Traffic:
     return t
 
 
-def _accumulations(node: fx.Node, nodes: set) -> Traffic:
+def _accumulations(node: fx.Node) -> Traffic:
     """Autograd sums the grads of a value read by k kernels: k-1 adds of (read 2, write 1)."""
     from normfuse.passes.canonical import real_users
     k = len(real_users(node))
@@ -227,7 +238,8 @@ def site_bytes(index, st, op: str | None) -> tuple[Traffic, Traffic, list[fx.Nod
         e = _eager(index, n)
         eager.add(e.fwd, e.bwd, e.fwd_kernels, e.bwd_kernels)
         if not _is_free(index, n):
-            a = _accumulations(n, inside) if n is not nodes[-1] else Traffic()
+            # the norm output's grads are summed before either backward, so only inner values count
+            a = _accumulations(n) if n is not nodes[-1] else Traffic()
             eager.add(a.fwd, a.bwd, a.fwd_kernels, a.bwd_kernels)
     if op is None:
         return eager, Traffic(eager.fwd, eager.bwd, eager.fwd_kernels, eager.bwd_kernels), nodes
