@@ -9,7 +9,7 @@ one fixed learning rate and no warm-up. Writes two figures:
 - ``examples/figures/prenorm_grad_norms.png``: per-layer gradient norms at initialization
   (Xiong et al. 2020, Fig. 3: Post-Norm's grow toward the output, Pre-Norm's stay flat).
 
-    python examples/prenorm_stability.py            # ~3 minutes on one CPU core
+    python examples/prenorm_stability.py            # ~5 minutes on one idle CPU core (0.8 s a step for both)
     python examples/prenorm_stability.py --steps 100 --depth 12   # quicker look
 
 The task: ``k`` random tokens, a separator, then the same ``k`` tokens again; the loss is

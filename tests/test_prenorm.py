@@ -265,3 +265,12 @@ def test_hf_post_norm_models(model_type, converted, finals):
     torch._dynamo.reset()
     with torch.no_grad():
         torch.testing.assert_close(twin(**inputs).last_hidden_state, model(**inputs).last_hidden_state)
+
+
+def test_check_knows_the_conversion_is_by_design():
+    post = _toy()
+    converted = normfuse.optimize(copy.deepcopy(post), prenorm=True)
+    res = normfuse.check(post, _ids(), optimized=converted)
+    assert res.by_design is True
+    assert res.structure_ok is True
+    assert any("4 adds only" in n for n in res.notes)

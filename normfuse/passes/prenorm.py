@@ -29,7 +29,6 @@ with the reason in the report's notes and warnings.
 
 from __future__ import annotations
 
-import copy
 import operator
 import warnings
 from dataclasses import dataclass, field
@@ -302,7 +301,8 @@ def _convert(graph: fx.Graph, b: _Block, replaced: dict) -> None:
 
     m, add = b.st.match, b.st.in_add
     x = resolve(b.x)
-    first = min(b.branch_users, key=lambda u: list(graph.nodes).index(u))
+    users = set(b.branch_users)
+    first = next(n for n in graph.nodes if n in users)
     env = {add.node: x}
     with graph.inserting_before(first):
         for n in b.region:
@@ -418,13 +418,12 @@ def convert_graph(gm: fx.GraphModule, config: FuseConfig | None = None, model: n
     """
     config = config or FuseConfig()
     report = FusionReport(graphs=0)
-    added: list[str] = []
+    before = set(gm._modules)
     try:
-        _convert_graph(gm, config, model, report, added)
+        _convert_graph(gm, config, model, report)
     except Exception as error:  # noqa: BLE001 - the user's model must never break
-        for attr in added:
-            if hasattr(gm, attr):
-                delattr(gm, attr)
+        for attr in set(gm._modules) - before:  # final norms added to the graph module
+            delattr(gm, attr)
         message = (f"normfuse left this graph Post-Norm: the Pre-Norm conversion failed "
                    f"({type(error).__name__}: {error}). Please report it with the model that triggers it.")
         report.warnings.append(message)
@@ -432,8 +431,8 @@ def convert_graph(gm: fx.GraphModule, config: FuseConfig | None = None, model: n
     return report
 
 
-def _convert_graph(gm: fx.GraphModule, config: FuseConfig, model: nn.Module | None, report: FusionReport,
-                   added: list[str]) -> None:
+def _convert_graph(gm: fx.GraphModule, config: FuseConfig, model: nn.Module | None, report: FusionReport
+                   ) -> None:
     from normfuse.passes import pipeline
 
     graph = fx.Graph(owning_module=gm, tracer_cls=getattr(gm.graph, "_tracer_cls", None))
@@ -492,13 +491,9 @@ def _convert_graph(gm: fx.GraphModule, config: FuseConfig, model: nn.Module | No
     for b in sorted(todo, key=lambda b: index.order[b.st.match.output]):
         _convert(graph, b, replaced)
     streams_meta = []
+    owner = model if model is not None else gm
     for end, fqn, module in finals:
         value = replaced.get(end.st.match.output, end.st.match.input)
-        owner = model if model is not None else gm
-        if owner is gm:
-            added.append(fqn)
-        else:
-            added.append(fqn.replace(".", "__"))
         _insert_final(graph, owner, gm, value, fqn, module, in_dynamo)
     for stream in _streams_of(todo):
         end = stream[-1]
