@@ -33,7 +33,7 @@ import torch.nn as nn
 from normfuse.errors import InvalidModelError, NormfuseError
 from normfuse.reporting import FusionReport, Site
 from normfuse.verify.numeric import (Fp64Mode, OutputCheck, SiteNumeric, check_site, compare, copy_graph_module,
-                                     flatten, fp64_copy, perturb_vectors, run_graph, to_fp64)
+                                     failed_output, flatten, fp64_copy, perturb_vectors, run_graph, to_fp64)
 from normfuse.verify.sites import pair_sites, site_order
 from normfuse.verify.symbolic import SymbolicResult, prove_site
 
@@ -151,9 +151,7 @@ class CheckResult:
 
 
 def _json_default(value: Any) -> Any:
-    if isinstance(value, float):
-        return str(value)
-    return str(value)
+    return str(value)  # dtypes, tuples of SymInts, ...
 
 
 # --------------------------------------------------------------------------- runs
@@ -351,13 +349,11 @@ def _compare_all(orig: dict, new: dict, ref: dict) -> list[OutputCheck]:
             continue
         if not isinstance(base, torch.Tensor) or not base.is_floating_point():
             if isinstance(base, torch.Tensor) and isinstance(cand, torch.Tensor) and not torch.equal(base, cand):
-                checks.append(OutputCheck(name, str(base.dtype), tuple(base.shape), float("inf"), float("inf"), 0.0,
-                                          0.0, float("inf"), float("inf"), 1.0, False, "integer output differs"))
+                checks.append(failed_output(name, "integer output differs", base))
             continue
         if cand is None or reference is None:
-            checks.append(OutputCheck(name, str(base.dtype), tuple(base.shape), float("inf"), float("inf"), 0.0, 0.0,
-                                      float("inf"), float("inf"), 1.0, False,
-                                      "missing in the optimized model" if cand is None else "missing in fp64"))
+            checks.append(failed_output(name, "missing in the optimized model" if cand is None else "missing in fp64",
+                                        base))
             continue
         checks.append(compare(name, cand, base, reference))
     return checks

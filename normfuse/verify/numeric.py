@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from normfuse.tolerances import rounding_budget, within_tolerance
 from normfuse.verify.sites import SitePair
 
-__all__ = ["Fp64Mode", "fp64_copy", "perturb_vectors", "to_fp64", "flatten", "OutputCheck", "compare", "ulp_diff",
+__all__ = ["Fp64Mode", "fp64_copy", "perturb_vectors", "to_fp64", "flatten", "OutputCheck", "failed_output", "compare", "ulp_diff",
            "run_graph", "copy_graph_module", "SiteNumeric", "check_site"]
 
 F64 = torch.float64
@@ -163,6 +163,13 @@ class OutputCheck:
         return d
 
 
+def failed_output(name: str, reason: str, like: torch.Tensor | None = None) -> OutputCheck:
+    """An output that cannot be compared at all (missing, wrong shape, ...)."""
+    inf = float("inf")
+    dtype, shape = (str(like.dtype), tuple(like.shape)) if like is not None else ("", ())
+    return OutputCheck(name, dtype, shape, inf, inf, 0.0, 0.0, inf, inf, 1.0, False, reason)
+
+
 def _ratio(err: float, base: float) -> float:
     if base > 0:
         return err / base
@@ -180,9 +187,8 @@ def compare(name: str, candidate: torch.Tensor, baseline: torch.Tensor, referenc
         if candidate.numel() == baseline.numel():
             candidate = candidate.reshape(baseline.shape)
         else:
-            reason = f"shape {tuple(candidate.shape)} where the original has {tuple(baseline.shape)}"
-            return OutputCheck(name, str(dtype), tuple(baseline.shape), float("inf"), float("inf"), 0.0, 0.0,
-                               float("inf"), float("inf"), 1.0, False, reason)
+            return failed_output(name, f"shape {tuple(candidate.shape)} where the original has "
+                                       f"{tuple(baseline.shape)}", baseline)
     ok, err_c, err_b, bound = within_tolerance(candidate.detach(), baseline.detach(), reference.detach(), dtype)
     ulp_max, mismatch = ulp_diff(candidate.detach(), baseline.detach())
     if reason is None and not ok:
@@ -284,9 +290,7 @@ def check_site(gm: fx.GraphModule, pair: SitePair, env: dict[fx.Node, Any]) -> S
     ref = _subgraph_values(gm, pair, env, fp64=True)
     for k, orig in pair.outputs:
         if got[k] is None:
-            result.outputs.append(OutputCheck(f"{orig.name}", "", (), float("inf"), float("inf"), 0.0, 0.0,
-                                              float("inf"), float("inf"), 1.0, False,
-                                              f"the fused call returned no value for {orig.name}"))
+            result.outputs.append(failed_output(orig.name, f"the fused call returned no value for {orig.name}"))
             continue
         result.outputs.append(compare(orig.name, got[k], env[orig], ref[orig], fidelity=True))
     failed = [o for o in result.outputs if not o.passed]
