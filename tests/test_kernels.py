@@ -215,6 +215,12 @@ EDGE_CASES = [
     Case(kind="layer_norm", rows=1, n=5120, dtype=FP32, wdtype=FP32, bias=True),
     Case(n=131072, rows=2, dtype=BF16, wdtype=FP32),           # beyond one block: looped kernels
     Case(kind="layer_norm", n=131072, rows=2, dtype=FP32, wdtype=FP32, bias=True),
+    # looped kernels with a ragged last block, several rows per backward program
+    Case(kind="layer_norm", n=40000, rows=5, dtype=BF16, wdtype=BF16, bias=True, op="norm_add", scale=0.5),
+    Case(n=20000, rows=5, dtype=FP32, wdtype=FP32, offset=1.0, round_first=True),
+    # many short rows: several rows per forward program, the last program partly past the end
+    Case(n=123, rows=101, dtype=BF16, wdtype=FP32, bias=True),
+    Case(kind="layer_norm", n=123, rows=101, dtype=FP16, wdtype=FP16, op="norm_add"),
 ]
 
 REF_CASES = [*size_cases(), *mode_cases(), *EDGE_CASES]

@@ -913,14 +913,23 @@ def _norm_backward(ctx, dy, dextra, inp, residual_dtype, post_add):
     mean, rstd, weight = ctx.saved_tensors[-3:]
     if dy is None:
         dy = inp.new_zeros(inp.shape, dtype=ctx.dy_dtype)
+    # With residual_scale 1 and matching dtypes the residual's grad is dx (add_norm) or the
+    # incoming grad itself (norm_add): hand that tensor over instead of writing a copy.
+    shared = (residual_dtype is not None and ctx.residual_scale == 1.0
+              and residual_dtype == (dy.dtype if post_add else ctx.x_dtype))
     dx, dres, dw, db = torch.ops.normfuse.add_norm_bwd(
         dy, dextra, inp, mean, rstd, weight, ctx.kind, ctx.weight_offset, ctx.residual_scale, post_add,
-        ctx.x_dtype, residual_dtype, ctx.bias_dtype)
+        ctx.x_dtype, None if shared else residual_dtype, ctx.bias_dtype)
+    if shared:
+        dres = dy if post_add else dx
     return (dx, _grad_or_none(dres, residual_dtype is not None), _grad_or_none(dw, weight is not None),
             _grad_or_none(db, ctx.bias_dtype is not None))
 
 
 def _save_common(ctx, x, weight, bias, kind, weight_offset, residual_scale, dy_dtype):
+    # Unused outputs (s or y nobody read, mean, rstd) get None, not a materialized
+    # zero tensor that backward would read and add.
+    ctx.set_materialize_grads(False)
     ctx.kind, ctx.weight_offset, ctx.residual_scale = kind, weight_offset, residual_scale
     ctx.x_dtype, ctx.dy_dtype = x.dtype, dy_dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
