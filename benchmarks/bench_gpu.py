@@ -1,0 +1,336 @@
+"""Benchmark 5: the GPU suite. One script, about 8 minutes on one H200.
+
+Forward and backward of each fused op against its peers, on M x N rows:
+
+* eager PyTorch: ``s = x + r`` then ``F.rms_norm`` / ``F.layer_norm``; HF's decomposed
+  ``LlamaRMSNorm``;
+* ``torch.compile`` of the same (M marked dynamic: one compile per N and dtype);
+* Liger-Kernel's and flash-attn's Triton norms, where they import;
+* normfuse: ``add_norm`` (``F.rms_norm`` semantics, and HF Llama's "round, then * w").
+
+M in {4096, 16384, 65536} tokens, N in {768, ..., 16384}, bf16 and fp32. Each time is the
+median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``; plain ``do_bench``
+where capture fails), so Python overhead is not counted; GB/s counts the bytes a fused
+kernel must move (forward: read x, r, write y, s; backward: read dy, ds, s, write dx),
+and % is of the device's copy bandwidth, measured here with a large ``clone``. Last, one
+HF llama block forward+backward, eager vs ``normfuse.optimize``.
+
+Results go under ``$OUT`` (default ``benchmarks/results/gpu``). Without CUDA the script
+runs the Triton kernels under Triton's interpreter at a toy size (``--toy``), to prove it
+runs end to end; its numbers then mean nothing.
+
+    python benchmarks/bench_gpu.py [--toy] [--budget-s 420]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():  # the Triton kernels under the interpreter (before triton is imported)
+    os.environ.setdefault("NORMFUSE_TRITON_CPU", "1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path  # noqa: E402
+
+from common import machine, markdown_table, parse_args, save_plot, write_csv, write_json  # noqa: E402
+
+import torch.nn.functional as F  # noqa: E402
+
+from normfuse.kernels.add_norm import add_norm  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+MS = [16384, 65536, 4096]           # the targets' shapes first: the time budget may cut the tail
+NS = [1024, 2048, 4096, 8192, 768, 16384]
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+EPS = 1e-6
+
+
+# ------------------------------------------------------------------ providers
+
+class _HFLlamaRMSNorm(torch.nn.Module):
+    """HF's decomposed RMSNorm (imported from transformers when it is there)."""
+
+    def __new__(cls, n):
+        try:
+            from transformers.models.llama.modeling_llama import LlamaRMSNorm
+            return LlamaRMSNorm(n, eps=EPS)
+        except ImportError:
+            return super().__new__(cls)
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+        return self.weight * h.to(x.dtype)
+
+
+def _eager_rms(x, r, w, b):
+    s = x + r
+    return F.rms_norm(s, (s.shape[-1],), w, EPS), s
+
+
+def _eager_ln(x, r, w, b):
+    s = x + r
+    return F.layer_norm(s, (s.shape[-1],), w, b, EPS), s
+
+
+def _liger():
+    """{op: factory(n, dtype, device) -> fn(x, r, w, b)} of Liger-Kernel's norms, if it imports."""
+    from liger_kernel.transformers.layer_norm import LigerLayerNorm
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    out = {}
+    try:
+        from liger_kernel.transformers.fused_add_rms_norm import LigerFusedAddRMSNorm
+
+        out["rms"] = lambda n, dtype, device: _module_fn(
+            LigerFusedAddRMSNorm(n, eps=EPS, casting_mode="none").to(device, dtype), fused_add=True)
+    except ImportError:  # older Liger: its RMSNorm after a separate add
+        out["rms"] = lambda n, dtype, device: _module_fn(LigerRMSNorm(n, eps=EPS, casting_mode="none").to(device, dtype))
+    out["ln"] = lambda n, dtype, device: _module_fn(LigerLayerNorm(n, eps=EPS).to(device, dtype))
+    return out
+
+
+def _flash_attn():
+    from flash_attn.ops.triton.layer_norm import layer_norm_fn, rms_norm_fn
+    return {
+        "rms": lambda n, dtype, device: (lambda x, r, w, b: rms_norm_fn(x, w, None, residual=r, eps=EPS,
+                                                                        prenorm=True)),
+        "ln": lambda n, dtype, device: (lambda x, r, w, b: layer_norm_fn(x, w, b, residual=r, eps=EPS,
+                                                                         prenorm=True)),
+    }
+
+
+def providers(op: str, toy: bool) -> dict:
+    """name -> factory(n, dtype, device) -> fn(x, r, w, b) returning (y, s)."""
+    compile_backend = "inductor" if CUDA else "aot_eager"  # no C++ build on the toy run
+
+    def compiled(fn):
+        def factory(n, dtype, device):
+            return torch.compile(fn, backend=compile_backend)
+        return factory
+
+    if op == "rms":
+        table = {
+            "normfuse": lambda n, d, dev: (lambda x, r, w, b: add_norm(x, r, w, kind="rms_norm", eps=EPS)),
+            "normfuse (llama rounding)": lambda n, d, dev: (
+                lambda x, r, w, b: add_norm(x, r, w, kind="rms_norm", eps=EPS, norm_round_dtype=x.dtype)),
+            "eager F.rms_norm": lambda n, d, dev: _eager_rms,
+            "eager HF LlamaRMSNorm": _hf_factory,
+            "compile F.rms_norm": compiled(_eager_rms),
+        }
+    else:
+        table = {
+            "normfuse": lambda n, d, dev: (lambda x, r, w, b: add_norm(x, r, w, b, kind="layer_norm", eps=EPS)),
+            "eager F.layer_norm": lambda n, d, dev: _eager_ln,
+            "compile F.layer_norm": compiled(_eager_ln),
+        }
+    for name, load in (("liger", _liger), ("flash-attn", _flash_attn)):
+        try:
+            table[name] = load()[op]
+        except Exception as error:  # noqa: BLE001 - a peer that does not import is reported, not fatal
+            UNAVAILABLE[name] = f"{type(error).__name__}: {error}"
+    return table
+
+
+def _module_fn(module: torch.nn.Module, fused_add: bool = False):
+    """fn(x, r, w, b) -> (y, s) calling ``module`` with ``w`` (and ``b``) as its parameters."""
+    from torch.func import functional_call
+
+    def fn(x, r, w, b):
+        params = {"weight": w} if b is None else {"weight": w, "bias": b}
+        if fused_add:
+            return functional_call(module, params, (x, r))
+        s = x + r
+        return functional_call(module, params, (s,)), s
+    return fn
+
+
+def _hf_factory(n, dtype, device):
+    return _module_fn(_HFLlamaRMSNorm(n).to(device, dtype))
+
+
+UNAVAILABLE: dict[str, str] = {}
+
+
+# ------------------------------------------------------------------ timing
+
+def _time_ms(fn, toy: bool) -> tuple[float, str]:
+    """Median milliseconds of fn(): CUDA-graph replays where capture works."""
+    if not CUDA:
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t0), "cpu-interpreter"
+    import triton.testing
+    fn()
+    torch.cuda.synchronize()
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median"), "cudagraph"
+    except Exception:  # noqa: BLE001 - a provider that cannot be captured is timed without graphs
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median"), "do_bench"
+
+
+def copy_bandwidth(toy: bool) -> float:
+    """GB/s of a large device clone (bytes read + written)."""
+    n = (1 << 16) if toy else (1 << 30)  # 4 GiB of fp32 on the GPU
+    x = torch.empty(n, dtype=torch.float32, device="cuda" if CUDA else "cpu").uniform_()
+    ms, _ = _time_ms(lambda: x.clone(), toy)
+    return 2 * x.numel() * x.element_size() / (ms * 1e-3) / 1e9
+
+
+def measure(op: str, name: str, factory, m: int, n: int, dtype, device, toy: bool) -> dict:
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(m, n, device=device, dtype=dtype, generator=g).requires_grad_()
+    r = torch.randn(m, n, device=device, dtype=dtype, generator=g).requires_grad_()
+    w = torch.randn(n, device=device, dtype=dtype, generator=g).requires_grad_()
+    b = torch.randn(n, device=device, dtype=dtype, generator=g).requires_grad_() if op == "ln" else None
+    fn = factory(n, dtype, device)
+    if name.startswith("compile"):
+        torch._dynamo.mark_dynamic(x, 0)
+        torch._dynamo.mark_dynamic(r, 0)
+    row = {"op": op, "provider": name, "M": m, "N": n, "dtype": str(dtype)[6:]}
+    with torch.no_grad():
+        row["fwd_ms"], row["timing"] = _time_ms(lambda: fn(x, r, w, b), toy)
+    y, s = fn(x, r, w, b)
+    dy, ds = torch.randn_like(y), torch.randn_like(s)
+    params = [t for t in (x, r, w, b) if t is not None]
+    row["bwd_ms"], _ = _time_ms(lambda: torch.autograd.grad((y, s), params, (dy, ds), retain_graph=True), toy)
+    elem = x.element_size()
+    row["fwd_GBps"] = 4 * m * n * elem / (row["fwd_ms"] * 1e-3) / 1e9
+    row["bwd_GBps"] = 4 * m * n * elem / (row["bwd_ms"] * 1e-3) / 1e9
+    return row
+
+
+def llama_block(toy: bool) -> list[dict]:
+    """One HF llama decoder block (inside LlamaModel, 1 layer) forward+backward."""
+    import copy
+
+    import normfuse
+    from normfuse import zoo
+    device = "cuda" if CUDA else "cpu"
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    size = (dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4)
+            if toy else dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+                             num_key_value_heads=32, head_dim=128))
+    base = zoo.hf_model("llama", dtype=dtype, device=device, num_hidden_layers=1, vocab_size=1024, **size)
+    base.train()
+    batch, seq = (1, 4) if toy else (4, 2048)
+    inputs = zoo.example_inputs(base, batch=batch, seq=seq)
+    rows = []
+    for name in ("eager", "normfuse"):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        if name == "normfuse":
+            normfuse.optimize(model)
+
+        def step(model=model):
+            model(**inputs).last_hidden_state.float().square().mean().backward()
+        step()
+        if CUDA:
+            import triton.testing
+            ms = triton.testing.do_bench(step, warmup=3, rep=200, return_mode="median", grad_to_none=None)
+        else:
+            ms, _ = _time_ms(step, toy)
+        rows.append({"model": "llama block", "variant": name, "tokens": batch * seq,
+                     "hidden": size["hidden_size"], "dtype": str(dtype), "fwd_bwd_ms": ms,
+                     "fused": sum(s.fused for s in normfuse.report(model).sites) if name == "normfuse" else 0})
+    rows[1]["speedup"] = rows[0]["fwd_bwd_ms"] / rows[1]["fwd_bwd_ms"]
+    return rows
+
+
+def main(argv=None) -> dict:
+    args = parse_args(__doc__.splitlines()[0], argv, lambda p: p.add_argument(
+        "--budget-s", type=float, default=420, help="stop starting new shapes after this many seconds"))
+    explicit = "--out" in (sys.argv[1:] if argv is None else argv)
+    out = args.out if explicit else Path(os.environ["OUT"]) if os.environ.get("OUT") else args.out / "gpu"
+    out.mkdir(parents=True, exist_ok=True)
+    if not CUDA and not args.toy:
+        print("no CUDA device: running the toy size under Triton's interpreter")
+        args.toy = True
+    device = "cuda" if CUDA else "cpu"
+    ms, ns = ([8], [64]) if args.toy else (MS, NS)
+    dtypes = {"bf16": torch.bfloat16} if args.toy else DTYPES  # the interpreter is slow
+    torch._dynamo.config.cache_size_limit = 256
+    torch._functorch.config.donated_buffer = False  # the backward is replayed (retain_graph=True)
+    t_start = time.perf_counter()
+    bandwidth = copy_bandwidth(args.toy)
+    print(f"copy bandwidth: {bandwidth:.0f} GB/s", flush=True)
+    rows, skipped = [], []
+    for op in ("rms", "ln"):
+        table = providers(op, args.toy)
+        for dtype_name, dtype in dtypes.items():
+            for m in ms:
+                for n in ns:
+                    if time.perf_counter() - t_start > args.budget_s:
+                        skipped.append(f"{op} {dtype_name} M={m} N={n}")
+                        continue
+                    for name, factory in table.items():
+                        try:
+                            row = measure(op, name, factory, m, n, dtype, device, args.toy)
+                        except Exception as error:  # noqa: BLE001 - one provider failing must not end the run
+                            row = {"op": op, "provider": name, "M": m, "N": n, "dtype": str(dtype)[6:],
+                                   "error": f"{type(error).__name__}: {str(error)[:200]}"}
+                        row["fwd_pct_copy"] = 100 * row.get("fwd_GBps", 0) / bandwidth
+                        row["bwd_pct_copy"] = 100 * row.get("bwd_GBps", 0) / bandwidth
+                        rows.append(row)
+                        if CUDA:
+                            torch.cuda.empty_cache()
+                    print(f"  {op} {dtype_name} M={m} N={n}: " + ", ".join(
+                        f"{r['provider']} {r.get('fwd_GBps', float('nan')):.0f}/{r.get('bwd_GBps', float('nan')):.0f}"
+                        for r in rows if (r["op"], r["M"], r["N"], r["dtype"]) == (op, m, n, str(dtype)[6:])), flush=True)
+    # ratios against every peer on the same shape
+    for r in rows:
+        if r["provider"].startswith("normfuse") and "fwd_ms" in r:
+            peers = [p for p in rows if (p["op"], p["M"], p["N"], p["dtype"]) == (r["op"], r["M"], r["N"], r["dtype"])
+                     and not p["provider"].startswith("normfuse") and "fwd_ms" in p]
+            for p in peers:
+                r[f"fwd_x_vs_{p['provider']}"] = p["fwd_ms"] / r["fwd_ms"]
+                r[f"bwd_x_vs_{p['provider']}"] = p["bwd_ms"] / r["bwd_ms"]
+    block = []
+    if time.perf_counter() - t_start < args.budget_s + 60:
+        block = llama_block(args.toy)
+    ours = [r for r in rows if r["provider"] == "normfuse" and "fwd_ms" in r]
+    big = [r for r in ours if r["N"] >= 1024 and r["M"] >= 16384]
+    verdict = {
+        "copy_GBps": bandwidth, "seconds": time.perf_counter() - t_start, "skipped_shapes": skipped,
+        "unavailable_peers": UNAVAILABLE, "toy": args.toy, "device": torch.cuda.get_device_name() if CUDA else "cpu",
+        "min_fwd_pct_copy_N1024_M16384": min((r["fwd_pct_copy"] for r in big), default=None),
+        "min_bwd_pct_copy_N1024_M16384": min((r["bwd_pct_copy"] for r in big), default=None),
+        "min_x_vs_any_peer": min((v for r in ours for k, v in r.items() if k.startswith(("fwd_x_vs", "bwd_x_vs"))),
+                                 default=None),
+        "min_fwd_x_vs_hf_eager": min((r2.get("fwd_x_vs_eager HF LlamaRMSNorm", float("inf"))
+                                      for r2 in rows if r2["provider"] == "normfuse (llama rounding)"), default=None),
+    }
+    write_csv(out / "gpu_ops.csv", rows)
+    if block:
+        write_csv(out / "gpu_llama_block.csv", block)
+    write_json(out / "gpu.json", {"machine": machine(), "verdict": verdict, "rows": rows, "llama_block": block})
+
+    def draw(ax):
+        for prov in sorted({r["provider"] for r in rows if r["op"] == "rms" and r["dtype"] == "bfloat16"}):
+            pts = [(r["N"], r.get("fwd_pct_copy", 0)) for r in rows if r["op"] == "rms" and r["provider"] == prov
+                   and r["dtype"] == "bfloat16" and r["M"] == ms[0]]
+            if pts:
+                ax.plot(*zip(*sorted(pts)), "o-", label=prov, markersize=3)
+        ax.set(xscale="log", xlabel="N", ylabel="% of copy bandwidth", title=f"add + RMSNorm forward, bf16, M={ms[0]}")
+        ax.legend(fontsize=6)
+    save_plot(out / "gpu_rms_fwd.png", draw)
+    print(markdown_table([r for r in rows if "fwd_ms" in r],
+                         ["op", "provider", "dtype", "M", "N", "fwd_GBps", "fwd_pct_copy", "bwd_GBps", "bwd_pct_copy",
+                          "timing"]))
+    if block:
+        print(markdown_table(block))
+    print("verdict:", verdict)
+    return verdict
+
+
+if __name__ == "__main__":
+    main()
