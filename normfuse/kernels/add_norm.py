@@ -29,6 +29,19 @@ Norm-then-add (res-post blocks ``x + norm(f)``: Swin v2, OLMo2)::
 
 Backward treats every rounding step as the identity (straight-through) and
 computes in fp32; fp64 inputs (CPU only, for gradcheck) compute in fp64.
+
+Custom ops (outputs that do not exist are empty tensors; the functional API
+returns None for them)::
+
+    normfuse::add_norm_fwd(x, residual?, weight?, bias?, kind, eps, weight_offset, residual_scale,
+                           sum_dtype, norm_round_dtype?, out_dtype, store_sum) -> (y, s, mean, rstd)
+    normfuse::norm_add_fwd(x, residual, weight?, bias?, kind, eps, weight_offset, residual_scale,
+                           norm_round_dtype?, out_dtype, add_dtype, store_norm) -> (out, y, mean, rstd)
+    normfuse::add_norm_bwd(dy, dextra?, inp, mean, rstd, weight?, kind, weight_offset, residual_scale,
+                           post_add, x_dtype, residual_dtype?, bias_dtype?) -> (dx, dresidual, dweight, dbias)
+
+CUDA/ROCm tensors run the Triton kernels; CPU tensors run the reference (or the
+Triton kernels under Triton's interpreter when NORMFUSE_TRITON_CPU=1).
 """
 
 from __future__ import annotations
@@ -200,7 +213,9 @@ def add_norm_ref(x, residual=None, weight=None, bias=None, *, kind, eps, weight_
 
     Same arguments as :func:`add_norm`. A plain norm (``residual=None``) returns s=None,
     as does ``return_sum=False``. For an fp64 reference, pass fp64 tensors and fp64
-    rounding dtypes.
+    rounding dtypes. Where eager's fused CPU LayerNorm/RMSNorm compute this very
+    function, they are used, so default modes equal F.layer_norm / F.rms_norm bit for
+    bit; it is differentiable with plain autograd.
     """
     sum_dtype = sum_dtype or _default_sum_dtype(x, residual)
     out_dtype = out_dtype or _default_out_dtype(sum_dtype, weight, norm_round_dtype)
