@@ -77,7 +77,7 @@ def make_backend(config: FuseConfig | None = None, report: FusionReport | None =
             report.extend(graph_report)
             if config.check:
                 from normfuse.verify.check import check_graph_on_first_call
-                gm = check_graph_on_first_call(gm, graph_report, example_inputs)
+                gm = check_graph_on_first_call(gm, graph_report, example_inputs, original=original)
             if inductor:
                 from torch._inductor.compile_fx import compile_fx
                 return compile_fx(gm, example_inputs)
