@@ -215,3 +215,20 @@ def test_families_equivalent(family, dtype):
     assert len(res.sites) == FAMILIES[family]
     assert all(s.symbolic.status == "proved" for s in res.sites)
     assert max(o.ratio for o in res.outputs) <= (2.0 if dtype == torch.float32 else 3.0)
+
+
+def test_optimize_with_check_runs_the_checker_quietly(monkeypatch):
+    import normfuse.verify.check as check_module
+
+    calls = []
+    real = check_module._check_graph
+    monkeypatch.setattr(check_module, "_check_graph", lambda *a: calls.append(a[1]) or real(*a))
+    torch._dynamo.reset()
+    model = perturb_vectors(ToyTransformer(placement="pre", kind="rms_norm", spelling="llama").eval())
+    ids = torch.randint(0, 64, (2, 8))
+    want = model(ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = normfuse.optimize(copy.deepcopy(model), check=True)(ids)
+    torch.testing.assert_close(got, want)
+    assert len(calls) == 1 and len(calls[0].fused) == 5  # the graph and its 5 rewritten sites were checked
