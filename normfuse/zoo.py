@@ -298,7 +298,7 @@ def example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int = 0
     config = getattr(model, "config", None)
     g = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
-    if config is None:
+    if config is None or isinstance(config, dict):  # not a transformers model (e.g. ToyTransformer)
         vocab = getattr(getattr(model, "tok", None), "num_embeddings", 64)
         return {"ids": torch.randint(0, vocab, (batch, seq), generator=g).to(device)}
     main = getattr(model, "main_input_name", "input_ids")
