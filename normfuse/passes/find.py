@@ -65,6 +65,10 @@ class GraphIndex:
         self.view = view
         self.order = {n: i for i, n in enumerate(graph.nodes)}
         self.replaced: dict[fx.Node, fx.Node] = {}  # old node -> node holding its value after a rewrite
+        # outputs of the norms found so far: walks up from a norm's input stop there, so a
+        # norm that reads another norm's output never reaches into it (its "+ bias" is no
+        # residual add, its internal values are not this norm's input)
+        self.norm_outputs: set[fx.Node] = set()
 
     def resolve(self, node: Any) -> Any:
         """The node that now holds the value ``node`` held before earlier rewrites."""
@@ -127,7 +131,7 @@ def _last_dim_only(dims: Any, ndim: int | None) -> bool:
 
 def strip_upcasts(index: GraphIndex, node: Any) -> Any:
     """The value before any chain of exact upcasts (casts that change no value)."""
-    while index.prim(node) == "cast":
+    while index.prim(node) == "cast" and node not in index.norm_outputs:
         src = index.canon(node)["input"]
         if not isinstance(src, fx.Node) or not is_exact_upcast(node_dtype(src), node_dtype(node)):
             break
@@ -474,6 +478,7 @@ def find_norms(index: GraphIndex) -> list[NormMatch]:
             m.reason = f"bias of shape {node_shape(m.bias)} is not a vector of the hidden size {m.hidden_size}"
         claimed.update(m.nodes)
         found.append(m)
+        index.norm_outputs.add(m.output)
     found.sort(key=lambda m: index.order[m.output])
     return found
 
@@ -521,7 +526,7 @@ def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
     chain = []
     cur = m.input
     n = m.hidden_size
-    while isinstance(cur, fx.Node):
+    while isinstance(cur, fx.Node) and cur not in index.norm_outputs:
         am = _as_add(index, cur, n)
         if am is not None:
             am.chain = chain
