@@ -36,6 +36,7 @@ class Case:
     sum_dtype: Optional[torch.dtype] = None
     op: str = "add_norm"                 # or "norm_add"
     return_extra: bool = True            # return_sum / return_norm
+    rdtype: Optional[torch.dtype] = None  # residual dtype when it differs from x's
 
     def __str__(self):
         fields = [f"{self.op}-{self.kind}-N{self.n}x{self.rows}", str(self.dtype)[6:],
@@ -45,6 +46,8 @@ class Case:
                                          ("roundfirst", self.round_first), ("noextra", not self.return_extra)) if on]
         if self.sum_dtype:
             fields.append(f"sum{str(self.sum_dtype)[6:]}")
+        if self.rdtype:
+            fields.append(f"res{str(self.rdtype)[6:]}")
         return "-".join(fields)
 
 
@@ -56,7 +59,7 @@ def make_inputs(case: Case, seed: int = 0, requires_grad: bool = True, device: s
         return t.requires_grad_(requires_grad)
 
     x = randn(case.rows, case.n, dtype=case.dtype)
-    r = randn(case.rows, case.n, dtype=case.dtype) if case.residual or case.op == "norm_add" else None
+    r = randn(case.rows, case.n, dtype=case.rdtype or case.dtype) if case.residual or case.op == "norm_add" else None
     w = None
     if case.wdtype is not None:
         w = randn(case.n, dtype=case.wdtype, std=0.2, mean=0.0 if case.offset else 1.0)
@@ -221,6 +224,10 @@ EDGE_CASES = [
     # many short rows: several rows per forward program, the last program partly past the end
     Case(n=123, rows=101, dtype=BF16, wdtype=FP32, bias=True),
     Case(kind="layer_norm", n=123, rows=101, dtype=FP16, wdtype=FP16, op="norm_add"),
+    # residual stream in another dtype than the branch output (promoted sum)
+    Case(n=768, rows=3, dtype=BF16, rdtype=FP32, wdtype=FP32),
+    Case(kind="layer_norm", n=768, rows=3, dtype=FP16, rdtype=BF16, wdtype=FP16, bias=True, scale=0.5),
+    Case(kind="layer_norm", n=768, rows=3, dtype=BF16, rdtype=FP32, wdtype=BF16, op="norm_add", round_first=True),
 ]
 
 REF_CASES = [*size_cases(), *mode_cases(), *EDGE_CASES]

@@ -253,7 +253,8 @@ def cases(draw, max_n=300):
                 residual=draw(st.booleans()) or op == "norm_add", bias=draw(st.booleans()),
                 offset=draw(st.sampled_from([0.0, 1.0])), scale=draw(st.sampled_from([1.0, 0.5, 3.0])),
                 round_first=round_first, op=op, return_extra=draw(st.booleans()),
-                sum_dtype=None if op == "norm_add" else draw(st.sampled_from([None, FP32])))
+                sum_dtype=None if op == "norm_add" else draw(st.sampled_from([None, FP32])),
+                rdtype=draw(st.sampled_from([None, None, FP32, BF16])))
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
