@@ -231,6 +231,7 @@ def _escapes(node: fx.Node, inside: set) -> bool:
 def site_bytes(index, st, op: str | None) -> tuple[Traffic, Traffic, list[fx.Node]]:
     """(eager, fused, nodes): HBM traffic of a site as the graph computes it and as the fused op
     ``op`` would ("add_norm" | "norm_add" | "norm"; None: not fused, so the same as eager)."""
+    from normfuse.passes.canonical import node_dtype
     nodes = _site_nodes(st, op)
     inside = set(nodes)
     eager = Traffic()
@@ -259,15 +260,25 @@ def site_bytes(index, st, op: str | None) -> tuple[Traffic, Traffic, list[fx.Nod
         stored = any(_escapes(n, inside) for n in sum_chain)
         # fwd: read x, residual, weight, bias; write y, s (when used elsewhere), stats
         fused.add(fwd=operands + params + y_bytes + (s_bytes if stored else 0) + stats)
-        # bwd: read dy, ds (when s was stored), s (or x and residual to rebuild it), stats, weight;
-        #      write dx, dresidual, dweight, dbias
-        fused.add(bwd=y_bytes + (2 * s_bytes if stored else operands) + stats + 2 * params + operands)
+        # bwd: read dy, ds and s when s was stored; otherwise one add rebuilds s from x and
+        # residual (read 2, write 1) and the kernel reads it. Then stats and weight; write dx,
+        # dresidual (unless it is dx itself: residual_scale 1, same dtypes), dweight, dbias
+        rebuild = 2 * s_bytes if stored else operands + 2 * s_bytes
+        dtypes = {node_dtype(a) for a in st.in_add.operands if isinstance(a, fx.Node)}
+        shared = st.in_add.residual_scale == 1.0 and len(dtypes) == 1
+        grads = operands // 2 if shared else operands
+        fused.add(bwd=y_bytes + rebuild + stats + 2 * params + grads, bwd_kernels=0 if stored else 1)
     elif op == "norm_add":
         out = st.out_add.node
-        res = sum(_bytes(a) for a in st.out_add.operands if isinstance(a, fx.Node) and a is not m.output)
+        residual = [a for a in st.out_add.operands if isinstance(a, fx.Node) and a is not m.output]
+        res = sum(_bytes(a) for a in residual)
         stored = _escapes(m.output, inside)
         fused.add(fwd=x_bytes + res + params + _bytes(out) + (y_bytes if stored else 0) + stats)
-        fused.add(bwd=_bytes(out) + (y_bytes if stored else 0) + x_bytes + stats + 2 * params + x_bytes + res)
+        # bwd: read dout (and dy when y was stored), f, stats, weight; write df, dresidual (unless
+        # it is dout itself: residual_scale 1, same dtype), dweight, dbias
+        shared = st.out_add.residual_scale == 1.0 and all(node_dtype(a) == node_dtype(out) for a in residual)
+        fused.add(bwd=_bytes(out) + (y_bytes if stored else 0) + x_bytes + stats + 2 * params + x_bytes
+                  + (0 if shared else res))
     else:  # "norm"
         fused.add(fwd=x_bytes + params + y_bytes + stats)
         fused.add(bwd=y_bytes + x_bytes + stats + 2 * params + x_bytes)

@@ -14,6 +14,7 @@ from normfuse.cli import main
 from normfuse.errors import InvalidOptionError, TargetError
 from normfuse.reporting import SITE_FIELDS
 from normfuse.targets import load_target, parse_overrides
+from normfuse.zoo import ToyTransformer
 
 pytest.importorskip("transformers")
 
@@ -217,16 +218,32 @@ def test_byte_arithmetic_of_one_site_by_hand():
     assert site.eager.bwd == 3 * T + (2 * T + T + stats + 2 * 2 * P)
     # fused forward: read x, r, w, b; write y, s (still used), stats
     assert site.fused.fwd == 2 * T + 2 * P + T + T + stats
-    # fused backward: read dy, ds, s, stats, w, b; write dx, dresidual, dw, db
-    assert site.fused.bwd == T + 2 * T + stats + 2 * 2 * P + 2 * T
+    # fused backward: read dy, ds, s, stats, w; write dx, dw, db (dresidual is dx: scale 1, same dtype)
+    assert site.fused.bwd == T + 2 * T + stats + 2 * 2 * P + T
     assert site.fused.fwd_kernels == 1 and site.fused.bwd_kernels == 1
     totals = rep.summary()["bytes"]
     assert totals["eager"]["fwd_us"] == pytest.approx(site.eager.fwd / 1e12 * 1e6)
     assert totals["saved_fwd_bytes"] == site.eager.fwd - site.fused.fwd == T
+    assert totals["saved_train_bytes"] == 3 * T
+
+
+def test_post_norm_site_rebuilds_the_sum_in_backward():
+    """norm(x + f) with nothing else reading the sum: the fused forward does not store s, so its
+    backward rebuilds it with one add (read x, f; write s) before the kernel reads it."""
+    R, N, B = 4 * 8, 64, 4
+    model = ToyTransformer(depth=1, hidden=N, placement="post")
+    torch._dynamo.reset()
+    rep = normfuse.audit(model, torch.randint(0, 64, (4, 8)))
+    site = next(s for s in rep.sites if s.site.fqn == "blocks.0.norm2")
+    assert site.site.placement == "post" and site.status == "would fuse as add_norm"
+    T, P, stats = R * N * B, N * B, 2 * R * B
+    assert site.eager.bwd == 2 * T + T + stats + 4 * P  # layer-norm backward; the add's is free
+    assert site.fused.bwd == T + (2 * T + 2 * T) + stats + 4 * P + T and site.fused.bwd_kernels == 2
+    assert site.fused.fwd == 2 * T + 2 * P + T + stats  # s is not written
 
 
 def test_audit_leaves_the_model_unchanged():
-    model = normfuse.zoo.ToyTransformer(depth=1, placement="sandwich", kind="rms_norm", spelling="gemma").train()
+    model = ToyTransformer(depth=1, placement="sandwich", kind="rms_norm", spelling="gemma").train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     forward = model.forward
     torch._dynamo.reset()
@@ -237,7 +254,7 @@ def test_audit_leaves_the_model_unchanged():
 
 
 def test_unfused_site_costs_the_same_before_and_after():
-    model = normfuse.zoo.ToyTransformer(depth=1, placement="pre")
+    model = ToyTransformer(depth=1, placement="pre")
     torch._dynamo.reset()
     rep = normfuse.audit(model, torch.randint(0, 64, (2, 8)), config=normfuse.FuseConfig(
         filter_fn=lambda site: site.fqn != "blocks.0.norm2"))
