@@ -68,10 +68,14 @@ def _summary_lines(rep) -> list[str]:
         f"({_ratio(e['fwd'] + e['bwd'], f['fwd'] + f['bwd'])}); "
         f"{e['fwd_kernels'] + e['bwd_kernels']} -> {f['fwd_kernels'] + f['bwd_kernels']} kernels",
         f"at {s['bandwidth']} peak: forward {_fmt_us(e['fwd_us'])} -> {_fmt_us(f['fwd_us'])} "
-        f"(saves {_fmt_us(b['saved_fwd_us'])}), training step {_fmt_us(e['train_us'])} -> "
-        f"{_fmt_us(f['train_us'])} (saves {_fmt_us(b['saved_train_us'])}); bytes / bandwidth, a lower bound",
+        f"({_saves(b['saved_fwd_us'])}), training step {_fmt_us(e['train_us'])} -> "
+        f"{_fmt_us(f['train_us'])} ({_saves(b['saved_train_us'])}); bytes / bandwidth, a lower bound",
     ]
     return lines
+
+
+def _saves(us: float) -> str:
+    return f"saves {_fmt_us(us)}" if us >= 0 else f"costs {_fmt_us(-us)} more"
 
 
 def _dict(d: dict) -> str:
