@@ -130,7 +130,8 @@ def site_rows(rows: int, n: int, iters: int, rounds: int) -> list[dict]:
                 sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
             row[f"{vname}_fwd_us"] = _cpu_us(forward, iters, rounds)
             row[f"{vname}_fwd_bwd_us"] = _cpu_us(fwd_bwd, iters, rounds)
-        row["fused"] = sum(s.fused for s in normfuse.report(variants["optimized"]).sites)
+        rep = normfuse.report(variants["optimized"])  # no-grad and grad calls: one graph each
+        row["fused"], row["graphs"] = sum(s.fused for s in rep.sites), rep.graphs
         # the fused op against the same captured graph run unfused: dynamo's own cost cancels
         row["fwd_extra_us"] = row["optimized_fwd_us"] - row["dynamo_fwd_us"]
         row["fwd_bwd_extra_us"] = row["optimized_fwd_bwd_us"] - row["dynamo_fwd_bwd_us"]

@@ -283,7 +283,8 @@ def check(row: dict, op: Op) -> list[str]:
     """The targets, as the problems found in this row (empty: met)."""
     problems = []
     if not row["looped"] and row["local"] > 0 and (row["dtype"] != "bf16" or row["N"] <= 32768):
-        problems.append(f"spills {row['local']} bytes")
+        unit = "bytes (LOCAL)" if row["target"].startswith("cuda") else "registers (VGPR+SGPR spill count)"
+        problems.append(f"spills {row['local']} {unit}")
     if row["target"].startswith("cuda") and not row["looped"]:
         for name in op.inputs:
             v = row.get(f"ld_{name}")
