@@ -33,8 +33,8 @@ _EXPORTS = {
     # checking and auditing
     "check": "normfuse.verify.check",
     "CheckResult": "normfuse.verify.check",
-    "audit": "normfuse.audit",
-    "AuditReport": "normfuse.audit",
+    "audit": "normfuse.auditing",
+    "AuditReport": "normfuse.auditing",
     # errors
     "NormfuseError": "normfuse.errors",
     "UnsupportedDtypeError": "normfuse.errors",

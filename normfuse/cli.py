@@ -14,7 +14,7 @@ from normfuse import __version__
 
 # subcommand -> module whose register_cli(subparsers) adds it
 SUBCOMMANDS = {
-    "audit": "normfuse.audit",
+    "audit": "normfuse.auditing",
     "check": "normfuse.verify.check",
 }
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import normfuse
-from normfuse.audit import AuditReport, parse_bandwidth, verdict
+from normfuse.auditing import AuditReport, parse_bandwidth, verdict
 from normfuse.cli import main
 from normfuse.errors import InvalidOptionError, TargetError
 from normfuse.reporting import SITE_FIELDS

@@ -20,7 +20,6 @@ import math
 import operator
 import sys
 import time
-import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -579,14 +578,3 @@ def register_cli(subparsers) -> None:
     p.add_argument("--out", default=None, help="write the report to this file instead of stdout")
     p.add_argument("--graph", default=None, metavar="FILE.svg", help="also write a picture of the residual stream")
     p.set_defaults(func=_run_cli)
-
-
-class _CallableModule(types.ModuleType):
-    """Importing this module binds the package attribute ``normfuse.audit`` to the module,
-    shadowing the lazily exported function of the same name; calling the module calls it."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> AuditReport:
-        return audit(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
