@@ -259,14 +259,16 @@ def site_bytes(index, st, op: str | None) -> tuple[Traffic, Traffic, list[fx.Nod
         stored = any(_escapes(n, inside) for n in sum_chain)
         # fwd: read x, residual, weight, bias; write y, s (when used elsewhere), stats
         fused.add(fwd=operands + params + y_bytes + (s_bytes if stored else 0) + stats)
-        # bwd: read dy, ds and s when s was stored; otherwise one add rebuilds s from x and
-        # residual (read 2, write 1) and the kernel reads it. Then stats and weight; write dx,
-        # dresidual (unless it is dx itself: residual_scale 1, same dtypes), dweight, dbias
-        rebuild = 2 * s_bytes if stored else operands + 2 * s_bytes
+        # bwd: when grads are needed the kernel always stores s (add_norm's return_sum or
+        # _grad_needed): a training step pays one more write of s in the forward when nothing
+        # else reads it, or reads ds when something does; the backward kernel reads s. Then
+        # dy, stats and weight; it writes dx, dresidual (unless it is dx itself: residual_scale 1,
+        # same dtypes), dweight, dbias
+        rebuild = 2 * s_bytes
         dtypes = {node_dtype(a) for a in st.in_add.operands if isinstance(a, fx.Node)}
         shared = st.in_add.residual_scale == 1.0 and len(dtypes) == 1
         grads = operands // 2 if shared else operands
-        fused.add(bwd=y_bytes + rebuild + stats + 2 * params + grads, bwd_kernels=0 if stored else 1)
+        fused.add(bwd=y_bytes + rebuild + stats + 2 * params + grads)
     elif op == "norm_add":
         out = st.out_add.node
         residual = [a for a in st.out_add.operands if isinstance(a, fx.Node) and a is not m.output]
