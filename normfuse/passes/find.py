@@ -289,6 +289,20 @@ def _find_normalized(index: GraphIndex, denom: fx.Node, value: Any):
     return None, None
 
 
+def _finish_decomposed(index: GraphIndex, kind: str, source: Any, stat: fx.Node, value: Any,
+                       stat_nodes: list[fx.Node], n: int, anchor: fx.Node) -> NormMatch | None:
+    """From a row statistic (mean of squares, or variance) to ``value * rsqrt(stat + eps)``;
+    ``source`` is the normalized input as the graph holds it (maybe upcast)."""
+    for denom, eps in _eps_of(index, stat):
+        normed, extra = _find_normalized(index, denom, value)
+        if normed is not None:
+            upcast = [source] if source is not strip_upcasts(index, source) else []
+            return _with_tail(index, NormMatch(
+                kind=kind, form="decomposed", input=strip_upcasts(index, source), output=normed,
+                nodes=[*upcast, *stat_nodes, denom, *extra, normed], eps=eps, hidden_size=n, anchor=anchor))
+    return None
+
+
 def _match_decomposed(index: GraphIndex, mean: fx.Node, c: Canon) -> NormMatch | None:
     """Anchored at ``mean(t, -1, keepdim=True)``: RMSNorm when t = u^2, LayerNorm when ``u - mean`` follows."""
     t = c["input"]
@@ -297,40 +311,21 @@ def _match_decomposed(index: GraphIndex, mean: fx.Node, c: Canon) -> NormMatch |
     if shape is None or n is None or not _last_dim_only(c["dim"], len(shape)) or not c["keepdim"]:
         return None
     sq = _square_of(index, t)
-    if sq is not None:  # RMSNorm: mean(u^2)
-        for denom, eps in _eps_of(index, mean):
-            normed, extra = _find_normalized(index, denom, sq)
-            if normed is not None:
-                nodes = [t, mean, denom, *extra, normed]
-                if sq is not strip_upcasts(index, sq):
-                    nodes.insert(0, sq)
-                return _with_tail(index, NormMatch(
-                    kind="rms_norm", form="decomposed", input=strip_upcasts(index, sq), output=normed,
-                    nodes=nodes, eps=eps, hidden_size=n, anchor=mean))
-        return None
-    # LayerNorm: d = u - mean(u); var = mean(d^2) (or var(u, unbiased=False)); n = d * rstd
-    u = t
+    if sq is not None:  # RMSNorm: u * rsqrt(mean(u^2) + eps)
+        return _finish_decomposed(index, "rms_norm", sq, mean, sq, [t, mean], n, mean)
+    # LayerNorm: d = u - mean(u); var = mean(d^2); n = d * rsqrt(var + eps)
     for d in mean.users:
         cd = index.canon(d)
-        if cd is None or cd.prim != "sub" or cd["other"] is not mean or not _same_value(index, cd["input"], u):
+        if cd is None or cd.prim != "sub" or cd["other"] is not mean or not _same_value(index, cd["input"], t):
             continue
-        for sqn in d.users:
-            if _square_of(index, sqn) is not d:
-                continue
+        for sqn in (u for u in d.users if _square_of(index, u) is d):
             for var in sqn.users:
                 cv = index.canon(var)
                 if cv is None or cv.prim != "mean" or not _last_dim_only(cv["dim"], len(shape)) or not cv["keepdim"]:
                     continue
-                for denom, eps in _eps_of(index, var):
-                    normed, extra = _find_normalized(index, denom, d)
-                    if normed is not None:
-                        nodes = [mean, d, sqn, var, denom, *extra, normed]
-                        if u is not strip_upcasts(index, u):
-                            nodes.insert(0, u)
-                        return _with_tail(index, NormMatch(
-                            kind="layer_norm", form="decomposed", input=strip_upcasts(index, u), output=normed,
-                            nodes=nodes, eps=eps, hidden_size=n, anchor=mean))
-    # var(u, unbiased=False) spelling
+                m = _finish_decomposed(index, "layer_norm", t, var, d, [mean, d, sqn, var], n, mean)
+                if m is not None:
+                    return m
     return None
 
 
@@ -348,13 +343,9 @@ def _match_var_layer_norm(index: GraphIndex, var: fx.Node, c: Canon) -> NormMatc
             cd = index.canon(d)
             if cd is None or cd.prim != "sub" or cd["other"] is not mean:
                 continue
-            for denom, eps in _eps_of(index, var):
-                normed, extra = _find_normalized(index, denom, d)
-                if normed is not None:
-                    return _with_tail(index, NormMatch(
-                        kind="layer_norm", form="decomposed", input=strip_upcasts(index, u), output=normed,
-                        nodes=[*([u] if u is not strip_upcasts(index, u) else []), mean, d, var, denom, *extra,
-                               normed], eps=eps, hidden_size=last_dim(u), anchor=var))
+            m = _finish_decomposed(index, "layer_norm", u, var, d, [mean, d, var], last_dim(u), var)
+            if m is not None:
+                return m
     return None
 
 
