@@ -38,7 +38,12 @@ class PassFailure(Exception):
         self.error = error
 
 
+# the stage running now, so that a failure names the stage it happened in
+_CURRENT_STAGE = ["canonicalize"]
+
+
 def _stage(name: str):
+    _CURRENT_STAGE[0] = name
     fault = _FAULT_INJECTION.get(name)
     if fault is not None:
         raise fault
@@ -104,10 +109,11 @@ def run(gm: fx.GraphModule, config: FuseConfig | None = None, *, apply: bool = T
     """Find, classify and (when ``apply``) rewrite every site of ``gm`` in place."""
     config = config or FuseConfig()
     report = FusionReport(graphs=1)
+    _CURRENT_STAGE[0] = "canonicalize"
     try:
         report.sites = _run(gm, config, report, apply)
     except Exception as error:  # noqa: BLE001 - the user's model must never break
-        failure = error if isinstance(error, PassFailure) else PassFailure("rewrite", error)
+        failure = error if isinstance(error, PassFailure) else PassFailure(_CURRENT_STAGE[0], error)
         message = (f"normfuse left this graph unchanged: the pass failed in stage {failure}. "
                    "Please report it with the model that triggers it.")
         warnings.warn(message, RuntimeWarning, stacklevel=2)
@@ -126,7 +132,7 @@ def _run(gm: fx.GraphModule, config: FuseConfig, report: FusionReport, apply: bo
     except PassFailure:
         raise
     except Exception as error:
-        raise PassFailure("find/classify", error) from error
+        raise PassFailure(_CURRENT_STAGE[0], error) from error
     sites = [_site_record(index, st, i) for i, st in enumerate(states)]
     _stage("rewrite")
     claimed: set = set()
