@@ -99,6 +99,7 @@ def test_fault_in_each_stage_falls_back_with_one_warning(stage):
     assert torch.equal(out, ref(IDS))
     messages = _normfuse_warnings(record)
     assert len(messages) == 1 and f"injected fault in {stage}" in messages[0]
+    assert f"failed in stage {stage}: RuntimeError" in messages[0]  # the reason names the stage
     rep = normfuse.report(model)
     assert rep.counts()["fused"] == 0 and rep.graphs == 1
     assert len(rep.warnings) == 1 and f"injected fault in {stage}" in rep.warnings[0]
