@@ -6,7 +6,6 @@ without importing normfuse first.
 
 from __future__ import annotations
 
-import copy
 import logging
 import warnings
 from typing import Any, Callable
@@ -27,10 +26,8 @@ log = logging.getLogger("normfuse")
 def _snapshot(gm: fx.GraphModule) -> fx.GraphModule:
     """A GraphModule on a copy of ``gm``'s graph (submodules and attributes shared): the
     untouched graph to run when anything after this point fails."""
-    graph = fx.Graph(tracer_cls=getattr(gm.graph, "_tracer_cls", None))
-    graph._codegen = copy.deepcopy(gm.graph._codegen)  # torch.export graphs keep their pytree codegen
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
+    from normfuse.passes.pipeline import _copy_graph
+    return fx.GraphModule(gm, _copy_graph(gm))
 
 
 def last_report() -> FusionReport:
