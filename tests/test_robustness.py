@@ -339,6 +339,19 @@ def test_varying_sequence_lengths_do_not_recompile_per_length():
     assert rep.counts()["fused"] == 10 and rep.counts()["fused_with_add"] == 8
 
 
+def test_hf_llama_dynamic_sequence_length():
+    # the dynamic graph carries SymInt shapes in its metadata: every site is still fused there
+    model, ref = _optimized(hf_model("llama"))
+    with torch.no_grad():
+        for seq in (5, 7, 11, 13):
+            inputs = example_inputs(model, seq=seq)
+            assert torch.equal(model(**inputs).last_hidden_state, ref(**inputs).last_hidden_state), seq
+    rep = normfuse.report(model)
+    assert rep.graphs == 2
+    assert [sum(s.fused for s in rep.sites if s.graph == g) for g in (0, 1)] == [5, 5]
+    assert sum(s.fused_add for s in rep.sites if s.graph == 1) == 4
+
+
 class _WithGraphBreak(nn.Module):
     def __init__(self):
         super().__init__()
