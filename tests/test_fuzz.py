@@ -9,7 +9,8 @@ length) and captures its graph three ways:
 - ``torch.fx.symbolic_trace`` with ShapeProp metadata (torch-level graphs, norm modules as
   ``call_module``): the spellings that trace symbolically (T5's ``weight.dtype`` check and
   ``x.ndim - 1`` do not), and the add spelled four ways must fuse exactly like ``x + f``;
-- ``normfuse.optimize`` (dynamo), forward and backward.
+- ``normfuse.optimize`` (dynamo), forward and backward, in training mode with live dropout
+  for a third of the examples.
 
 Properties, for every example: the pass never raises and never falls back with a warning;
 it reports every norm of the model (fused, or left with a reason); the rewritten graph's
@@ -65,6 +66,7 @@ def stacks(draw, spellings=None):
         final_norm=draw(st.sampled_from([None, True, False])),
         seq=draw(st.integers(1, 9)),
         seed=draw(st.integers(0, 2**16)),
+        dropout=draw(st.sampled_from([0.0, 0.0, 0.3])),  # live in training mode (the optimize fuzz)
     )
 
 
@@ -72,7 +74,7 @@ def _build(cfg):
     torch.manual_seed(cfg["seed"])
     model = ToyTransformer(hidden=cfg["hidden"], heads=2, depth=cfg["depth"], placement=cfg["placement"],
                            kind=cfg["kind"], spelling=cfg["spelling"], eps=cfg["eps"], embed_norm=cfg["embed_norm"],
-                           final_norm=cfg["final_norm"], add_order=cfg["add_order"])
+                           final_norm=cfg["final_norm"], add_order=cfg["add_order"], dropout=cfg["dropout"])
     with torch.no_grad():  # weights of exactly 1 (or 0 for Gemma) hide rounding-order faults
         for p in model.parameters():
             if p.ndim == 1:
@@ -194,18 +196,24 @@ def test_fuzz_fuse_graph_on_symbolic_traces_long(cfg):
 
 # --------------------------------------------------------------------------- dynamo (optimize), with backward
 
+def _seeded(model, ids, seed):
+    torch.manual_seed(seed)  # the same dropout masks in every run
+    return model(ids)
+
+
 def _fuzz_optimize(cfg):
     torch._dynamo.reset()
     model, ids = _build(cfg)
+    model.train(cfg["dropout"] > 0)
     ref_model = copy.deepcopy(model).double()
     model.to(cfg["dtype"])
     eager_model = copy.deepcopy(model)
     normfuse.optimize(model)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        out = model(ids)
+        out = _seeded(model, ids, cfg["seed"])
     assert not [str(w.message) for w in record if "normfuse" in str(w.message)]
-    eager, ref64 = eager_model(ids), ref_model(ids)
+    eager, ref64 = _seeded(eager_model, ids, cfg["seed"]), _seeded(ref_model, ids, cfg["seed"])
     _check_outputs(out.detach(), eager.detach(), ref64.detach(), cfg["dtype"], cfg)
     _check_report(normfuse.report(model), _expected_sites(model, cfg), cfg)
     # backward through the fused ops: parameter gradients of a fixed projection of the output
