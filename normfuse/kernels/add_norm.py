@@ -932,7 +932,8 @@ def _norm_backward(ctx, dy, dextra, inp, residual_dtype, post_add):
     # incoming grad itself (norm_add): hand that tensor over instead of writing a copy.
     shared = (residual_dtype is not None and ctx.residual_scale == 1.0
               and residual_dtype == (dy.dtype if post_add else ctx.x_dtype))
-    dx, dres, dw, db = torch.ops.normfuse.add_norm_bwd(
+    backward = _add_norm_bwd_cpu if getattr(ctx, "eager_cpu", False) else torch.ops.normfuse.add_norm_bwd
+    dx, dres, dw, db = backward(
         dy, dextra, inp, mean, rstd, weight, ctx.kind, ctx.weight_offset, ctx.residual_scale, post_add,
         ctx.x_dtype, None if shared else residual_dtype, ctx.bias_dtype)
     if shared:
@@ -999,6 +1000,52 @@ norm_add_fwd.register_autograd(_norm_add_backward, setup_context=_norm_add_setup
 
 
 # --------------------------------------------------------------------------------------
+# Eager CPU path
+# --------------------------------------------------------------------------------------
+# On real CPU tensors outside any tracing, the ops run the same reference forward and
+# CPU backward as the custom ops, through autograd.Functions: the custom-op dispatcher's
+# Python wrapper costs ~100 us a call (as much as a whole small norm), and custom ops may
+# not return aliases, which costs copies. Traced calls (dynamo, AOT, export) and device
+# tensors keep the custom ops, so graphs still show torch.ops.normfuse.*.
+
+def _eager_cpu(*tensors) -> bool:
+    if os.environ.get("NORMFUSE_TRITON_CPU") == "1" or torch.compiler.is_compiling():
+        return False
+    return all(t is None or (type(t) in (Tensor, torch.nn.Parameter) and t.device.type == "cpu") for t in tensors)
+
+
+# forward(ctx, ...) style: the setup_context style binds the signature on every call.
+class _EagerAddNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *inputs):
+        (x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype,
+         out_dtype, store_sum) = inputs
+        y, s, mean, rstd = _add_norm_fwd_ref(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
+                                             sum_dtype, norm_round_dtype, out_dtype)
+        output = (y, s if store_sum and residual is not None else _empty(x, sum_dtype), mean, rstd)
+        _add_norm_setup_context(ctx, inputs, output)
+        ctx.eager_cpu = True
+        return output
+
+    backward = staticmethod(_add_norm_backward)
+
+
+class _EagerNormAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *inputs):
+        (x, residual, weight, bias, kind, eps, weight_offset, residual_scale, norm_round_dtype, out_dtype,
+         add_dtype, store_norm) = inputs
+        out, y, mean, rstd = _norm_add_fwd_ref(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
+                                               norm_round_dtype, out_dtype, add_dtype)
+        output = (out, y if store_norm else _empty(x, out_dtype), mean, rstd)
+        _norm_add_setup_context(ctx, inputs, output)
+        ctx.eager_cpu = True
+        return output
+
+    backward = staticmethod(_norm_add_backward)
+
+
+# --------------------------------------------------------------------------------------
 # Functional API
 # --------------------------------------------------------------------------------------
 
@@ -1026,9 +1073,9 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
     out_dtype = out_dtype or _default_out_dtype(sum_dtype, weight, norm_round_dtype)
     has_sum = residual is not None
     store_sum = has_sum and (return_sum or _grad_needed(x, residual, weight, bias))
-    y, s, _, _ = torch.ops.normfuse.add_norm_fwd(
-        x, residual, weight, bias, kind, float(eps), float(weight_offset), float(residual_scale), sum_dtype,
-        norm_round_dtype, out_dtype, store_sum)
+    forward = _EagerAddNorm.apply if _eager_cpu(x, residual, weight, bias) else torch.ops.normfuse.add_norm_fwd
+    y, s, _, _ = forward(x, residual, weight, bias, kind, float(eps), float(weight_offset), float(residual_scale),
+                         sum_dtype, norm_round_dtype, out_dtype, store_sum)
     return y, (s if has_sum and return_sum else None)
 
 
@@ -1047,9 +1094,9 @@ def norm_add(x, residual, weight=None, bias=None, *, kind, eps, weight_offset=0.
                                  "add_norm(x, None, weight, bias, kind=..., eps=...).")
     out_dtype = out_dtype or _default_out_dtype(x.dtype, weight, norm_round_dtype)
     add_dtype = add_dtype or torch.promote_types(residual.dtype, out_dtype)
-    out, y, _, _ = torch.ops.normfuse.norm_add_fwd(
-        x, residual, weight, bias, kind, float(eps), float(weight_offset), float(residual_scale),
-        norm_round_dtype, out_dtype, add_dtype, bool(return_norm))
+    forward = _EagerNormAdd.apply if _eager_cpu(x, residual, weight, bias) else torch.ops.normfuse.norm_add_fwd
+    out, y, _, _ = forward(x, residual, weight, bias, kind, float(eps), float(weight_offset), float(residual_scale),
+                           norm_round_dtype, out_dtype, add_dtype, bool(return_norm))
     return out, (y if return_norm else None)
 
 
