@@ -488,3 +488,21 @@ def test_torch_nn_containers_are_captured():
     assert rep.graphs == 1
     assert [(s.fqn, s.placement, s.op) for s in rep.sites] == [
         (f"layers.{i}.norm{j}", "post", "add_norm") for i in (0, 1) for j in (1, 2)]
+
+
+@pytest.mark.parametrize("placement,kind,spelling", [("pre", "rms_norm", "llama"), ("res_post", "layer_norm", "module"),
+                                                     ("deepnorm", "layer_norm", "manual")])
+def test_triton_kernels_through_optimize_forward_and_backward(triton_cpu, placement, kind, spelling):
+    # the fused ops run their Triton kernels (under Triton's interpreter on CPU) inside the
+    # optimized graph; outputs and every parameter gradient meet the rule against fp64
+    model, ref = _optimized(ToyTransformer(placement=placement, kind=kind, spelling=spelling))
+    ref64 = copy.deepcopy(ref).double()
+    outs = [m(IDS) for m in (model, ref, ref64)]
+    ok, err, base, bound = within_tolerance(*(o.detach() for o in outs), torch.float32)
+    assert ok, (err, base, bound)
+    for o in outs:
+        o.square().sum().backward()
+    for (name, p), q, r in zip(model.named_parameters(), ref.parameters(), ref64.parameters()):
+        ok, err, base, bound = within_tolerance(p.grad, q.grad, r.grad, torch.float32)
+        assert ok, (name, err, base, bound)
+    assert normfuse.report(model).counts()["fused"] >= 4
