@@ -8,6 +8,7 @@ reason in the report. The user's model must never break.
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import warnings
 
@@ -110,6 +111,11 @@ def run(gm: fx.GraphModule, config: FuseConfig | None = None, *, apply: bool = T
     config = config or FuseConfig()
     report = FusionReport(graphs=1)
     _CURRENT_STAGE[0] = "canonicalize"
+    # The pass allocates many small objects next to dynamo's large heap: with the cyclic
+    # collector running, each collection rescans that heap and the pass stops being
+    # linear in the graph size (128-layer llama: 1.1 s with it, 0.55 s without).
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         report.sites = _run(gm, config, report, apply)
     except Exception as error:  # noqa: BLE001 - the user's model must never break
@@ -119,6 +125,9 @@ def run(gm: fx.GraphModule, config: FuseConfig | None = None, *, apply: bool = T
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         report.warnings.append(message)
         log.debug("normfuse pass failure", exc_info=True)
+    finally:
+        if collecting:
+            gc.enable()
     return report
 
 
