@@ -93,8 +93,7 @@ class OptimizedForward:
         # the model's copy gets its own forward, compiled afresh on its first call, and a
         # report of its own graphs
         report = copy.deepcopy(self.report, memo)
-        report.sites.clear(), report.warnings.clear(), report.notes.clear(), report.graph_modules.clear()
-        report.graphs = 0
+        _reset(report)
         return OptimizedForward(copy.deepcopy(self.module, memo), copy.deepcopy(self.forward, memo),
                                 self.config, report)
 
@@ -102,6 +101,24 @@ class OptimizedForward:
         state = dict(self.__dict__)
         state["_compiled"] = None  # compiled code does not pickle; recompiled after loading
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        _reset(self.report)  # the loaded model captures its graphs afresh: a report of its own
+
+
+class _NotPickled(list):
+    """The report's rewritten graph modules: they live with the compiled code, so a pickled
+    (``torch.save(model)``) or copied model does not carry them (a GraphModule pickles by
+    re-tracing its code, which the fused ops' Python wrappers do not support)."""
+
+    def __reduce__(self):
+        return (_NotPickled, ())
+
+
+def _reset(report: FusionReport) -> None:
+    report.sites.clear(), report.warnings.clear(), report.notes.clear(), report.graph_modules.clear()
+    report.graphs = 0
 
 
 def fuse_graph(gm: fx.GraphModule, config: FuseConfig | None = None, **options: Any
@@ -141,7 +158,7 @@ def optimize(model: nn.Module, config: FuseConfig | None = None, **options: Any)
                           "are ignored. Optimize a fresh (unoptimized) copy of the model to use them.",
                           RuntimeWarning, stacklevel=2)
         return model
-    rep = FusionReport()
+    rep = FusionReport(graph_modules=_NotPickled())
     object.__setattr__(model, _REPORT_ATTR, rep)
     object.__setattr__(model, _CONFIG_ATTR, cfg)
     if cfg.prenorm:

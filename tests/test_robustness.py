@@ -422,6 +422,22 @@ def test_state_dict_round_trip_with_an_unoptimized_model():
     assert torch.equal(model(IDS), other(IDS))
 
 
+def test_whole_model_pickle_round_trip():
+    import inspect
+
+    model, _ = _optimized(ToyTransformer().eval())
+    expected = model(IDS)
+    assert list(inspect.signature(model.forward).parameters) == ["ids"]  # the model's own signature
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert normfuse.report(loaded).graphs == 0  # nothing compiled yet in the loaded model
+    assert torch.equal(loaded(IDS), expected)
+    rep = normfuse.report(loaded)
+    assert rep.graphs == 1 and rep.counts()["fused"] == 5 and loaded.forward.module is loaded
+
+
 def test_to_dtype_after_optimize_recompiles_in_the_new_dtype():
     model, ref = _optimized(ToyTransformer(kind="rms_norm", spelling="llama").eval())
     model(IDS)
