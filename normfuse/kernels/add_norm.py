@@ -761,7 +761,11 @@ def _dtype_names(dtypes) -> str:
     return ", ".join(str(d) for d in dtypes)
 
 
+_SUPPORTED_TEXT = _dtype_names(SUPPORTED_DTYPES) + " (and torch.float64 on CPU)"
+
+
 def _validate(x, residual, weight, bias, kind, eps, rounding: dict):
+    # runs on every call of the ops: the cheap checks first, message text only on error
     """Raise a normfuse error naming the problem and the fix; the ops never assert."""
     if kind not in KINDS:
         raise InvalidOptionError(f"kind={kind!r} is not a norm the fused ops implement; use one of {KINDS}."
@@ -773,11 +777,10 @@ def _validate(x, residual, weight, bias, kind, eps, rounding: dict):
                                  f"got {type(x).__name__} of shape {tuple(getattr(x, 'shape', ()))}.")
     on_cpu = x.device.type == "cpu"
     ok = SUPPORTED_DTYPES + (_CPU_ONLY_DTYPES if on_cpu else ())
-    supported = _dtype_names(SUPPORTED_DTYPES) + " (and torch.float64 on CPU)"
     for name, t in (("x", x), ("residual", residual)):
         if t is not None and t.dtype not in ok:
             raise UnsupportedDtypeError(f"{name} has dtype {t.dtype} on {t.device}; the fused add+norm ops take "
-                                        f"{supported}. Cast it first, e.g. {name}.to(torch.bfloat16).")
+                                        f"{_SUPPORTED_TEXT}. Cast it first, e.g. {name}.to(torch.bfloat16).")
     n_cols = x.shape[-1]
     if n_cols == 0:
         raise ShapeMismatchError(f"x has shape {tuple(x.shape)}: its last dim, the one normalized, is empty; "
@@ -802,7 +805,7 @@ def _validate(x, residual, weight, bias, kind, eps, rounding: dict):
     for name, dtype in rounding.items():
         if dtype is not None and dtype not in ok:
             raise UnsupportedDtypeError(f"{name}={dtype} is not a dtype the fused ops round to; use one of "
-                                        f"{supported}.")
+                                        f"{_SUPPORTED_TEXT}.")
 
 
 # --------------------------------------------------------------------------------------
@@ -1014,15 +1017,27 @@ def _eager_cpu(*tensors) -> bool:
     return all(t is None or (type(t) in (Tensor, torch.nn.Parameter) and t.device.type == "cpu") for t in tensors)
 
 
+def _add_norm_eager(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
+                    norm_round_dtype, out_dtype, store_sum):
+    """add_norm_fwd's outputs from the reference, without the dispatcher."""
+    y, s, mean, rstd = _add_norm_fwd_ref(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
+                                         sum_dtype, norm_round_dtype, out_dtype)
+    return y, (s if store_sum and residual is not None else _empty(x, sum_dtype)), mean, rstd
+
+
+def _norm_add_eager(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, norm_round_dtype,
+                    out_dtype, add_dtype, store_norm):
+    """norm_add_fwd's outputs from the reference, without the dispatcher."""
+    out, y, mean, rstd = _norm_add_fwd_ref(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
+                                           norm_round_dtype, out_dtype, add_dtype)
+    return out, (y if store_norm else _empty(x, out_dtype)), mean, rstd
+
+
 # forward(ctx, ...) style: the setup_context style binds the signature on every call.
 class _EagerAddNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *inputs):
-        (x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype,
-         out_dtype, store_sum) = inputs
-        y, s, mean, rstd = _add_norm_fwd_ref(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
-                                             sum_dtype, norm_round_dtype, out_dtype)
-        output = (y, s if store_sum and residual is not None else _empty(x, sum_dtype), mean, rstd)
+        output = _add_norm_eager(*inputs)
         _add_norm_setup_context(ctx, inputs, output)
         ctx.eager_cpu = True
         return output
@@ -1033,11 +1048,7 @@ class _EagerAddNorm(torch.autograd.Function):
 class _EagerNormAdd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *inputs):
-        (x, residual, weight, bias, kind, eps, weight_offset, residual_scale, norm_round_dtype, out_dtype,
-         add_dtype, store_norm) = inputs
-        out, y, mean, rstd = _norm_add_fwd_ref(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
-                                               norm_round_dtype, out_dtype, add_dtype)
-        output = (out, y if store_norm else _empty(x, out_dtype), mean, rstd)
+        output = _norm_add_eager(*inputs)
         _norm_add_setup_context(ctx, inputs, output)
         ctx.eager_cpu = True
         return output
@@ -1073,7 +1084,11 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
     out_dtype = out_dtype or _default_out_dtype(sum_dtype, weight, norm_round_dtype)
     has_sum = residual is not None
     store_sum = has_sum and (return_sum or _grad_needed(x, residual, weight, bias))
-    forward = _EagerAddNorm.apply if _eager_cpu(x, residual, weight, bias) else torch.ops.normfuse.add_norm_fwd
+    if _eager_cpu(x, residual, weight, bias):
+        # with no autograd graph to record, the reference alone
+        forward = _EagerAddNorm.apply if _grad_needed(x, residual, weight, bias) else _add_norm_eager
+    else:
+        forward = torch.ops.normfuse.add_norm_fwd
     y, s, _, _ = forward(x, residual, weight, bias, kind, float(eps), float(weight_offset), float(residual_scale),
                          sum_dtype, norm_round_dtype, out_dtype, store_sum)
     return y, (s if has_sum and return_sum else None)
@@ -1094,7 +1109,10 @@ def norm_add(x, residual, weight=None, bias=None, *, kind, eps, weight_offset=0.
                                  "add_norm(x, None, weight, bias, kind=..., eps=...).")
     out_dtype = out_dtype or _default_out_dtype(x.dtype, weight, norm_round_dtype)
     add_dtype = add_dtype or torch.promote_types(residual.dtype, out_dtype)
-    forward = _EagerNormAdd.apply if _eager_cpu(x, residual, weight, bias) else torch.ops.normfuse.norm_add_fwd
+    if _eager_cpu(x, residual, weight, bias):
+        forward = _EagerNormAdd.apply if _grad_needed(x, residual, weight, bias) else _norm_add_eager
+    else:
+        forward = torch.ops.normfuse.norm_add_fwd
     out, y, _, _ = forward(x, residual, weight, bias, kind, float(eps), float(weight_offset), float(residual_scale),
                            norm_round_dtype, out_dtype, add_dtype, bool(return_norm))
     return out, (y if return_norm else None)
