@@ -312,8 +312,17 @@ def _add_norm_bwd_cpu(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, 
 # the rounding by hand so the CPU tests see the GPU's numbers.
 _INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 
+# A forward program takes several rows (and loads w, b once for all of them) only for
+# blocks up to this many columns.
+_MULTI_ROW_MAX_BLOCK = 4096
+# Row blocks of this many bytes of input (the widest single-pass ones: bf16 N = 32768,
+# fp32 N = 16384) load w, b after the row's stats: held across the reductions they take
+# registers the row itself needs, and those blocks spilled (such programs take one row).
+_PARAMS_AFTER_STATS_BYTES = 65536
+
 if triton is not None:
     _RNE_BY_HAND = tl.constexpr(_INTERPRETED)
+    _PARAMS_AFTER_STATS_BYTES_C = tl.constexpr(_PARAMS_AFTER_STATS_BYTES)
 
     @triton.jit
     def _round(v, DTYPE: tl.constexpr):
@@ -387,7 +396,9 @@ if triton is not None:
     ):
         """A row fits one block: one read of each input and one write of each output per row."""
         cols = tl.arange(0, BLOCK_N)
-        w, b = _load_params(W, B, cols, cols < N, weight_offset, HAS_WEIGHT, HAS_BIAS)  # once per program
+        PARAMS_AFTER_STATS: tl.constexpr = BLOCK_N * X.dtype.element_ty.primitive_bitwidth // 8 >=             _PARAMS_AFTER_STATS_BYTES_C
+        if not PARAMS_AFTER_STATS:
+            w, b = _load_params(W, B, cols, cols < N, weight_offset, HAS_WEIGHT, HAS_BIAS)  # once per program
         for i in range(rows_per_program):
             row = tl.program_id(0) * rows_per_program + i
             mask = (cols < N) & (row < n_rows)
@@ -407,6 +418,8 @@ if triton is not None:
                 tl.store(MEAN + row, mean, mask=row < n_rows)
             rstd = tl.rsqrt(var + eps)
             tl.store(RSTD + row, rstd, mask=row < n_rows)
+            if PARAMS_AFTER_STATS:
+                w, b = _load_params(W, B, cols, cols < N, weight_offset, HAS_WEIGHT, HAS_BIAS)
             _normalize_and_store(u, mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s, row * stride_r,
                                  cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS, ROUND_FIRST,
                                  NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD, SCALE_RESIDUAL)
@@ -593,19 +606,24 @@ if triton is not None:
 # --------------------------------------------------------------------------------------
 # Block, warps and rows per program (no GPU query at import; the SM count is read on
 # the first CUDA launch and cached):
-#   * A row runs in one block when next_pow2(N) * element_size <= 64 KiB (N <= 32768 in
-#     bf16/fp16, 16384 in fp32); wider rows use the looped kernels with 8192-column
-#     blocks (fp32: 4096), i.e. 16 KiB of input per block.
+#   * Forward: a row runs in one block when next_pow2(N) * element_size <= 64 KiB (N <=
+#     32768 in bf16/fp16, 16384 in fp32). Backward: up to 16 KiB (N <= 8192 in bf16/fp16,
+#     4096 in fp32). Wider rows use the looped kernels with 16 KiB blocks (8192 columns,
+#     fp32: 4096). The backward keeps x_hat, g and the dw/db accumulators live in fp32
+#     per column, which does not fit in registers at the next size up: compiled for
+#     sm80/sm90 (benchmarks/bench_static_kernels.py), layer_norm at bf16 N = 16384 spills
+#     360 B/thread, and still 64-152 B with the dw/db partials accumulated in memory.
 #   * num_warps = clamp(BLOCK_N // 256, 1, 16): about 8 columns per thread, i.e. one
 #     16-byte vector load of bf16 each; 16 warps (64 columns per thread) at the top.
 #   * Forward: a program takes several rows when rows are short, to amortize the weight
 #     load, while keeping at least 8 programs per SM:
-#     rows_per_program = clamp(ceil(M / (8 * SMs)), 1, max(1, 4096 // BLOCK_N)).
+#     rows_per_program = clamp(ceil(M / (8 * SMs)), 1, max(1, _MULTI_ROW_MAX_BLOCK // BLOCK_N)).
 #   * Backward: programs = min(M, k * SMs), k = 4 for BLOCK_N <= 1024, 2 up to 4096,
 #     else 1; each program takes ceil(M / programs) contiguous rows and one row of the
 #     [programs, N] fp32 dw/db partials.
 
-_MAX_FUSED_BYTES = 65536
+_MAX_FUSED_BYTES = 65536      # forward: one block per row up to this many bytes
+_MAX_FUSED_BYTES_BWD = 16384  # backward
 _LOOP_BLOCK_BYTES = 16384
 _INTERPRETER_SMS = 4  # stands in for the SM count under the CPU interpreter
 _TL_DTYPES = {} if triton is None else {torch.float32: tl.float32, torch.float16: tl.float16,
@@ -640,10 +658,10 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNTS[index]
 
 
-def _blocking(n_cols: int, element_size: int):
-    """(BLOCK_N, num_warps, looped) for a row of n_cols elements."""
+def _blocking(n_cols: int, element_size: int, backward: bool = False):
+    """(BLOCK_N, num_warps, looped) for a row of n_cols elements, forward or backward."""
     block = triton.next_power_of_2(n_cols)
-    looped = block * element_size > _MAX_FUSED_BYTES
+    looped = block * element_size > (_MAX_FUSED_BYTES_BWD if backward else _MAX_FUSED_BYTES)
     if looped:
         block = _LOOP_BLOCK_BYTES // element_size
     return block, min(max(block // 256, 1), 16), looped
@@ -677,7 +695,8 @@ def _launch_fwd(x, residual, weight, bias, y, s, kind, eps, weight_offset, resid
     if n_rows == 0:
         return mean, rstd
     block, num_warps, looped = _blocking(n_cols, max(x.element_size(), s.element_size() if s is not None else 0))
-    rows_per_program = min(max(triton.cdiv(n_rows, 8 * _sm_count(x.device)), 1), max(1, 4096 // block))
+    rows_per_program = min(max(triton.cdiv(n_rows, 8 * _sm_count(x.device)), 1),
+                           max(1, _MULTI_ROW_MAX_BLOCK // block))
     grid = (triton.cdiv(n_rows, rows_per_program),)
     kernel = _add_norm_fwd_looped_kernel if looped else _add_norm_fwd_kernel
     dummy = rstd  # stands in for absent pointers; never read or written
@@ -725,7 +744,7 @@ def _add_norm_bwd_triton(dy, dextra, inp, mean, rstd, weight, kind, weight_offse
     n_rows = inp2.shape[0]
     dx = inp.new_empty(inp.shape, dtype=x_dtype)
     dres = inp.new_empty(inp.shape, dtype=residual_dtype) if residual_dtype is not None else None
-    block, num_warps, looped = _blocking(n_cols, max(inp.element_size(), dy.element_size()))
+    block, num_warps, looped = _blocking(n_cols, max(inp.element_size(), dy.element_size()), backward=True)
     k = 4 if block <= 1024 else 2 if block <= 4096 else 1
     programs = max(1, min(n_rows, k * _sm_count(inp.device)))
     rows_per_program = triton.cdiv(n_rows, programs) if n_rows else 0
