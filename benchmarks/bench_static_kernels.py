@@ -243,7 +243,7 @@ def configurations(ns: list[int], dtypes: list[str]):
         for dtype in dtypes:
             size = DTYPES[dtype][0].itemsize
             for n in ns:
-                block, warps, looped = K._blocking(n, size)
+                block, warps, looped = K._blocking(n, size, backward=op.backward)
                 key = (op.name, dtype, block, warps, looped)
                 yield op, dtype, n, block, warps, looped, key in seen
                 seen.add(key)
