@@ -29,8 +29,9 @@ class OptimizedForward:
 
     It is installed as the instance attribute ``model.forward`` (not ``model.compile``):
     - dynamo only sees a frame it traces: for a model whose forward lives in ``torch.nn``
-      (``nn.Sequential``, ``nn.TransformerEncoder``) ``nn.Module.compile`` captures nothing,
-      so such a forward is wrapped in a frame dynamo does trace, as ``torch.compile(model)`` does;
+      (``nn.Sequential``, ``nn.TransformerEncoder``) ``nn.Module.compile`` captures nothing;
+      and dynamo's cache is per code object, so instances sharing a class share 8 entries.
+      Each model enters through a frame of its own (see ``_compile``);
     - ``nn.Module.__getstate__`` drops ``model.compile``'s compiled call, so a deep copy would
       silently run eagerly; this attribute is copied with the model and the copy compiles
       its own forward (on its own parameters) on its first call;
@@ -51,23 +52,26 @@ class OptimizedForward:
         self._compiled: Any = None        # built on the first call
 
     def _compile(self) -> Any:
-        from torch._dynamo import trace_rules
-
         from normfuse.backends import make_backend
         backend = make_backend(self.config, self.report, model=self.module)
         fn = self.forward
-        if isinstance(fn, types.MethodType) and fn.__self__ is self.module and trace_rules.check(fn):
-            # a torch.nn forward (nn.Sequential, nn.TransformerEncoder): dynamo skips its frame,
-            # so give it a frame of ours; the model stays the local `self`, so module paths
-            # in the report read as for any model ("layers.0.norm1")
-            func = fn.__func__
+        if not (isinstance(fn, types.MethodType) and fn.__self__ is self.module):
+            return torch.compile(fn, backend=backend)
+        # Dynamo caches compiled code per code object of the frame it enters, at most
+        # recompile_limit (8) entries: with the class's forward as that frame, the 9th
+        # optimized instance of a class silently ran eagerly. So each model enters through a
+        # frame of its own (a fresh code object), which also is a frame dynamo traces when
+        # the forward lives in torch.nn (nn.Sequential, nn.TransformerEncoder: skipped
+        # frames, nothing was captured). The model stays the local `self`, so module paths
+        # in the report read as for any model ("layers.0.norm1").
+        func = fn.__func__
 
-            def forward_frame(self, *args: Any, **kwargs: Any) -> Any:
-                return func(self, *args, **kwargs)
+        def forward_frame(self, *args: Any, **kwargs: Any) -> Any:
+            return func(self, *args, **kwargs)
 
-            compiled = torch.compile(forward_frame, backend=backend)
-            return lambda *args, **kwargs: compiled(self.module, *args, **kwargs)
-        return torch.compile(fn, backend=backend)
+        forward_frame.__code__ = forward_frame.__code__.replace()  # a new code object: a cache of its own
+        compiled = torch.compile(forward_frame, backend=backend)
+        return lambda *args, **kwargs: compiled(self.module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.eager_reason is not None or torch.compiler.is_compiling():

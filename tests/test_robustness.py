@@ -522,3 +522,14 @@ def test_triton_kernels_through_optimize_forward_and_backward(triton_cpu, placem
         ok, err, base, bound = within_tolerance(p.grad, q.grad, r.grad, torch.float32)
         assert ok, (name, err, base, bound)
     assert normfuse.report(model).counts()["fused"] >= 4
+
+
+def test_many_instances_of_one_class_are_all_optimized():
+    # dynamo keeps at most 8 compiled entries per code object: each optimized model has a
+    # frame of its own, so the 9th instance of a class is optimized like the first
+    models = [normfuse.optimize(ToyTransformer(depth=1).eval()) for _ in range(10)]
+    with torch.no_grad():
+        for m in models:
+            m(IDS)
+    assert [normfuse.report(m).graphs for m in models] == [1] * 10
+    assert all(normfuse.report(m).counts()["fused"] == 3 for m in models)
