@@ -216,6 +216,11 @@ def mode_cases(n=1000, rows=4):
 EDGE_CASES = [
     Case(rows=0), Case(rows=1), Case(kind="layer_norm", rows=0, op="norm_add"),
     Case(kind="layer_norm", rows=1, n=5120, dtype=FP32, wdtype=FP32, bias=True),
+    # the widest single-pass forwards (w, b loaded after the row statistics) with the looped
+    # backward that rows past 16 KiB use
+    Case(kind="layer_norm", n=32768, rows=2, dtype=BF16, wdtype=BF16, bias=True),
+    Case(kind="layer_norm", n=32768, rows=2, dtype=FP16, wdtype=FP32, bias=True, op="norm_add"),
+    Case(n=16384, rows=2, dtype=FP32, wdtype=FP32, round_first=True),
     Case(n=131072, rows=2, dtype=BF16, wdtype=FP32),           # beyond one block: looped kernels
     Case(kind="layer_norm", n=131072, rows=2, dtype=FP32, wdtype=FP32, bias=True),
     # looped kernels with a ragged last block, several rows per backward program
