@@ -877,9 +877,8 @@ def add_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor]
                            "norm_round_dtype": norm_round_dtype, "out_dtype": out_dtype}):
         return _fresh(_add_norm_fwd_triton(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
                                            sum_dtype, norm_round_dtype, out_dtype, store_sum), ())
-    y, s, mean, rstd = _add_norm_fwd_ref(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
-                                         sum_dtype, norm_round_dtype, out_dtype)
-    return _fresh((y, s if store_sum else _empty(x, sum_dtype), mean, rstd), (x, residual, weight, bias))
+    return _fresh(_add_norm_eager(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
+                                  norm_round_dtype, out_dtype, store_sum), (x, residual, weight, bias))
 
 
 @add_norm_fwd.register_fake
@@ -901,9 +900,8 @@ def norm_add_fwd(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Op
                            "out_dtype": out_dtype, "add_dtype": add_dtype}):
         return _fresh(_norm_add_fwd_triton(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
                                            norm_round_dtype, out_dtype, add_dtype, store_norm), ())
-    out, y, mean, rstd = _norm_add_fwd_ref(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
-                                           norm_round_dtype, out_dtype, add_dtype)
-    return _fresh((out, y if store_norm else _empty(x, out_dtype), mean, rstd), (x, residual, weight, bias))
+    return _fresh(_norm_add_eager(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
+                                  norm_round_dtype, out_dtype, add_dtype, store_norm), (x, residual, weight, bias))
 
 
 @norm_add_fwd.register_fake
@@ -1038,7 +1036,7 @@ def _eager_cpu(*tensors) -> bool:
 
 def _add_norm_eager(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
                     norm_round_dtype, out_dtype, store_sum):
-    """add_norm_fwd's outputs from the reference, without the dispatcher."""
+    """add_norm_fwd's outputs from the reference (the op's CPU branch, and the eager path)."""
     y, s, mean, rstd = _add_norm_fwd_ref(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
                                          sum_dtype, norm_round_dtype, out_dtype)
     return y, (s if store_sum and residual is not None else _empty(x, sum_dtype)), mean, rstd
@@ -1046,7 +1044,7 @@ def _add_norm_eager(x, residual, weight, bias, kind, eps, weight_offset, residua
 
 def _norm_add_eager(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, norm_round_dtype,
                     out_dtype, add_dtype, store_norm):
-    """norm_add_fwd's outputs from the reference, without the dispatcher."""
+    """norm_add_fwd's outputs from the reference (the op's CPU branch, and the eager path)."""
     out, y, mean, rstd = _norm_add_fwd_ref(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
                                            norm_round_dtype, out_dtype, add_dtype)
     return out, (y if store_norm else _empty(x, out_dtype)), mean, rstd
