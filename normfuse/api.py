@@ -52,6 +52,8 @@ class OptimizedForward:
         self._compiled: Any = None        # built on the first call
 
     def _compile(self) -> Any:
+        from torch._dynamo import trace_rules
+
         from normfuse.backends import make_backend
         backend = make_backend(self.config, self.report, model=self.module)
         fn = self.forward
@@ -59,19 +61,24 @@ class OptimizedForward:
             return torch.compile(fn, backend=backend)
         # Dynamo caches compiled code per code object of the frame it enters, at most
         # recompile_limit (8) entries: with the class's forward as that frame, the 9th
-        # optimized instance of a class silently ran eagerly. So each model enters through a
-        # frame of its own (a fresh code object), which also is a frame dynamo traces when
-        # the forward lives in torch.nn (nn.Sequential, nn.TransformerEncoder: skipped
-        # frames, nothing was captured). The model stays the local `self`, so module paths
-        # in the report read as for any model ("layers.0.norm1").
+        # optimized instance of a class silently ran eagerly. So each model enters through
+        # a code object of its own: a copy of its forward (same names, so its graphs read
+        # as torch.compile(model)'s: the checker matches them by their inputs).
         func = fn.__func__
+        if trace_rules.check(fn):
+            # a forward in torch.nn (nn.Sequential, nn.TransformerEncoder): dynamo skips
+            # that file, so nothing was captured; enter through a frame of ours instead. The
+            # model stays the local `self`: module paths read "layers.0.norm1".
+            def forward_frame(self, *args: Any, **kwargs: Any) -> Any:
+                return func(self, *args, **kwargs)
 
-        def forward_frame(self, *args: Any, **kwargs: Any) -> Any:
-            return func(self, *args, **kwargs)
-
-        forward_frame.__code__ = forward_frame.__code__.replace()  # a new code object: a cache of its own
-        compiled = torch.compile(forward_frame, backend=backend)
-        return lambda *args, **kwargs: compiled(self.module, *args, **kwargs)
+            forward_frame.__code__ = forward_frame.__code__.replace()  # a cache of its own
+            compiled = torch.compile(forward_frame, backend=backend)
+            return lambda *args, **kwargs: compiled(self.module, *args, **kwargs)
+        own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                                 func.__closure__)
+        own.__kwdefaults__, own.__qualname__ = func.__kwdefaults__, func.__qualname__
+        return torch.compile(types.MethodType(own, self.module), backend=backend)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.eager_reason is not None or torch.compiler.is_compiling():
