@@ -32,6 +32,7 @@ class Site:
     reason: str | None = None   # why not fused (None when fused)
     op: str | None = None       # the fused op that replaced it: "add_norm" | "norm_add" | "norm"
     fused_add: bool = False     # the residual add was folded into the same kernel
+    add_reason: str | None = None  # why the add next to it was not folded (when there is one)
     converted: bool = False     # rewritten from Post-Norm to Pre-Norm
     weight_offset: float = 0.0
     residual_scale: float = 1.0

@@ -234,3 +234,49 @@ def test_triton_interpreter_path(triton_cpu):
     assert len(rep.fused) == 5
     ok, err, base, bound = within_tolerance(out, ref, ref.double(), torch.float32, scale_atol=1.0)
     assert err < 1e-4, err
+
+
+class _DropThenNorm(nn.Module):
+    """GPT-2's embeddings: norm(dropout(tok + pos)) — the dropout sits between add and norm."""
+
+    def __init__(self, n=32):
+        super().__init__()
+        self.lin, self.drop, self.norm = nn.Linear(n, n), nn.Dropout(0.1), nn.LayerNorm(n)
+
+    def forward(self, x):
+        s = x + self.lin(x)
+        return s + self.norm(self.drop(s))
+
+
+def test_add_not_folded_says_why():
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 32)
+    for mode, folded in (("train", False), ("eval", True)):
+        model = getattr(_DropThenNorm(), mode)()
+        torch._dynamo.reset()
+        normfuse.optimize(model)
+        model(x)
+        (site,) = normfuse.report(model).sites
+        assert site.fused and site.input_is_add and site.fused_add == folded, site
+        if not folded:  # live dropout: the add stays outside the kernel, and the report says why
+            assert site.op == "norm" and "live dropout" in site.add_reason
+    parallel = ToyTransformer(placement="parallel").eval()
+    _, _, rep = _run(parallel, torch.randint(0, 64, (2, 8)))
+    shared = [s for s in rep.sites if s.placement == "parallel" and s.op == "norm" and s.input_is_add]
+    assert shared and all("another norm" in s.add_reason or "broadcasts" in s.add_reason for s in shared)
+
+
+def test_rewritten_graph_pickles_and_retraces():
+    import pickle
+    model = ToyTransformer(placement="res_post").eval()
+    ids = torch.randint(0, 64, (2, 8))
+    gm = torch.fx.symbolic_trace(model)
+    from torch.fx.passes.shape_prop import ShapeProp
+    ShapeProp(gm).propagate(ids)
+    gm, rep = normfuse.fuse_graph(gm)
+    assert len(rep.fused) == 4
+    again = pickle.loads(pickle.dumps(gm))          # unpickling re-traces the generated code
+    retraced = torch.fx.symbolic_trace(gm)
+    with torch.no_grad():
+        assert torch.equal(again(ids), gm(ids)) and torch.equal(retraced(ids), gm(ids))
+    assert sum(n.target is normfuse.norm_add for n in retraced.graph.nodes) == 4

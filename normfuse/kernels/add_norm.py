@@ -46,6 +46,7 @@ Triton kernels under Triton's interpreter when NORMFUSE_TRITON_CPU=1).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -1081,6 +1082,19 @@ def _grad_needed(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _one_call_when_fx_traced(fn):
+    """Under torch.fx symbolic tracing (a rewritten GraphModule re-traced, or unpickled) record
+    ``fn`` as one call: its argument checks cannot read Proxies."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if any(isinstance(a, torch.fx.Proxy) for a in args):
+            proxy = next(a for a in args if isinstance(a, torch.fx.Proxy))
+            return proxy.tracer.create_proxy("call_function", wrapper, args, kwargs)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+@_one_call_when_fx_traced
 def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offset=0.0, residual_scale=1.0,
              sum_dtype=None, norm_round_dtype=None, out_dtype=None, return_sum=True):
     """Fused ``s = x + residual_scale * residual; y = norm(s)``: returns (y, s).
@@ -1111,6 +1125,7 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
     return y, (s if has_sum and return_sum else None)
 
 
+@_one_call_when_fx_traced
 def norm_add(x, residual, weight=None, bias=None, *, kind, eps, weight_offset=0.0, residual_scale=1.0,
              norm_round_dtype=None, out_dtype=None, add_dtype=None, return_norm=False):
     """Fused ``y = norm(x); out = residual_scale * residual + y`` (res-post blocks): returns (out, y).

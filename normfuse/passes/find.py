@@ -526,8 +526,12 @@ def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
                     if index.prim(p) == "cast" and not is_exact_upcast(node_dtype(p.args[0]) if p.args else None,
                                                                         node_dtype(p)):
                         am.reason = "a rounding cast sits between the residual add and the norm"
+                    elif index.prim(p) == "dropout" and not _identity_dropout(index.canon(p)):
+                        am.reason = "live dropout (training mode) sits between the residual add and the norm"
             return am
-        if not is_pass_through(index, cur, n):
+        c = index.canon(cur)
+        live_dropout = c is not None and c.prim == "dropout" and last_dim(cur) == n
+        if not is_pass_through(index, cur, n) and not live_dropout:
             return None
         chain.append(cur)
         cur = index.canon(cur)["input"]
