@@ -117,3 +117,36 @@ def test_inductor_backend_on_llama():
         ref = _first_tensor(model(**inputs))
         out = _first_tensor(torch.compile(model, backend="normfuse_inductor")(**inputs))
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_aot_graphs(name):
+    """AOTAutograd's functionalized ATen graphs: inference graphs fuse every site; in a training
+    forward graph LayerNorm's mean/rstd are outputs saved for the backward, so those sites are
+    left with that reason (the decomposed RMSNorm keeps its saved intermediates alive)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    reports = []
+
+    def fuse(gm, example_inputs):
+        gm, rep = normfuse.fuse_graph(gm)
+        reports.append(rep)
+        return gm
+
+    model = hf_model(name, torch.bfloat16)
+    inputs = example_inputs(model)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref = _first_tensor(model(**inputs))
+        out = _first_tensor(torch.compile(model, backend=aot_autograd(fw_compiler=fuse))(**inputs))
+    assert len(reports[0].fused) == EXPECTED[name]["sites"]
+    assert torch.equal(out, ref)
+    torch._dynamo.reset()
+    reports.clear()
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=fuse, bw_compiler=lambda gm, ex: gm))
+    _first_tensor(compiled(**inputs)).float().sum().backward()
+    train = reports[0]
+    if name == "llama":
+        assert len(train.fused) == EXPECTED[name]["sites"]
+    else:
+        assert not train.fused and all("saved statistics" in s.reason for s in train.sites)
