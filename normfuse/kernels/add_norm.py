@@ -1051,27 +1051,21 @@ def _norm_add_eager(x, residual, weight, bias, kind, eps, weight_offset, residua
     return out, (y if store_norm else _empty(x, out_dtype)), mean, rstd
 
 
-# forward(ctx, ...) style: the setup_context style binds the signature on every call.
-class _EagerAddNorm(torch.autograd.Function):
-    @staticmethod
+def _eager_function(name: str, compute, setup_context, backward) -> type:
+    """An autograd.Function running ``compute`` with the op's own setup_context and backward.
+    forward(ctx, ...) style: the setup_context style binds the signature on every call."""
     def forward(ctx, *inputs):
-        output = _add_norm_eager(*inputs)
-        _add_norm_setup_context(ctx, inputs, output)
-        ctx.eager_cpu = True
+        output = compute(*inputs)
+        setup_context(ctx, inputs, output)
+        ctx.eager_cpu = True  # _norm_backward then calls the CPU backward directly
         return output
 
-    backward = staticmethod(_add_norm_backward)
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                   "backward": staticmethod(backward)})
 
 
-class _EagerNormAdd(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _norm_add_eager(*inputs)
-        _norm_add_setup_context(ctx, inputs, output)
-        ctx.eager_cpu = True
-        return output
-
-    backward = staticmethod(_norm_add_backward)
+_EagerAddNorm = _eager_function("_EagerAddNorm", _add_norm_eager, _add_norm_setup_context, _add_norm_backward)
+_EagerNormAdd = _eager_function("_EagerNormAdd", _norm_add_eager, _norm_add_setup_context, _norm_add_backward)
 
 
 # --------------------------------------------------------------------------------------
