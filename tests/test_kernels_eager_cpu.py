@@ -61,3 +61,15 @@ def test_traced_calls_keep_the_custom_op():
     fn(x.detach(), r.detach(), w.detach())
     # dynamo keeps the python function, whose body it traces into the custom op
     assert any("normfuse.add_norm_fwd" in s for s in seen), seen
+
+
+def test_bf16_layer_norm_backward_uses_fp32_stats():
+    """bf16 input and parameters: eager's fused LayerNorm rounds mean/rstd to bf16; the fused op
+    keeps them in fp32 for its backward. At N = 2, eps = 0 the input gradient is analytically 0
+    and any error in x_hat shows up multiplied by rstd (found by fuzzing: 5e-4 before)."""
+    torch.manual_seed(0)
+    x, r = (torch.randn(4, 2, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    w, b = (torch.randn(2, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    y, _ = normfuse.add_layer_norm(x, r, w, b, eps=0.0)
+    (y.float() * torch.randn(4, 2)).sum().backward()
+    assert x.grad.abs().max().item() < 1e-6
