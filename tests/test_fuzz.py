@@ -53,13 +53,18 @@ def _profile(examples: int, slow: bool = False):
 def stacks(draw, spellings=None):
     kind = draw(st.sampled_from(sorted(NORM_SPELLINGS)))
     choices = [s for s in NORM_SPELLINGS[kind] if spellings is None or s in spellings]
+    hidden = draw(st.sampled_from([2, 4, 6, 8, 12, 16, 20, 32, 40, 64]))
+    # LayerNorm over 2 values with eps = 0 outputs +-1 whatever the input: its gradient is 0,
+    # and every computed gradient, eager's too, is rounding noise times rstd, unbounded as the
+    # two values meet. The relative rule compares noise with noise there, so eps > 0 at N = 2.
+    tiny_eps = [0.0, 1e-12] if not (kind == "layer_norm" and hidden == 2) else []
     return dict(
         placement=draw(st.sampled_from(PLACEMENTS)),
         kind=kind,
         spelling=draw(st.sampled_from(choices)),
         dtype=draw(st.sampled_from(DTYPES)),
-        eps=draw(st.one_of(st.sampled_from([0.0, 1e-12, 1e-6, 1e-5, 0.1]), st.floats(1e-8, 1e-1))),
-        hidden=draw(st.sampled_from([2, 4, 6, 8, 12, 16, 20, 32, 40, 64])),
+        eps=draw(st.one_of(st.sampled_from([*tiny_eps, 1e-6, 1e-5, 0.1]), st.floats(1e-8, 1e-1))),
+        hidden=hidden,
         add_order=draw(st.sampled_from(ADD_ORDERS)),
         depth=draw(st.integers(1, 2)),
         embed_norm=draw(st.booleans()),
