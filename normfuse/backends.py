@@ -24,10 +24,9 @@ log = logging.getLogger("normfuse")
 
 
 def _snapshot(gm: fx.GraphModule) -> fx.GraphModule:
-    """A GraphModule on a copy of ``gm``'s graph (submodules and attributes shared): the
-    untouched graph to run when anything after this point fails."""
-    from normfuse.passes.pipeline import _copy_graph
-    return fx.GraphModule(gm, _copy_graph(gm))
+    """The untouched graph to run when anything after this point fails."""
+    from normfuse.passes.pipeline import copy_graph_module
+    return copy_graph_module(gm)
 
 
 def last_report() -> FusionReport:

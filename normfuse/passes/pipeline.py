@@ -22,7 +22,7 @@ from normfuse.passes.find import (GraphIndex, find_input_add, find_norms, find_o
 from normfuse.passes import rewrite
 from normfuse.reporting import FusionReport, Site
 
-__all__ = ["run", "STAGES", "PassFailure"]
+__all__ = ["run", "analyze", "copy_graph_module", "STAGES", "PassFailure"]
 
 log = logging.getLogger("normfuse")
 
@@ -100,6 +100,12 @@ def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
             if key.startswith("_dynamo") and not hasattr(new, key):
                 setattr(new, key, value)
     return graph
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule over a copy of ``gm``'s graph (node names, meta and dynamo's node
+    attributes kept), sharing its submodules: the untouched graph to run or compare with."""
+    return fx.GraphModule(gm, _copy_graph(gm), class_name=type(gm).__name__)
 
 
 def _already_fused(graph: fx.Graph) -> int:

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
+from normfuse.passes.pipeline import copy_graph_module  # noqa: F401  (one graph copy for the project)
 from normfuse.tolerances import rounding_budget, within_tolerance
 from normfuse.verify.sites import SitePair
 
@@ -204,13 +205,6 @@ def compare(name: str, candidate: torch.Tensor, baseline: torch.Tensor, referenc
 
 
 # --------------------------------------------------------------------------- graphs
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` with its own graph (same node names and metadata), sharing its modules."""
-    graph = fx.Graph(owning_module=gm, tracer_cls=getattr(gm.graph, "_tracer_cls", None))
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-
 
 def _run_node(gm: fx.GraphModule, node: fx.Node, load: Callable[[Any], Any]) -> Any:
     args = fx.node.map_arg(node.args, load)
