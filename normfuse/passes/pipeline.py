@@ -140,8 +140,9 @@ def run(gm: fx.GraphModule, config: FuseConfig | None = None, *, apply: bool = T
 def _run(gm: fx.GraphModule, config: FuseConfig, report: FusionReport, apply: bool) -> list[Site]:
     # work on a copy: the user's graph is swapped only when everything succeeded
     graph = _copy_graph(gm)
-    if _already_fused(graph):
-        report.notes.append(f"graph already optimized ({_already_fused(graph)} fused op calls): left as is")
+    fused_calls = _already_fused(graph)
+    if fused_calls:
+        report.notes.append(f"graph already optimized ({fused_calls} fused op calls): left as is")
     try:
         index, states = analyze(graph)
     except PassFailure:
