@@ -42,13 +42,23 @@ NORM_SPELLINGS = {
 }
 
 
-class _LlamaRMSNorm(nn.Module):
+class _WrittenNorm(nn.Module):
+    """A norm written out by hand, as model code does: a weight of size n and eps."""
+
+    weight_init = 1.0
+
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((n,), self.weight_init))
+        self.eps = eps
+
+
+class _LlamaRMSNorm(_WrittenNorm):
     """HF Llama: upcast, mean of squares, rsqrt, round to the input dtype, then * weight."""
 
     def __init__(self, n, eps=1e-6, inv="rsqrt"):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
-        self.eps, self.inv = eps, inv
+        super().__init__(n, eps)
+        self.inv = inv
 
     def forward(self, x):
         dtype = x.dtype
@@ -63,13 +73,10 @@ class _LlamaRMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-class _GemmaRMSNorm(nn.Module):
+class _GemmaRMSNorm(_WrittenNorm):
     """Gemma: normalize in fp32, multiply by (1 + w) in fp32, round once."""
 
-    def __init__(self, n, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(n))
-        self.eps = eps
+    weight_init = 0.0
 
     def forward(self, x):
         h = x.float()
@@ -77,13 +84,8 @@ class _GemmaRMSNorm(nn.Module):
         return (h * (1.0 + self.weight.float())).type_as(x)
 
 
-class _T5LayerNorm(nn.Module):
+class _T5LayerNorm(_WrittenNorm):
     """T5: the variance in fp32, the multiply on the un-upcast input, weight last."""
-
-    def __init__(self, n, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
-        self.eps = eps
 
     def forward(self, x):
         var = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
@@ -93,11 +95,8 @@ class _T5LayerNorm(nn.Module):
         return self.weight * x
 
 
-class _SquareRMSNorm(nn.Module):
-    def __init__(self, n, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
-        self.eps = eps
+class _SquareRMSNorm(_WrittenNorm):
+    """x / sqrt(mean(square(x)) + eps) with the last dim spelled ndim - 1."""
 
     def forward(self, x):
         h = x.float()
@@ -118,14 +117,13 @@ class _FunctionalNorm(nn.Module):
         return F.rms_norm(x, (self.n,), self.weight, self.eps)
 
 
-class _ManualLayerNorm(nn.Module):
+class _ManualLayerNorm(_WrittenNorm):
     """LayerNorm written out (Cohere/OLMo style): mean, subtract, variance, rsqrt."""
 
     def __init__(self, n, eps=1e-5, how="manual"):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
+        super().__init__(n, eps)
         self.bias = nn.Parameter(torch.zeros(n))
-        self.eps, self.how = eps, how
+        self.how = how
 
     def forward(self, x):
         dtype = x.dtype
