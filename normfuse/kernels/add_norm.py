@@ -511,6 +511,18 @@ if triton is not None:
         return xhat, dy, dn, g
 
     @triton.jit
+    def _block_grads(DY, DE, INP, W, row, row_ok, start, cols0, N, stride_dy, stride_de, stride_inp, mean, rstd,
+                     weight_offset, HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr,
+                     POST_ADD: tl.constexpr):
+        """One block of a wide row (looped backward): its columns, mask, and _row_grads."""
+        cols = start + cols0
+        mask = (cols < N) & row_ok
+        w, _ = _load_params(W, W, cols, mask, weight_offset, HAS_WEIGHT, False)
+        xhat, dy, dn, g = _row_grads(DY, DE, INP, w, row, stride_dy, stride_de, stride_inp, cols, mask,
+                                     mean, rstd, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD)
+        return cols, mask, xhat, dy, dn, g
+
+    @triton.jit
     def _store_input_grads(DE, DX, DRES, row, stride_de, stride_dx, stride_dres, cols, mask, xhat, dy, g, c1, c2,
                            rstd, residual_scale, HAS_DEXTRA: tl.constexpr, HAS_DRES: tl.constexpr,
                            IS_RMS: tl.constexpr, POST_ADD: tl.constexpr):
@@ -586,21 +598,17 @@ if triton is not None:
             c1 = zero
             c2 = zero
             for start in range(0, N, BLOCK_N):
-                cols = start + cols0
-                mask = (cols < N) & row_ok
-                w, _ = _load_params(W, W, cols, mask, weight_offset, HAS_WEIGHT, False)
-                xhat, dy, dn, g = _row_grads(DY, DE, INP, w, row, stride_dy, stride_de, stride_inp, cols, mask,
-                                             mean, rstd, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD)
+                cols, mask, xhat, dy, dn, g = _block_grads(
+                    DY, DE, INP, W, row, row_ok, start, cols0, N, stride_dy, stride_de, stride_inp, mean, rstd,
+                    weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD)
                 c1 += tl.sum(g * xhat, axis=0)
                 c2 += tl.sum(g, axis=0)
             c1 = c1 / N
             c2 = c2 / N
             for start in range(0, N, BLOCK_N):
-                cols = start + cols0
-                mask = (cols < N) & row_ok
-                w, _ = _load_params(W, W, cols, mask, weight_offset, HAS_WEIGHT, False)
-                xhat, dy, dn, g = _row_grads(DY, DE, INP, w, row, stride_dy, stride_de, stride_inp, cols, mask,
-                                             mean, rstd, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD)
+                cols, mask, xhat, dy, dn, g = _block_grads(
+                    DY, DE, INP, W, row, row_ok, start, cols0, N, stride_dy, stride_de, stride_inp, mean, rstd,
+                    weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD)
                 _store_input_grads(DE, DX, DRES, row, stride_de, stride_dx, stride_dres, cols, mask, xhat, dy, g,
                                    c1, c2, rstd, residual_scale, HAS_DEXTRA, HAS_DRES, IS_RMS, POST_ADD)
                 part = pid.to(tl.int64) * N + cols
