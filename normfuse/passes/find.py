@@ -21,10 +21,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from normfuse.passes.canonical import (Canon, canonical, real_users, is_exact_upcast, last_dim, node_dtype, node_shape, same_shape,
-                                       tensor_meta)
+from normfuse.passes.canonical import (Canon, canonical, real_users, is_exact_upcast, last_dim, node_dtype, node_shape, same_shape)
 
-__all__ = ["NormMatch", "AddMatch", "find_norms", "find_input_add", "find_output_add", "GraphIndex"]
+__all__ = ["NormMatch", "AddMatch", "find_norms", "find_input_add", "find_output_add", "GraphIndex", "as_add"]
 
 F32 = torch.float32
 
@@ -476,7 +475,7 @@ def find_norms(index: GraphIndex) -> list[NormMatch]:
 
 # --------------------------------------------------------------------------- adds next to a norm
 
-def _as_add(index: GraphIndex, node: Any, n: int | None) -> AddMatch | None:
+def as_add(index: GraphIndex, node: Any, n: int | None) -> AddMatch | None:
     c = index.canon(node)
     if c is None or c.prim != "add":
         return None
@@ -518,7 +517,7 @@ def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
     cur = m.input
     n = m.hidden_size
     while isinstance(cur, fx.Node) and cur not in index.norm_outputs:
-        am = _as_add(index, cur, n)
+        am = as_add(index, cur, n)
         if am is not None:
             am.chain = chain
             if am.reason is None:
@@ -545,7 +544,7 @@ def find_output_add(index: GraphIndex, m: NormMatch) -> tuple[AddMatch, list[fx.
     while frontier:
         node, chain = frontier.pop()
         for u in node.users:
-            am = _as_add(index, u, n)
+            am = as_add(index, u, n)
             if am is not None and am.reason is None:
                 return am, chain
             if is_pass_through(index, u, n) and index.prim(u) != "cast":
@@ -597,6 +596,3 @@ def source_of(node: fx.Node) -> str | None:
     path, line = frames[-1]
     return f"{path}:{line}"
 
-
-def tensor_of(node: Any):
-    return tensor_meta(node)

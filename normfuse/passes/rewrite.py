@@ -20,7 +20,7 @@ import torch.fx as fx
 from normfuse.kernels.add_norm import add_norm, norm_add
 from normfuse.passes.canonical import is_check_only, node_dtype, node_shape, real_users, same_shape
 from normfuse.passes.classify import SiteState, stream_operand
-from normfuse.passes.find import GraphIndex, _as_add
+from normfuse.passes.find import GraphIndex, as_add
 
 __all__ = ["plan", "apply", "FUSED_TARGETS", "Plan"]
 
@@ -74,11 +74,11 @@ def plan(index: GraphIndex, site: SiteState, claimed: set, reserved: set, fuse_o
     m = site.match
     add = site.in_add
     if add is not None:  # refresh: an operand may be an earlier site's add, now replaced by its sum
-        fresh = _as_add(index, add.node, m.hidden_size)
+        fresh = as_add(index, add.node, m.hidden_size)
         add.operands, add.scaled, add.residual_scale = fresh.operands, fresh.scaled, fresh.residual_scale
     out = site.out_add
     if out is not None and out.node.graph is index.graph:
-        fresh = _as_add(index, out.node, m.hidden_size)
+        fresh = as_add(index, out.node, m.hidden_size)
         out.operands, out.scaled, out.residual_scale = fresh.operands, fresh.scaled, fresh.residual_scale
     reshaped = add is not None and not same_shape(node_shape(add.node), node_shape(m.output))
     static = all(isinstance(d, int) for d in (node_shape(m.output) or (None,)))
