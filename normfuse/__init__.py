@@ -26,6 +26,8 @@ _EXPORTS = {
     # model rewriting (normfuse/api.py)
     "optimize": "normfuse.api",
     "fuse_graph": "normfuse.api",
+    "NormFusionPass": "normfuse.passes.pipeline",
+    "PassResult": "normfuse.passes.pipeline",
     "report": "normfuse.api",
     "FuseConfig": "normfuse.config",
     "FusionReport": "normfuse.reporting",

@@ -140,14 +140,9 @@ def fuse_graph(gm: fx.GraphModule, config: FuseConfig | None = None, **options: 
         raise InvalidModelError(
             f"fuse_graph takes a torch.fx.GraphModule, got {type(gm).__name__}. For an nn.Module use "
             "normfuse.optimize(model); for an ExportedProgram pass ep.graph_module.")
-    from normfuse.backends import run_pass
-    cfg = make_config(config, **options)
-    if cfg.prenorm:
-        from normfuse.passes import prenorm
-        rep = prenorm.convert_graph(gm, cfg)
-        rep.extend(run_pass(gm, cfg))
-        return gm, rep
-    return gm, run_pass(gm, cfg)
+    from normfuse.passes.pipeline import NormFusionPass
+    result = NormFusionPass(make_config(config, **options))(gm)
+    return gm, result.report
 
 
 def optimize(model: nn.Module, config: FuseConfig | None = None, **options: Any) -> nn.Module:

@@ -337,6 +337,7 @@ class AuditReport:
     graphs: int = 0
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    regions: list = field(default_factory=list)   # nested subgraphs (normfuse.reporting.Region)
 
     # --- totals
     def totals(self) -> dict[str, Any]:
@@ -378,7 +379,11 @@ class AuditReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"sites": [s.to_dict() for s in self.sites], "summary": self.summary(),
-                "warnings": list(self.warnings)}
+                "regions": [r.to_dict() for r in self.regions], "warnings": list(self.warnings)}
+
+    @property
+    def regions_not_analyzed(self) -> list:
+        return [r for r in self.regions if not r.analyzed]
 
     def to_json(self, **kwargs) -> str:
         return json.dumps(self.to_dict(), default=str, **kwargs)
@@ -426,17 +431,11 @@ def _status(site: Site) -> tuple[bool, str]:
     return False, site.reason or "not rewritten"
 
 
-def _analyze_graph(gm: fx.GraphModule, config) -> list[SiteAudit]:
-    from normfuse.passes import pipeline
-
-    report = pipeline.run(gm, config, apply=False)
-    if report.warnings:
-        raise _GraphFailure(report.warnings)
-    index, states = pipeline.analyze(gm.graph)  # the same sites, in the same order, on the graph itself
-    if len(states) != len(report.sites):
-        raise _GraphFailure([f"analysis found {len(states)} sites, the pass {len(report.sites)}"])
+def _audit_graph(analysis, sites: list[Site]) -> list[SiteAudit]:
+    """Price each site of one analyzed graph: bytes moved eagerly and by the fused op."""
+    index, states = analysis
     out = []
-    for st, site in zip(states, report.sites):
+    for st, site in zip(states, sites):
         would, status = _status(site)
         eager, fused, _ = site_bytes(index, st, site.op if would else None)
         rows = _numel(st.match.input) // st.match.hidden_size if st.match.hidden_size else 0
@@ -501,17 +500,20 @@ def audit(model: nn.Module, *args: Any, config=None, bandwidth: Any = None, name
         raise NormfuseError(f"dynamo captured no graph of {rep.model}: the forward ran eagerly (dynamo's "
                             "recompile limit may have been reached in this process; call "
                             "torch._dynamo.reset() and audit again).")
-    for number, gm in enumerate(graphs):
-        try:
-            sites = _analyze_graph(gm, cfg)
-        except _GraphFailure as failure:
-            rep.warnings += [f"graph {number}: {m}" for m in failure.messages]
-            continue
-        for i, s in enumerate(sites):
-            s.site.graph = number
-            s.site.id = f"g{number}.s{i}"
-        rep.sites += sites
-    rep.graphs = len(graphs)
+    from normfuse.passes.pipeline import NormFusionPass
+    fusion = NormFusionPass(cfg, apply=False)
+    for gm in graphs:
+        result = fusion(gm)
+        rep.regions += fusion.report.regions[len(fusion.report.regions) - len(result.report.regions):]
+        # the same sites as numbered across every graph of the model
+        numbered = fusion.report.sites[len(fusion.report.sites) - len(result.report.sites):]
+        for number, analysis in enumerate(result.analyses):
+            sites = [g for s, g in zip(result.report.sites, numbered) if s.graph == number]
+            if analysis is None:  # the pass failed on this graph: its warning says why
+                continue
+            rep.sites += _audit_graph(analysis, sites)
+        rep.warnings += result.report.warnings
+    rep.graphs = fusion.report.graphs
     first = next((s for s in rep.sites if s.rows), None)
     if first is not None:
         rep.tokens, rep.dtype = first.rows, first.site.dtype

@@ -97,6 +97,7 @@ def text_report(rep) -> str:
             out.append("  ".join("-" * w for w in widths))
     out.append("")
     out += _summary_lines(rep)
+    out += [f"not analyzed: {r.name} ({r.op}): {r.reason}" for r in rep.regions_not_analyzed]
     out += [f"warning: {w}" for w in rep.warnings]
     return "\n".join(out)
 
@@ -111,6 +112,7 @@ def markdown_report(rep) -> str:
     out += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in _rows(rep):
         out.append("| " + " | ".join(_md_cell(c) for c in r) + " |")
+    out += [f"\n> not analyzed: {r.name} ({r.op}): {r.reason}" for r in rep.regions_not_analyzed]
     out += [f"\n> warning: {w}" for w in rep.warnings]
     return "\n".join(out) + "\n"
 
@@ -128,6 +130,7 @@ def html_report(rep) -> str:
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>normfuse audit: {e(rep.model)}</title>"
              f"<style>{_CSS}</style></head><body>", f"<h1>normfuse audit: {e(rep.model)}</h1>", "<h2>Summary</h2><ul>"]
     parts += [f"<li>{e(line)}</li>" for line in _summary_lines(rep)]
+    parts += [f"<li><b>not analyzed:</b> {e(f'{r.name} ({r.op}): {r.reason}')}</li>" for r in rep.regions_not_analyzed]
     parts += [f"<li><b>warning:</b> {e(w)}</li>" for w in rep.warnings]
     parts.append("</ul><h2>Residual stream</h2><div class='svg'>")
     parts.append(stream_svg(rep))

@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["Site", "FusionReport", "PLACEMENTS", "KINDS"]
+__all__ = ["Site", "Region", "FusionReport", "PLACEMENTS", "KINDS"]
 
 PLACEMENTS = ("pre", "post", "res_post", "sandwich", "parallel", "deepnorm", "embedding", "standalone")
 KINDS = ("layer_norm", "rms_norm")
@@ -17,7 +17,7 @@ KINDS = ("layer_norm", "rms_norm")
 class Site:
     """One norm found in a graph, and what the pass did with it."""
 
-    id: str                     # "g0.s3": graph 0, site 3 in graph order
+    id: str                     # "g0.s3": graph 0, site 3 in graph order (``graph``, ``number``)
     kind: str                   # "layer_norm" | "rms_norm"
     form: str                   # "module" | "functional" | "aten" | "decomposed:<which>"
     placement: str              # one of PLACEMENTS
@@ -40,7 +40,23 @@ class Site:
     norm_round_dtype: str | None = None
     out_dtype: str | None = None
     module_type: str | None = None
-    graph: int = 0
+    graph: int = 0              # the graph it was found in (nested subgraphs count as graphs)
+    number: int = 0             # its place among that graph's sites, in graph order
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Region:
+    """A nested subgraph of a higher-order op (activation checkpointing, ``wrap``, ...)."""
+
+    graph: int | None           # the report's graph number of the subgraph (None: not analyzed)
+    parent: int                 # the graph that calls it
+    name: str | None            # the subgraph's attribute in its parent, e.g. "wrap_body_0"
+    op: str | None              # the higher-order op, e.g. "tag_activation_checkpoint"
+    analyzed: bool = True
+    reason: str | None = None   # why it was not analyzed
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,6 +70,7 @@ class FusionReport:
     graphs: int = 0
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    regions: list[Region] = field(default_factory=list)
     # the rewritten graphs themselves (not serialized): the checker and the Pre-Norm
     # structure check read them
     graph_modules: list = field(default_factory=list, repr=False, compare=False)
@@ -84,8 +101,13 @@ class FusionReport:
         offset = self.graphs
         for site in other.sites:
             site.graph += offset
-            site.id = f"g{site.graph}.{site.id.split('.', 1)[-1]}"
+            site.id = f"g{site.graph}.s{site.number}"
             self.sites.append(site)
+        for region in other.regions:
+            region.parent += offset
+            if region.graph is not None:
+                region.graph += offset
+            self.regions.append(region)
         self.graphs += other.graphs
         self.warnings += other.warnings
         self.notes += other.notes
@@ -93,7 +115,12 @@ class FusionReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"sites": [s.to_dict() for s in self.sites], "summary": self.counts(),
-                "graphs": self.graphs, "warnings": list(self.warnings), "notes": list(self.notes)}
+                "graphs": self.graphs, "regions": [r.to_dict() for r in self.regions],
+                "warnings": list(self.warnings), "notes": list(self.notes)}
+
+    @property
+    def regions_not_analyzed(self) -> list[Region]:
+        return [r for r in self.regions if not r.analyzed]
 
     def to_json(self, **kwargs) -> str:
         return json.dumps(self.to_dict(), **kwargs)
@@ -122,6 +149,8 @@ class FusionReport:
         for s in self.sites:
             what = f"fused as {s.op}" if s.fused else f"left: {s.reason}"
             rows.append(f"  {s.id:8s} {s.placement:10s} {s.kind:10s} {s.form:22s} {s.fqn or '?':40s} {what}")
+        for r in self.regions_not_analyzed:
+            rows.append(f"  not analyzed: {r.name} of graph {r.parent} ({r.op}): {r.reason}")
         for w in self.warnings:
             rows.append(f"  warning: {w}")
         return "\n".join(rows)

@@ -30,8 +30,19 @@ IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 def _fresh_dynamo():
     torch._dynamo.reset()
     yield
-    pipeline._FAULT_INJECTION.clear()
     torch._dynamo.reset()
+
+
+def _inject_fault(monkeypatch, stage, error):
+    """Make every NormFusionPass raise ``error`` as ``stage`` starts."""
+    enter = pipeline.NormFusionPass._stage
+
+    def failing(self, name):
+        enter(self, name)
+        if name == stage:
+            raise error
+
+    monkeypatch.setattr(pipeline.NormFusionPass, "_stage", failing)
 
 
 def _optimized(model, **options):
@@ -90,8 +101,8 @@ class SharedNorm(nn.Module):
 # --------------------------------------------------------------------------- failures fall back
 
 @pytest.mark.parametrize("stage", pipeline.STAGES)
-def test_fault_in_each_stage_falls_back_with_one_warning(stage):
-    pipeline._FAULT_INJECTION[stage] = RuntimeError(f"injected fault in {stage}")
+def test_fault_in_each_stage_falls_back_with_one_warning(stage, monkeypatch):
+    _inject_fault(monkeypatch, stage, RuntimeError(f"injected fault in {stage}"))
     model, ref = _optimized(ToyTransformer().eval())
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -115,10 +126,10 @@ def test_fault_in_each_stage_falls_back_with_one_warning(stage):
 
 
 @pytest.mark.parametrize("stage", pipeline.STAGES)
-def test_fault_in_fuse_graph_leaves_graph_unchanged(stage):
+def test_fault_in_fuse_graph_leaves_graph_unchanged(stage, monkeypatch):
     gm = fx.symbolic_trace(SharedNorm().eval())
     code = gm.code
-    pipeline._FAULT_INJECTION[stage] = ValueError(f"injected {stage}")
+    _inject_fault(monkeypatch, stage, ValueError(f"injected {stage}"))
     with pytest.warns(RuntimeWarning, match=f"injected {stage}"):
         out, rep = normfuse.fuse_graph(gm)
     assert out is gm and gm.code == code and rep.counts()["fused"] == 0
@@ -145,10 +156,10 @@ def test_capture_failure_runs_eagerly(monkeypatch):
 
 
 def test_backend_failure_outside_the_pass_falls_back(monkeypatch):
-    def broken(gm, config):
+    def broken(self, gm):
         raise KeyError("injected backend failure")
 
-    monkeypatch.setattr("normfuse.backends.run_pass", broken)
+    monkeypatch.setattr(pipeline.NormFusionPass, "run", broken)
     model, ref = _optimized(ToyTransformer().eval())
     with pytest.warns(RuntimeWarning, match="injected backend failure"):
         out = model(IDS)

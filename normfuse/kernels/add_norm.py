@@ -960,9 +960,10 @@ def _grad_or_none(g: Optional[Tensor], exists: bool) -> Optional[Tensor]:
     return g if exists and g is not None else None
 
 
-def _norm_backward(ctx, dy, dextra, inp, residual_dtype, post_add):
-    """Shared tail of both autograd formulas: call the backward op, map empties to None."""
-    mean, rstd, weight = ctx.saved_tensors[-3:]
+def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, post_add):
+    """Shared tail of both autograd formulas: call the backward op, map empties to None.
+    ``saved``: ctx.saved_tensors, read once (non-reentrant checkpointing allows one unpack)."""
+    mean, rstd, weight = saved[-3:]
     if dy is None:
         dy = inp.new_zeros(inp.shape, dtype=ctx.dy_dtype)
     # With residual_scale 1 and matching dtypes the residual's grad is dx (add_norm) or the
@@ -1005,11 +1006,12 @@ def _add_norm_setup_context(ctx, inputs, output):
 
 
 def _add_norm_backward(ctx, dy, ds, dmean, drstd):
-    inp, residual = ctx.saved_tensors[:2]
+    saved = ctx.saved_tensors
+    inp, residual = saved[:2]
     if not ctx.sum_stored:
         inp = _pre_sum(inp, residual, ctx.residual_scale, ctx.sum_dtype)
     ds = ds if ctx.sum_stored else None
-    grads = _norm_backward(ctx, dy, ds, inp, ctx.residual_dtype, post_add=False)
+    grads = _norm_backward(ctx, saved, dy, ds, inp, ctx.residual_dtype, post_add=False)
     return (*grads, None, None, None, None, None, None, None, None)
 
 
@@ -1027,9 +1029,9 @@ def _norm_add_setup_context(ctx, inputs, output):
 
 
 def _norm_add_backward(ctx, dout, dy, dmean, drstd):
-    x = ctx.saved_tensors[0]
+    saved = ctx.saved_tensors
     dy = dy if ctx.norm_stored else None
-    grads = _norm_backward(ctx, dout, dy, x, ctx.residual_dtype, post_add=True)
+    grads = _norm_backward(ctx, saved, dout, dy, saved[0], ctx.residual_dtype, post_add=True)
     return (*grads, None, None, None, None, None, None, None, None)
 
 

@@ -87,6 +87,14 @@ SPELLINGS: dict[str, list[Any]] = {
                  *_aten("rms_norm.default", "_fused_rms_norm.default")],
 }
 
+# Ops returning a tuple of primitives: each ``getitem`` of their result is read as the
+# primitive at its index, bound with the op's arguments (Inductor decomposes LayerNorm
+# into ``var_mean``).
+TUPLE_SPELLINGS: dict[Any, tuple[str, ...]] = {
+    torch.var_mean: ("var", "mean"),
+    **{op: ("var", "mean") for op in _aten("var_mean.correction", "var_mean.dim")},
+}
+
 # Defaults of optional parameters, per primitive (only those the matchers read).
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "add": {"alpha": 1}, "sub": {"alpha": 1},
@@ -100,6 +108,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 # ATen spellings whose positional layout differs from the canonical one.
 _ATEN_POSITIONAL = {
     "var.correction": ("input", "dim"),  # correction / keepdim are keyword-only
+    "var_mean.correction": ("input", "dim"),
     "dropout.default": ("input", "p", "training"),
 }
 
@@ -160,10 +169,41 @@ def _module_norm(node: fx.Node) -> Canon | None:
     return Canon("rms_norm", args)
 
 
+def _tuple_item(source: fx.Node, index: Any) -> Canon | None:
+    """``source[index]`` where ``source`` is a tuple-returning op of TUPLE_SPELLINGS."""
+    try:
+        prims_out = TUPLE_SPELLINGS.get(source.target) if source.op == "call_function" else None
+    except TypeError:  # unhashable target
+        return None
+    if prims_out is None or not isinstance(index, int) or index >= len(prims_out):
+        return None
+    prim = prims_out[index]
+    names = PARAMS["var"]
+    if isinstance(source.target, torch._ops.OpOverload):
+        names = _ATEN_POSITIONAL.get(f"{source.target._opname}.{source.target._overloadname}", names)
+    args = _bind(source, names)
+    if prim == "mean":  # mean takes (input, dim, keepdim): no correction
+        args = {k: v for k, v in args.items() if k in PARAMS["mean"]}
+    return Canon(prim, args)
+
+
+def _bind(node: fx.Node, names: tuple[str, ...]) -> dict[str, Any]:
+    args = dict(zip(names, node.args))
+    for key, value in node.kwargs.items():
+        args["input" if key == "self" else key] = value
+    if "correction" in args and "unbiased" not in args:
+        args["unbiased"] = args["correction"] != 0
+    if isinstance(args.get("dim"), int):
+        args["dim"] = [args["dim"]]
+    return args
+
+
 def canonical(node: fx.Node) -> Canon | None:
     """The canonical view of one node, or None when its target is not in the table."""
     if node.op == "call_module":
         return _module_norm(node)
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return _tuple_item(node.args[0], node.args[1])
     if node.op == "call_function":
         try:
             prim = _FUNCTION_TABLE.get(node.target)
@@ -179,15 +219,9 @@ def canonical(node: fx.Node) -> Canon | None:
     if isinstance(node.target, torch._ops.OpOverload):
         overload = f"{node.target._opname}.{node.target._overloadname}"
         names = _ATEN_POSITIONAL.get(overload, names)
-    args = dict(zip(names, node.args))
-    for key, value in node.kwargs.items():
-        args["input" if key == "self" else key] = value
-    if prim == "var" and "correction" in args and "unbiased" not in args:
-        args["unbiased"] = args["correction"] != 0
+    args = _bind(node, names)
     if prim == "dropout" and "train" in args:
         args["training"] = args.pop("train")
-    if isinstance(args.get("dim"), int):
-        args["dim"] = [args["dim"]]
     multi = node.target in _aten("native_layer_norm.default", "_fused_rms_norm.default")
     return Canon(prim, args, multi)
 

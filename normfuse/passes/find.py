@@ -14,6 +14,8 @@ cannot reproduce is cut short, so the unmatched rest stays in the graph as it wa
 
 from __future__ import annotations
 
+import operator
+
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -334,7 +336,11 @@ def _match_var_layer_norm(index: GraphIndex, var: fx.Node, c: Canon) -> NormMatc
     shape = node_shape(u)
     if shape is None or not _last_dim_only(c["dim"], len(shape)) or not c["keepdim"] or c["unbiased"]:
         return None
-    for mean in (x for x in (getattr(u, "users", None) or ()) if index.prim(x) == "mean"):
+    # mean(u) directly, or the mean item of var_mean(u) (the var's own source)
+    siblings = [g for t in {var.args[0]} if isinstance(var.args[0], fx.Node) and var.target is operator.getitem
+                for g in t.users]
+    for mean in (x for x in [*(getattr(u, "users", None) or ()), *siblings]
+                 if index.prim(x) == "mean" and index.canon(x)["input"] is u):
         cm = index.canon(mean)
         if not _last_dim_only(cm["dim"], len(shape)) or not cm["keepdim"]:
             continue

@@ -1,8 +1,21 @@
-"""The pass, one direction: canonicalize -> find -> classify -> rewrite -> report.
+"""The pass, one direction: canonicalize -> find -> classify -> rewrite -> verify -> report.
 
-``run(gm, config)`` rewrites a copy of the graph and swaps it in only when every stage
-succeeded; any failure leaves the user's graph untouched, with one warning and the
-reason in the report. The user's model must never break.
+``NormFusionPass(config)`` is the one object every way in goes through: ``optimize`` and
+the dynamo backends call it on each captured graph, ``fuse_graph`` on any GraphModule,
+``audit`` with ``apply=False``, and Inductor as a custom post-grad pass::
+
+    torch._inductor.config.post_grad_custom_post_pass = normfuse.NormFusionPass()
+
+(A graph Inductor serves from its FX-graph cache is not passed through the pass again, so
+that pass object's report lists only the graphs it rewrote; ``uuid()`` keys the cache on
+the pass's options and code.)
+
+Each graph is rewritten on a copy that is swapped in only when every stage succeeded; any
+failure leaves the user's graph untouched, with one warning and, when the sites were
+already found, each listed with the failure as its reason. The user's model must never
+break. Nested subgraphs of higher-order ops (activation checkpointing, ``wrap``,
+``invoke_subgraph``) are part of the model: the pass descends into them, and a region it
+cannot enter is listed in the report with the reason.
 """
 
 from __future__ import annotations
@@ -11,8 +24,13 @@ import copy
 import gc
 import logging
 import warnings
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
 
+import torch
 import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from normfuse.config import FuseConfig
 from normfuse.passes.canonical import canonicalize, node_dtype
@@ -20,16 +38,20 @@ from normfuse.passes.classify import SiteState, classify
 from normfuse.passes.find import (GraphIndex, find_input_add, find_norms, find_output_add, is_norm_module_class,
                                   module_class, module_info, source_of)
 from normfuse.passes import rewrite
-from normfuse.reporting import FusionReport, Site
+from normfuse.reporting import FusionReport, Region, Site
 
-__all__ = ["run", "analyze", "copy_graph_module", "STAGES", "PassFailure"]
+__all__ = ["NormFusionPass", "PassResult", "PassFailure", "analyze", "site_record", "copy_graph_module",
+           "STAGES", "ENTERED_REGIONS"]
 
 log = logging.getLogger("normfuse")
 
 STAGES = ("canonicalize", "find", "classify", "rewrite", "verify")
 
-# Tests inject a failure into a stage by name, to prove the fallback.
-_FAULT_INJECTION: dict[str, Exception] = {}
+# Higher-order ops whose subgraph computes exactly what the region computes, so a rewritten
+# subgraph keeps the region's meaning (checkpointing recomputes the same subgraph in
+# backward). Other higher-order ops are listed in the report as regions not analyzed.
+ENTERED_REGIONS = ("tag_activation_checkpoint", "wrap_activation_checkpoint", "wrap", "wrap_with_autocast",
+                   "wrap_with_set_grad_enabled", "invoke_subgraph")
 
 
 class PassFailure(Exception):
@@ -39,19 +61,24 @@ class PassFailure(Exception):
         self.error = error
 
 
-# the stage running now, so that a failure names the stage it happened in
-_CURRENT_STAGE = ["canonicalize"]
+@dataclass
+class PassResult:
+    """What one call of the pass did (``torch.fx.passes.infra``'s shape, plus the report)."""
+
+    graph_module: fx.GraphModule
+    report: FusionReport
+    # per graph of this call, in the report's order: the analysis the rewrite planned from
+    # (the audit prices its sites from it)
+    analyses: list = field(default_factory=list, repr=False)
+
+    @property
+    def modified(self) -> bool:
+        return any(s.fused or s.converted for s in self.report.sites)
 
 
-def _stage(name: str):
-    _CURRENT_STAGE[0] = name
-    fault = _FAULT_INJECTION.get(name)
-    if fault is not None:
-        raise fault
-
-
-def _site_record(index: GraphIndex, st: SiteState, number: int) -> Site:
-    m = st.match
+def site_record(index: GraphIndex, state: SiteState, number: int) -> Site:
+    """The report's record of one site found in a graph (before any rewrite)."""
+    m = state.match
     fqn, cls = module_info(m.output) if m.output.meta.get("nn_module_stack") else module_info(m.anchor or m.output)
     # a norm call made by a torch norm module (nn.LayerNorm, nn.RMSNorm) is reported as "module"
     form = "module" if m.form in ("functional", "call_module") and is_norm_module_class(module_class(
@@ -60,33 +87,36 @@ def _site_record(index: GraphIndex, st: SiteState, number: int) -> Site:
     # also the first one of a stream, which no add feeds
     converted = bool(m.output.meta.get("normfuse_converted"))
     return Site(
-        id=f"g0.s{number}", kind=m.kind, form=form, placement="pre" if converted else st.placement,
-        converted=converted,
-        input_is_add=st.input_is_add, output_feeds_add=st.output_feeds_add,
+        id=f"g0.s{number}", number=number, kind=m.kind, form=form,
+        placement="pre" if converted else state.placement, converted=converted,
+        input_is_add=state.input_is_add, output_feeds_add=state.output_feeds_add,
         hidden_size=m.hidden_size, dtype=str(node_dtype(m.input)) if node_dtype(m.input) else None,
         eps=m.eps, fqn=fqn, source=source_of(m.output) or source_of(m.anchor or m.output),
         weight_offset=m.weight_offset,
-        residual_scale=st.in_add.residual_scale if st.in_add is not None else 1.0,
+        residual_scale=state.in_add.residual_scale if state.in_add is not None else 1.0,
         norm_round_dtype=str(m.norm_round_dtype) if m.norm_round_dtype else None,
         out_dtype=str(m.out_dtype) if m.out_dtype else None, module_type=cls)
 
 
-def analyze(graph: fx.Graph) -> tuple[GraphIndex, list[SiteState]]:
-    """Canonicalize, find and classify, without changing the graph."""
-    _stage("canonicalize")
+def analyze(graph: fx.Graph, stage=lambda name: None) -> tuple[GraphIndex, list[SiteState]]:
+    """Canonicalize, find and classify, without changing the graph. ``stage(name)`` is
+    called as each stage starts."""
+    stage("canonicalize")
     index = GraphIndex(graph, canonicalize(graph))
-    _stage("find")
+    stage("find")
     states = []
     for m in find_norms(index):
-        st = SiteState(match=m, in_add=find_input_add(index, m))
+        state = SiteState(match=m, in_add=find_input_add(index, m))
         out = find_output_add(index, m)
         if out is not None:
-            st.out_add, st.out_chain = out
-        states.append(st)
-    _stage("classify")
+            state.out_add, state.out_chain = out
+        states.append(state)
+    stage("classify")
     classify(index, states)
     return index, states
 
+
+# --------------------------------------------------------------------------- graph copies
 
 def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
     """A copy of gm's graph; nodes keep their meta and the attributes dynamo set on them."""
@@ -104,95 +134,227 @@ def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A GraphModule over a copy of ``gm``'s graph (node names, meta and dynamo's node
-    attributes kept), sharing its submodules: the untouched graph to run or compare with."""
-    return fx.GraphModule(gm, _copy_graph(gm), class_name=type(gm).__name__)
+    attributes kept) and of its nested subgraphs, sharing parameters and other submodules:
+    the untouched graph to run or compare with. (The pass rewrites nested subgraphs in
+    place, so a copy that shared them would change with it.)"""
+    copied = fx.GraphModule(gm, _copy_graph(gm), class_name=type(gm).__name__)
+    for name, child in gm.named_children():
+        if isinstance(child, fx.GraphModule):
+            setattr(copied, name, copy_graph_module(child))
+    return copied
 
 
-def _already_fused(graph: fx.Graph) -> int:
-    return sum(1 for n in graph.nodes if n.op == "call_function" and n.target in rewrite.FUSED_TARGETS)
+def _replace_contents(target: fx.Graph, source: fx.Graph) -> None:
+    """Make ``target`` (a graph others hold, e.g. Inductor's) compute what ``source`` does."""
+    for node in reversed(list(target.nodes)):
+        node.users.clear()
+        target.erase_node(node)
+    output = target.graph_copy(source, {})
+    target.output(output)
 
 
-def run(gm: fx.GraphModule, config: FuseConfig | None = None, *, apply: bool = True) -> FusionReport:
-    """Find, classify and (when ``apply``) rewrite every site of ``gm`` in place."""
-    config = config or FuseConfig()
-    report = FusionReport(graphs=1)
-    _CURRENT_STAGE[0] = "canonicalize"
-    # The pass allocates many small objects next to dynamo's large heap: with the cyclic
-    # collector running, each collection rescans that heap and the pass stops being
-    # linear in the graph size (128-layer llama: 1.1 s with it, 0.55 s without).
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        report.sites = _run(gm, config, report, apply)
-    except Exception as error:  # noqa: BLE001 - the user's model must never break
-        failure = error if isinstance(error, PassFailure) else PassFailure(_CURRENT_STAGE[0], error)
-        message = (f"normfuse left this graph unchanged: the pass failed in stage {failure}. "
-                   "Please report it with the model that triggers it.")
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-        report.warnings.append(message)
-        log.debug("normfuse pass failure", exc_info=True)
-    finally:
-        if collecting:
-            gc.enable()
-    return report
-
-
-def _run(gm: fx.GraphModule, config: FuseConfig, report: FusionReport, apply: bool) -> list[Site]:
-    # work on a copy: the user's graph is swapped only when everything succeeded
-    graph = _copy_graph(gm)
-    fused_calls = _already_fused(graph)
-    if fused_calls:
-        report.notes.append(f"graph already optimized ({fused_calls} fused op calls): left as is")
-    try:
-        index, states = analyze(graph)
-    except PassFailure:
-        raise
-    except Exception as error:
-        raise PassFailure(_CURRENT_STAGE[0], error) from error
-    sites = [_site_record(index, st, i) for i, st in enumerate(states)]
-    _stage("rewrite")
-    claimed: set = set()
-    reserved = {st.in_add.node for st in states if st.in_add is not None and st.in_add.reason is None}
-    for st, site in zip(states, sites):
-        if config.filter_fn is not None and not config.filter_fn(site):
-            site.reason = "excluded by filter_fn"
+def _nested_regions(gm: fx.GraphModule) -> list[tuple[fx.Node, str, str]]:
+    """(higher-order op call, attribute name of its subgraph, op name) for each subgraph
+    ``gm`` passes to a higher-order op, in graph order."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
             continue
-        p, reason = rewrite.plan(index, st, claimed, reserved, config.fuse_output_add)
-        if p is None:
-            site.reason = reason
-            continue
-        if p.op == "norm" and not config.standalone:
-            site.reason = "standalone norms not rewritten (standalone=False)"
-            continue
-        if st.in_add is not None and p.op != "add_norm":
-            site.add_reason = st.in_add.reason or (
-                "the sum is folded into another norm's kernel" if st.in_add.node in claimed
-                else "the add's operands change shape on the way to the norm")
-        # an add folded into one kernel is not folded into another, in analysis mode too
-        for node in (st.in_add.node if p.op == "add_norm" else None, p.post_add):
-            if node is not None:
-                claimed.add(node)
-        if not apply:
-            site.reason = "not applied (analysis only)"
-            site.op = p.op
-            continue
-        rewrite.apply(index, p)
-        site.fused, site.op = True, p.op
-        site.fused_add = p.op in ("add_norm", "norm_add")
-        site.residual_scale = p.residual_scale
-        site.sum_dtype = str(p.sum_dtype) if p.sum_dtype is not None else None
-        if p.op == "add_norm" and not site.input_is_add:
-            site.input_is_add = True
-    # a site that shares its add with an earlier fused site reads that site's sum
-    for st, site in zip(states, sites):
-        if not site.fused and site.reason is None:
-            site.reason = "not rewritten"
-    for node in list(graph.nodes):  # parameters read only by a norm that is gone now
-        if node.op == "get_attr" and not node.users:
-            graph.erase_node(node)
-    if apply:
-        _stage("verify")
-        graph.lint()
-        gm.graph = graph
-        gm.recompile()
-    return sites
+        for arg in node.args:
+            if isinstance(arg, fx.Node) and arg.op == "get_attr" and \
+                    isinstance(getattr(gm, str(arg.target), None), fx.GraphModule):
+                found.append((node, str(arg.target), node.target.name()))
+    return found
+
+
+# --------------------------------------------------------------------------- the pass
+
+class NormFusionPass(CustomGraphPass):
+    """Find, classify and rewrite every add -> norm site of a graph.
+
+    ``pass_(gm) -> PassResult`` rewrites ``gm`` (a GraphModule) in place;
+    ``pass_(graph)`` rewrites an ``fx.Graph`` in place (Inductor's custom-pass protocol).
+    ``self.report`` gathers every graph this pass object has seen.
+
+    model:  the ``nn.Module`` the graphs were captured from (the Pre-Norm conversion
+            registers its final norms there).
+    apply:  False analyzes only (the audit): sites are found, planned and reported, and
+            the graph is left as it was.
+    """
+
+    def __init__(self, config: FuseConfig | None = None, *, model: torch.nn.Module | None = None,
+                 apply: bool = True, report: FusionReport | None = None):
+        self.config = config or FuseConfig()
+        self.model = model
+        self.apply = apply
+        self.report = report if report is not None else FusionReport()
+        self._current_stage = STAGES[0]
+        self._as_op = False  # insert the custom ops themselves (graphs Inductor lowered to ATen)
+
+    # --- Inductor's FX-graph cache keys compiled code on this (None: do not cache)
+    def uuid(self) -> Any:
+        if self.config.filter_fn is not None:
+            return None  # a callable's behaviour cannot be hashed
+        options = {f.name: getattr(self.config, f.name) for f in fields(self.config) if f.name != "filter_fn"}
+        # the pass's own code is part of the key: an edited pass must not reuse stale graphs
+        sources = sorted(str(p) for p in Path(__file__).parent.glob("*.py"))
+        return get_hash_for_files(tuple(sources), f"{sorted(options.items())} {self.apply}").hex()
+
+    def __call__(self, target: fx.GraphModule | fx.Graph) -> PassResult:
+        if isinstance(target, fx.GraphModule):
+            return self.run(target)
+        if isinstance(target, fx.Graph):
+            gm = target.owning_module
+            if not isinstance(gm, fx.GraphModule):
+                raise TypeError("NormFusionPass needs the graph's owning GraphModule (its parameters and "
+                                "subgraphs); call it with the GraphModule, or a graph that has one.")
+            holder = fx.GraphModule(gm, target)  # works on a copy of target, shares the submodules
+            self._as_op = True
+            try:
+                result = self.run(holder)
+            finally:
+                self._as_op = False
+            if result.modified:
+                _replace_contents(target, holder.graph)
+            return PassResult(gm, result.report)
+        raise TypeError(f"NormFusionPass takes a torch.fx.GraphModule or Graph, got {type(target).__name__}.")
+
+    def run(self, gm: fx.GraphModule) -> PassResult:
+        """Rewrite ``gm`` and its nested subgraphs; the report of this call is added to
+        ``self.report`` too."""
+        report = FusionReport()
+        if self.config.prenorm and self.apply:
+            from normfuse.passes import prenorm
+            report.extend(prenorm.convert_graph(gm, self.config, model=self.model))
+        result = PassResult(gm, report)
+        self._run_region(gm, result, parent=None, name=None)
+        # self.report numbers graphs across calls; this call's report keeps its own numbers
+        self.report.extend(FusionReport(
+            sites=[copy.copy(s) for s in report.sites], graphs=report.graphs, warnings=list(report.warnings),
+            notes=list(report.notes), regions=[copy.copy(r) for r in report.regions],
+            graph_modules=report.graph_modules))
+        return result
+
+    def _run_region(self, gm: fx.GraphModule, result: PassResult, parent: int | None, name: str | None,
+                    hop: str | None = None) -> None:
+        report = result.report
+        graph_report, analysis = self._fuse(gm)
+        result.analyses.append(analysis)
+        number = report.graphs
+        if parent is not None:
+            report.regions.append(Region(graph=number, parent=parent, name=name, op=hop, analyzed=True))
+        report.extend(graph_report)
+        for call, attr, op in _nested_regions(gm):
+            sub = getattr(gm, attr)
+            if op in ENTERED_REGIONS:
+                self._run_region(sub, result, parent=number, name=attr, hop=op)
+            else:
+                report.regions.append(Region(
+                    graph=None, parent=number, name=attr, op=op, analyzed=False,
+                    reason=f"the subgraph of higher-order op {op} is not entered: the pass does not know that "
+                           "a rewritten subgraph keeps that op's meaning"))
+
+    # --- one graph
+    def _stage(self, name: str) -> None:
+        """Called as each stage starts (the failure names it; tests inject faults here)."""
+        self._current_stage = name
+
+    def _fuse(self, gm: fx.GraphModule) -> tuple[FusionReport, tuple | None]:
+        """Find, classify and rewrite one graph (not its nested subgraphs), with the fallback;
+        returns its report and its analysis (GraphIndex, site states; None after a failure)."""
+        report = FusionReport(graphs=1)
+        analysis = []
+        self._current_stage = STAGES[0]
+        # The pass allocates many small objects next to dynamo's large heap: with the cyclic
+        # collector running, each collection rescans that heap and the pass stops being
+        # linear in the graph size (128-layer llama: 1.1 s with it, 0.55 s without).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            report.sites = self._fuse_unsafe(gm, report, analysis)
+        except Exception as error:  # noqa: BLE001 - the user's model must never break
+            failure = error if isinstance(error, PassFailure) else PassFailure(self._current_stage, error)
+            message = (f"normfuse left this graph unchanged: the pass failed in stage {failure}. "
+                       "Please report it with the model that triggers it.")
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            report.warnings.append(message)
+            log.debug("normfuse pass failure", exc_info=True)
+            report.sites = self._sites_after_failure(gm, message)
+            analysis.clear()
+        finally:
+            if collecting:
+                gc.enable()
+        if self.apply:  # graph_modules[g] is graph g (rewritten or, after a failure, as it was)
+            report.graph_modules.append(gm)
+        return report, (analysis[0] if analysis else None)
+
+    def _sites_after_failure(self, gm: fx.GraphModule, message: str) -> list[Site]:
+        """The sites the pass would have rewritten, each with the failure as its reason."""
+        try:
+            index, states = analyze(_copy_graph(gm))
+            sites = [site_record(index, state, i) for i, state in enumerate(states)]
+        except Exception:  # noqa: BLE001 - the failure was in finding the sites: none to list
+            log.debug("normfuse: sites not listed after a pass failure", exc_info=True)
+            return []
+        for site in sites:
+            site.reason = message
+        return sites
+
+    def _fuse_unsafe(self, gm: fx.GraphModule, report: FusionReport, analysis: list) -> list[Site]:
+        # work on a copy: the user's graph is swapped only when everything succeeded
+        graph = _copy_graph(gm)
+        fused_calls = sum(1 for n in graph.nodes if rewrite.is_fused_call(n))
+        if fused_calls:
+            report.notes.append(f"graph already optimized ({fused_calls} fused op calls): left as is")
+        index, states = analyze(graph, self._stage)
+        analysis.append((index, states))
+        sites = [site_record(index, state, i) for i, state in enumerate(states)]
+        self._stage("rewrite")
+        self._rewrite(index, states, sites)
+        for node in list(graph.nodes):  # parameters read only by a norm that is gone now
+            if node.op == "get_attr" and not node.users:
+                graph.erase_node(node)
+        self._stage("verify")
+        if self.apply:
+            graph.lint()
+            gm.graph = graph
+            gm.recompile()
+        return sites
+
+    def _rewrite(self, index: GraphIndex, states: list[SiteState], sites: list[Site]) -> None:
+        config = self.config
+        claimed: set = set()
+        reserved = {st.in_add.node for st in states if st.in_add is not None and st.in_add.reason is None}
+        for state, site in zip(states, sites):
+            if config.filter_fn is not None and not config.filter_fn(site):
+                site.reason = "excluded by filter_fn"
+                continue
+            plan, reason = rewrite.plan(index, state, claimed, reserved, config.fuse_output_add)
+            if plan is None:
+                site.reason = reason
+                continue
+            if plan.op == "norm" and not config.standalone:
+                site.reason = "standalone norms not rewritten (standalone=False)"
+                continue
+            if state.in_add is not None and plan.op != "add_norm":
+                site.add_reason = state.in_add.reason or (
+                    "the sum is folded into another norm's kernel" if state.in_add.node in claimed
+                    else "the add's operands change shape on the way to the norm")
+            # an add folded into one kernel is not folded into another, in analysis mode too
+            for node in (state.in_add.node if plan.op == "add_norm" else None, plan.post_add):
+                if node is not None:
+                    claimed.add(node)
+            if not self.apply:
+                site.reason = "not applied (analysis only)"
+                site.op = plan.op
+                continue
+            rewrite.apply(index, plan, as_op=self._as_op)
+            site.fused, site.op = True, plan.op
+            site.fused_add = plan.op in ("add_norm", "norm_add")
+            site.residual_scale = plan.residual_scale
+            site.sum_dtype = str(plan.sum_dtype) if plan.sum_dtype is not None else None
+            if plan.op == "add_norm" and not site.input_is_add:
+                site.input_is_add = True
+        for site in sites:
+            if not site.fused and site.reason is None:
+                site.reason = "not rewritten"

@@ -442,7 +442,7 @@ def _convert_graph(gm: fx.GraphModule, config: FuseConfig, model: nn.Module | No
     for i, st in enumerate(states):
         if st.placement not in CANDIDATES:
             continue
-        site = pipeline._site_record(index, st, i)
+        site = pipeline.site_record(index, st, i)
         b = _Block(number=i, st=st, fqn=site.fqn)
         if config.filter_fn is not None and not config.filter_fn(site):
             b.reason = "excluded by filter_fn"
@@ -520,9 +520,11 @@ def _streams_of(blocks: list[_Block]) -> list[list[_Block]]:
 
 # --------------------------------------------------------------------------- the structural check
 
-def _is_fused(node: Any, name: str) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and getattr(node.target, "__name__", "") == name \
-        and getattr(node.target, "__module__", "").startswith("normfuse")
+def _is_fused(node: Any, family: str) -> bool:
+    """A call of the fused op family "add_norm" (a plain norm included) or "norm_add"."""
+    from normfuse.passes.rewrite import fused_op_name
+    name = fused_op_name(node) if isinstance(node, fx.Node) else None
+    return name is not None and (name == family or (family == "add_norm" and name == "norm"))
 
 
 def _value(node: fx.Node) -> fx.Node:

@@ -22,10 +22,30 @@ from normfuse.passes.canonical import is_check_only, node_dtype, node_shape, rea
 from normfuse.passes.classify import SiteState, stream_operand
 from normfuse.passes.find import GraphIndex, as_add
 
-__all__ = ["plan", "apply", "FUSED_TARGETS", "Plan"]
+__all__ = ["plan", "apply", "Plan", "is_fused_call", "fused_op_name"]
 
-# the targets rewritten graphs call; a graph that contains them was already optimized
-FUSED_TARGETS = (add_norm, norm_add)
+# What a rewritten graph calls: the functional API (graphs that run eagerly or go through
+# AOTAutograd, which traces it into the custom ops) or, in graphs Inductor already
+# lowered to ATen (custom post-grad passes), the custom ops themselves.
+_FUNCTIONS = {add_norm: "add_norm", norm_add: "norm_add"}
+
+
+def _op_overloads() -> dict:
+    return {torch.ops.normfuse.add_norm_fwd.default: "add_norm", torch.ops.normfuse.norm_add_fwd.default: "norm_add"}
+
+
+def fused_op_name(node: fx.Node) -> str | None:
+    """"add_norm", "norm_add" or "norm" for a call of a fused op; None for any other node."""
+    if node.op != "call_function":
+        return None
+    family = _FUNCTIONS.get(node.target) or _op_overloads().get(node.target)
+    if family == "add_norm" and node.args[1] is None:
+        return "norm"
+    return family
+
+
+def is_fused_call(node: fx.Node) -> bool:
+    return fused_op_name(node) is not None
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -129,8 +149,32 @@ def _insertion_point(index: GraphIndex, p: Plan) -> fx.Node:
     return first
 
 
-def apply(index: GraphIndex, p: Plan) -> list[fx.Node]:
-    """Insert the fused call and reroute users; returns the inserted nodes."""
+def _fused_call(graph: fx.Graph, family: str, args: tuple, options: dict, as_op: bool) -> fx.Node:
+    """One call of the functional API, or (``as_op``) of its custom op with every option
+    spelled out and the fake result as its ``val`` (Inductor lowers from that)."""
+    if not as_op:
+        return graph.call_function(add_norm if family == "add_norm" else norm_add, args, options)
+    o = options
+    if family == "add_norm":
+        target = torch.ops.normfuse.add_norm_fwd.default
+        op_args = (*args, o["kind"], o["eps"], o["weight_offset"], o["residual_scale"], o["sum_dtype"],
+                   o["norm_round_dtype"], o["out_dtype"], o["return_sum"])
+    else:
+        target = torch.ops.normfuse.norm_add_fwd.default
+        op_args = (*args, o["kind"], o["eps"], o["weight_offset"], o["residual_scale"], o["norm_round_dtype"],
+                   o["out_dtype"], o["add_dtype"], o["return_norm"])
+    call = graph.call_function(target, op_args)
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in op_args]
+    fake_mode = torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if fake_mode is not None:
+        with fake_mode:
+            call.meta["val"] = target(*vals)
+    return call
+
+
+def apply(index: GraphIndex, p: Plan, as_op: bool = False) -> list[fx.Node]:
+    """Insert the fused call and reroute users; returns the inserted nodes. ``as_op``: call
+    the custom op itself (graphs already lowered to ATen)."""
     graph = index.graph
     m = p.site.match
     p.x, p.residual = index.resolve(p.x), index.resolve(p.residual)
@@ -142,8 +186,8 @@ def apply(index: GraphIndex, p: Plan) -> list[fx.Node]:
         if p.op == "norm_add":
             post = p.post_add
             y_used = any(u is not post for u in real_users(m.output))
-            call = graph.call_function(norm_add, (p.x, p.residual, m.weight, m.bias),
-                                       dict(modes, add_dtype=node_dtype(post), return_norm=y_used))
+            call = _fused_call(graph, "norm_add", (p.x, p.residual, m.weight, m.bias),
+                               dict(modes, add_dtype=node_dtype(post), return_norm=y_used), as_op)
             out = graph.call_function(operator.getitem, (call, 0))
             _copy_meta(out, post)
             inserted = [call, out]
@@ -161,8 +205,8 @@ def apply(index: GraphIndex, p: Plan) -> list[fx.Node]:
             add = p.site.in_add if p.op == "add_norm" else None
             s_used = add is not None and any(
                 u not in set(add.chain) | set(m.nodes) for node in (add.node, *add.chain) for u in real_users(node))
-            call = graph.call_function(add_norm, (p.x, p.residual, m.weight, m.bias),
-                                       dict(modes, sum_dtype=p.sum_dtype, return_sum=s_used))
+            call = _fused_call(graph, "add_norm", (p.x, p.residual, m.weight, m.bias),
+                               dict(modes, sum_dtype=p.sum_dtype, return_sum=s_used), as_op)
             y = graph.call_function(operator.getitem, (call, 0))
             _copy_meta(y, m.output)
             inserted = [call, y]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import sys
 import time
@@ -34,7 +35,7 @@ from normfuse.errors import InvalidModelError, NormfuseError
 from normfuse.reporting import FusionReport, Site
 from normfuse.verify.numeric import (Fp64Mode, OutputCheck, SiteNumeric, check_site, compare, copy_graph_module,
                                      failed_output, flatten, fp64_copy, perturb_vectors, run_graph, to_fp64)
-from normfuse.verify.sites import pair_sites, site_order
+from normfuse.verify.sites import pair_sites
 from normfuse.verify.symbolic import SymbolicResult, prove_site
 
 __all__ = ["check", "CheckResult", "SiteCheck", "register_cli", "check_graph_on_first_call"]
@@ -52,6 +53,8 @@ class SiteCheck:
     kind: str
     numeric: SiteNumeric
     symbolic: SymbolicResult
+    graph: int = 0
+    number: int = 0
 
     @property
     def passed(self) -> bool:
@@ -182,8 +185,14 @@ def _run(model: nn.Module, args: tuple, kwargs: dict, backward: bool, seed: int,
     The backward pulls a fixed random cotangent (drawn in fp64 from ``seed``, then cast to
     each output's dtype) through every floating output."""
     args, kwargs, leaves = _inputs_with_grad(args, kwargs, backward)
+    # the fp64 mode covers backward too: checkpointed regions recompute their forward there
     with torch.set_grad_enabled(backward), (Fp64Mode() if fp64 else contextlib.nullcontext()):
-        out = model(*args, **kwargs)
+        return _forward_backward(model, args, kwargs, leaves, backward, seed, fp64)
+
+
+def _forward_backward(model: nn.Module, args: tuple, kwargs: dict, leaves: list, backward: bool, seed: int,
+                      fp64: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | None]]:
+    out = model(*args, **kwargs)
     outputs = dict(flatten(out))
     grads: dict[str, torch.Tensor | None] = {}
     if backward:
@@ -191,9 +200,9 @@ def _run(model: nn.Module, args: tuple, kwargs: dict, backward: bool, seed: int,
         differentiable = [(k, v) for k, v in outputs.items() if v.requires_grad and v.is_floating_point()]
         wrt = leaves + _named_parameters(model)
         if differentiable and wrt:
-            got = torch.autograd.grad([v for _, v in differentiable],
-                                      [t for _, t in wrt],
-                                      [cotangents[k].to(v.dtype) for k, v in differentiable], allow_unused=True)
+            grad = Fp64Mode.grad if fp64 else functools.partial(torch.autograd.grad, allow_unused=True)
+            got = grad([v for _, v in differentiable], [t for _, t in wrt],
+                       [cotangents[k].to(v.dtype) for k, v in differentiable])
             grads = {f"grad:{name}": g for (name, _), g in zip(wrt, got)}
     return {k: v.detach() for k, v in outputs.items()}, grads
 
@@ -241,9 +250,9 @@ def check_sites(report: FusionReport, originals: list[tuple[fx.GraphModule, list
     (the untouched captures with their inputs), matched to the rewritten graphs by inputs."""
     checks: list[SiteCheck] = []
     used: set[int] = set()
+    nested = {r.graph for r in report.regions}
     for g, rewritten in enumerate(report.graph_modules):
-        sites = [s for s in report.sites if s.graph == g]
-        if not any(s.fused for s in sites):
+        if g in nested or not any(s.fused for s in report.sites if s.graph in _graph_tree(report, g)):
             continue
         same = [i for i, (gm, _) in enumerate(originals) if _placeholders(gm) == _placeholders(rewritten)]
         match = next((i for i in same if i not in used), same[0] if same else None)
@@ -252,21 +261,51 @@ def check_sites(report: FusionReport, originals: list[tuple[fx.GraphModule, list
                          "localized (was the optimized model run on other inputs?)")
             continue
         used.add(match)
-        checks += check_graph_sites(*originals[match], rewritten, sites)
-    return sorted(checks, key=lambda c: site_order(c.id))
+        checks += _check_tree(report, g, *originals[match], rewritten)
+    return sorted(checks, key=lambda c: (c.graph, c.number))
+
+
+def _graph_tree(report: FusionReport, g: int) -> set[int]:
+    """Graph ``g`` and every nested subgraph under it."""
+    tree = {g}
+    for region in report.regions:
+        if region.parent == g and region.graph is not None:
+            tree |= _graph_tree(report, region.graph)
+    return tree
+
+
+def _check_tree(report: FusionReport, g: int, original: fx.GraphModule, inputs: list[Any],
+                rewritten: fx.GraphModule) -> list[SiteCheck]:
+    """The sites of graph ``g`` and of its nested subgraphs (each run on the values that
+    reached its higher-order op in the original graph)."""
+    checks, env = check_graph_sites(original, inputs, rewritten, [s for s in report.sites if s.graph == g])
+    for region in report.regions:
+        if region.parent != g or region.graph is None or region.graph >= len(report.graph_modules):
+            continue
+        call = next((n for n in original.graph.nodes if n.op == "call_function" and any(
+            isinstance(a, fx.Node) and a.op == "get_attr" and a.target == region.name for a in n.args)), None)
+        if call is None:
+            continue
+        body = next(i for i, a in enumerate(call.args) if isinstance(a, fx.Node) and a.target == region.name)
+        sub_inputs = [env[a] for a in call.args[body + 1:] if isinstance(a, fx.Node)]
+        checks += _check_tree(report, region.graph, getattr(original, region.name), sub_inputs,
+                              report.graph_modules[region.graph])
+    return checks
 
 
 def check_graph_sites(original: fx.GraphModule, inputs: list[Any], rewritten: fx.GraphModule,
-                      sites: list[Site]) -> list[SiteCheck]:
-    """Every fused site of one rewritten graph, against the original graph run on ``inputs``."""
+                      sites: list[Site]) -> tuple[list[SiteCheck], dict]:
+    """Every fused site of one rewritten graph, against the original graph run on ``inputs``;
+    returns the checks and every original node's value."""
     _, env = run_graph(original, inputs)
     checks = []
     for pair in pair_sites(original, rewritten, sites):
         s = pair.site
         numeric = check_site(original, pair, env) if not s.converted else SiteNumeric(
             reason="converted from Post-Norm to Pre-Norm: no original subgraph to compare with")
-        checks.append(SiteCheck(s.id, s.fqn, s.source, s.op, s.placement, s.kind, numeric, prove_site(pair)))
-    return checks
+        checks.append(SiteCheck(s.id, s.fqn, s.source, s.op, s.placement, s.kind, numeric, prove_site(pair),
+                                graph=s.graph, number=s.number))
+    return checks, env
 
 
 def _structure(report: FusionReport, notes: list[str]) -> bool | None:
@@ -414,7 +453,8 @@ def _check_graph(gm: fx.GraphModule, graph_report: FusionReport, inputs: list[An
     ref_out, _ = run_graph(original, inputs, fp64=True)
     outputs = _compare_all(dict(flatten(orig_out)), dict(flatten(new_out)), dict(flatten(ref_out)))
     notes: list[str] = []
-    sites = sorted(check_graph_sites(original, inputs, gm, graph_report.sites), key=lambda c: site_order(c.id))
+    # graph_report is this graph's own report: graph 0 is gm, the others its nested subgraphs
+    sites = sorted(_check_tree(graph_report, 0, original, inputs, gm), key=lambda c: (c.graph, c.number))
     res = _result(outputs, sites, graph_report, notes)
     if not res.ok:
         where = f"; first diverging site: {res.first_divergence}" if res.first_divergence else ""

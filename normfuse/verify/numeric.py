@@ -54,6 +54,18 @@ class Fp64Mode(TorchFunctionMode):
 
     _TO_DOUBLE = {torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16}
 
+    @staticmethod
+    def grad(outputs: list, inputs: list, grad_outputs: list) -> tuple:
+        """``torch.autograd.grad(..., allow_unused=True)`` with this mode on in backward.
+
+        A mode is off inside its own handler, and ``torch.autograd.grad`` is a function it
+        handles: checkpointed regions, which recompute their forward in backward, would
+        recompute in the model's dtypes. The engine call below is not dispatched, so a mode
+        entered around it stays on (autograd carries it into backward)."""
+        from torch.autograd.graph import _engine_run_backward
+        return _engine_run_backward(tuple(outputs), tuple(grad_outputs), False, False, tuple(inputs), True,
+                                    accumulate_grad=False)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func in self._TO_DOUBLE:

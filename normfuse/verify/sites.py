@@ -23,7 +23,7 @@ from typing import Any
 import torch.fx as fx
 
 from normfuse.passes.pipeline import analyze
-from normfuse.passes.rewrite import FUSED_TARGETS
+from normfuse.passes.rewrite import fused_op_name, is_fused_call
 from normfuse.reporting import Site
 
 __all__ = ["SitePair", "pair_sites", "fused_calls", "site_order"]
@@ -44,17 +44,15 @@ class SitePair:
 
 
 def fused_calls(graph: fx.Graph) -> list[fx.Node]:
-    return [n for n in graph.nodes if n.op == "call_function" and n.target in FUSED_TARGETS]
+    return [n for n in graph.nodes if is_fused_call(n)]
 
 
-def site_order(site: Site | str) -> tuple[int, int]:
-    """(graph, number) of a site or site id 'g1.s3'."""
-    g, s = (site if isinstance(site, str) else site.id).split(".", 1)
-    return int(g.lstrip("g")), int(s.lstrip("s"))
+def site_order(site: Site) -> tuple[int, int]:
+    return site.graph, site.number
 
 
 def _op_name(call: fx.Node) -> str:
-    return "norm_add" if call.target.__name__ == "norm_add" else ("add_norm" if call.args[1] is not None else "norm")
+    return fused_op_name(call)
 
 
 def _operand_prep(index, add, operands) -> list[fx.Node]:
@@ -128,7 +126,7 @@ def pair_sites(original: fx.GraphModule, rewritten: fx.GraphModule, sites: list[
     for site, call in zip(fused, calls):
         pair = SitePair(site=site, call=call)
         pairs.append(pair)
-        number = site_order(site)[1]
+        number = site.number
         kind = call.kwargs.get("kind")
         if number >= len(states) or states[number].match.kind != kind:
             pair.problem = (f"site {site.id} ({site.kind}) does not line up with the fused call {call.name} "

@@ -25,6 +25,7 @@ import sympy
 import torch.fx as fx
 
 from normfuse.passes.canonical import canonical, node_shape
+from normfuse.passes.rewrite import fused_op_name
 from normfuse.verify.sites import SitePair
 
 __all__ = ["ROW", "SymbolicResult", "prove_site"]
@@ -175,7 +176,7 @@ def _fused(pair: SitePair, rows: dict[str, Any], eps_sym, eps: float | None) -> 
     scale = _const(float(kw.get("residual_scale", 1.0)), None, None)
     offset = _const(float(kw.get("weight_offset", 0.0)), None, None) if w is not None else 0
     e = _const(float(kw["eps"]), eps, eps_sym)
-    if pair.call.target.__name__ == "norm_add":
+    if fused_op_name(pair.call) == "norm_add":
         y = _norm(kind, x, w, b, e, offset)
         return [_elementwise(lambda rv, yv: scale * rv + yv, r, y), y]
     s = x if r is None else _elementwise(lambda xv, rv: xv + scale * rv, x, r)

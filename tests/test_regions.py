@@ -1,0 +1,194 @@
+"""Nested regions: checkpointed blocks, other higher-order-op subgraphs, and the pass as an
+Inductor custom post-grad pass.
+
+Dynamo puts a checkpointed block in a nested subgraph of a higher-order op; the pass
+descends into it, and the checkpoint recomputes the fused op in backward.
+"""
+
+import copy
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.fx.passes.shape_prop
+from torch.utils.checkpoint import checkpoint
+
+import normfuse
+from normfuse.passes.pipeline import NormFusionPass
+from normfuse.tolerances import within_tolerance
+from normfuse.zoo import ToyTransformer, example_inputs, hf_model
+
+IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class CheckpointedStack(nn.Module):
+    """A Pre-Norm stack whose blocks run under ``wrap(block)``: the ways users checkpoint."""
+
+    def __init__(self, wrap: str, kind: str = "rms_norm"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = ToyTransformer(placement="pre", kind=kind, spelling="llama" if kind == "rms_norm" else "module",
+                                    hidden=32, depth=2)
+        self.wrap = wrap
+        if wrap == "checkpoint_wrapper":
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+            self.inner.blocks = nn.ModuleList(checkpoint_wrapper(b) for b in self.inner.blocks)
+
+    def forward(self, ids):
+        m = self.inner
+        x = m.tok(ids) + m.pos(torch.arange(ids.shape[-1], device=ids.device))
+        for block in m.blocks:
+            if self.wrap == "reentrant":
+                x = checkpoint(block, x, use_reentrant=True)
+            elif self.wrap == "non_reentrant":
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return m.head(m.final_norm(x))
+
+
+def _train_step(model, ids):
+    out = model(ids)
+    out.square().mean().backward()
+    return out, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("wrap", ["non_reentrant", "reentrant", "checkpoint_wrapper"])
+def test_checkpointed_blocks_are_entered_and_fused(wrap):
+    model = CheckpointedStack(wrap)
+    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    normfuse.optimize(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback anywhere
+        out, grads = _train_step(model, IDS)
+    ref_out, ref_grads = _train_step(ref, IDS)
+    _, grads64 = _train_step(ref64, IDS)
+    rep = normfuse.report(model)
+    counts = rep.counts()
+    # 2 norms per block and the final norm: all found and fused; inside each block the add
+    # before norm2 is fused with it (the add between blocks crosses the region boundary)
+    assert counts["sites"] == 5 and counts["fused"] == 5 and counts["fused_with_add"] == 2
+    assert [r.op for r in rep.regions] == ["tag_activation_checkpoint"] * 2
+    assert all(r.analyzed for r in rep.regions)
+    assert sorted(s.fqn for s in rep.sites if s.graph > 0) == [
+        f"inner.blocks.{i}.{n}" for i in range(2) for n in ("norm1", "norm2")] or wrap == "checkpoint_wrapper"
+    # the same adds and norms, recomputed in backward by the fused op: the forward is
+    # bit-identical on CPU, gradients within the tolerance rule against fp64
+    assert torch.equal(out, ref_out)
+    for name, g in ref_grads.items():
+        assert within_tolerance(grads[name], g, grads64[name]), name
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_hf_gradient_checkpointing(family):
+    no_dropout = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0} if family == "bert" else {}
+    model = hf_model(family, **no_dropout)
+    model.gradient_checkpointing_enable()
+    model.train()  # HF checkpoints only in training mode
+    inputs = example_inputs(model)
+    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    normfuse.optimize(model)
+    out = model(**inputs).last_hidden_state
+    ref_out = ref(**inputs).last_hidden_state
+    out.sum().backward()
+    ref_out.sum().backward()
+    ref64(**inputs).last_hidden_state.sum().backward()
+    rep = normfuse.report(model)
+    counts = rep.counts()
+    assert len(rep.regions) == 2 and all(r.op == "tag_activation_checkpoint" for r in rep.regions)
+    if family == "llama":
+        # every norm of the 2 layers and the final norm; the add inside each layer fused
+        assert counts["sites"] == 5 and counts["fused"] == 5 and counts["fused_with_add"] == 2
+    else:
+        # 2 Post-Norm sites per layer, each with its add, as without checkpointing; the
+        # embedding norm is fused alone (its position add broadcasts over the batch)
+        assert counts["sites"] == 5 and counts["fused"] == 5 and counts["fused_with_add"] == 4
+    assert torch.equal(out, ref_out)
+    for (name, p), (_, q), (_, r) in zip(model.named_parameters(), ref.named_parameters(),
+                                         ref64.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert within_tolerance(p.grad, q.grad, r.grad), name
+
+
+def test_check_verifies_sites_inside_checkpointed_regions():
+    model = CheckpointedStack("non_reentrant")
+    result = normfuse.check(model, IDS)
+    assert result.ok, str(result)
+    # every fused site, the four inside the two regions included, is compared and proved
+    assert len(result.sites) == 5
+    assert all(s.numeric.passed and s.numeric.outputs for s in result.sites)
+    assert all(s.symbolic.status == "proved" for s in result.sites)
+
+
+class CondBlock(nn.Module):
+    """A norm inside ``torch.cond``: a region the pass does not enter."""
+
+    def __init__(self, n=16):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(n, n), nn.LayerNorm(n)
+
+    def forward(self, x):
+        def yes(x):
+            return self.norm(x + self.lin(x))
+
+        def no(x):
+            return x * 2
+
+        return torch.cond(x.sum() > 0, yes, no, (x,))
+
+
+def test_region_not_entered_is_reported():
+    model = normfuse.optimize(CondBlock().eval())
+    x = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        out = model(x)
+    assert torch.equal(out, CondBlock.forward(model, x))
+    rep = normfuse.report(model)
+    skipped = rep.regions_not_analyzed
+    assert skipped and all(r.op == "cond" and "not entered" in r.reason for r in skipped)
+    assert "not analyzed" in str(rep)
+    audit = normfuse.audit(CondBlock().eval(), x)
+    assert [r.name for r in audit.regions_not_analyzed] == [r.name for r in skipped]
+    assert "not analyzed" in audit.to_table()
+
+
+@pytest.mark.parametrize("kind", ["rms_norm", "layer_norm"])
+def test_inductor_custom_post_grad_pass(kind):
+    """Plain torch.compile (Inductor) with the pass as its post-grad custom pass: the
+    functionalized ATen graph (LayerNorm decomposed into var_mean) is matched too."""
+    model = ToyTransformer(placement="pre", kind=kind, spelling="llama" if kind == "rms_norm" else "module",
+                           hidden=32, depth=2).eval()
+    fusion = NormFusionPass()
+    assert fusion.uuid() == NormFusionPass().uuid()  # cacheable: same options, same key
+    assert NormFusionPass(normfuse.FuseConfig(standalone=False)).uuid() != fusion.uuid()
+    # a graph served from Inductor's FX-graph cache is not passed through the pass again, so
+    # the report would list nothing: compile afresh
+    with torch._inductor.config.patch(post_grad_custom_post_pass=fusion, fx_graph_cache=False), torch.no_grad():
+        out = torch.compile(model)(IDS)
+        ref = model(IDS)
+        ref64 = copy.deepcopy(model).double()(IDS)
+    counts = fusion.report.counts()
+    assert counts["sites"] == 5 and counts["fused"] == 5 and counts["fused_with_add"] == 4, str(fusion.report)
+    assert within_tolerance(out, ref, ref64)
+
+
+def test_pass_on_a_bare_graph_rewrites_it_in_place():
+    gm = torch.fx.symbolic_trace(ToyTransformer(placement="post", kind="layer_norm", spelling="module",
+                                                hidden=32, depth=1).eval())
+    torch.fx.passes.shape_prop.ShapeProp(gm).propagate(IDS)  # shapes and dtypes the matcher reads
+    graph = gm.graph
+    result = NormFusionPass()(graph)
+    assert gm.graph is graph and result.modified
+    assert sum(1 for n in graph.nodes if n.op == "call_function" and "normfuse" in str(n.target)) == 2
+    with pytest.raises(TypeError, match="GraphModule"):
+        NormFusionPass()(functools.partial(print))
