@@ -1,5 +1,10 @@
 """Fused kernels and their custom ops (``torch.ops.normfuse.*``).
 
+    reference.py   the semantics in plain PyTorch (the reference backend)
+    triton.py      the Triton kernels and launchers (the Triton backend)
+    ops.py         the custom ops, their fakes and autograd, and which path a call runs
+    add_norm.py    the functional API (add_norm, norm_add, add_rms_norm, ...)
+
 The functional API is re-exported lazily, so importing this package neither
 imports triton nor registers the ops until a name is used.
 """
@@ -9,9 +14,9 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    name: "normfuse.kernels.add_norm"
-    for name in ("add_norm", "add_rms_norm", "add_layer_norm", "norm_add", "rms_norm_add", "layer_norm_add",
-                 "add_norm_ref", "norm_add_ref", "add_norm_bwd_ref")
+    **{name: "normfuse.kernels.add_norm"
+       for name in ("add_norm", "add_rms_norm", "add_layer_norm", "norm_add", "rms_norm_add", "layer_norm_add")},
+    **{name: "normfuse.kernels.reference" for name in ("add_norm_ref", "norm_add_ref", "add_norm_bwd_ref")},
 }
 
 __all__ = list(_EXPORTS)

@@ -1,0 +1,373 @@
+"""The ``torch.ops.normfuse.*`` custom ops: routing, registrations, autograd, and the eager CPU path.
+
+Which path a call runs (decided here, in ``forward_for`` and ``_backend``, nowhere else):
+
+| call                                      | tensors                                     | runs                         |
+|-------------------------------------------|---------------------------------------------|------------------------------|
+| functional API, eager (not traced)        | plain CPU tensors, NORMFUSE_TRITON_CPU unset | reference, called directly   |
+| the custom op (traced calls: dynamo, AOT, | CUDA/ROCm; CPU with NORMFUSE_TRITON_CPU=1    | Triton kernels (``triton.py``) |
+| export; tensor subclasses; direct calls)  | anything else (CPU, fp64, no triton)         | reference (``reference.py``) |
+
+The first row exists for speed: the custom-op dispatcher's Python wrapper costs
+~100 us a call (as much as a whole small norm on CPU), and custom ops may not
+return aliases of their inputs, which costs copies. It runs the same reference
+forward and backward as the op's CPU branch, through autograd.Functions that
+share the op's setup_context and backward. Traced calls keep the custom ops, so
+graphs still show ``torch.ops.normfuse.*``.
+
+The Triton path is a plain ``torch.library.custom_op`` whose body launches the
+kernels, not ``torch.library.triton_op`` + ``wrap_triton``, for two reasons:
+* the body must pick the reference or Triton at run time (CPU tensors run the
+  reference), and a triton_op's body is traced into the graph in place of the op,
+  which would put the reference's ATen ops, not one fused call, in the graphs the
+  pass and the checker read;
+* under Triton's interpreter (all CPU testing) a triton_op cannot be compiled at
+  all: its fake is derived by running the body on FakeTensors, and the interpreted
+  kernel then reads their data pointers ("Cannot access data pointer of Tensor").
+  Measured with torch 2.13 / triton 3.8 on a 4-block add+RMSNorm model, fullgraph:
+  custom_op 1 graph, 0 breaks (aot_eager 9.5 s, inductor 35 s compile + first run);
+  triton_op fails at the first call.
+What triton_op would buy on a GPU (Inductor seeing the kernel) is unmeasured here.
+
+Validation runs once, in the functional API (``validate``); the fakes check shapes only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from normfuse.errors import InvalidOptionError, ShapeMismatchError, UnsupportedDtypeError, closest
+from normfuse.kernels import reference
+from normfuse.kernels import triton as triton_backend
+from normfuse.kernels.reference import CPU_ONLY_DTYPES, KINDS, SUPPORTED_DTYPES, acc_dtype
+
+__all__ = ["add_norm_fwd", "norm_add_fwd", "add_norm_bwd", "validate", "forward_for"]
+
+
+# --------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------
+
+def _dtype_names(dtypes) -> str:
+    return ", ".join(str(d) for d in dtypes)
+
+
+_SUPPORTED_TEXT = _dtype_names(SUPPORTED_DTYPES) + " (and torch.float64 on CPU)"
+
+
+def check_shapes(x, residual, weight, bias):
+    """The shape checks (all a fake can check): raise a ShapeMismatchError naming the fix."""
+    if not isinstance(x, Tensor) or x.dim() == 0:
+        raise ShapeMismatchError(f"x must be a tensor with at least one dim (the normalized last dim); "
+                                 f"got {type(x).__name__} of shape {tuple(getattr(x, 'shape', ()))}.")
+    n_cols = x.shape[-1]
+    if n_cols == 0:
+        raise ShapeMismatchError(f"x has shape {tuple(x.shape)}: its last dim, the one normalized, is empty; "
+                                 f"pass at least one element per row.")
+    if residual is not None and residual.shape != x.shape:
+        raise ShapeMismatchError(f"residual has shape {tuple(residual.shape)} but x has shape {tuple(x.shape)}; "
+                                 f"the fused add does not broadcast, so expand or reshape the residual to "
+                                 f"{tuple(x.shape)} first.")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and p.shape != (n_cols,):
+            raise ShapeMismatchError(f"{name} has shape {tuple(p.shape)} but x has shape {tuple(x.shape)}; the "
+                                     f"norm is over the last dim, so {name} must have shape ({n_cols},).")
+
+
+def validate(x, residual, weight, bias, kind, eps, rounding: dict):
+    """Raise a normfuse error naming the problem and the fix; the ops never assert.
+    Runs on every functional call: the cheap checks first, message text only on error."""
+    if kind not in KINDS:
+        raise InvalidOptionError(f"kind={kind!r} is not a norm the fused ops implement; use one of {KINDS}."
+                                 + closest(str(kind), KINDS))
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise InvalidOptionError(f"eps={eps!r} must be a finite number >= 0 (e.g. 1e-5 or 1e-6).")
+    check_shapes(x, residual, weight, bias)
+    ok = _dtypes_on(x.device)
+    for name, t in (("x", x), ("residual", residual)):
+        if t is not None and t.dtype not in ok:
+            raise UnsupportedDtypeError(f"{name} has dtype {t.dtype} on {t.device}; the fused add+norm ops take "
+                                        f"{_SUPPORTED_TEXT}. Cast it first, e.g. {name}.to(torch.bfloat16).")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        allowed = {x.dtype, torch.float32} | ({residual.dtype} if residual is not None else set())
+        if p.dtype not in allowed or p.dtype not in ok:
+            raise UnsupportedDtypeError(f"{name} has dtype {p.dtype} but x has dtype {x.dtype}; {name} must have "
+                                        f"x's dtype or torch.float32. Cast it with {name}.to(torch.float32).")
+    for name, t in (("residual", residual), ("weight", weight), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise InvalidOptionError(f"{name} is on {t.device} but x is on {x.device}; move them to one device.")
+    for name, dtype in rounding.items():
+        if dtype is not None and dtype not in ok:
+            raise UnsupportedDtypeError(f"{name}={dtype} is not a dtype the fused ops round to; use one of "
+                                        f"{_SUPPORTED_TEXT}.")
+
+
+def _dtypes_on(device: torch.device) -> tuple:
+    return SUPPORTED_DTYPES + (CPU_ONLY_DTYPES if device.type == "cpu" else ())
+
+
+# --------------------------------------------------------------------------------------
+# Routing (the table in the module docstring)
+# --------------------------------------------------------------------------------------
+
+def _backend(x: Tensor, dtypes):
+    """The backend module (``reference`` or ``triton``) the custom op runs for these tensors."""
+    if x.device.type == "cpu" and not triton_backend.cpu_requested():
+        backend = reference
+    elif x.device.type not in ("cpu", "cuda"):  # ROCm devices are "cuda" in torch too
+        backend = reference
+    elif triton_backend.triton is None or any(d is not None and d not in triton_backend.TL_DTYPES for d in dtypes):
+        backend = reference  # fp64 (CPU only) or a platform without triton
+    else:
+        if x.device.type == "cpu" and not triton_backend.INTERPRETED:
+            raise InvalidOptionError(
+                "NORMFUSE_TRITON_CPU=1 runs the Triton kernels on CPU under Triton's interpreter, which has to "
+                "be on when the kernels are defined: set NORMFUSE_TRITON_CPU=1 (or TRITON_INTERPRET=1) before "
+                "normfuse.kernels and triton are first imported.")
+        return triton_backend
+    # A direct call of the op skips the functional API's checks: no backend takes other dtypes.
+    ok = _dtypes_on(x.device)
+    bad = next((d for d in dtypes if d is not None and d not in ok), None)
+    if bad is not None:
+        raise UnsupportedDtypeError(f"the fused add+norm ops got a {bad} tensor or dtype on {x.device}; they take "
+                                    f"{_SUPPORTED_TEXT}.")
+    return backend
+
+
+def _dtypes(*items) -> tuple:
+    return tuple(t.dtype if isinstance(t, Tensor) else t for t in items if t is not None)
+
+
+def _eager_cpu(*tensors) -> bool:
+    """The first row of the table: real CPU tensors, outside tracing, on the reference backend."""
+    if torch.compiler.is_compiling() or triton_backend.cpu_requested():
+        return False
+    return all(t is None or (type(t) in (Tensor, torch.nn.Parameter) and t.device.type == "cpu") for t in tensors)
+
+
+def _grad_needed(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def forward_for(op: str, x, residual, weight, bias):
+    """The callable a functional call of ``op`` ("add_norm_fwd" or "norm_add_fwd") runs, with the op's
+    positional arguments and outputs (None, not an empty tensor, for an output that does not exist
+    on the eager path)."""
+    if _eager_cpu(x, residual, weight, bias):
+        if _grad_needed(x, residual, weight, bias):
+            return _EAGER_FUNCTIONS[op].apply
+        return getattr(reference, op)  # no autograd graph to record: the reference alone
+    return getattr(torch.ops.normfuse, op)
+
+
+# --------------------------------------------------------------------------------------
+# Custom ops: forward, backward, fakes
+# --------------------------------------------------------------------------------------
+
+def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
+    """Stands in for an output that does not exist (s not stored, mean of rms_norm, ...)."""
+    return like.new_empty(0, dtype=dtype)
+
+
+def _op_outputs(outputs, empty_dtypes, like: Tensor, inputs) -> tuple:
+    """What a custom op may return: an empty tensor of the fake's dtype for each None, and no
+    output that is an input or another output (e.g. dx is also dresidual when residual_scale
+    == 1 and the dtypes agree): such outputs are cloned; all are made contiguous."""
+    seen = {t.data_ptr() for t in inputs if isinstance(t, Tensor) and t.numel()}
+    fresh = []
+    for t, dtype in zip(outputs, empty_dtypes):
+        if t is None:
+            t = _empty(like, dtype)
+        elif t.numel() == 0 or t.data_ptr() in seen:  # empty tensors can share a storage unseen
+            t = t.clone(memory_format=torch.contiguous_format)
+        seen.add(t.data_ptr())
+        fresh.append(t.contiguous())
+    return tuple(fresh)
+
+
+def _stats_fake(x: Tensor, kind: str, norm_in_dtype: torch.dtype):
+    acc = acc_dtype(norm_in_dtype)
+    rows = math.prod(x.shape[:-1])
+    return x.new_empty((rows,) if kind == "layer_norm" else (0,), dtype=acc), x.new_empty((rows,), dtype=acc)
+
+
+@torch.library.custom_op("normfuse::add_norm_fwd", mutates_args=())
+def add_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
+                 kind: str, eps: float, weight_offset: float, residual_scale: float, sum_dtype: torch.dtype,
+                 norm_round_dtype: Optional[torch.dtype], out_dtype: torch.dtype, store_sum: bool,
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Add-then-norm. Returns (y, s, mean, rstd): s is empty unless store_sum and there is a residual;
+    mean (empty for rms_norm) and rstd are flat per-row fp32 (fp64 for fp64 input)."""
+    backend = _backend(x, _dtypes(x, residual, weight, bias, sum_dtype, norm_round_dtype, out_dtype))
+    outputs = backend.add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
+                                   norm_round_dtype, out_dtype, store_sum and residual is not None)
+    return _op_outputs(outputs, (None, sum_dtype, None, None), x, (x, residual, weight, bias))
+
+
+@add_norm_fwd.register_fake
+def _add_norm_fwd_fake(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
+                       norm_round_dtype, out_dtype, store_sum):
+    check_shapes(x, residual, weight, bias)
+    s = x.new_empty(x.shape, dtype=sum_dtype) if store_sum and residual is not None else _empty(x, sum_dtype)
+    return (x.new_empty(x.shape, dtype=out_dtype), s, *_stats_fake(x, kind, sum_dtype))
+
+
+@torch.library.custom_op("normfuse::norm_add_fwd", mutates_args=())
+def norm_add_fwd(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], kind: str,
+                 eps: float, weight_offset: float, residual_scale: float, norm_round_dtype: Optional[torch.dtype],
+                 out_dtype: torch.dtype, add_dtype: torch.dtype, store_norm: bool,
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Norm-then-add. Returns (out, y, mean, rstd): y is empty unless store_norm."""
+    backend = _backend(x, _dtypes(x, residual, weight, bias, norm_round_dtype, out_dtype, add_dtype))
+    outputs = backend.norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
+                                   norm_round_dtype, out_dtype, add_dtype, store_norm)
+    return _op_outputs(outputs, (None, out_dtype, None, None), x, (x, residual, weight, bias))
+
+
+@norm_add_fwd.register_fake
+def _norm_add_fwd_fake(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, norm_round_dtype,
+                       out_dtype, add_dtype, store_norm):
+    check_shapes(x, residual, weight, bias)
+    y = x.new_empty(x.shape, dtype=out_dtype) if store_norm else _empty(x, out_dtype)
+    return (x.new_empty(x.shape, dtype=add_dtype), y, *_stats_fake(x, kind, x.dtype))
+
+
+@torch.library.custom_op("normfuse::add_norm_bwd", mutates_args=())
+def add_norm_bwd(dy: Tensor, dextra: Optional[Tensor], inp: Tensor, mean: Tensor, rstd: Tensor,
+                 weight: Optional[Tensor], kind: str, weight_offset: float, residual_scale: float, post_add: bool,
+                 x_dtype: torch.dtype, residual_dtype: Optional[torch.dtype], bias_dtype: Optional[torch.dtype],
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Backward of add_norm_fwd (post_add=False) and norm_add_fwd (post_add=True); see add_norm_bwd_ref.
+    Returns (dx, dresidual, dweight, dbias), each empty when that input does not exist."""
+    backend = _backend(inp, _dtypes(dy, inp, weight, x_dtype, residual_dtype, bias_dtype))
+    grads = backend.add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add,
+                                 x_dtype, residual_dtype, bias_dtype)
+    return _op_outputs(grads, (None, inp.dtype, inp.dtype, inp.dtype), inp, (dy, dextra, inp, mean, rstd, weight))
+
+
+@add_norm_bwd.register_fake
+def _add_norm_bwd_fake(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add,
+                       x_dtype, residual_dtype, bias_dtype):
+    n_cols = inp.shape[-1]
+    return (inp.new_empty(inp.shape, dtype=x_dtype),
+            _empty(inp, inp.dtype) if residual_dtype is None else inp.new_empty(inp.shape, dtype=residual_dtype),
+            _empty(inp, inp.dtype) if weight is None else inp.new_empty((n_cols,), dtype=weight.dtype),
+            _empty(inp, inp.dtype) if bias_dtype is None else inp.new_empty((n_cols,), dtype=bias_dtype))
+
+
+# --------------------------------------------------------------------------------------
+# Autograd (shared by the custom ops and the eager path)
+# --------------------------------------------------------------------------------------
+
+def _grad_or_none(g: Optional[Tensor], exists: bool) -> Optional[Tensor]:
+    return g if exists and g is not None else None
+
+
+def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, post_add):
+    """Shared tail of both autograd formulas: call the backward, map empties to None.
+    ``saved``: ctx.saved_tensors, read once (non-reentrant checkpointing allows one unpack)."""
+    mean, rstd, weight = saved[-3:]
+    if dy is None:
+        dy = inp.new_zeros(inp.shape, dtype=ctx.dy_dtype)
+    # With residual_scale 1 and matching dtypes the residual's grad is dx (add_norm) or the
+    # incoming grad itself (norm_add): hand that tensor over instead of writing a copy.
+    shared = (residual_dtype is not None and ctx.residual_scale == 1.0
+              and residual_dtype == (dy.dtype if post_add else ctx.x_dtype))
+    backward = reference.add_norm_bwd if ctx.eager_cpu else torch.ops.normfuse.add_norm_bwd
+    dx, dres, dw, db = backward(
+        dy, dextra, inp, mean, rstd, weight, ctx.kind, ctx.weight_offset, ctx.residual_scale, post_add,
+        ctx.x_dtype, None if shared else residual_dtype, ctx.bias_dtype)
+    if shared:
+        dres = dy if post_add else dx
+    return (dx, _grad_or_none(dres, residual_dtype is not None), _grad_or_none(dw, weight is not None),
+            _grad_or_none(db, ctx.bias_dtype is not None))
+
+
+def _save_common(ctx, x, weight, bias, kind, weight_offset, residual_scale, dy_dtype):
+    # Unused outputs (s or y nobody read, mean, rstd) get None, not a materialized
+    # zero tensor that backward would read and add.
+    ctx.set_materialize_grads(False)
+    ctx.kind, ctx.weight_offset, ctx.residual_scale = kind, weight_offset, residual_scale
+    ctx.x_dtype, ctx.dy_dtype = x.dtype, dy_dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.eager_cpu = False  # the eager path's autograd.Function sets it after this
+
+
+def _add_norm_setup_context(ctx, inputs, output):
+    (x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype,
+     out_dtype, store_sum) = inputs
+    _, s, mean, rstd = output
+    ctx.sum_stored = bool(store_sum and residual is not None)
+    # Backward needs the norm input s and the per-row stats. When s was not stored
+    # (no residual, or a direct call with store_sum=False) it is rebuilt from x.
+    if ctx.sum_stored:
+        ctx.save_for_backward(s, None, mean, rstd, weight)
+    else:
+        ctx.save_for_backward(x, residual, mean, rstd, weight)
+    ctx.sum_dtype = sum_dtype
+    ctx.residual_dtype = None if residual is None else residual.dtype
+    _save_common(ctx, x, weight, bias, kind, weight_offset, residual_scale, out_dtype)
+
+
+def _add_norm_backward(ctx, dy, ds, dmean, drstd):
+    saved = ctx.saved_tensors
+    inp, residual = saved[:2]
+    if not ctx.sum_stored:
+        inp = reference.pre_sum(inp, residual, ctx.residual_scale, ctx.sum_dtype)
+    ds = ds if ctx.sum_stored else None
+    grads = _norm_backward(ctx, saved, dy, ds, inp, ctx.residual_dtype, post_add=False)
+    return (*grads, None, None, None, None, None, None, None, None)
+
+
+add_norm_fwd.register_autograd(_add_norm_backward, setup_context=_add_norm_setup_context)
+
+
+def _norm_add_setup_context(ctx, inputs, output):
+    (x, residual, weight, bias, kind, eps, weight_offset, residual_scale, norm_round_dtype, out_dtype,
+     add_dtype, store_norm) = inputs
+    _, _, mean, rstd = output
+    ctx.save_for_backward(x, mean, rstd, weight)
+    ctx.norm_stored = store_norm
+    ctx.residual_dtype = residual.dtype
+    _save_common(ctx, x, weight, bias, kind, weight_offset, residual_scale, add_dtype)
+
+
+def _norm_add_backward(ctx, dout, dy, dmean, drstd):
+    saved = ctx.saved_tensors
+    dy = dy if ctx.norm_stored else None
+    grads = _norm_backward(ctx, saved, dout, dy, saved[0], ctx.residual_dtype, post_add=True)
+    return (*grads, None, None, None, None, None, None, None, None)
+
+
+norm_add_fwd.register_autograd(_norm_add_backward, setup_context=_norm_add_setup_context)
+
+
+# --------------------------------------------------------------------------------------
+# The eager CPU path (first row of the table)
+# --------------------------------------------------------------------------------------
+
+def _eager_function(name: str, compute, setup_context, backward) -> type:
+    """An autograd.Function running ``compute`` with the op's own setup_context and backward.
+    forward(ctx, ...) style: the setup_context style binds the signature on every call."""
+    def forward(ctx, *inputs):
+        output = compute(*inputs)
+        setup_context(ctx, inputs, output)
+        ctx.eager_cpu = True  # _norm_backward then calls the reference backward directly
+        return output
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                   "backward": staticmethod(backward)})
+
+
+_EAGER_FUNCTIONS = {
+    "add_norm_fwd": _eager_function("_EagerAddNorm", reference.add_norm_fwd, _add_norm_setup_context,
+                                    _add_norm_backward),
+    "norm_add_fwd": _eager_function("_EagerNormAdd", reference.norm_add_fwd, _norm_add_setup_context,
+                                    _norm_add_backward),
+}

@@ -1,0 +1,297 @@
+"""The semantics of the fused add+norm ops, in plain PyTorch: the reference backend.
+
+This is the one statement of what the ops compute. The tests, the equivalence
+checker and the CPU path all run it; the Triton kernels (``triton.py``) compute
+the same function.
+
+Add-then-norm (pre-norm and post-norm blocks), normalizing over the last dim N::
+
+    r' = round(residual.dtype, residual_scale * residual)      # skipped when residual_scale == 1
+    s  = round(sum_dtype, float(x) + float(r'))                # no residual: s = round(sum_dtype, x)
+    u  = float32(s)                                            # statistics always accumulate in fp32
+    n  = (u - mean(u)) * rsqrt(var(u) + eps)                   # layer_norm
+       = u * rsqrt(mean(u^2) + eps)                            # rms_norm
+    w' = float(weight) + weight_offset                         # 1 when there is no weight
+    y  = round(out_dtype, n * w' + float(bias))                          # norm_round_dtype None: "multiply then round"
+    y  = round(out_dtype, float(round(norm_round_dtype, n)) * w' + float(bias))   # "round then multiply"
+
+``sum_dtype`` defaults to ``promote_types(x.dtype, residual.dtype)`` (``x.dtype``
+without a residual); ``out_dtype`` to ``sum_dtype`` when multiplying then
+rounding (``F.layer_norm``, ``F.rms_norm``, Gemma's ``1 + w``), and to
+``promote_types(norm_round_dtype, weight.dtype)`` when rounding then multiplying
+(HF Llama: ``weight * h.to(input_dtype)``). A plain norm returns ``s=None``.
+
+Norm-then-add (res-post blocks ``x + norm(f)``: Swin v2, OLMo2)::
+
+    y   = the norm of x as above (no pre-sum; the norm input dtype is x.dtype)
+    out = round(add_dtype, float(round(residual.dtype, residual_scale * residual)) + float(y))
+
+Backward treats every rounding step as the identity (straight-through) and
+computes in fp32; fp64 inputs (CPU only, for gradcheck) compute in fp64. The
+weight and bias gradients are always reduced over the rows in fp32 (or fp64).
+
+Backend interface (shared with ``triton.py``; positional arguments as in the custom
+ops, None for an output that does not exist): ``add_norm_fwd``, ``norm_add_fwd``,
+``add_norm_bwd``. Where one of eager's fused CPU kernels computes exactly the
+function above, it is used: default modes then equal ``F.layer_norm`` /
+``F.rms_norm`` bit for bit, forward and input gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["add_norm_ref", "norm_add_ref", "add_norm_bwd_ref", "KINDS", "SUPPORTED_DTYPES"]
+
+KINDS = ("rms_norm", "layer_norm")
+# Activation, weight and rounding dtypes the fused ops take. fp64 runs on CPU
+# only, through the reference (gradcheck needs it).
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CPU_ONLY_DTYPES = (torch.float64,)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Statistics accumulate in fp32; fp64 inputs (gradcheck, fp64 references) stay fp64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---- default dtypes (resolved once per call, by the functional API and the *_ref functions) ----
+
+def add_norm_dtypes(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], sum_dtype, norm_round_dtype,
+                    out_dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(sum_dtype, out_dtype) of add-then-norm with their defaults filled in."""
+    sum_dtype = sum_dtype or (x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype))
+    return sum_dtype, out_dtype or _default_out_dtype(sum_dtype, weight, norm_round_dtype)
+
+
+def norm_add_dtypes(x: Tensor, residual: Tensor, weight: Optional[Tensor], norm_round_dtype, out_dtype,
+                    add_dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(out_dtype, add_dtype) of norm-then-add with their defaults filled in."""
+    out_dtype = out_dtype or _default_out_dtype(x.dtype, weight, norm_round_dtype)
+    return out_dtype, add_dtype or torch.promote_types(residual.dtype, out_dtype)
+
+
+def _default_out_dtype(norm_in_dtype: torch.dtype, weight: Optional[Tensor],
+                       norm_round_dtype: Optional[torch.dtype]) -> torch.dtype:
+    if norm_round_dtype is None:
+        return norm_in_dtype
+    return norm_round_dtype if weight is None else torch.promote_types(norm_round_dtype, weight.dtype)
+
+
+# ---- forward ---------------------------------------------------------------------------
+
+def _scale_residual(residual: Tensor, residual_scale: float) -> Tensor:
+    # Eager computes alpha * r in r's dtype (in fp32 registers, rounded once).
+    return residual if residual_scale == 1.0 else residual * residual_scale
+
+
+def pre_sum(x: Tensor, residual: Optional[Tensor], residual_scale: float, sum_dtype: torch.dtype) -> Tensor:
+    """s = round(sum_dtype, float(x) + float(r'))."""
+    if residual is None:
+        return x.to(sum_dtype)
+    r = _scale_residual(residual, residual_scale)
+    if sum_dtype == torch.promote_types(x.dtype, r.dtype):
+        return torch.add(x, r)  # eager adds in fp32 (opmath) and rounds once to sum_dtype
+    wide = acc_dtype(sum_dtype if sum_dtype == torch.float64 else torch.promote_types(x.dtype, r.dtype))
+    return torch.add(x.to(wide), r.to(wide)).to(sum_dtype)
+
+
+def _effective_weight(weight: Optional[Tensor], weight_offset: float, acc: torch.dtype) -> Optional[Tensor]:
+    """w' = float(weight) + weight_offset; None stands for 1 (the offset is then ignored)."""
+    if weight is None or weight_offset == 0.0:
+        return weight
+    return weight.to(acc) + weight_offset
+
+
+def _native_layer_norm_ok(u: Tensor, w: Optional[Tensor], b: Optional[Tensor]) -> bool:
+    """torch.native_layer_norm computes "multiply then round" (fp32 math) for these dtypes."""
+    params = [t.dtype for t in (w, b) if t is not None]
+    if all(d == u.dtype for d in params):
+        return True
+    # bf16/fp16 input with fp32 parameters: eager's mixed-dtype kernel.
+    return u.dtype in (torch.float16, torch.bfloat16) and w is not None and all(d == torch.float32 for d in params)
+
+
+def _native_stats_dtype(u: Tensor, w: Optional[Tensor]) -> torch.dtype:
+    """native_layer_norm keeps bf16/fp16 stats unless the weight is fp32 (mixed dtype)."""
+    mixed = w is not None and w.dtype != u.dtype
+    return acc_dtype(u.dtype) if u.dtype in (torch.float32, torch.float64) or mixed else u.dtype
+
+
+def _fused_rms_norm_ok(u: Tensor, w: Optional[Tensor], b: Optional[Tensor]) -> bool:
+    if b is not None:
+        return False
+    return w is None or w.dtype == u.dtype or (w.dtype == torch.float32 and u.dtype != torch.float64)
+
+
+def normalize(u: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], kind: str, eps: float,
+              weight_offset: float, norm_round_dtype: Optional[torch.dtype], out_dtype: torch.dtype):
+    """Normalize ``u`` (the norm input, any float dtype) over its last dim.
+
+    Returns (y, mean, rstd) with mean/rstd flat per row in fp32 (fp64 for fp64
+    input); mean is an empty tensor for rms_norm.
+    """
+    acc = acc_dtype(u.dtype)
+    n_cols = u.shape[-1]
+    if u.numel() == 0:  # zero rows (kept differentiable for autograd through the reference)
+        return (u.to(acc) * 0).to(out_dtype), u.new_empty(0, dtype=acc), u.new_empty(0, dtype=acc)
+    w = _effective_weight(weight, weight_offset, acc)
+    if norm_round_dtype is None and out_dtype == u.dtype:
+        # Fast paths with identical semantics: eager's own fused CPU kernels (one pass).
+        if kind == "layer_norm" and _native_layer_norm_ok(u, w, bias):
+            y, mean, rstd = torch.native_layer_norm(u, (n_cols,), w, bias, eps)
+            if mean.dtype != acc:
+                # With bf16/fp16 input and parameters eager returns the stats rounded to that
+                # dtype; the backward needs them in fp32 (x_hat's error times rstd otherwise).
+                var, mean = torch.var_mean(u.to(acc), dim=-1, correction=0)
+                rstd = torch.rsqrt(var + eps)
+            return y, mean.reshape(-1).to(acc), rstd.reshape(-1).to(acc)
+        if kind == "rms_norm" and _fused_rms_norm_ok(u, w, bias):
+            y, rstd = torch.ops.aten._fused_rms_norm(u, [n_cols], w, eps)
+            return y, u.new_empty(0, dtype=acc), rstd.reshape(-1).to(acc)
+    uf = u.to(acc)
+    if kind == "layer_norm":
+        var, mean = torch.var_mean(uf, dim=-1, correction=0, keepdim=True)
+        rstd = torch.rsqrt(var + eps)
+        n = (uf - mean) * rstd
+        mean = mean.reshape(-1)
+    else:
+        rstd = torch.rsqrt(uf.square().mean(-1, keepdim=True) + eps)
+        n = uf * rstd
+        mean = uf.new_empty(0)
+    if norm_round_dtype is not None:
+        n = n.to(norm_round_dtype).to(acc)
+    if w is not None:
+        n = n * w.to(acc)
+    if bias is not None:
+        n = n + bias.to(acc)
+    return n.to(out_dtype), mean, rstd.reshape(-1)
+
+
+def add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype,
+                 out_dtype, store_sum):
+    """(y, s, mean, rstd) of add-then-norm; s is None unless stored (and there is a residual)."""
+    s = pre_sum(x, residual, residual_scale, sum_dtype)
+    y, mean, rstd = normalize(s, weight, bias, kind, eps, weight_offset, norm_round_dtype, out_dtype)
+    return y, (s if store_sum and residual is not None else None), mean, rstd
+
+
+def norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, norm_round_dtype, out_dtype,
+                 add_dtype, store_norm):
+    """(out, y, mean, rstd) of norm-then-add; y is None unless stored.
+    out = round(add_dtype, float(round(residual.dtype, residual_scale * residual)) + float(y))."""
+    y, mean, rstd = normalize(x, weight, bias, kind, eps, weight_offset, norm_round_dtype, out_dtype)
+    out = pre_sum(_scale_residual(residual, residual_scale), y, 1.0, add_dtype)
+    return out, (y if store_norm else None), mean, rstd
+
+
+def add_norm_ref(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offset=0.0,
+                 residual_scale=1.0, sum_dtype=None, norm_round_dtype=None, out_dtype=None,
+                 return_sum=True):
+    """Plain-PyTorch add-then-norm with the semantics of the module docstring: returns (y, s).
+
+    Same arguments as :func:`normfuse.add_norm`. A plain norm (``residual=None``) returns
+    s=None, as does ``return_sum=False``. For an fp64 reference, pass fp64 tensors and
+    fp64 rounding dtypes. Differentiable with plain autograd.
+    """
+    sum_dtype, out_dtype = add_norm_dtypes(x, residual, weight, sum_dtype, norm_round_dtype, out_dtype)
+    y, s, _, _ = add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
+                              norm_round_dtype, out_dtype, return_sum)
+    return y, s
+
+
+def norm_add_ref(x, residual, weight=None, bias=None, *, kind, eps, weight_offset=0.0, residual_scale=1.0,
+                 norm_round_dtype=None, out_dtype=None, add_dtype=None, return_norm=False):
+    """Plain-PyTorch norm-then-add: returns (out, y); y is None unless return_norm."""
+    out_dtype, add_dtype = norm_add_dtypes(x, residual, weight, norm_round_dtype, out_dtype, add_dtype)
+    out, y, _, _ = norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
+                                norm_round_dtype, out_dtype, add_dtype, return_norm)
+    return out, y
+
+
+# ---- backward --------------------------------------------------------------------------
+
+def _eager_layer_norm_backward_ok(dn: Tensor, inp: Tensor, mean: Tensor, rstd: Tensor, w: Optional[Tensor],
+                                  bias_dtype) -> bool:
+    """Eager's fused LayerNorm backward computes the formula below only where it keeps the stats in
+    fp32: with bf16/fp16 input and parameters it rounds mean/rstd to that dtype, and x_hat's error,
+    times rstd, is then far above the reference's (fuzzing found 2e-2 against 5e-7 at N = 2, eps = 0)."""
+    acc = acc_dtype(inp.dtype)
+    bias_like = None if bias_dtype is None else inp.new_empty(0, dtype=bias_dtype)
+    return (inp.numel() > 0 and dn.dtype == inp.dtype and mean.dtype == rstd.dtype == acc
+            and _native_layer_norm_ok(inp, w, bias_like) and _native_stats_dtype(inp, w) == acc)
+
+
+def _norm_grads(dn: Tensor, inp: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor], kind: str,
+                weight_offset: float, bias_dtype):
+    """(du, dweight, dbias) of the norm alone, given dn, the gradient of its output.
+
+    du = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with g = dn * w' (no mean(g) for rms_norm).
+    dweight = sum_rows(dn * x_hat) and dbias = sum_rows(dn) are reduced in fp32: eager's CPU
+    LayerNorm backward reduces them in the 16-bit input dtype when the parameters are fp32, far
+    less accurately (up to ~50x over the fp32 reference's error at 4096 rows), so it only
+    supplies them for fp32/fp64 input.
+    """
+    acc = acc_dtype(inp.dtype)
+    stat_shape = (*inp.shape[:-1], 1)
+    rows = tuple(range(inp.dim() - 1))
+    w = _effective_weight(weight, weight_offset, acc)
+    want_dw, want_db = weight is not None, bias_dtype is not None
+    du = None
+    if kind == "layer_norm" and _eager_layer_norm_backward_ok(dn, inp, mean, rstd, w, bias_dtype):
+        params_too = inp.dtype == acc
+        du, dw, db = torch.ops.aten.native_layer_norm_backward(
+            dn, inp, [inp.shape[-1]], mean.reshape(stat_shape), rstd.reshape(stat_shape), w,
+            inp.new_zeros(inp.shape[-1], dtype=bias_dtype) if want_db else None,
+            [True, params_too and want_dw, params_too and want_db])
+        if params_too or not (want_dw or want_db):
+            return du, dw, db
+    u = inp.to(acc)
+    rstd = rstd.to(acc).reshape(stat_shape)
+    xhat = (u - mean.to(acc).reshape(stat_shape)) * rstd if kind == "layer_norm" else u * rstd
+    dn = dn.to(acc)
+    if du is None:
+        g = dn * w.to(acc) if w is not None else dn
+        c1 = (g * xhat).mean(-1, keepdim=True)
+        if kind == "layer_norm":
+            du = (g - g.mean(-1, keepdim=True) - xhat * c1) * rstd
+        else:
+            du = (g - xhat * c1) * rstd
+    dw = (dn * xhat).sum(rows) if want_dw else None
+    db = dn.sum(rows) if want_db else None
+    return du, dw, db
+
+
+def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add, x_dtype,
+                 residual_dtype, bias_dtype):
+    """Backend form (positional, as the op) of :func:`add_norm_bwd_ref`."""
+    acc = acc_dtype(inp.dtype)
+    dn = dy + dextra if (post_add and dextra is not None) else dy  # gradient into the norm's output
+    du, dw, db = _norm_grads(dn, inp, mean, rstd, weight, kind, weight_offset, bias_dtype)
+    if not post_add and dextra is not None:
+        du = du + dextra.to(du.dtype)
+    dres = None
+    if residual_dtype is not None:
+        src = dy if post_add else du
+        dres = (src if residual_scale == 1.0 else src.to(acc) * residual_scale).to(residual_dtype)
+    return (du.to(x_dtype), dres, None if dw is None else dw.to(weight.dtype),
+            None if db is None else db.to(bias_dtype))
+
+
+def add_norm_bwd_ref(dy, dextra, inp, mean, rstd, weight=None, *, kind, weight_offset=0.0,
+                     residual_scale=1.0, post_add=False, x_dtype, residual_dtype=None, bias_dtype=None):
+    """Backward of both orders; rounding steps are identities, math in fp32 (fp64 for fp64).
+
+    ``inp`` is the norm input (s, or x without a residual / for norm_add), ``mean``
+    and ``rstd`` its flat per-row stats (mean empty for rms_norm).
+    add_norm (post_add=False): dy = grad of y, dextra = grad of s (or None);
+        ds = norm_bwd(dy) + dextra; dx = ds; dresidual = residual_scale * ds.
+    norm_add (post_add=True): dy = grad of out, dextra = grad of y (or None);
+        dx = norm_bwd(dy + dextra); dresidual = residual_scale * dy.
+    Returns (dx, dresidual, dweight, dbias); None for inputs that do not exist.
+    """
+    return add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add,
+                        x_dtype, residual_dtype, bias_dtype)
