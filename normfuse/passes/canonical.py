@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-__all__ = ["real_users", "is_check_only", "Canon", "canonicalize", "canonical", "SPELLINGS", "PARAMS", "tensor_meta", "node_dtype",
+__all__ = ["real_users", "is_check_only", "Canon", "canonicalize", "canonical", "common_subexpressions", "SPELLINGS", "PARAMS", "tensor_meta", "node_dtype",
            "node_shape", "LOW_PRECISION", "is_exact_upcast"]
 
 aten = torch.ops.aten
@@ -200,6 +200,71 @@ def canonicalize(graph: fx.Graph) -> dict[fx.Node, Canon]:
         if canon is not None:
             view[node] = canon
     return view
+
+
+# In-place spellings write into their input: a value read by one is not pure, and two
+# equal-looking expressions on either side of the write may differ.
+_IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
+
+
+def _mutates(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op != "call_function":
+        return False
+    if node.target in _IN_PLACE:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.is_mutable
+
+
+def _frozen(value: Any, rep: dict[fx.Node, fx.Node]) -> Any:
+    """A hashable key for an argument; nodes stand for their representative."""
+    if isinstance(value, fx.Node):
+        return ("node", rep.get(value, value))
+    if isinstance(value, (list, tuple, torch.Size)):
+        return (type(value).__name__, tuple(_frozen(v, rep) for v in value))
+    if isinstance(value, torch.Tensor):  # compared by identity: == on tensors is elementwise
+        return ("tensor", id(value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((k, _frozen(v, rep)) for k, v in value.items())))
+    try:
+        hash(value)
+    except TypeError:
+        return ("repr", repr(value))
+    return (type(value).__name__, value)
+
+
+def common_subexpressions(graph: fx.Graph, view: dict[fx.Node, Canon]) -> dict[fx.Node, fx.Node]:
+    """node -> an earlier node computing the same value, for every duplicated pure expression.
+
+    Dynamo does not eliminate common subexpressions, so model code that writes ``x - mean``
+    twice (Cohere's LayerNorm) gives two nodes. Two nodes are one value when they are the
+    same canonical primitive (so ``x.float()`` and ``x.to(torch.float32)`` agree) of the
+    same arguments, up to representatives, with the same dtype and shape; parameters read
+    twice are one. Nodes touched by an in-place op are never merged. The graph is unchanged.
+    """
+    rep: dict[fx.Node, fx.Node] = {}
+    seen: dict[Any, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            key: Any = ("get_attr", node.target)
+        else:
+            c = view.get(node)
+            if c is None or c.multi_output or _mutates(node) or (c.prim == "dropout" and not (
+                    c["training"] is False or c["p"] == 0)):
+                continue
+            if any(_mutates(u) for p in node.all_input_nodes for u in p.users):
+                continue
+            shape = node_shape(node)
+            key = (c.prim, _frozen(c.args, rep), node_dtype(node), None if shape is None else repr(shape))
+        try:
+            first = seen.setdefault(key, node)
+        except TypeError:  # an argument hashes but cannot be compared (e.g. a tensor constant)
+            continue
+        if first is not node:
+            rep[node] = first
+    return rep
 
 
 # Nodes that read a value only to check it (torch.export inserts them): they are not

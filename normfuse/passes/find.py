@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from normfuse.passes.canonical import (Canon, canonical, real_users, is_exact_upcast, last_dim, node_dtype, node_shape, same_shape)
+from normfuse.passes.canonical import (Canon, canonical, common_subexpressions, real_users, is_exact_upcast, last_dim, node_dtype, node_shape, same_shape)
 
 __all__ = ["NormMatch", "AddMatch", "find_norms", "find_input_add", "find_output_add", "GraphIndex", "as_add"]
 
@@ -68,6 +68,24 @@ class GraphIndex:
         # norm that reads another norm's output never reaches into it (its "+ bias" is no
         # residual add, its internal values are not this norm's input)
         self.norm_outputs: set[fx.Node] = set()
+        # duplicated pure expressions -> the first node computing the same value
+        self.rep: dict[fx.Node, fx.Node] = common_subexpressions(graph, view)
+
+    def same(self, a: Any, b: Any) -> bool:
+        """Whether two arguments are one value: the same node, or structurally equal pure nodes."""
+        return a is b or (isinstance(a, fx.Node) and isinstance(b, fx.Node)
+                          and self.rep.get(a, a) is self.rep.get(b, b))
+
+    def duplicates(self, node: Any) -> list[fx.Node]:
+        """The duplicated nodes ``node`` is computed through (itself included when it is one):
+        what a match that read ``node`` as an equal earlier value also covers."""
+        found, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            if isinstance(n, fx.Node) and n in self.rep and n not in found:
+                found.append(n)
+                stack.extend(n.all_input_nodes)
+        return found
 
     def resolve(self, node: Any) -> Any:
         """The node that now holds the value ``node`` held before earlier rewrites."""
@@ -139,7 +157,7 @@ def strip_upcasts(index: GraphIndex, node: Any) -> Any:
 
 
 def _same_value(index: GraphIndex, a: Any, b: Any) -> bool:
-    return a is b or strip_upcasts(index, a) is strip_upcasts(index, b)
+    return index.same(a, b) or index.same(strip_upcasts(index, a), strip_upcasts(index, b))
 
 
 def _is_param_like(index: GraphIndex, node: Any) -> bool:
@@ -265,7 +283,7 @@ def _square_of(index: GraphIndex, node: Any) -> Any:
         return c["input"]
     if c.prim == "square":
         return c["input"]
-    if c.prim == "mul" and c["input"] is c["other"]:
+    if c.prim == "mul" and index.same(c["input"], c["other"]):
         return c["input"]
     return None
 
@@ -280,9 +298,9 @@ def _find_normalized(index: GraphIndex, denom: fx.Node, value: Any):
             if how == "mul" and c.prim == "mul":
                 other = _other(c, r)
                 if other is not None and _same_value(index, other, value):
-                    return u, extra
+                    return u, extra + index.duplicates(other)
             if how == "div" and c.prim == "div" and c["other"] is r and _same_value(index, c["input"], value):
-                return u, extra
+                return u, extra + index.duplicates(c["input"])
         if how == "div" and _same_value(index, index.canon(r)["input"], value):
             return r, extra
     return None, None
@@ -315,9 +333,9 @@ def _match_decomposed(index: GraphIndex, mean: fx.Node, c: Canon) -> NormMatch |
     # LayerNorm: d = u - mean(u); var = mean(d^2); n = d * rsqrt(var + eps)
     for d in mean.users:
         cd = index.canon(d)
-        if cd is None or cd.prim != "sub" or cd["other"] is not mean or not _same_value(index, cd["input"], t):
+        if cd is None or cd.prim != "sub" or not index.same(cd["other"], mean) or not _same_value(index, cd["input"], t):
             continue
-        for sqn in (u for u in d.users if _square_of(index, u) is d):
+        for sqn in (u for u in d.users if index.same(_square_of(index, u), d)):
             for var in sqn.users:
                 cv = index.canon(var)
                 if cv is None or cv.prim != "mean" or not _last_dim_only(cv["dim"], len(shape)) or not cv["keepdim"]:
@@ -340,7 +358,7 @@ def _match_var_layer_norm(index: GraphIndex, var: fx.Node, c: Canon) -> NormMatc
             continue
         for d in mean.users:
             cd = index.canon(d)
-            if cd is None or cd.prim != "sub" or cd["other"] is not mean:
+            if cd is None or cd.prim != "sub" or not index.same(cd["other"], mean):
                 continue
             m = _finish_decomposed(index, "layer_norm", u, var, d, [mean, d, var], last_dim(u), var)
             if m is not None:

@@ -1,0 +1,118 @@
+"""Defects found by running normfuse on public models it had not seen, one test (or more) each.
+
+Each test builds the smallest model that shows the defect: a shrunk HF model built from
+its config (no download) or a hand-written module with the same pattern.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import normfuse
+from normfuse.tolerances import within_tolerance
+
+
+def _declare_torchvision_ops():
+    """transformers imports torchvision when it is installed; the registry's torchvision
+    wheel is a CUDA build whose fake registrations need its ``nms`` schemas declared."""
+    if not hasattr(torch.ops.torchvision, "nms"):
+        lib = torch.library.Library("torchvision", "DEF")
+        lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        _declare_torchvision_ops.lib = lib  # keep the library (and its schemas) alive
+
+
+_declare_torchvision_ops()
+
+
+def _counts(model):
+    return normfuse.report(model).counts()
+
+
+def _optimized_close(model, *args):
+    """Optimize ``model`` in place; its output is within the tolerance rule of eager's, vs fp64."""
+    ref64 = copy.deepcopy(model).double()
+    with torch.no_grad():
+        ref = model(*args)
+        want = ref64(*(a.double() if a.is_floating_point() else a for a in args))
+        normfuse.optimize(model)
+        out = model(*args)
+    ok, err, err_eager, bound = within_tolerance(out, ref, want)
+    assert ok, (err, err_eager, bound)
+
+
+# --------------------------------------------------------------------------- 1. x - mean computed twice
+
+class TwiceSubtractedLayerNorm(nn.Module):
+    """Cohere's LayerNorm: ``x - mean`` written twice, weight multiplied in fp32, cast last."""
+
+    def __init__(self, n, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(n))
+        self.eps = eps
+
+    def forward(self, h):
+        dtype = h.dtype
+        h = h.to(torch.float32)
+        mean = h.mean(-1, keepdim=True)
+        variance = (h - mean).pow(2).mean(-1, keepdim=True)
+        h = (h - mean) * torch.rsqrt(variance + self.eps)
+        return (self.weight.to(torch.float32) * h).to(dtype)
+
+
+class PreNormStack(nn.Module):
+    """Pre-Norm blocks ``x + W(norm(x))`` and a final norm: depth + 1 norms, depth adds."""
+
+    def __init__(self, norm, n=32, depth=2):
+        super().__init__()
+        self.norms = nn.ModuleList([norm(n) for _ in range(depth)])
+        self.linears = nn.ModuleList([nn.Linear(n, n) for _ in range(depth)])
+        self.final = norm(n)
+
+    def forward(self, x):
+        for norm, linear in zip(self.norms, self.linears):
+            x = x + linear(norm(x))
+        return self.final(x)
+
+
+def test_duplicated_subexpressions_count_once_hand_written():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = PreNormStack(TwiceSubtractedLayerNorm).eval()
+    _optimized_close(model, torch.randn(2, 5, 32))
+    c = _counts(model)
+    assert (c["sites"], c["fused"], c["fused_with_add"]) == (3, 3, 2), normfuse.report(model)
+    assert c["by_kind"] == {"layer_norm": 3}
+
+
+def test_duplicated_subexpressions_cohere():
+    from normfuse.zoo import example_inputs, hf_model
+
+    torch._dynamo.reset()
+    model = hf_model("cohere")  # 2 parallel blocks: 2 input norms + final = 3 norms, 2 adds
+    result = normfuse.check(model, **example_inputs(model))
+    assert result.ok, result
+    sites = result.report.sites
+    assert (len(sites), sum(s.fused for s in sites), sum(bool(s.fused_add) for s in sites)) == (3, 3, 2), result
+    assert [s.symbolic.status for s in result.sites] == ["proved"] * 3, result
+
+
+def test_common_subexpressions_not_merged_across_a_write():
+    from normfuse.passes.canonical import canonicalize, common_subexpressions
+
+    def f(x):
+        a = x + 1
+        x.add_(1)
+        b = x + 1
+        return a * b, (x - 2) * (x - 2)
+
+    gm = torch.fx.symbolic_trace(f)
+    rep = common_subexpressions(gm.graph, canonicalize(gm.graph))
+    assert not any(n.name.startswith("add") for n in rep), rep  # x + 1 before and after add_ differ
+    gm = torch.fx.symbolic_trace(lambda x: (x - 2) * (x - 2))
+    rep = common_subexpressions(gm.graph, canonicalize(gm.graph))
+    assert [(k.name, v.name) for k, v in rep.items()] == [("sub_1", "sub")]
