@@ -116,3 +116,52 @@ def test_common_subexpressions_not_merged_across_a_write():
     gm = torch.fx.symbolic_trace(lambda x: (x - 2) * (x - 2))
     rep = common_subexpressions(gm.graph, canonicalize(gm.graph))
     assert [(k.name, v.name) for k, v in rep.items()] == [("sub_1", "sub")]
+
+
+# --------------------------------------------------------------------------- 2. symbolic hidden sizes
+
+class BrokenBlock(nn.Module):
+    """A block with a graph break: each call is its own frame, so a second width recompiles
+    it with dynamic shapes (the last dim becomes a SymInt)."""
+
+    def __init__(self, n=None):
+        super().__init__()
+        self.norm = nn.LayerNorm(n) if n else None
+        self.fc = nn.Linear(n, n) if n else None
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        if self.norm is None:  # no parameter pins the width: the last dim stays symbolic
+            return F.layer_norm(x + torch.tanh(x), x.shape[-1:])
+        return self.norm(x + self.fc(x))
+
+
+class Pyramid(nn.Module):
+    """One block class at widths 32, 48, 64, as in a vision pyramid."""
+
+    def __init__(self, with_params):
+        super().__init__()
+        widths = (32, 48, 64)
+        self.blocks = nn.ModuleList([BrokenBlock(n if with_params else None) for n in widths])
+        self.ups = nn.ModuleList([nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i < len(self.ups):
+                x = self.ups[i](x)
+        return x
+
+
+@pytest.mark.parametrize("with_params", [True, False], ids=["width_pinned_by_params", "symbolic_width"])
+def test_symbolic_hidden_size_fuses(with_params):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Pyramid(with_params).eval()
+    _optimized_close(model, torch.randn(2, 5, 32))
+    rep = normfuse.report(model)
+    # the block at 32 is static; at 48 it recompiles with a dynamic last dim; at 64 the
+    # parameter-free block reuses that graph, the other one compiles for its own parameters
+    widths = (32, 48, 64) if with_params else (32, 48)
+    assert [(s.hidden_size, s.fused, s.op, s.reason) for s in rep.sites] == [
+        (n, True, "add_norm", None) for n in widths], rep

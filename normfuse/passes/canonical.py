@@ -21,7 +21,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 __all__ = ["real_users", "is_check_only", "Canon", "canonicalize", "canonical", "common_subexpressions", "SPELLINGS", "PARAMS", "tensor_meta", "node_dtype",
-           "node_shape", "LOW_PRECISION", "is_exact_upcast"]
+           "node_shape", "dim_value", "same_dim", "same_shape", "last_dim", "LOW_PRECISION", "is_exact_upcast"]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -301,9 +301,18 @@ def node_dtype(node: Any) -> torch.dtype | None:
     return getattr(meta, "dtype", None)
 
 
+def dim_value(d: Any) -> Any:
+    """A dim as an int when it is static or a symbol the capture fixed (dynamo replaces a
+    symbol that a guard pinned); a ``SymInt`` when it is truly symbolic."""
+    if isinstance(d, torch.SymInt):
+        known = d.node.maybe_as_int()
+        return known if known is not None else d
+    return d
+
+
 def node_shape(node: Any) -> tuple | None:
     meta = tensor_meta(node)
-    return tuple(meta.shape) if meta is not None else None
+    return tuple(dim_value(d) for d in meta.shape) if meta is not None else None
 
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -319,21 +328,26 @@ def is_exact_upcast(src: torch.dtype | None, dst: torch.dtype | None) -> bool:
         src == torch.float32 and dst == torch.float64)
 
 
-def _same_dim(a, b) -> bool:
+def same_dim(a, b) -> bool:
+    """Equal dims, symbolic ones included, known without adding a guard to a traced graph."""
+    a, b = dim_value(a), dim_value(b)
     if isinstance(a, int) and isinstance(b, int):
         return a == b
-    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
-        return a.node.expr == b.node.expr  # no guard: compare the symbolic expressions
+    if isinstance(a, (int, torch.SymInt)) and isinstance(b, (int, torch.SymInt)):
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+        return statically_known_true(a == b)
     return False
 
 
 def same_shape(a, b) -> bool:
     """Equal shapes, symbolic dims included, without adding guards to a traced graph."""
-    return a is not None and b is not None and len(a) == len(b) and all(_same_dim(x, y) for x, y in zip(a, b))
+    return a is not None and b is not None and len(a) == len(b) and all(same_dim(x, y) for x, y in zip(a, b))
 
 
-def last_dim(node) -> int | None:
+def last_dim(node) -> Any:
+    """The last dim: an int, a ``SymInt`` when it is symbolic (the kernels take any size), None
+    without metadata."""
     shape = node_shape(node)
-    if not shape or not isinstance(shape[-1], int):
+    if not shape or not isinstance(shape[-1], (int, torch.SymInt)):
         return None
     return shape[-1]

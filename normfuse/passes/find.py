@@ -21,7 +21,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from normfuse.passes.canonical import (Canon, canonical, common_subexpressions, real_users, is_exact_upcast, last_dim, node_dtype, node_shape, same_shape)
+from normfuse.passes.canonical import (Canon, canonical, common_subexpressions, real_users, is_exact_upcast, last_dim, node_dtype, node_shape, same_dim,
+                                       same_shape)
 
 __all__ = ["NormMatch", "AddMatch", "find_norms", "find_input_add", "find_output_add", "GraphIndex", "as_add"]
 
@@ -168,8 +169,8 @@ def _is_param_like(index: GraphIndex, node: Any) -> bool:
 
 def _vector_of(node: Any, n: int | None) -> bool:
     shape = node_shape(node)
-    return shape is not None and n is not None and len(shape) >= 1 and last_dim(node) == n and all(
-        isinstance(d, int) and d == 1 for d in shape[:-1])
+    return shape is not None and n is not None and len(shape) >= 1 and same_dim(last_dim(node), n) and all(
+        same_dim(d, 1) for d in shape[:-1])
 
 
 def _other(c: Canon, node: Any) -> Any:
@@ -194,11 +195,20 @@ def is_pass_through(index: GraphIndex, node: fx.Node, n: int | None) -> bool:
     if c.prim == "cast":
         return True
     if c.prim == "view":
-        return n is not None and last_dim(c["input"]) == n and last_dim(node) == n
+        return n is not None and same_dim(last_dim(c["input"]), n) and same_dim(last_dim(node), n)
     return _identity_dropout(c)
 
 
 # --------------------------------------------------------------------------- norm calls
+
+def _traced_value(value: Any) -> Any:
+    """A size computed in the graph (``torch.Size([s0])``, ``sym_size``) as the capture saw it."""
+    if isinstance(value, fx.Node):
+        for key in ("example_value", "val"):
+            if key in value.meta:
+                return value.meta[key]
+    return value
+
 
 def _match_norm_call(index: GraphIndex, node: fx.Node, c: Canon) -> NormMatch | None:
     x = c["input"]
@@ -225,10 +235,12 @@ def _match_norm_call(index: GraphIndex, node: fx.Node, c: Canon) -> NormMatch | 
         else:
             output = outs[0]
         nodes = [node, *dead, output] if output is not node else [node, *dead]
-    ns = c["normalized_shape"]
-    ns = list(ns) if isinstance(ns, (list, tuple, torch.Size)) else [ns]
-    if len(ns) != 1 or ns[0] != n:
+    ns = _traced_value(c["normalized_shape"])
+    ns = [_traced_value(d) for d in ns] if isinstance(ns, (list, tuple, torch.Size)) else [ns]
+    if len(ns) != 1:
         reason = f"normalizes over {len(ns)} trailing dims {tuple(ns)}, not only the last dim"
+    elif not same_dim(ns[0], n):
+        reason = f"normalized_shape ({ns[0]},) is not known to equal the input's last dim {n}"
     m = NormMatch(kind=c.prim, form=form, input=x, output=output, nodes=nodes, eps=float(eps or 0.0),
                   weight=c["weight"], bias=c["bias"] if c.prim == "layer_norm" else None,
                   out_dtype=node_dtype(output), hidden_size=n, reason=reason, anchor=node)
@@ -547,7 +559,7 @@ def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
                         am.reason = "live dropout (training mode) sits between the residual add and the norm"
             return am
         c = index.canon(cur)
-        live_dropout = c is not None and c.prim == "dropout" and last_dim(cur) == n
+        live_dropout = c is not None and c.prim == "dropout" and same_dim(last_dim(cur), n)
         if not is_pass_through(index, cur, n) and not live_dropout:
             return None
         chain.append(cur)
