@@ -165,3 +165,82 @@ def test_symbolic_hidden_size_fuses(with_params):
     widths = (32, 48, 64) if with_params else (32, 48)
     assert [(s.hidden_size, s.fused, s.op, s.reason) for s in rep.sites] == [
         (n, True, "add_norm", None) for n in widths], rep
+
+
+# --------------------------------------------------------------------------- 4. check pairs torch.nn.Transformer*
+
+def _encoder():
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+
+
+@pytest.mark.parametrize("which", ["encoder", "transformer"])
+def test_check_verifies_every_site_of_torch_transformers(which):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    if which == "encoder":  # 2 Post-Norm layers, 2 norms each
+        model, args, fused = _encoder(), (torch.randn(2, 5, 32),), 4
+    else:  # 2 + 2 layers: 4 + 6 norms, and the encoder's and the decoder's final norms
+        model = nn.Transformer(32, 4, 2, 2, 64, dropout=0.0, batch_first=True).eval()
+        args, fused = (torch.randn(2, 5, 32), torch.randn(2, 4, 32)), 12
+    result = normfuse.check(model, *args)
+    assert len(result.report.fused) == fused, result.report
+    assert result.ok and result.unverified == 0, result
+    assert [s.symbolic.status for s in result.sites] == ["proved"] * fused, result
+    assert all(s.numeric.passed for s in result.sites), result
+
+
+def test_check_headline_names_unverified_sites(monkeypatch):
+    import normfuse.verify.check as check_module
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    monkeypatch.setattr(check_module, "_capture", lambda *args, **kwargs: [])  # no original graph to pair with
+    result = normfuse.check(_encoder(), torch.randn(2, 5, 32))
+    headline = str(result).splitlines()[0]
+    assert result.unverified == 4 and result.summary()["sites_unverified"] == 4
+    assert "4 of 4 fused sites not verified: dynamo captured no graph of the original model" in headline, headline
+
+
+# --------------------------------------------------------------------------- 3. check on models caching tensors
+
+class CachedBiasBlock(nn.Module):
+    """The attention-bias cache of timm's EfficientFormer / LeViT: in eval mode the block keeps
+    ``table[idx]`` (a tensor with autograd history) in a dict attribute after its first call."""
+
+    def __init__(self, n=32):
+        super().__init__()
+        self.bias_table = nn.Parameter(torch.randn(2 * n))
+        self.register_buffer("bias_idx", torch.arange(n), persistent=False)
+        self.fc = nn.Linear(n, n)
+        self.norm = nn.LayerNorm(n)
+        self.bias_cache = {}
+
+    def attention_bias(self, device):
+        if self.training:
+            return self.bias_table[self.bias_idx]
+        key = str(device)
+        if key not in self.bias_cache:
+            self.bias_cache[key] = self.bias_table[self.bias_idx]
+        return self.bias_cache[key]
+
+    def forward(self, x):
+        h = x + self.attention_bias(x.device)
+        return self.norm(h + self.fc(h))
+
+
+@pytest.mark.parametrize("called_before", [True, False], ids=["cache_filled", "cache_empty"])
+def test_check_on_a_model_caching_tensors(called_before):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = CachedBiasBlock().eval()
+    x = torch.randn(2, 5, 32)
+    if called_before:
+        model(x)  # the cache now holds a tensor with autograd history
+    result = normfuse.check(model, x)
+    assert result.ok, result
+    assert [(s.op, s.symbolic.status) for s in result.sites] == [("add_norm", "proved")], result
+    grads = {o.name for o in result.outputs}
+    # the copies hold the cached tensor detached: no gradient reaches the table through it
+    assert ("grad:bias_table" in grads) is not called_before, grads
+    assert any("autograd history" in n for n in result.notes) is called_before, result.notes
