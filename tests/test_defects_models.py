@@ -244,3 +244,49 @@ def test_check_on_a_model_caching_tensors(called_before):
     # the copies hold the cached tensor detached: no gradient reaches the table through it
     assert ("grad:bias_table" in grads) is not called_before, grads
     assert any("autograd history" in n for n in result.notes) is called_before, result.notes
+
+
+# --------------------------------------------------------------------------- 5. audit on meta, tensors built in forward
+
+class ListIndexBlock(nn.Module):
+    """Indexes with a Python list in forward (as Falcon's attention does): on the meta device
+    that list becomes a real meta tensor, which fake-tensor tracing refuses."""
+
+    def __init__(self, n=32):
+        super().__init__()
+        self.fc = nn.Linear(n, 2 * n)
+        self.norm = nn.LayerNorm(n)
+        self.n = n
+
+    def forward(self, x):
+        h = self.fc(x).view(*x.shape[:-1], 2, self.n)[..., [-1], :].squeeze(-2)
+        return self.norm(x + h)
+
+
+def test_audit_meta_falls_back_for_tensors_built_in_forward():
+    from normfuse.auditing import CAPTURE_PATHS
+
+    torch._dynamo.reset()
+    with torch.device("meta"):
+        model = ListIndexBlock().eval()
+        x = torch.randn(2, 5, 32)
+    rep = normfuse.audit(model, x)
+    assert rep.summary()["capture"] == CAPTURE_PATHS[1]
+    assert [(s.site.op, s.would_fuse) for s in rep.sites] == [("add_norm", True)]
+    assert "fallback" in rep.warnings[0] and "captured by" in rep.to_table()
+    torch._dynamo.reset()
+    assert normfuse.audit(ListIndexBlock().eval(), torch.randn(2, 5, 32)).summary()["capture"] == CAPTURE_PATHS[0]
+
+
+def test_audit_cli_falcon_on_meta(capsys):
+    import json
+
+    from normfuse.auditing import CAPTURE_PATHS
+    from normfuse.cli import main
+
+    torch._dynamo.reset()
+    assert main(["audit", "hf:falcon", "--layers", "2", "--seq", "64", "--format", "json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["summary"]["capture"] == CAPTURE_PATHS[1]
+    # falcon's default config: parallel attention, one input norm per layer, + ln_f
+    assert (rep["summary"]["sites"], rep["summary"]["would_fuse"]) == (3, 3)
