@@ -264,13 +264,12 @@ class ListIndexBlock(nn.Module):
 
 
 def test_audit_meta_falls_back_for_tensors_built_in_forward():
-    from normfuse.auditing import CAPTURE_PATHS
-
     torch._dynamo.reset()
     with torch.device("meta"):
         model = ListIndexBlock().eval()
         x = torch.randn(2, 5, 32)
     rep = normfuse.audit(model, x)
+    from normfuse.auditing import CAPTURE_PATHS
     assert rep.summary()["capture"] == CAPTURE_PATHS[1]
     assert [(s.site.op, s.would_fuse) for s in rep.sites] == [("add_norm", True)]
     assert "fallback" in rep.warnings[0] and "captured by" in rep.to_table()
@@ -281,11 +280,11 @@ def test_audit_meta_falls_back_for_tensors_built_in_forward():
 def test_audit_cli_falcon_on_meta(capsys):
     import json
 
-    from normfuse.auditing import CAPTURE_PATHS
     from normfuse.cli import main
 
     torch._dynamo.reset()
     assert main(["audit", "hf:falcon", "--layers", "2", "--seq", "64", "--format", "json"]) == 0
+    from normfuse.auditing import CAPTURE_PATHS
     rep = json.loads(capsys.readouterr().out)
     assert rep["summary"]["capture"] == CAPTURE_PATHS[1]
     # falcon's default config: parallel attention, one input norm per layer, + ln_f
