@@ -289,3 +289,149 @@ def test_audit_cli_falcon_on_meta(capsys):
     assert rep["summary"]["capture"] == CAPTURE_PATHS[1]
     # falcon's default config: parallel attention, one input norm per layer, + ln_f
     assert (rep["summary"]["sites"], rep["summary"]["would_fuse"]) == (3, 3)
+
+
+# --------------------------------------------------------------------------- 6. Post -> Pre on encoder-decoder
+
+def _small_bart():
+    """BART as a user builds it from its config (use_cache on: the decoder returns its keys
+    and values, read from inside each self-attention branch)."""
+    from transformers import AutoConfig, AutoModel
+
+    config = AutoConfig.for_model("bart", d_model=64, encoder_layers=2, decoder_layers=2,
+                                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                  decoder_ffn_dim=128, vocab_size=128, dropout=0.0)
+    torch.manual_seed(0)
+    return AutoModel.from_config(config).eval()
+
+
+def _bart_inputs():
+    g = torch.Generator().manual_seed(0)
+    return dict(input_ids=torch.randint(0, 128, (2, 8), generator=g),
+                decoder_input_ids=torch.randint(0, 128, (2, 6), generator=g))
+
+
+def test_prenorm_converts_every_stream_of_an_encoder_decoder():
+    from normfuse.passes import prenorm
+
+    torch._dynamo.reset()
+    model = normfuse.optimize(_small_bart(), prenorm=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no stream is left Post-Norm
+        with torch.no_grad():
+            out = model(**_bart_inputs()).last_hidden_state
+    rep = normfuse.report(model)
+    converted = [s.fqn for s in rep.sites if s.converted]
+    assert len(converted) == 10 and sum(f.startswith("decoder.") for f in converted) == 6, rep
+    assert sorted(prenorm.final_norms(model)) == ["decoder.normfuse_final_norm", "encoder.normfuse_final_norm"]
+    ok, why = prenorm.check_structure(rep.graph_modules)
+    assert ok and why.count("adds only") == 2, why
+    torch.testing.assert_close(out.mean(-1), torch.zeros(out.shape[:-1]), atol=1e-4, rtol=0)
+
+
+def test_prenorm_stream_left_unconverted_warns_and_gets_no_final_norm():
+    from normfuse.passes import prenorm
+
+    torch._dynamo.reset()
+    keep_decoder = lambda site: not (site.fqn or "").startswith("decoder.")  # noqa: E731
+    model = normfuse.optimize(_small_bart(), prenorm=True, filter_fn=keep_decoder)
+    with pytest.warns(RuntimeWarning, match=r"stream starting at decoder\.layers\.0\.self_attn_layer_norm .*"
+                                            r"excluded by filter_fn"):
+        with torch.no_grad():
+            model(**_bart_inputs())
+    assert list(prenorm.final_norms(model)) == ["encoder.normfuse_final_norm"]
+    assert not any(k.startswith("decoder.normfuse_final_norm") for k in model.state_dict())
+
+
+def test_prenorm_on_a_pre_norm_model_adds_no_parameter():
+    from normfuse.zoo import ToyTransformer
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ToyTransformer(placement="pre").eval()
+    keys = list(model.state_dict())
+    normfuse.optimize(model, prenorm=True)
+    with torch.no_grad():
+        model(torch.randint(0, 64, (2, 8)))
+    assert list(model.state_dict()) == keys
+    # a freshly optimized twin (its final norm still pending) loads that state_dict strictly
+    twin = normfuse.optimize(ToyTransformer(placement="pre").eval(), prenorm=True)
+    twin.load_state_dict(model.state_dict())
+
+
+# --------------------------------------------------------------------------- 7. equal shapes are no broadcast
+
+class PosEmbed(nn.Module):
+    """``norm(x + pos_embed)`` at batch 1: both (1, tokens, n). Its graph break makes the second
+    width recompile with a dynamic last dim, which the add with ``pos_embed`` pins again: the
+    shapes are equal, one of them through a symbol the capture fixed."""
+
+    def __init__(self, n, tokens=17):
+        super().__init__()
+        self.pos_embed = nn.Parameter(0.02 * torch.randn(1, tokens, n))
+        self.norm = nn.LayerNorm(n)
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return self.norm(x + self.pos_embed)
+
+
+class TwoWidths(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.up, self.b = PosEmbed(32), nn.Linear(32, 48), PosEmbed(48)
+
+    def forward(self, x):
+        return self.b(self.up(self.a(x)))
+
+
+def test_equal_shapes_are_not_a_broadcast():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TwoWidths().eval()
+    _optimized_close(model, torch.randn(1, 17, 32))
+    rep = normfuse.report(model)
+    assert [(s.hidden_size, s.op, s.fused_add, s.add_reason) for s in rep.sites] == [
+        (32, "add_norm", True, None), (48, "add_norm", True, None)], rep
+
+
+# --------------------------------------------------------------------------- 8. every add left outside has a reason
+
+class PatchEmbedViT(nn.Module):
+    """A ViT without class token: ``patch_norm(patches) + pos_embed`` feeds the first block."""
+
+    def __init__(self, n=32, img=16, patch=4, depth=2):
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, n, patch, patch)
+        self.patch_norm = nn.LayerNorm(n)
+        self.pos_embed = nn.Parameter(0.02 * torch.randn(1, (img // patch) ** 2, n))
+        self.norms = nn.ModuleList([nn.LayerNorm(n) for _ in range(depth)])
+        self.mlps = nn.ModuleList([nn.Linear(n, n) for _ in range(depth)])
+        self.norm = nn.LayerNorm(n)
+
+    def forward(self, images):
+        x = self.patch_norm(self.patch_embed(images).flatten(2).transpose(1, 2))  # (B, tokens, n)
+        x = x + self.pos_embed
+        for norm, mlp in zip(self.norms, self.mlps):
+            x = x + mlp(norm(x))
+        return self.norm(x)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_every_add_left_outside_a_kernel_has_a_reason(batch):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = PatchEmbedViT().eval()
+    _optimized_close(model, torch.randn(batch, 3, 16, 16))
+    sites = {s.fqn: s for s in normfuse.report(model).sites}
+    patch_norm, first = sites["patch_norm"], sites["norms.0"]
+    assert patch_norm.output_feeds_add and (patch_norm.op, patch_norm.fused_add) == ("norm", False)
+    if batch == 1:  # (1, 16, 32) + (1, 16, 32): the next norm folds the add
+        assert "folded into the kernel of the norm that reads its sum" in patch_norm.add_reason
+        assert (first.op, first.fused_add) == ("add_norm", True)
+    else:
+        assert "broadcasts ((2, 16, 32) + (1, 16, 32))" in patch_norm.add_reason
+        assert first.op == "norm" and "broadcasts" in first.add_reason
+    unexplained = [s.fqn for s in sites.values()
+                   if (s.input_is_add or s.output_feeds_add) and not s.fused_add and not s.add_reason]
+    assert not unexplained, sites

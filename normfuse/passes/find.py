@@ -241,6 +241,9 @@ def _match_norm_call(index: GraphIndex, node: fx.Node, c: Canon) -> NormMatch | 
         reason = f"normalizes over {len(ns)} trailing dims {tuple(ns)}, not only the last dim"
     elif not same_dim(ns[0], n):
         reason = f"normalized_shape ({ns[0]},) is not known to equal the input's last dim {n}"
+    if isinstance(eps, fx.Node):  # torch.compile(dynamic=True) keeps a module's float attributes symbolic
+        reason = reason or "eps is a graph input (a symbolic float); the fused op takes a constant eps"
+        eps = None
     m = NormMatch(kind=c.prim, form=form, input=x, output=output, nodes=nodes, eps=float(eps or 0.0),
                   weight=c["weight"], bias=c["bias"] if c.prim == "layer_norm" else None,
                   out_dtype=node_dtype(output), hidden_size=n, reason=reason, anchor=node)
@@ -568,18 +571,22 @@ def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
 
 
 def find_output_add(index: GraphIndex, m: NormMatch) -> tuple[AddMatch, list[fx.Node]] | None:
-    """The add the norm's output goes into directly (through identity dropout or views)."""
+    """The add the norm's output goes into directly (through identity dropout or views): one the
+    kernel could fold if there is one, else one it cannot (with its reason, for the report)."""
     frontier = [(m.output, [])]
     n = m.hidden_size
+    refused = None
     while frontier:
         node, chain = frontier.pop()
         for u in node.users:
             am = as_add(index, u, n)
             if am is not None and am.reason is None:
                 return am, chain
+            if am is not None and refused is None:
+                refused = am, chain
             if is_pass_through(index, u, n) and index.prim(u) != "cast":
                 frontier.append((u, chain + [u]))
-    return None
+    return refused
 
 
 _FQN_PREFIX = re.compile(r"^L\[[^\]]*\](\[[^\]]*\])*\.?")

@@ -164,10 +164,7 @@ def _run(gm: fx.GraphModule, config: FuseConfig, report: FusionReport, apply: bo
         if p.op == "norm" and not config.standalone:
             site.reason = "standalone norms not rewritten (standalone=False)"
             continue
-        if st.in_add is not None and p.op != "add_norm":
-            site.add_reason = st.in_add.reason or (
-                "the sum is folded into another norm's kernel" if st.in_add.node in claimed
-                else "the add's operands change shape on the way to the norm")
+        site.add_reason = rewrite.add_reason(st, p, claimed, reserved, config.fuse_output_add)
         # an add folded into one kernel is not folded into another, in analysis mode too
         for node in (st.in_add.node if p.op == "add_norm" else None, p.post_add):
             if node is not None:
