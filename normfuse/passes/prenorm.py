@@ -6,7 +6,8 @@ learning-rate warm-up). Three entry points:
 
 - ``prepare_module(model)`` (called by ``optimize(model, prenorm=True)`` before capture)
   registers one **final norm** per residual stream on the model, initialized to identity
-  (weight 1, bias 0), so it trains, saves and loads like any parameter.
+  (weight 1, bias 0), so it trains, saves and loads like any parameter. The first call
+  removes those of streams it leaves as they were (a Pre-Norm model gets no new parameter).
 - ``convert_graph(gm, config, model)`` (called by the backend before the fusion pass)
   rewrites the captured graph.
 - ``check_structure(graph_modules)`` checks the promise on the rewritten graphs: from the
@@ -127,7 +128,8 @@ def prepare_module(model: nn.Module) -> dict[str, str]:
     in BART, so an encoder-decoder gets two). Its final norm is registered next to it, as
     ``<parent>.normfuse_final_norm``, with the kind, size, eps and dtype of the last norm
     of the last block. A model with norms but no block list gets one at its root. It must
-    exist before the first call so that an optimizer built right after ``optimize`` sees it.
+    exist before the first call so that an optimizer built right after ``optimize`` sees it;
+    the first call removes it again when its stream is not converted.
     """
     done = getattr(model, _MODULE_ATTR, None)
     if done is not None:
