@@ -51,11 +51,14 @@ class OptimizedForward:
         self.eager_reason: str | None = None
         self._compiled: Any = None        # built on the first call
 
+    def _backend(self) -> Any:
+        from normfuse.backends import make_backend
+        return make_backend(self.config, self.report, model=self.module)
+
     def _compile(self) -> Any:
         from torch._dynamo import trace_rules
 
-        from normfuse.backends import make_backend
-        backend = make_backend(self.config, self.report, model=self.module)
+        backend = self._backend()  # the checker records through the same entry (verify/check.py)
         fn = self.forward
         if not (isinstance(fn, types.MethodType) and fn.__self__ is self.module):
             return torch.compile(fn, backend=backend)

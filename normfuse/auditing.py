@@ -338,6 +338,7 @@ class AuditReport:
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
     regions: list = field(default_factory=list)   # nested subgraphs (normfuse.reporting.Region)
+    capture: str = ""               # how the graphs were captured: one of CAPTURE_PATHS
 
     # --- totals
     def totals(self) -> dict[str, Any]:
@@ -375,6 +376,7 @@ class AuditReport:
             "verdict": v, "conversion": conversion,
             "bandwidth": self.bandwidth, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
             "bytes": self.totals(), "graphs": self.graphs, "seconds": round(self.seconds, 3),
+            "capture": self.capture,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -461,6 +463,44 @@ def _first_cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
+# How audit captured the graphs: one forward under dynamo, and when a meta-device forward
+# builds tensors of its own (Falcon indexes with a Python list: a real meta tensor that
+# fake-tensor tracing refuses), once more accepting such tensors as constants.
+CAPTURE_PATHS = ("dynamo with fake tensors",
+                 "dynamo with fake tensors, accepting the tensors the forward builds itself (fallback: the first "
+                 "capture refused them)")
+_NON_FAKE = "Please convert all Tensors to FakeTensors first"
+
+
+def _capture_graphs(model: nn.Module, args: tuple, kwargs: dict, allow_constants: bool) -> list[fx.GraphModule]:
+    from torch._subclasses.fake_tensor import fake_tensor_tls
+
+    graphs: list[fx.GraphModule] = []
+
+    def record(gm: fx.GraphModule, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    limits = {"recompile_limit": 64, "accumulated_recompile_limit": 4096}
+    before = fake_tensor_tls.allow_non_fake_inputs_override
+    try:
+        if allow_constants:  # dynamo's own switch for tensors made outside its fake mode
+            fake_tensor_tls.allow_non_fake_inputs_override = True
+        with torch._dynamo.config.patch(**limits), torch.no_grad():
+            torch.compile(model, backend=record, dynamic=False)(*args, **kwargs)
+    finally:
+        fake_tensor_tls.allow_non_fake_inputs_override = before
+    return graphs
+
+
+def _caused_by(error: BaseException, text: str) -> bool:
+    while error is not None:
+        if text in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def audit(model: nn.Module, *args: Any, config=None, bandwidth: Any = None, name: str | None = None,
           **kwargs: Any) -> AuditReport:
     """Audit ``model`` called as ``model(*args, **kwargs)``; the model is not changed.
@@ -479,17 +519,18 @@ def audit(model: nn.Module, *args: Any, config=None, bandwidth: Any = None, name
     label, bw = parse_bandwidth(bandwidth)
     start = time.perf_counter()
     rep = AuditReport(model=name or type(model).__name__, bandwidth=label, bandwidth_bytes_per_s=bw)
-    graphs: list[fx.GraphModule] = []
-
-    def record(gm: fx.GraphModule, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
     was_training = model.training
-    limits = {"recompile_limit": 64, "accumulated_recompile_limit": 4096}
     try:
-        with torch._dynamo.config.patch(**limits), torch.no_grad():
-            torch.compile(model, backend=record, dynamic=False)(*args, **kwargs)
+        try:
+            rep.capture = CAPTURE_PATHS[0]
+            graphs = _capture_graphs(model, args, kwargs, allow_constants=False)
+        except Exception as error:  # noqa: BLE001 - retried below, or raised with the cause
+            if not _caused_by(error, _NON_FAKE):
+                raise
+            rep.capture = CAPTURE_PATHS[1]
+            rep.warnings.append(f"captured by the fallback path ({rep.capture}): the forward builds a tensor "
+                                f"of its own ({_first_cause(error)[:160]}...)")
+            graphs = _capture_graphs(model, args, kwargs, allow_constants=True)
     except Exception as error:  # noqa: BLE001 - the user's forward failed: say where
         raise InvalidModelError(f"running {rep.model} to capture its graph failed: {_first_cause(error)}. "
                                 "Check the example inputs (shapes, dtypes, device, sequence length) against "

@@ -57,6 +57,7 @@ def _summary_lines(rep) -> list[str]:
         f"({s['would_fuse_with_add']} with their residual add): {_dict(s['by_op'])}",
         f"placements: {_dict(s['by_placement'])}; kinds: {_dict(s['by_kind'])}; forms: {_dict(s['by_form'])}",
         f"verdict: {s['verdict']}; {s['conversion']}",
+        f"captured by {s['capture']}",
     ]
     if s["not_fused"]:
         lines.append(f"not fused: {_dict(s['not_fused'])}")

@@ -58,6 +58,12 @@ class Region:
     analyzed: bool = True
     reason: str | None = None   # why it was not analyzed
 
+    def __post_init__(self):
+        # a symbolic hidden size (dynamic shapes) is reported as the size it had at capture
+        if self.hidden_size is not None and not isinstance(self.hidden_size, int):
+            hint = getattr(getattr(self.hidden_size, "node", None), "hint", None)
+            self.hidden_size = int(hint) if hint is not None else None
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -20,8 +20,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-__all__ = ["real_users", "is_check_only", "Canon", "canonicalize", "canonical", "SPELLINGS", "PARAMS", "tensor_meta", "node_dtype",
-           "node_shape", "LOW_PRECISION", "is_exact_upcast"]
+__all__ = ["real_users", "is_check_only", "Canon", "canonicalize", "canonical", "common_subexpressions", "SPELLINGS", "PARAMS", "tensor_meta", "node_dtype",
+           "node_shape", "dim_value", "same_dim", "same_shape", "last_dim", "LOW_PRECISION", "is_exact_upcast"]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -236,6 +236,71 @@ def canonicalize(graph: fx.Graph) -> dict[fx.Node, Canon]:
     return view
 
 
+# In-place spellings write into their input: a value read by one is not pure, and two
+# equal-looking expressions on either side of the write may differ.
+_IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
+
+
+def _mutates(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op != "call_function":
+        return False
+    if node.target in _IN_PLACE:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.is_mutable
+
+
+def _frozen(value: Any, rep: dict[fx.Node, fx.Node]) -> Any:
+    """A hashable key for an argument; nodes stand for their representative."""
+    if isinstance(value, fx.Node):
+        return ("node", rep.get(value, value))
+    if isinstance(value, (list, tuple, torch.Size)):
+        return (type(value).__name__, tuple(_frozen(v, rep) for v in value))
+    if isinstance(value, torch.Tensor):  # compared by identity: == on tensors is elementwise
+        return ("tensor", id(value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((k, _frozen(v, rep)) for k, v in value.items())))
+    try:
+        hash(value)
+    except TypeError:
+        return ("repr", repr(value))
+    return (type(value).__name__, value)
+
+
+def common_subexpressions(graph: fx.Graph, view: dict[fx.Node, Canon]) -> dict[fx.Node, fx.Node]:
+    """node -> an earlier node computing the same value, for every duplicated pure expression.
+
+    Dynamo does not eliminate common subexpressions, so model code that writes ``x - mean``
+    twice (Cohere's LayerNorm) gives two nodes. Two nodes are one value when they are the
+    same canonical primitive (so ``x.float()`` and ``x.to(torch.float32)`` agree) of the
+    same arguments, up to representatives, with the same dtype and shape; parameters read
+    twice are one. Nodes touched by an in-place op are never merged. The graph is unchanged.
+    """
+    rep: dict[fx.Node, fx.Node] = {}
+    seen: dict[Any, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            key: Any = ("get_attr", node.target)
+        else:
+            c = view.get(node)
+            if c is None or c.multi_output or _mutates(node) or (c.prim == "dropout" and not (
+                    c["training"] is False or c["p"] == 0)):
+                continue
+            if any(_mutates(u) for p in node.all_input_nodes for u in p.users):
+                continue
+            shape = node_shape(node)
+            key = (c.prim, _frozen(c.args, rep), node_dtype(node), None if shape is None else repr(shape))
+        try:
+            first = seen.setdefault(key, node)
+        except TypeError:  # an argument hashes but cannot be compared (e.g. a tensor constant)
+            continue
+        if first is not node:
+            rep[node] = first
+    return rep
+
+
 # Nodes that read a value only to check it (torch.export inserts them): they are not
 # users that keep a value alive or make it escape a site.
 CHECK_ONLY = set(_aten("_assert_tensor_metadata.default", "_assert_scalar.default", "sym_constrain_range_for_size.default"))
@@ -270,9 +335,18 @@ def node_dtype(node: Any) -> torch.dtype | None:
     return getattr(meta, "dtype", None)
 
 
+def dim_value(d: Any) -> Any:
+    """A dim as an int when it is static or a symbol the capture fixed (dynamo replaces a
+    symbol that a guard pinned); a ``SymInt`` when it is truly symbolic."""
+    if isinstance(d, torch.SymInt):
+        known = d.node.maybe_as_int()
+        return known if known is not None else d
+    return d
+
+
 def node_shape(node: Any) -> tuple | None:
     meta = tensor_meta(node)
-    return tuple(meta.shape) if meta is not None else None
+    return tuple(dim_value(d) for d in meta.shape) if meta is not None else None
 
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -288,21 +362,26 @@ def is_exact_upcast(src: torch.dtype | None, dst: torch.dtype | None) -> bool:
         src == torch.float32 and dst == torch.float64)
 
 
-def _same_dim(a, b) -> bool:
+def same_dim(a, b) -> bool:
+    """Equal dims, symbolic ones included, known without adding a guard to a traced graph."""
+    a, b = dim_value(a), dim_value(b)
     if isinstance(a, int) and isinstance(b, int):
         return a == b
-    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
-        return a.node.expr == b.node.expr  # no guard: compare the symbolic expressions
+    if isinstance(a, (int, torch.SymInt)) and isinstance(b, (int, torch.SymInt)):
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+        return statically_known_true(a == b)
     return False
 
 
 def same_shape(a, b) -> bool:
     """Equal shapes, symbolic dims included, without adding guards to a traced graph."""
-    return a is not None and b is not None and len(a) == len(b) and all(_same_dim(x, y) for x, y in zip(a, b))
+    return a is not None and b is not None and len(a) == len(b) and all(same_dim(x, y) for x, y in zip(a, b))
 
 
-def last_dim(node) -> int | None:
+def last_dim(node) -> Any:
+    """The last dim: an int, a ``SymInt`` when it is symbolic (the kernels take any size), None
+    without metadata."""
     shape = node_shape(node)
-    if not shape or not isinstance(shape[-1], int):
+    if not shape or not isinstance(shape[-1], (int, torch.SymInt)):
         return None
     return shape[-1]

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from normfuse.passes.canonical import (Canon, canonical, real_users, is_exact_upcast, last_dim, node_dtype, node_shape, same_shape)
+from normfuse.passes.canonical import (Canon, canonical, common_subexpressions, real_users, is_exact_upcast, last_dim, node_dtype, node_shape, same_dim,
+                                       same_shape)
 
 __all__ = ["NormMatch", "AddMatch", "find_norms", "find_input_add", "find_output_add", "GraphIndex", "as_add"]
 
@@ -70,6 +71,24 @@ class GraphIndex:
         # norm that reads another norm's output never reaches into it (its "+ bias" is no
         # residual add, its internal values are not this norm's input)
         self.norm_outputs: set[fx.Node] = set()
+        # duplicated pure expressions -> the first node computing the same value
+        self.rep: dict[fx.Node, fx.Node] = common_subexpressions(graph, view)
+
+    def same(self, a: Any, b: Any) -> bool:
+        """Whether two arguments are one value: the same node, or structurally equal pure nodes."""
+        return a is b or (isinstance(a, fx.Node) and isinstance(b, fx.Node)
+                          and self.rep.get(a, a) is self.rep.get(b, b))
+
+    def duplicates(self, node: Any) -> list[fx.Node]:
+        """The duplicated nodes ``node`` is computed through (itself included when it is one):
+        what a match that read ``node`` as an equal earlier value also covers."""
+        found, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            if isinstance(n, fx.Node) and n in self.rep and n not in found:
+                found.append(n)
+                stack.extend(n.all_input_nodes)
+        return found
 
     def resolve(self, node: Any) -> Any:
         """The node that now holds the value ``node`` held before earlier rewrites."""
@@ -141,7 +160,7 @@ def strip_upcasts(index: GraphIndex, node: Any) -> Any:
 
 
 def _same_value(index: GraphIndex, a: Any, b: Any) -> bool:
-    return a is b or strip_upcasts(index, a) is strip_upcasts(index, b)
+    return index.same(a, b) or index.same(strip_upcasts(index, a), strip_upcasts(index, b))
 
 
 def _is_param_like(index: GraphIndex, node: Any) -> bool:
@@ -152,8 +171,8 @@ def _is_param_like(index: GraphIndex, node: Any) -> bool:
 
 def _vector_of(node: Any, n: int | None) -> bool:
     shape = node_shape(node)
-    return shape is not None and n is not None and len(shape) >= 1 and last_dim(node) == n and all(
-        isinstance(d, int) and d == 1 for d in shape[:-1])
+    return shape is not None and n is not None and len(shape) >= 1 and same_dim(last_dim(node), n) and all(
+        same_dim(d, 1) for d in shape[:-1])
 
 
 def _other(c: Canon, node: Any) -> Any:
@@ -178,11 +197,20 @@ def is_pass_through(index: GraphIndex, node: fx.Node, n: int | None) -> bool:
     if c.prim == "cast":
         return True
     if c.prim == "view":
-        return n is not None and last_dim(c["input"]) == n and last_dim(node) == n
+        return n is not None and same_dim(last_dim(c["input"]), n) and same_dim(last_dim(node), n)
     return _identity_dropout(c)
 
 
 # --------------------------------------------------------------------------- norm calls
+
+def _traced_value(value: Any) -> Any:
+    """A size computed in the graph (``torch.Size([s0])``, ``sym_size``) as the capture saw it."""
+    if isinstance(value, fx.Node):
+        for key in ("example_value", "val"):
+            if key in value.meta:
+                return value.meta[key]
+    return value
+
 
 def _match_norm_call(index: GraphIndex, node: fx.Node, c: Canon) -> NormMatch | None:
     x = c["input"]
@@ -209,10 +237,15 @@ def _match_norm_call(index: GraphIndex, node: fx.Node, c: Canon) -> NormMatch | 
         else:
             output = outs[0]
         nodes = [node, *dead, output] if output is not node else [node, *dead]
-    ns = c["normalized_shape"]
-    ns = list(ns) if isinstance(ns, (list, tuple, torch.Size)) else [ns]
-    if len(ns) != 1 or ns[0] != n:
+    ns = _traced_value(c["normalized_shape"])
+    ns = [_traced_value(d) for d in ns] if isinstance(ns, (list, tuple, torch.Size)) else [ns]
+    if len(ns) != 1:
         reason = f"normalizes over {len(ns)} trailing dims {tuple(ns)}, not only the last dim"
+    elif not same_dim(ns[0], n):
+        reason = f"normalized_shape ({ns[0]},) is not known to equal the input's last dim {n}"
+    if isinstance(eps, fx.Node):  # torch.compile(dynamic=True) keeps a module's float attributes symbolic
+        reason = reason or "eps is a graph input (a symbolic float); the fused op takes a constant eps"
+        eps = None
     m = NormMatch(kind=c.prim, form=form, input=x, output=output, nodes=nodes, eps=float(eps or 0.0),
                   weight=c["weight"], bias=c["bias"] if c.prim == "layer_norm" else None,
                   out_dtype=node_dtype(output), hidden_size=n, reason=reason, anchor=node)
@@ -267,7 +300,7 @@ def _square_of(index: GraphIndex, node: Any) -> Any:
         return c["input"]
     if c.prim == "square":
         return c["input"]
-    if c.prim == "mul" and c["input"] is c["other"]:
+    if c.prim == "mul" and index.same(c["input"], c["other"]):
         return c["input"]
     return None
 
@@ -282,9 +315,9 @@ def _find_normalized(index: GraphIndex, denom: fx.Node, value: Any):
             if how == "mul" and c.prim == "mul":
                 other = _other(c, r)
                 if other is not None and _same_value(index, other, value):
-                    return u, extra
+                    return u, extra + index.duplicates(other)
             if how == "div" and c.prim == "div" and c["other"] is r and _same_value(index, c["input"], value):
-                return u, extra
+                return u, extra + index.duplicates(c["input"])
         if how == "div" and _same_value(index, index.canon(r)["input"], value):
             return r, extra
     return None, None
@@ -317,9 +350,9 @@ def _match_decomposed(index: GraphIndex, mean: fx.Node, c: Canon) -> NormMatch |
     # LayerNorm: d = u - mean(u); var = mean(d^2); n = d * rsqrt(var + eps)
     for d in mean.users:
         cd = index.canon(d)
-        if cd is None or cd.prim != "sub" or cd["other"] is not mean or not _same_value(index, cd["input"], t):
+        if cd is None or cd.prim != "sub" or not index.same(cd["other"], mean) or not _same_value(index, cd["input"], t):
             continue
-        for sqn in (u for u in d.users if _square_of(index, u) is d):
+        for sqn in (u for u in d.users if index.same(_square_of(index, u), d)):
             for var in sqn.users:
                 cv = index.canon(var)
                 if cv is None or cv.prim != "mean" or not _last_dim_only(cv["dim"], len(shape)) or not cv["keepdim"]:
@@ -346,7 +379,7 @@ def _match_var_layer_norm(index: GraphIndex, var: fx.Node, c: Canon) -> NormMatc
             continue
         for d in mean.users:
             cd = index.canon(d)
-            if cd is None or cd.prim != "sub" or cd["other"] is not mean:
+            if cd is None or cd.prim != "sub" or not index.same(cd["other"], mean):
                 continue
             m = _finish_decomposed(index, "layer_norm", u, var, d, [mean, d, var], last_dim(u), var)
             if m is not None:
@@ -535,7 +568,7 @@ def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
                         am.reason = "live dropout (training mode) sits between the residual add and the norm"
             return am
         c = index.canon(cur)
-        live_dropout = c is not None and c.prim == "dropout" and last_dim(cur) == n
+        live_dropout = c is not None and c.prim == "dropout" and same_dim(last_dim(cur), n)
         if not is_pass_through(index, cur, n) and not live_dropout:
             return None
         chain.append(cur)
@@ -544,18 +577,22 @@ def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
 
 
 def find_output_add(index: GraphIndex, m: NormMatch) -> tuple[AddMatch, list[fx.Node]] | None:
-    """The add the norm's output goes into directly (through identity dropout or views)."""
+    """The add the norm's output goes into directly (through identity dropout or views): one the
+    kernel could fold if there is one, else one it cannot (with its reason, for the report)."""
     frontier = [(m.output, [])]
     n = m.hidden_size
+    refused = None
     while frontier:
         node, chain = frontier.pop()
         for u in node.users:
             am = as_add(index, u, n)
             if am is not None and am.reason is None:
                 return am, chain
+            if am is not None and refused is None:
+                refused = am, chain
             if is_pass_through(index, u, n) and index.prim(u) != "cast":
                 frontier.append((u, chain + [u]))
-    return None
+    return refused
 
 
 _FQN_PREFIX = re.compile(r"^L\[[^\]]*\](\[[^\]]*\])*\.?")

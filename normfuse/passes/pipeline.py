@@ -336,10 +336,7 @@ class NormFusionPass(CustomGraphPass):
             if plan.op == "norm" and not config.standalone:
                 site.reason = "standalone norms not rewritten (standalone=False)"
                 continue
-            if state.in_add is not None and plan.op != "add_norm":
-                site.add_reason = state.in_add.reason or (
-                    "the sum is folded into another norm's kernel" if state.in_add.node in claimed
-                    else "the add's operands change shape on the way to the norm")
+            site.add_reason = rewrite.add_reason(state, plan, claimed, reserved, config.fuse_output_add)
             # an add folded into one kernel is not folded into another, in analysis mode too
             for node in (state.in_add.node if plan.op == "add_norm" else None, plan.post_add):
                 if node is not None:

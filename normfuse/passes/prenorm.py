@@ -6,7 +6,8 @@ learning-rate warm-up). Three entry points:
 
 - ``prepare_module(model)`` (called by ``optimize(model, prenorm=True)`` before capture)
   registers one **final norm** per residual stream on the model, initialized to identity
-  (weight 1, bias 0), so it trains, saves and loads like any parameter.
+  (weight 1, bias 0), so it trains, saves and loads like any parameter. The first call
+  removes those of streams it leaves as they were (a Pre-Norm model gets no new parameter).
 - ``convert_graph(gm, config, model)`` (called by the backend before the fusion pass)
   rewrites the captured graph.
 - ``check_structure(graph_modules)`` checks the promise on the rewritten graphs: from the
@@ -53,6 +54,7 @@ CONVERTED_META = "normfuse_converted"     # node.meta key on the nodes of a conv
 FINAL_META = "normfuse_final_norm"        # node.meta key on a final norm node: its fqn
 GRAPH_META = "normfuse_prenorm"           # gm.meta key: the streams converted in this graph
 _MODULE_ATTR = "_normfuse_prenorm_final"  # model attribute: {block list fqn: final norm fqn}
+_KEPT_ATTR = "_normfuse_prenorm_kept"     # model attribute: final norms a converted stream uses
 
 CANDIDATES = ("post", "deepnorm")
 
@@ -126,11 +128,14 @@ def prepare_module(model: nn.Module) -> dict[str, str]:
     in BART, so an encoder-decoder gets two). Its final norm is registered next to it, as
     ``<parent>.normfuse_final_norm``, with the kind, size, eps and dtype of the last norm
     of the last block. A model with norms but no block list gets one at its root. It must
-    exist before the first call so that an optimizer built right after ``optimize`` sees it.
+    exist before the first call so that an optimizer built right after ``optimize`` sees it;
+    the first call removes it again when its stream is not converted.
     """
     done = getattr(model, _MODULE_ATTR, None)
     if done is not None:
         return done
+    object.__setattr__(model, _KEPT_ATTR, set())
+    model.register_load_state_dict_post_hook(_pending_finals_are_optional)
     mapping: dict[str, str] = {}
     lists = _block_lists(model)
     if not lists and any(_is_norm_module(m) for m in model.modules()):
@@ -143,6 +148,35 @@ def prepare_module(model: nn.Module) -> dict[str, str]:
         mapping[fqn] = _register(model, parent, FINAL_NORM_NAME, _final_norm_like(norms[-1]))
     object.__setattr__(model, _MODULE_ATTR, mapping)
     return mapping
+
+
+def _pending_finals_are_optional(model: nn.Module, incompatible) -> None:
+    """Before the first call a final norm is registered for every block list; the first call
+    removes those of streams it did not convert. So a state_dict saved after that call may lack
+    them: loading it into a freshly optimized twin is not missing anything."""
+    mapping = getattr(model, _MODULE_ATTR, None) or {}
+    kept = getattr(model, _KEPT_ATTR, set())
+    pending = tuple(f"{fqn}." for fqn in mapping.values() if fqn not in kept)
+    if pending:
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not k.startswith(pending)]
+
+
+def _drop_unused_finals(model: nn.Module, site_fqns: list[str], used: set, report: FusionReport) -> None:
+    """Remove the final norms registered before the first call for block lists this graph holds
+    but whose streams it did not convert: a final norm exists only for a converted stream."""
+    mapping = getattr(model, _MODULE_ATTR, None)
+    kept = getattr(model, _KEPT_ATTR, None)
+    if mapping is None or kept is None:
+        return
+    kept |= used
+    for lst, final in list(mapping.items()):
+        here = any(f and (lst == "" or f.startswith(lst + ".")) for f in site_fqns)
+        if final in kept or not here:
+            continue
+        parent, _, attr = final.rpartition(".")
+        delattr(model.get_submodule(parent) if parent else model, attr)
+        del mapping[lst]
+        report.notes.append(f"Pre-Norm: final norm {final} removed: no stream of {lst or 'the model'} was converted")
 
 
 def final_norms(model: nn.Module) -> dict[str, nn.Module]:
@@ -217,8 +251,12 @@ def _plan(index: GraphIndex, g: nx.DiGraph, b: _Block) -> str | None:
     inside = (nx.descendants(g, b.x) & nx.ancestors(g, branch)) | {branch}
     for n in inside:
         for u in n.users:
+            # a graph output may read the branch's intermediates (a decoder's key/value cache):
+            # after the conversion they are computed from norm(x), as in a Pre-Norm model; the
+            # branch's result itself escaping means the branch is not only a residual branch
+            cache = u.op == "output" and n is not branch
             if u not in inside and u is not add.node and (b.scaled is None or u is not b.scaled) \
-                    and _is_tensor_valued(u):
+                    and not cache and _is_tensor_valued(u):
                 return (f"the residual branch cannot be identified: {u.name} reads {n.name} from inside "
                         "the branch")
     b.branch_users = [u for u in b.x.users if u in inside]
@@ -447,8 +485,11 @@ def _convert_graph(gm: fx.GraphModule, config: FuseConfig, model: nn.Module | No
         if config.filter_fn is not None and not config.filter_fn(site):
             b.reason = "excluded by filter_fn"
         blocks.append(b)
+    site_fqns = [pipeline.site_record(index, st, i).fqn for i, st in enumerate(states)]
     if not blocks:
         report.notes.append("Pre-Norm: no Post-Norm block in this graph; nothing converted")
+        if model is not None:
+            _drop_unused_finals(model, site_fqns, set(), report)
         return
     g = _graph_of(graph)
     for b in blocks:
@@ -473,8 +514,9 @@ def _convert_graph(gm: fx.GraphModule, config: FuseConfig, model: nn.Module | No
             if isinstance(final, str):
                 why, final = final, None
         if why is not None:
-            report.warnings.append(f"Pre-Norm: stream starting at {name} ({len(stream)} Post-Norm sites) left "
-                                   f"as it was: {why}")
+            message = f"Pre-Norm: stream starting at {name} ({len(stream)} Post-Norm sites) left as it was: {why}"
+            report.warnings.append(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
             continue
         todo += stream
         if final is not None:
@@ -485,6 +527,8 @@ def _convert_graph(gm: fx.GraphModule, config: FuseConfig, model: nn.Module | No
             f"Pre-Norm: converted {len(stream)} Post-Norm sites from {name} to {stream[-1].fqn or 'the end'}; "
             + (f"final norm {final[0]}" if final else "the stream already ends in a norm")
             + (f"; DeepNorm residual scale {alphas} dropped" if alphas else ""))
+    if model is not None:
+        _drop_unused_finals(model, site_fqns, used, report)
     if not todo:
         return
     replaced: dict = {}

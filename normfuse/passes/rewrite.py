@@ -22,7 +22,7 @@ from normfuse.passes.canonical import is_check_only, node_dtype, node_shape, rea
 from normfuse.passes.classify import SiteState, stream_operand
 from normfuse.passes.find import GraphIndex, as_add
 
-__all__ = ["plan", "apply", "Plan", "is_fused_call", "fused_op_name"]
+__all__ = ["plan", "apply", "add_reason", "Plan", "is_fused_call", "fused_op_name"]
 
 # What a rewritten graph calls: the functional API (graphs that run eagerly or go through
 # AOTAutograd, which traces it into the custom ops) or, in graphs Inductor already
@@ -112,8 +112,9 @@ def plan(index: GraphIndex, site: SiteState, claimed: set, reserved: set, fuse_o
             x, residual = (b, a) if stream == 0 else (a, b)
         return Plan(site, "add_norm", x, residual, residual_scale=add.residual_scale,
                     sum_dtype=node_dtype(add.node)), None
-    if fuse_output_add and out is not None and out.node not in claimed and out.node not in reserved and add is None \
-            and site.placement in ("res_post", "sandwich") and not site.out_chain:
+    if fuse_output_add and out is not None and out.reason is None and out.node not in claimed \
+            and out.node not in reserved and add is None and site.placement in ("res_post", "sandwich") \
+            and not site.out_chain:
         stream = stream_operand(index, out)
         ops = out.node.all_input_nodes
         if stream is not None and out.scaled in (None, stream) and same_shape(node_shape(ops[stream]),
@@ -122,6 +123,31 @@ def plan(index: GraphIndex, site: SiteState, claimed: set, reserved: set, fuse_o
             return Plan(site, "norm_add", m.input, residual, post_add=out.node,
                         residual_scale=out.residual_scale), None
     return Plan(site, "norm", m.input, None, sum_dtype=node_dtype(m.input)), None
+
+
+def add_reason(site: SiteState, p: Plan, claimed: set, reserved: set, fuse_output_add: bool) -> str | None:
+    """Why the add next to a site is not in the site's kernel (None when the kernel holds an add,
+    or no add is next to it). Call before the site's own adds are claimed."""
+    if p.op in ("add_norm", "norm_add"):
+        return None
+    add, out = site.in_add, site.out_add
+    if add is not None:
+        return add.reason or ("the sum is folded into another norm's kernel" if add.node in claimed
+                              else "the add's operands change shape on the way to the norm")
+    if out is None:
+        return None
+    if out.reason is not None:
+        return out.reason
+    if out.node in claimed or out.node in reserved:
+        return "the add after the norm is folded into the kernel of the norm that reads its sum"
+    if not fuse_output_add:
+        return "adds after a norm are not folded (fuse_output_add=False)"
+    if site.out_chain:
+        return "views or dropout sit between the norm and the add after it"
+    if site.placement not in ("res_post", "sandwich"):
+        return ("the add after the norm is not a residual add of the norm's output into a stream "
+                "(x + norm(F(x))): neither operand descends from the other")
+    return "the add after the norm does not keep the stream's shape"
 
 
 def _copy_meta(dst: fx.Node, src: fx.Node) -> None:

@@ -30,7 +30,7 @@ from normfuse.passes.pipeline import copy_graph_module  # noqa: F401  (one graph
 from normfuse.tolerances import rounding_budget, within_tolerance
 from normfuse.verify.sites import SitePair
 
-__all__ = ["Fp64Mode", "fp64_copy", "perturb_vectors", "to_fp64", "flatten", "OutputCheck", "failed_output", "compare", "ulp_diff",
+__all__ = ["Fp64Mode", "fp64_copy", "model_copy", "tensors_with_history", "perturb_vectors", "to_fp64", "flatten", "OutputCheck", "failed_output", "compare", "ulp_diff",
            "run_graph", "copy_graph_module", "SiteNumeric", "check_site"]
 
 F64 = torch.float64
@@ -100,10 +100,41 @@ def to_fp64(value: Any) -> Any:
     return value
 
 
+def _with_history(value: Any, path: str, found: dict[str, torch.Tensor], depth: int = 0) -> None:
+    """The tensors with autograd history (not graph leaves) in a module attribute, through
+    dicts, lists and tuples: what ``copy.deepcopy`` refuses to copy."""
+    if isinstance(value, torch.Tensor):
+        if value.grad_fn is not None:
+            found[path] = value
+    elif depth < 4 and isinstance(value, Mapping):
+        for k, v in value.items():
+            _with_history(v, f"{path}[{k!r}]", found, depth + 1)
+    elif depth < 4 and isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _with_history(v, f"{path}[{i}]", found, depth + 1)
+
+
+def tensors_with_history(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Module attributes and buffers holding tensors with autograd history, by path: caches
+    computed from parameters (timm's EfficientFormer and LeViT keep ``table[idx]`` in eval mode)."""
+    found: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        for name, value in vars(module).items():
+            if name not in ("_parameters", "_modules"):
+                _with_history(value, f"{prefix}.{name}".lstrip("."), found)
+    return found
+
+
+def model_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """``copy.deepcopy(model)`` that also works on a model holding tensors with autograd history:
+    the copy holds detached copies of their values (no gradient flows through them)."""
+    memo = {id(t): t.detach().clone() for t in tensors_with_history(model).values()}
+    return copy.deepcopy(model, memo)
+
+
 def fp64_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A deep copy of ``model`` with every floating parameter and buffer in fp64."""
-    model64 = copy.deepcopy(model)
-    return model64.to(F64)
+    return model_copy(model).to(F64)
 
 
 def perturb_vectors(model: torch.nn.Module, scale: float = 0.1, seed: int = 0) -> torch.nn.Module:
