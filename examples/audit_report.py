@@ -25,7 +25,7 @@ def main(target: str = "hf:gemma2", out: str = "audit_report.html") -> None:
         f.write(rep.to_html())
     print(rep)
     s = rep.summary()
-    print(f"\nwrote {out}: {s['sites']} sites, {s['would_fuse']} would fuse, verdict {s['verdict']} "
+    print(f"\nwrote {out}: {s['sites']} sites, {s['fused']} would fuse, verdict {s['verdict']} "
           f"({time.perf_counter() - start:.1f} s)")
 
 

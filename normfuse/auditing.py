@@ -366,8 +366,9 @@ class AuditReport:
         return {
             "model": self.model, "batch": self.batch, "seq": self.seq, "tokens": self.tokens, "dtype": self.dtype,
             "sites": len(self.sites),
-            "would_fuse": sum(s.would_fuse for s in self.sites),
-            "would_fuse_with_add": sum(s.would_fuse and s.site.op in ("add_norm", "norm_add") for s in self.sites),
+            # the same keys as FusionReport.counts(); here they count what would fuse
+            "fused": sum(s.would_fuse for s in self.sites),
+            "fused_with_add": sum(s.would_fuse and s.site.op in ("add_norm", "norm_add") for s in self.sites),
             "by_op": dict(ops),
             "by_placement": dict(Counter(placements)),
             "by_kind": dict(Counter(s.site.kind for s in self.sites)),

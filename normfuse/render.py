@@ -15,7 +15,7 @@ PLACEMENT_COLORS = {
     "parallel": "#E69F00", "deepnorm": "#882255", "embedding": "#56B4E9", "standalone": "#777777",
 }
 
-COLUMNS = ("id", "module", "source", "norm", "placement", "hidden", "status", "fwd bytes eager -> fused")
+COLUMNS = ("id", "fqn", "source", "norm", "placement", "hidden_size", "status", "fwd bytes eager -> fused")
 
 
 def fmt_bytes(n: float) -> str:
@@ -53,8 +53,8 @@ def _summary_lines(rep) -> list[str]:
     e, f = b["eager"], b["fused"]
     shape = f"batch {s['batch']} x seq {s['seq']}" if s["batch"] else "the given inputs"
     lines = [
-        f"{s['sites']} norm sites in {s['graphs']} graph(s); {s['would_fuse']} would fuse "
-        f"({s['would_fuse_with_add']} with their residual add): {_dict(s['by_op'])}",
+        f"{s['sites']} norm sites in {s['graphs']} graph(s); {s['fused']} would fuse "
+        f"({s['fused_with_add']} with their residual add): {_dict(s['by_op'])}",
         f"placements: {_dict(s['by_placement'])}; kinds: {_dict(s['by_kind'])}; forms: {_dict(s['by_form'])}",
         f"verdict: {s['verdict']}; {s['conversion']}",
         f"captured by {s['capture']}",

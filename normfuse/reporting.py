@@ -9,8 +9,7 @@ from typing import Any
 
 __all__ = ["Site", "Region", "FusionReport", "PLACEMENTS", "KINDS"]
 
-PLACEMENTS = ("pre", "post", "res_post", "sandwich", "parallel", "deepnorm", "embedding", "standalone")
-KINDS = ("layer_norm", "rms_norm")
+from normfuse.vocabulary import KINDS, PLACEMENTS  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -19,7 +18,7 @@ class Site:
 
     id: str                     # "g0.s3": graph 0, site 3 in graph order (``graph``, ``number``)
     kind: str                   # "layer_norm" | "rms_norm"
-    form: str                   # "module" | "functional" | "aten" | "decomposed:<which>"
+    form: str                   # one of FORMS (normfuse/vocabulary.py)
     placement: str              # one of PLACEMENTS
     input_is_add: bool          # the norm's input is a residual add (seen through casts, views, identity dropout)
     output_feeds_add: bool      # the norm's output goes straight into a residual add
@@ -30,7 +29,7 @@ class Site:
     source: str | None = None   # "file.py:line" of the user's code
     fused: bool = False
     reason: str | None = None   # why not fused (None when fused)
-    op: str | None = None       # the fused op that replaced it: "add_norm" | "norm_add" | "norm"
+    op: str | None = None       # the fused op that replaced it: one of FUSED_OPS
     fused_add: bool = False     # the residual add was folded into the same kernel
     add_reason: str | None = None  # why the add next to it was not folded (when there is one)
     converted: bool = False     # rewritten from Post-Norm to Pre-Norm
@@ -42,6 +41,12 @@ class Site:
     module_type: str | None = None
     graph: int = 0              # the graph it was found in (nested subgraphs count as graphs)
     number: int = 0             # its place among that graph's sites, in graph order
+
+    def __post_init__(self):
+        # a symbolic hidden size (dynamic shapes) is reported as the size it had at capture
+        if self.hidden_size is not None and not isinstance(self.hidden_size, int):
+            hint = getattr(getattr(self.hidden_size, "node", None), "hint", None)
+            self.hidden_size = int(hint) if hint is not None else None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -57,12 +62,6 @@ class Region:
     op: str | None              # the higher-order op, e.g. "tag_activation_checkpoint"
     analyzed: bool = True
     reason: str | None = None   # why it was not analyzed
-
-    def __post_init__(self):
-        # a symbolic hidden size (dynamic shapes) is reported as the size it had at capture
-        if self.hidden_size is not None and not isinstance(self.hidden_size, int):
-            hint = getattr(getattr(self.hidden_size, "node", None), "hint", None)
-            self.hidden_size = int(hint) if hint is not None else None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

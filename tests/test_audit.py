@@ -56,7 +56,7 @@ def test_cli_json_counts(cli_json, model_type):
         assert site["fqn"]
     s = data["summary"]
     assert s["sites"] == n and s["by_placement"] == placements
-    assert s["would_fuse"] == n and s["would_fuse_with_add"] == with_add
+    assert s["fused"] == n and s["fused_with_add"] == with_add
     assert s["verdict"] == model_verdict
     assert s["bandwidth"] == "H100 SXM 3.35 TB/s"
     b = s["bytes"]

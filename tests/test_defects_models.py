@@ -288,7 +288,7 @@ def test_audit_cli_falcon_on_meta(capsys):
     rep = json.loads(capsys.readouterr().out)
     assert rep["summary"]["capture"] == CAPTURE_PATHS[1]
     # falcon's default config: parallel attention, one input norm per layer, + ln_f
-    assert (rep["summary"]["sites"], rep["summary"]["would_fuse"]) == (3, 3)
+    assert (rep["summary"]["sites"], rep["summary"]["fused"]) == (3, 3)
 
 
 # --------------------------------------------------------------------------- 6. Post -> Pre on encoder-decoder

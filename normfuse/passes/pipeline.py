@@ -39,6 +39,7 @@ from normfuse.passes.find import (GraphIndex, find_input_add, find_norms, find_o
                                   module_class, module_info, source_of)
 from normfuse.passes import rewrite
 from normfuse.reporting import FusionReport, Region, Site
+from normfuse.vocabulary import CONVERTED_META
 
 __all__ = ["NormFusionPass", "PassResult", "PassFailure", "analyze", "site_record", "copy_graph_module",
            "STAGES", "ENTERED_REGIONS"]
@@ -85,7 +86,7 @@ def site_record(index: GraphIndex, state: SiteState, number: int) -> Site:
         m.output)) else m.form
     # a norm moved by the Pre-Norm conversion (normfuse/passes/prenorm.py) is a pre-norm,
     # also the first one of a stream, which no add feeds
-    converted = bool(m.output.meta.get("normfuse_converted"))
+    converted = bool(m.output.meta.get(CONVERTED_META))
     return Site(
         id=f"g0.s{number}", number=number, kind=m.kind, form=form,
         placement="pre" if converted else state.placement, converted=converted,

@@ -45,14 +45,12 @@ from normfuse.config import FuseConfig
 from normfuse.passes.canonical import canonical, node_dtype, node_shape, same_shape, tensor_meta
 from normfuse.passes.find import GraphIndex, is_pass_through, module_info
 from normfuse.reporting import FusionReport
+from normfuse.vocabulary import CONVERTED_META, FINAL_META, GRAPH_META
 
 __all__ = ["prepare_module", "convert_graph", "check_structure", "final_norms", "FINAL_NORM_NAME",
            "CONVERTED_META", "FINAL_META"]
 
 FINAL_NORM_NAME = "normfuse_final_norm"
-CONVERTED_META = "normfuse_converted"     # node.meta key on the nodes of a converted norm: its fqn
-FINAL_META = "normfuse_final_norm"        # node.meta key on a final norm node: its fqn
-GRAPH_META = "normfuse_prenorm"           # gm.meta key: the streams converted in this graph
 _MODULE_ATTR = "_normfuse_prenorm_final"  # model attribute: {block list fqn: final norm fqn}
 _KEPT_ATTR = "_normfuse_prenorm_kept"     # model attribute: final norms a converted stream uses
 

@@ -21,6 +21,7 @@ from normfuse.kernels.add_norm import add_norm, norm_add
 from normfuse.passes.canonical import is_check_only, node_dtype, node_shape, real_users, same_shape
 from normfuse.passes.classify import SiteState, stream_operand
 from normfuse.passes.find import GraphIndex, as_add
+from normfuse.vocabulary import KERNEL_DTYPES
 
 __all__ = ["plan", "apply", "add_reason", "Plan", "is_fused_call", "fused_op_name"]
 
@@ -47,7 +48,6 @@ def fused_op_name(node: fx.Node) -> str | None:
 def is_fused_call(node: fx.Node) -> bool:
     return fused_op_name(node) is not None
 
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class Plan:

@@ -1,0 +1,35 @@
+"""The words the project uses, each defined once.
+
+Every module that names a norm kind, a placement, a form, a fused op, a dtype the
+kernels take or a key it stores in ``node.meta`` imports it from here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["KINDS", "PLACEMENTS", "FORMS", "FUSED_OPS", "KERNEL_DTYPES", "CONVERTED_META", "FINAL_META",
+           "GRAPH_META"]
+
+# what a norm computes
+KINDS = ("layer_norm", "rms_norm")
+
+# where a norm sits on the residual stream (normfuse/passes/classify.py)
+PLACEMENTS = ("pre", "post", "res_post", "sandwich", "parallel", "deepnorm", "embedding", "standalone")
+
+# how the graph spells it: a torch norm module, a functional call, an ATen op, or written
+# out (the decomposed forms name their rounding order: llama rounds before the weight,
+# gemma multiplies by 1 + w in fp32)
+FORMS = ("module", "functional", "aten", "decomposed:layer_norm", "decomposed:rms_norm", "decomposed:llama",
+         "decomposed:gemma")
+
+# what a site becomes: the add before the norm folded in, the add after it, or the norm alone
+FUSED_OPS = ("add_norm", "norm_add", "norm")
+
+# activation, weight and rounding dtypes the fused kernels take (fp64 runs on CPU only)
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# node.meta / gm.meta keys of the Post-Norm -> Pre-Norm conversion
+CONVERTED_META = "normfuse_converted"     # on the nodes of a converted norm: its fqn
+FINAL_META = "normfuse_final_norm"        # on a final norm node: its fqn
+GRAPH_META = "normfuse_prenorm"           # on the graph module: the streams converted in it
