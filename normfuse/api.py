@@ -171,8 +171,8 @@ def optimize(model: nn.Module, config: FuseConfig | None = None, **options: Any)
     object.__setattr__(model, _REPORT_ATTR, rep)
     object.__setattr__(model, _CONFIG_ATTR, cfg)
     if cfg.prenorm:
-        from normfuse.passes import prenorm
-        prenorm.prepare_module(model)
+        from normfuse.passes.prenorm_model import prepare_module
+        prepare_module(model)
     model.forward = OptimizedForward(model, model.forward, cfg, rep)
     return model
 

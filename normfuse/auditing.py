@@ -28,7 +28,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from normfuse.errors import InvalidModelError, InvalidOptionError, NormfuseError, closest
-from normfuse.reporting import PLACEMENTS, Site
+from normfuse.reporting import Site
 
 __all__ = ["audit", "AuditReport", "SiteAudit", "register_cli", "BANDWIDTHS", "DEFAULT_BANDWIDTH",
            "parse_bandwidth", "site_bytes", "verdict"]
@@ -202,19 +202,19 @@ def _accumulations(node: fx.Node) -> Traffic:
     return Traffic(bwd=3 * (k - 1) * _bytes(node), bwd_kernels=k - 1) if k > 1 else Traffic()
 
 
-def _site_nodes(st, op: str | None) -> list[fx.Node]:
+def _site_nodes(state, op: str | None) -> list[fx.Node]:
     """The graph nodes the fused op would replace (for an unfused site: the norm alone)."""
-    m = st.match
+    m = state.match
     nodes = list(m.nodes)
-    if op == "add_norm" and st.in_add is not None:
-        add = st.in_add
+    if op == "add_norm" and state.in_add is not None:
+        add = state.in_add
         nodes = [add.node, *add.chain, *nodes]
         if add.scaled is not None:  # alpha * x of DeepNorm, computed before the add
             scale = add.node.all_input_nodes[add.scaled] if len(add.node.all_input_nodes) > add.scaled else None
             if scale is not None and scale not in nodes:
                 nodes.insert(0, scale)
-    elif op == "norm_add" and st.out_add is not None:
-        nodes = [*nodes, *st.out_chain, st.out_add.node]
+    elif op == "norm_add" and state.output_add is not None:
+        nodes = [*nodes, *state.output_chain, state.output_add.node]
     seen: list[fx.Node] = []
     for n in nodes:
         if n not in seen:
@@ -227,11 +227,11 @@ def _escapes(node: fx.Node, inside: set) -> bool:
     return any(u not in inside for u in real_users(node))
 
 
-def site_bytes(index, st, op: str | None) -> tuple[Traffic, Traffic, list[fx.Node]]:
+def site_bytes(index, state, op: str | None) -> tuple[Traffic, Traffic, list[fx.Node]]:
     """(eager, fused, nodes): HBM traffic of a site as the graph computes it and as the fused op
     ``op`` would ("add_norm" | "norm_add" | "norm"; None: not fused, so the same as eager)."""
     from normfuse.passes.canonical import node_dtype
-    nodes = _site_nodes(st, op)
+    nodes = _site_nodes(state, op)
     inside = set(nodes)
     eager = Traffic()
     for n in nodes:
@@ -243,7 +243,7 @@ def site_bytes(index, st, op: str | None) -> tuple[Traffic, Traffic, list[fx.Nod
             eager.add(a.fwd, a.bwd, a.fwd_kernels, a.bwd_kernels)
     if op is None:
         return eager, Traffic(eager.fwd, eager.bwd, eager.fwd_kernels, eager.bwd_kernels), nodes
-    m = st.match
+    m = state.match
     n_cols = m.hidden_size or 1
     x_bytes = _bytes(m.input)
     rows = _numel(m.input) // n_cols
@@ -252,10 +252,10 @@ def site_bytes(index, st, op: str | None) -> tuple[Traffic, Traffic, list[fx.Nod
     y_bytes = _bytes(m.output)
     fused = Traffic(fwd_kernels=1, bwd_kernels=1)
     if op == "add_norm":
-        add = st.in_add.node
-        operands = sum(_bytes(a) for a in st.in_add.operands if isinstance(a, fx.Node))
+        add = state.in_add.node
+        operands = sum(_bytes(a) for a in state.in_add.operands if isinstance(a, fx.Node))
         s_bytes = _bytes(add)
-        sum_chain = [add, *st.in_add.chain]
+        sum_chain = [add, *state.in_add.chain]
         stored = any(_escapes(n, inside) for n in sum_chain)
         # fwd: read x, residual, weight, bias; write y, s (when used elsewhere), stats
         fused.add(fwd=operands + params + y_bytes + (s_bytes if stored else 0) + stats)
@@ -265,19 +265,19 @@ def site_bytes(index, st, op: str | None) -> tuple[Traffic, Traffic, list[fx.Nod
         # dy, stats and weight; it writes dx, dresidual (unless it is dx itself: residual_scale 1,
         # same dtypes), dweight, dbias
         rebuild = 2 * s_bytes
-        dtypes = {node_dtype(a) for a in st.in_add.operands if isinstance(a, fx.Node)}
-        shared = st.in_add.residual_scale == 1.0 and len(dtypes) == 1
+        dtypes = {node_dtype(a) for a in state.in_add.operands if isinstance(a, fx.Node)}
+        shared = state.in_add.residual_scale == 1.0 and len(dtypes) == 1
         grads = operands // 2 if shared else operands
         fused.add(bwd=y_bytes + rebuild + stats + 2 * params + grads)
     elif op == "norm_add":
-        out = st.out_add.node
-        residual = [a for a in st.out_add.operands if isinstance(a, fx.Node) and a is not m.output]
+        out = state.output_add.node
+        residual = [a for a in state.output_add.operands if isinstance(a, fx.Node) and a is not m.output]
         res = sum(_bytes(a) for a in residual)
         stored = _escapes(m.output, inside)
         fused.add(fwd=x_bytes + res + params + _bytes(out) + (y_bytes if stored else 0) + stats)
         # bwd: read dout (and dy when y was stored), f, stats, weight; write df, dresidual (unless
         # it is dout itself: residual_scale 1, same dtype), dweight, dbias
-        shared = st.out_add.residual_scale == 1.0 and all(node_dtype(a) == node_dtype(out) for a in residual)
+        shared = state.output_add.residual_scale == 1.0 and all(node_dtype(a) == node_dtype(out) for a in residual)
         fused.add(bwd=_bytes(out) + (y_bytes if stored else 0) + x_bytes + stats + 2 * params + x_bytes
                   + (0 if shared else res))
     else:  # "norm"
@@ -438,10 +438,10 @@ def _audit_graph(analysis, sites: list[Site]) -> list[SiteAudit]:
     """Price each site of one analyzed graph: bytes moved eagerly and by the fused op."""
     index, states = analysis
     out = []
-    for st, site in zip(states, sites):
+    for state, site in zip(states, sites):
         would, status = _status(site)
-        eager, fused, _ = site_bytes(index, st, site.op if would else None)
-        rows = _numel(st.match.input) // st.match.hidden_size if st.match.hidden_size else 0
+        eager, fused, _ = site_bytes(index, state, site.op if would else None)
+        rows = _numel(state.match.input) // state.match.hidden_size if state.match.hidden_size else 0
         out.append(SiteAudit(site, would, status, eager, fused, _block_of(site.fqn), rows))
     return out
 

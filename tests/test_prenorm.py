@@ -9,7 +9,6 @@ import operator
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import normfuse
 from normfuse.passes import prenorm

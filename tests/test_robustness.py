@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.nn.functional as F
 
 import normfuse
 from normfuse.errors import (InvalidModelError, InvalidOptionError, NormfuseError, ShapeMismatchError,

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from normfuse.passes.canonical import real_users
-from normfuse.passes.find import AddMatch, GraphIndex, NormMatch, is_pass_through
+from normfuse.passes.find import AddMatch, NormMatch, is_pass_through
+from normfuse.passes.graph import GraphIndex
 
 __all__ = ["SiteState", "classify", "stream_operand"]
 
@@ -35,10 +36,10 @@ class SiteState:
 
     match: NormMatch
     in_add: AddMatch | None = None
-    out_add: AddMatch | None = None
-    out_chain: list[fx.Node] = field(default_factory=list)
+    output_add: AddMatch | None = None
+    output_chain: list[fx.Node] = field(default_factory=list)
     placement: str = "standalone"
-    group: list["SiteState"] = field(default_factory=list)  # sites reading the same value
+    group: list["SiteState"] = field(default_factory=list)  # states reading the same value
 
     @property
     def input_is_add(self) -> bool:
@@ -46,7 +47,7 @@ class SiteState:
 
     @property
     def output_feeds_add(self) -> bool:
-        return self.out_add is not None
+        return self.output_add is not None
 
 
 def stream_operand(index: GraphIndex, add: AddMatch) -> int | None:
@@ -61,69 +62,69 @@ def stream_operand(index: GraphIndex, add: AddMatch) -> int | None:
     return None
 
 
-def _root_value(index: GraphIndex, site: SiteState) -> fx.Node:
+def _root_value(index: GraphIndex, state: SiteState) -> fx.Node:
     """The value a norm reads, before pass-through nodes: its add, or its input."""
-    if site.in_add is not None:
-        return site.in_add.node
-    node = site.match.input
-    n = site.match.hidden_size
+    if state.in_add is not None:
+        return state.in_add.node
+    node = state.match.input
+    n = state.match.hidden_size
     while isinstance(node, fx.Node) and is_pass_through(index, node, n):
         node = index.canon(node)["input"]
     return node
 
 
-def _sum_continues(site: SiteState) -> bool:
+def _sum_continues(state: SiteState) -> bool:
     """Whether the sum the norm reads is read by anything but the norm (the stream goes on)."""
-    add = site.in_add
-    inside = set(add.chain) | set(site.match.nodes)
+    add = state.in_add
+    inside = set(add.chain) | set(state.match.nodes)
     for node in (add.node, *add.chain):
         if any(u not in inside for u in real_users(node)):
             return True
     return False
 
 
-def classify(index: GraphIndex, sites: list[SiteState]) -> None:
+def classify(index: GraphIndex, states: list[SiteState]) -> None:
     by_root: dict[fx.Node, list[SiteState]] = defaultdict(list)
-    for site in sites:
-        by_root[_root_value(index, site)].append(site)
+    for state in states:
+        by_root[_root_value(index, state)].append(state)
     for group in by_root.values():
-        for site in group:
-            site.group = group
+        for state in group:
+            state.group = group
 
-    feeding = {site.in_add.node: site for site in sites if site.in_add is not None}
+    feeding = {state.in_add.node: state for state in states if state.in_add is not None}
     placed: list[SiteState] = []
-    for site in sites:  # graph order, so upstream sites are placed first
-        site.placement = _place(index, site, feeding, placed)
-        placed.append(site)
+    for state in states:  # graph order, so upstream states are placed first
+        state.placement = _place(index, state, feeding, placed)
+        placed.append(state)
 
 
-def _place(index: GraphIndex, site: SiteState, feeding: dict, placed: list[SiteState]) -> str:
-    m = site.match
-    if site.out_add is not None:
-        stream = stream_operand(index, site.out_add)
-        branch = site.out_add.node.all_input_nodes[1 - stream] if stream is not None else None
-        chain_end = site.out_chain[-1] if site.out_chain else m.output
-        if branch is chain_end and site.in_add is None:
-            return "sandwich" if site.out_add.node in feeding else "res_post"
-    if len(site.group) > 1:
+def _place(index: GraphIndex, state: SiteState, feeding: dict, placed: list[SiteState]) -> str:
+    m = state.match
+    if state.output_add is not None:
+        stream = stream_operand(index, state.output_add)
+        branch = state.output_add.node.all_input_nodes[1 - stream] if stream is not None else None
+        chain_end = state.output_chain[-1] if state.output_chain else m.output
+        if branch is chain_end and state.in_add is None:
+            return "sandwich" if state.output_add.node in feeding else "res_post"
+    if len(state.group) > 1:
         return "parallel"
-    if site.in_add is None:
+    if state.in_add is None:
         return "standalone"
-    add = site.in_add
+    add = state.in_add
     stream = stream_operand(index, add)
     if add.scaled is not None and add.residual_scale != 1.0:
         return "deepnorm"
-    if _sum_continues(site):
+    if _sum_continues(state):
         return "pre"
     # post-style: the norm alone reads the sum
     ancestors = index.ancestors(add.node)
     upstream = [p for p in placed if p.match.output in ancestors]
     if stream is None and not upstream:
         return "embedding"
-    if site.out_add is not None:
-        out_stream = stream_operand(index, site.out_add)
-        chain_end = site.out_chain[-1] if site.out_chain else m.output
-        if out_stream is not None and site.out_add.node.all_input_nodes[out_stream] is chain_end:
+    if state.output_add is not None:
+        out_stream = stream_operand(index, state.output_add)
+        chain_end = state.output_chain[-1] if state.output_chain else m.output
+        if out_stream is not None and state.output_add.node.all_input_nodes[out_stream] is chain_end:
             return "post"
     # the end of a stream: post if the stream was post-norm so far, else a pre-norm stack's final norm
     if any(p.placement in ("post", "deepnorm") for p in upstream):

@@ -15,18 +15,17 @@ cannot reproduce is cut short, so the unmatched rest stays in the graph as it wa
 from __future__ import annotations
 
 import operator
-
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from normfuse.passes.canonical import (Canon, canonical, common_subexpressions, real_users, is_exact_upcast, last_dim, node_dtype, node_shape, same_dim,
-                                       same_shape)
+from normfuse.passes.canonical import (Canon, is_exact_upcast, last_dim, node_dtype, node_shape, real_users,
+                                       same_dim, same_shape)
+from normfuse.passes.graph import GraphIndex
 
-__all__ = ["NormMatch", "AddMatch", "find_norms", "find_input_add", "find_output_add", "GraphIndex", "as_add"]
+__all__ = ["NormMatch", "AddMatch", "find_norms", "find_input_add", "find_output_add", "as_add"]
 
 F32 = torch.float32
 
@@ -57,81 +56,6 @@ class AddMatch:
     residual_scale: float = 1.0
     chain: list[fx.Node] = field(default_factory=list)  # pass-through nodes between the add and the norm
     reason: str | None = None        # why it cannot be folded into the kernel
-
-
-class GraphIndex:
-    """Graph order and the canonical view, with cheap ancestor queries."""
-
-    def __init__(self, graph: fx.Graph, view: dict[fx.Node, Canon]):
-        self.graph = graph
-        self.view = view
-        self.order = {n: i for i, n in enumerate(graph.nodes)}
-        self.replaced: dict[fx.Node, fx.Node] = {}  # old node -> node holding its value after a rewrite
-        # outputs of the norms found so far: walks up from a norm's input stop there, so a
-        # norm that reads another norm's output never reaches into it (its "+ bias" is no
-        # residual add, its internal values are not this norm's input)
-        self.norm_outputs: set[fx.Node] = set()
-        # duplicated pure expressions -> the first node computing the same value
-        self.rep: dict[fx.Node, fx.Node] = common_subexpressions(graph, view)
-
-    def same(self, a: Any, b: Any) -> bool:
-        """Whether two arguments are one value: the same node, or structurally equal pure nodes."""
-        return a is b or (isinstance(a, fx.Node) and isinstance(b, fx.Node)
-                          and self.rep.get(a, a) is self.rep.get(b, b))
-
-    def duplicates(self, node: Any) -> list[fx.Node]:
-        """The duplicated nodes ``node`` is computed through (itself included when it is one):
-        what a match that read ``node`` as an equal earlier value also covers."""
-        found, stack = [], [node]
-        while stack:
-            n = stack.pop()
-            if isinstance(n, fx.Node) and n in self.rep and n not in found:
-                found.append(n)
-                stack.extend(n.all_input_nodes)
-        return found
-
-    def resolve(self, node: Any) -> Any:
-        """The node that now holds the value ``node`` held before earlier rewrites."""
-        while isinstance(node, fx.Node) and node in self.replaced:
-            node = self.replaced[node]
-        return node
-
-    def refresh(self, node: fx.Node) -> None:
-        c = canonical(node)
-        if c is not None:
-            self.view[node] = c
-
-    def canon(self, node: Any) -> Canon | None:
-        return self.view.get(node) if isinstance(node, fx.Node) else None
-
-    def prim(self, node: Any) -> str | None:
-        c = self.canon(node)
-        return c.prim if c else None
-
-    def ancestors(self, node: fx.Node) -> set[fx.Node]:
-        seen, stack = set(), [node]
-        while stack:
-            for p in stack.pop().all_input_nodes:
-                if p not in seen:
-                    seen.add(p)
-                    stack.append(p)
-        return seen
-
-    def is_ancestor(self, a: fx.Node, b: fx.Node) -> bool:
-        """Whether ``a`` is an ancestor of ``b``; the search stops below a's position."""
-        if not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
-            return False
-        lo = self.order[a]
-        seen, stack = set(), [b]
-        while stack:
-            n = stack.pop()
-            for p in n.all_input_nodes:
-                if p is a:
-                    return True
-                if p not in seen and self.order[p] > lo:
-                    seen.add(p)
-                    stack.append(p)
-        return False
 
 
 # --------------------------------------------------------------------------- helpers
@@ -216,7 +140,7 @@ def _match_norm_call(index: GraphIndex, node: fx.Node, c: Canon) -> NormMatch | 
     x = c["input"]
     n = last_dim(x)
     form = "aten" if isinstance(node.target, torch._ops.OpOverload) else (
-        "call_module" if node.op == "call_module" else "functional")
+        "module" if node.op == "call_module" else "functional")
     eps = c["eps"]
     if c.prim == "rms_norm" and eps is None and node_dtype(x) is not None:
         # torch.rms_norm's default: the eps of its compute (opmath) dtype, fp32 for fp16/bf16 inputs
@@ -470,13 +394,13 @@ def _with_tail(index: GraphIndex, m: NormMatch) -> NormMatch:
     m.norm_round_dtype, m.out_dtype = round_dtype, out_dtype
     m.nodes = m.nodes + [x for x in extra if x not in m.nodes]
     if m.kind == "layer_norm":
-        style = "layernorm"
+        style = "layer_norm"
     elif round_dtype is not None:
         style = "llama"                       # round n to the input dtype, then * weight
     elif offset:
         style = "gemma"                       # * (1 + w) in fp32, round once
     else:
-        style = "rmsnorm"
+        style = "rms_norm"
     m.form = f"decomposed:{style}"
     return m
 
@@ -593,49 +517,3 @@ def find_output_add(index: GraphIndex, m: NormMatch) -> tuple[AddMatch, list[fx.
             if is_pass_through(index, u, n) and index.prim(u) != "cast":
                 frontier.append((u, chain + [u]))
     return refused
-
-
-_FQN_PREFIX = re.compile(r"^L\[[^\]]*\](\[[^\]]*\])*\.?")
-
-
-def module_info(node: fx.Node) -> tuple[str | None, str | None]:
-    """(fqn, class name) of the innermost module a node came from, if the graph recorded it."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return None, None
-    path, cls = list(stack.values())[-1]
-    fqn = _FQN_PREFIX.sub("", str(path)).replace("._modules", "")
-    fqn = re.sub(r"\[(\d+)\]", r".\1", fqn).replace("['", ".").replace("']", "").strip(".")
-    name = getattr(cls, "__name__", None) or str(cls).rsplit(".", 1)[-1].rstrip("'>")
-    return fqn or None, name
-
-
-def module_class(node: fx.Node) -> type | None:
-    """The class of the innermost module a node came from (call_module: that module)."""
-    if node.op == "call_module" and node.graph.owning_module is not None:
-        return type(node.graph.owning_module.get_submodule(node.target))
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return None
-    cls = list(stack.values())[-1][1]
-    return cls if isinstance(cls, type) else None
-
-
-NORM_MODULES = (torch.nn.LayerNorm, *((torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ()))
-
-
-def is_norm_module_class(cls: type | None) -> bool:
-    return isinstance(cls, type) and issubclass(cls, NORM_MODULES)
-
-
-def source_of(node: fx.Node) -> str | None:
-    """'file:line' of the innermost frame of the node's stack trace."""
-    trace = node.meta.get("stack_trace")
-    if not trace:
-        return None
-    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
-    if not frames:
-        return None
-    path, line = frames[-1]
-    return f"{path}:{line}"
-

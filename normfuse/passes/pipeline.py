@@ -33,13 +33,13 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from normfuse.config import FuseConfig
-from normfuse.passes.canonical import canonicalize, node_dtype
+from normfuse.passes.canonical import canonicalize
 from normfuse.passes.classify import SiteState, classify
-from normfuse.passes.find import (GraphIndex, find_input_add, find_norms, find_output_add, is_norm_module_class,
-                                  module_class, module_info, source_of)
+from normfuse.passes.find import find_input_add, find_norms, find_output_add
+from normfuse.passes.graph import GraphIndex
+from normfuse.passes.provenance import site_record
 from normfuse.passes import rewrite
 from normfuse.reporting import FusionReport, Region, Site
-from normfuse.vocabulary import CONVERTED_META
 
 __all__ = ["NormFusionPass", "PassResult", "PassFailure", "analyze", "site_record", "copy_graph_module",
            "STAGES", "ENTERED_REGIONS"]
@@ -77,28 +77,6 @@ class PassResult:
         return any(s.fused or s.converted for s in self.report.sites)
 
 
-def site_record(index: GraphIndex, state: SiteState, number: int) -> Site:
-    """The report's record of one site found in a graph (before any rewrite)."""
-    m = state.match
-    fqn, cls = module_info(m.output) if m.output.meta.get("nn_module_stack") else module_info(m.anchor or m.output)
-    # a norm call made by a torch norm module (nn.LayerNorm, nn.RMSNorm) is reported as "module"
-    form = "module" if m.form in ("functional", "call_module") and is_norm_module_class(module_class(
-        m.output)) else m.form
-    # a norm moved by the Pre-Norm conversion (normfuse/passes/prenorm.py) is a pre-norm,
-    # also the first one of a stream, which no add feeds
-    converted = bool(m.output.meta.get(CONVERTED_META))
-    return Site(
-        id=f"g0.s{number}", number=number, kind=m.kind, form=form,
-        placement="pre" if converted else state.placement, converted=converted,
-        input_is_add=state.input_is_add, output_feeds_add=state.output_feeds_add,
-        hidden_size=m.hidden_size, dtype=str(node_dtype(m.input)) if node_dtype(m.input) else None,
-        eps=m.eps, fqn=fqn, source=source_of(m.output) or source_of(m.anchor or m.output),
-        weight_offset=m.weight_offset,
-        residual_scale=state.in_add.residual_scale if state.in_add is not None else 1.0,
-        norm_round_dtype=str(m.norm_round_dtype) if m.norm_round_dtype else None,
-        out_dtype=str(m.out_dtype) if m.out_dtype else None, module_type=cls)
-
-
 def analyze(graph: fx.Graph, stage=lambda name: None) -> tuple[GraphIndex, list[SiteState]]:
     """Canonicalize, find and classify, without changing the graph. ``stage(name)`` is
     called as each stage starts."""
@@ -110,7 +88,7 @@ def analyze(graph: fx.Graph, stage=lambda name: None) -> tuple[GraphIndex, list[
         state = SiteState(match=m, in_add=find_input_add(index, m))
         out = find_output_add(index, m)
         if out is not None:
-            state.out_add, state.out_chain = out
+            state.output_add, state.output_chain = out
         states.append(state)
     stage("classify")
     classify(index, states)
@@ -325,7 +303,7 @@ class NormFusionPass(CustomGraphPass):
     def _rewrite(self, index: GraphIndex, states: list[SiteState], sites: list[Site]) -> None:
         config = self.config
         claimed: set = set()
-        reserved = {st.in_add.node for st in states if st.in_add is not None and st.in_add.reason is None}
+        reserved = {s.in_add.node for s in states if s.in_add is not None and s.in_add.reason is None}
         for state, site in zip(states, sites):
             if config.filter_fn is not None and not config.filter_fn(site):
                 site.reason = "excluded by filter_fn"
@@ -339,7 +317,7 @@ class NormFusionPass(CustomGraphPass):
                 continue
             site.add_reason = rewrite.add_reason(state, plan, claimed, reserved, config.fuse_output_add)
             # an add folded into one kernel is not folded into another, in analysis mode too
-            for node in (state.in_add.node if plan.op == "add_norm" else None, plan.post_add):
+            for node in (state.in_add.node if plan.op == "add_norm" else None, plan.output_add):
                 if node is not None:
                     claimed.add(node)
             if not self.apply:

@@ -2,15 +2,15 @@
 
 This rewrite changes the model's function on purpose (Xiong et al. 2020: a Pre-Norm
 stack keeps the residual path free of norm Jacobians, so deep stacks train without
-learning-rate warm-up). Three entry points:
+learning-rate warm-up). Three parts, three modules:
 
-- ``prepare_module(model)`` (called by ``optimize(model, prenorm=True)`` before capture)
+- ``prepare_module(model)`` (normfuse/passes/prenorm_model.py; called by ``optimize(model, prenorm=True)`` before capture)
   registers one **final norm** per residual stream on the model, initialized to identity
   (weight 1, bias 0), so it trains, saves and loads like any parameter. The first call
   removes those of streams it leaves as they were (a Pre-Norm model gets no new parameter).
-- ``convert_graph(gm, config, model)`` (called by the backend before the fusion pass)
+- ``convert_graph(gm, config, model)`` (here; run by ``NormFusionPass`` before fusing)
   rewrites the captured graph.
-- ``check_structure(graph_modules)`` checks the promise on the rewritten graphs: from the
+- ``check_structure(graph_modules)`` (normfuse/verify/structure.py) checks the promise on the rewritten graphs: from the
   first converted block's input to the final norm, the residual stream passes through
   adds only.
 
@@ -30,7 +30,6 @@ with the reason in the report's notes and warnings.
 
 from __future__ import annotations
 
-import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,146 +41,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from normfuse.config import FuseConfig
-from normfuse.passes.canonical import canonical, node_dtype, node_shape, same_shape, tensor_meta
-from normfuse.passes.find import GraphIndex, is_pass_through, module_info
+from normfuse.passes.canonical import node_dtype, node_shape, same_shape, tensor_meta
+from normfuse.passes.find import is_pass_through
+from normfuse.passes.graph import GraphIndex, dependency_graph
+from normfuse.passes.prenorm_model import (FINAL_NORM_NAME, FINALS_ATTR, drop_unused_finals, final_norm_like,
+                                           final_norms, prepare_module, register_final)
+from normfuse.passes.provenance import site_record
+from normfuse.verify.structure import check_structure
 from normfuse.reporting import FusionReport
 from normfuse.vocabulary import CONVERTED_META, FINAL_META, GRAPH_META
 
 __all__ = ["prepare_module", "convert_graph", "check_structure", "final_norms", "FINAL_NORM_NAME",
            "CONVERTED_META", "FINAL_META"]
 
-FINAL_NORM_NAME = "normfuse_final_norm"
-_MODULE_ATTR = "_normfuse_prenorm_final"  # model attribute: {block list fqn: final norm fqn}
-_KEPT_ATTR = "_normfuse_prenorm_kept"     # model attribute: final norms a converted stream uses
 
 CANDIDATES = ("post", "deepnorm")
-
-
-# --------------------------------------------------------------------------- the model side
-
-def _is_norm_module(m: nn.Module) -> bool:
-    if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
-        return True
-    if isinstance(m, (nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm)):
-        return False
-    w = getattr(m, "weight", None)
-    return type(m).__name__.endswith("Norm") and isinstance(w, nn.Parameter) and w.ndim == 1
-
-
-def _block_lists(model: nn.Module) -> list[str]:
-    """Outermost ModuleLists/Sequentials of >= 2 modules of one class that contain norms."""
-    found: list[str] = []
-    for name, mod in model.named_modules():
-        if any(name == f or name.startswith(f + ".") for f in found if f):
-            continue
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2 \
-                and len({type(c) for c in mod}) == 1 and any(_is_norm_module(m) for m in mod[0].modules()):
-            found.append(name)
-    return found
-
-
-def _eps_of(m: nn.Module) -> float | None:
-    for attr in ("eps", "variance_epsilon", "epsilon"):
-        value = getattr(m, attr, None)
-        if isinstance(value, (int, float)):
-            return float(value)
-    return None
-
-
-def _final_norm_like(template: nn.Module | None, kind: str | None = None, hidden: int | None = None,
-                     eps: float | None = None, like: torch.Tensor | None = None) -> nn.Module:
-    """A fresh norm of the model's kind, initialized to identity (weight 1, bias 0)."""
-    if template is not None:
-        w = template.weight
-        hidden, like = w.shape[0], w
-        eps = _eps_of(template) if _eps_of(template) is not None else eps
-        if isinstance(template, nn.LayerNorm):
-            kind = "layer_norm"
-        elif isinstance(template, nn.RMSNorm) or "rms" in type(template).__name__.lower():
-            kind = "rms_norm"
-        else:
-            kind = "layer_norm" if isinstance(getattr(template, "bias", None), nn.Parameter) else "rms_norm"
-    factory = dict(device=like.device, dtype=like.dtype) if like is not None else {}
-    if kind == "layer_norm":
-        has_bias = template is None or getattr(template, "bias", None) is not None
-        return nn.LayerNorm(hidden, eps=eps if eps is not None else 1e-5, bias=has_bias, **factory)
-    return nn.RMSNorm(hidden, eps=eps, **factory)
-
-
-def _register(model: nn.Module, parent_fqn: str, attr: str, module: nn.Module) -> str:
-    parent = model.get_submodule(parent_fqn) if parent_fqn else model
-    name, k = attr, 1
-    while hasattr(parent, name):
-        name, k = f"{attr}_{k}", k + 1
-    parent.add_module(name, module)
-    return f"{parent_fqn}.{name}" if parent_fqn else name
-
-
-def prepare_module(model: nn.Module) -> dict[str, str]:
-    """Register one identity-initialized final norm per block list of ``model``; returns
-    ``{block list fqn: final norm fqn}``. Calling it again changes nothing.
-
-    A block list is an outermost ``ModuleList``/``Sequential`` of >= 2 modules of one class
-    that contain a norm (``encoder.layer`` in BERT; ``encoder.layers`` and ``decoder.layers``
-    in BART, so an encoder-decoder gets two). Its final norm is registered next to it, as
-    ``<parent>.normfuse_final_norm``, with the kind, size, eps and dtype of the last norm
-    of the last block. A model with norms but no block list gets one at its root. It must
-    exist before the first call so that an optimizer built right after ``optimize`` sees it;
-    the first call removes it again when its stream is not converted.
-    """
-    done = getattr(model, _MODULE_ATTR, None)
-    if done is not None:
-        return done
-    object.__setattr__(model, _KEPT_ATTR, set())
-    model.register_load_state_dict_post_hook(_pending_finals_are_optional)
-    mapping: dict[str, str] = {}
-    lists = _block_lists(model)
-    if not lists and any(_is_norm_module(m) for m in model.modules()):
-        lists = [""]
-    for fqn in lists:
-        scope = model.get_submodule(fqn) if fqn else model
-        last = scope[-1] if fqn else scope
-        norms = [m for m in last.modules() if _is_norm_module(m)]
-        parent = fqn.rsplit(".", 1)[0] if "." in fqn else ""
-        mapping[fqn] = _register(model, parent, FINAL_NORM_NAME, _final_norm_like(norms[-1]))
-    object.__setattr__(model, _MODULE_ATTR, mapping)
-    return mapping
-
-
-def _pending_finals_are_optional(model: nn.Module, incompatible) -> None:
-    """Before the first call a final norm is registered for every block list; the first call
-    removes those of streams it did not convert. So a state_dict saved after that call may lack
-    them: loading it into a freshly optimized twin is not missing anything."""
-    mapping = getattr(model, _MODULE_ATTR, None) or {}
-    kept = getattr(model, _KEPT_ATTR, set())
-    pending = tuple(f"{fqn}." for fqn in mapping.values() if fqn not in kept)
-    if pending:
-        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not k.startswith(pending)]
-
-
-def _drop_unused_finals(model: nn.Module, site_fqns: list[str], used: set, report: FusionReport) -> None:
-    """Remove the final norms registered before the first call for block lists this graph holds
-    but whose streams it did not convert: a final norm exists only for a converted stream."""
-    mapping = getattr(model, _MODULE_ATTR, None)
-    kept = getattr(model, _KEPT_ATTR, None)
-    if mapping is None or kept is None:
-        return
-    kept |= used
-    for lst, final in list(mapping.items()):
-        here = any(f and (lst == "" or f.startswith(lst + ".")) for f in site_fqns)
-        if final in kept or not here:
-            continue
-        parent, _, attr = final.rpartition(".")
-        delattr(model.get_submodule(parent) if parent else model, attr)
-        del mapping[lst]
-        report.notes.append(f"Pre-Norm: final norm {final} removed: no stream of {lst or 'the model'} was converted")
-
-
-def final_norms(model: nn.Module) -> dict[str, nn.Module]:
-    """The final norms registered on ``model``: ``{fqn: module}``."""
-    mapping = getattr(model, _MODULE_ATTR, None) or getattr(getattr(model, "_orig_mod", None), _MODULE_ATTR, {})
-    owner = getattr(model, "_orig_mod", model)
-    return {fqn: owner.get_submodule(fqn) for fqn in mapping.values()}
 
 
 # --------------------------------------------------------------------------- planning
@@ -191,7 +65,7 @@ class _Block:
     """One Post-Norm site and how it will be converted."""
 
     number: int
-    st: Any                                  # SiteState
+    state: Any                                  # SiteState
     fqn: str | None
     reason: str | None = None
     x: fx.Node | None = None                 # the stream operand of the residual add
@@ -203,15 +77,6 @@ class _Block:
     succ: list["_Block"] = field(default_factory=list)
 
 
-def _graph_of(graph: fx.Graph) -> nx.DiGraph:
-    g = nx.DiGraph()
-    for node in graph.nodes:
-        g.add_node(node)
-        for inp in node.all_input_nodes:
-            g.add_edge(inp, node)
-    return g
-
-
 def _is_tensor_valued(node: fx.Node) -> bool:
     value = node.meta.get("example_value", node.meta.get("val"))
     return value is None or isinstance(value, torch.Tensor) or isinstance(value, (tuple, list))
@@ -219,8 +84,8 @@ def _is_tensor_valued(node: fx.Node) -> bool:
 
 def _plan(index: GraphIndex, g: nx.DiGraph, b: _Block) -> str | None:
     """Fill in how ``b`` converts; returns why it cannot (None when it can)."""
-    st, m = b.st, b.st.match
-    add = st.in_add
+    state, m = b.state, b.state.match
+    add = state.in_add
     if add is None:
         return "no residual add feeds the norm"
     c = index.canon(add.node)
@@ -285,14 +150,14 @@ def _upstream_block(index: GraphIndex, node: Any, n: int | None, by_output: dict
 
 def _streams(index: GraphIndex, blocks: list[_Block]) -> list[list[_Block]]:
     """Group blocks into streams: block j follows i when an operand of j's add is i's output."""
-    by_output = {b.st.match.output: b for b in blocks}
+    by_output = {b.state.match.output: b for b in blocks}
     for b in blocks:
-        add = b.st.in_add
+        add = b.state.in_add
         if add is None:
             continue
         # the add's operands as the graph adds them, and with exact upcasts / scaling stripped
         for operand in (*add.node.all_input_nodes, *add.operands):
-            prev = _upstream_block(index, operand, b.st.match.hidden_size, by_output)
+            prev = _upstream_block(index, operand, b.state.match.hidden_size, by_output)
             if prev is not None and prev is not b and b.pred is None:
                 b.pred = prev
                 prev.succ.append(b)
@@ -310,8 +175,8 @@ def _streams(index: GraphIndex, blocks: list[_Block]) -> list[list[_Block]]:
 
 def _ends_in_norm(index: GraphIndex, end: _Block, norm_nodes: set) -> bool:
     """Whether everything that reads the stream after ``end`` is a norm (through pass-throughs)."""
-    frontier, seen = [end.st.match.output], set()
-    n = end.st.match.hidden_size
+    frontier, seen = [end.state.match.output], set()
+    n = end.state.match.hidden_size
     while frontier:
         node = frontier.pop()
         for u in node.users:
@@ -335,7 +200,7 @@ def _convert(graph: fx.Graph, b: _Block, replaced: dict) -> None:
             node = replaced[node]
         return node
 
-    m, add = b.st.match, b.st.in_add
+    m, add = b.state.match, b.state.in_add
     x = resolve(b.x)
     users = set(b.branch_users)
     first = next(n for n in graph.nodes if n in users)
@@ -395,7 +260,7 @@ def _insert_final(graph: fx.Graph, owner: nn.Module, gm: fx.GraphModule, value: 
 def _legalize(graph: fx.Graph) -> None:
     """Reorder nodes topologically, keeping the current order wherever it is already valid."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    sorted_nodes = list(nx.lexicographical_topological_sort(_graph_of(graph), key=order.__getitem__))
+    sorted_nodes = list(nx.lexicographical_topological_sort(dependency_graph(graph), key=order.__getitem__))
     prev = None
     for node in sorted_nodes:
         if prev is not None and prev.next is not node:
@@ -413,14 +278,14 @@ def _final_for(stream: list[_Block], model: nn.Module | None, gm: fx.GraphModule
                used: set) -> tuple[str, nn.Module] | str:
     """The final norm of a stream: (fqn, module), or the reason none fits."""
     owner = model if model is not None else gm
-    mapping = getattr(owner, _MODULE_ATTR, None)
+    mapping = getattr(owner, FINALS_ATTR, None)
     if mapping is None and model is not None:
         mapping = prepare_module(model)
         report.warnings.append(
             "Pre-Norm: the final norm(s) were registered at the first call (optimize(prenorm=True) registers "
             "them before); build the optimizer after this first forward so that it sees them.")
     mapping = dict(mapping or {})
-    last = stream[-1].st.match
+    last = stream[-1].state.match
     fqn = stream[0].fqn or ""
     lists = sorted((lst for lst in mapping if lst == "" or fqn.startswith(lst + ".")), key=len, reverse=True)
     if not lists and len(mapping) == 1 and not any(s.fqn for s in stream):
@@ -431,8 +296,8 @@ def _final_for(stream: list[_Block], model: nn.Module | None, gm: fx.GraphModule
     else:  # no block list holds this stream: a final norm of its own, registered now
         like = tensor_meta(last.weight) if last.weight is not None else tensor_meta(last.input)
         template = torch.empty(0, dtype=like.dtype, device=like.device if like.device.type != "meta" else "cpu")
-        module = _final_norm_like(None, last.kind, last.hidden_size, last.eps, template)
-        final = _register(owner, "", FINAL_NORM_NAME, module)
+        module = final_norm_like(None, last.kind, last.hidden_size, last.eps, template)
+        final = register_final(owner, "", FINAL_NORM_NAME, module)
         if model is not None:
             report.warnings.append(
                 f"Pre-Norm: final norm {final} registered at the first call (no block list of the model holds "
@@ -475,25 +340,25 @@ def _convert_graph(gm: fx.GraphModule, config: FuseConfig, model: nn.Module | No
     graph.output(graph.graph_copy(gm.graph, {}))
     index, states = pipeline.analyze(graph)
     blocks = []
-    for i, st in enumerate(states):
-        if st.placement not in CANDIDATES:
+    for i, state in enumerate(states):
+        if state.placement not in CANDIDATES:
             continue
-        site = pipeline.site_record(index, st, i)
-        b = _Block(number=i, st=st, fqn=site.fqn)
+        site = site_record(index, state, i)
+        b = _Block(number=i, state=state, fqn=site.fqn)
         if config.filter_fn is not None and not config.filter_fn(site):
             b.reason = "excluded by filter_fn"
         blocks.append(b)
-    site_fqns = [pipeline.site_record(index, st, i).fqn for i, st in enumerate(states)]
+    site_fqns = [site_record(index, state, i).fqn for i, state in enumerate(states)]
     if not blocks:
         report.notes.append("Pre-Norm: no Post-Norm block in this graph; nothing converted")
         if model is not None:
-            _drop_unused_finals(model, site_fqns, set(), report)
+            drop_unused_finals(model, site_fqns, set(), report)
         return
-    g = _graph_of(graph)
+    g = dependency_graph(graph)
     for b in blocks:
         if b.reason is None:
             b.reason = _plan(index, g, b)
-    norm_nodes = {n for st in states if st.placement not in CANDIDATES for n in st.match.nodes}
+    norm_nodes = {n for state in states if state.placement not in CANDIDATES for n in state.match.nodes}
     in_dynamo = any("L['self']" in str(v[0]) for n in graph.nodes
                     for v in (n.meta.get("nn_module_stack") or {}).values())
     todo, finals, used = [], [], set()
@@ -526,16 +391,16 @@ def _convert_graph(gm: fx.GraphModule, config: FuseConfig, model: nn.Module | No
             + (f"final norm {final[0]}" if final else "the stream already ends in a norm")
             + (f"; DeepNorm residual scale {alphas} dropped" if alphas else ""))
     if model is not None:
-        _drop_unused_finals(model, site_fqns, used, report)
+        drop_unused_finals(model, site_fqns, used, report)
     if not todo:
         return
     replaced: dict = {}
-    for b in sorted(todo, key=lambda b: index.order[b.st.match.output]):
+    for b in sorted(todo, key=lambda b: index.order[b.state.match.output]):
         _convert(graph, b, replaced)
     streams_meta = []
     owner = model if model is not None else gm
     for end, fqn, module in finals:
-        value = replaced.get(end.st.match.output, end.st.match.input)
+        value = replaced.get(end.state.match.output, end.state.match.input)
         _insert_final(graph, owner, gm, value, fqn, module, in_dynamo)
     for stream in _streams_of(todo):
         end = stream[-1]
@@ -560,122 +425,3 @@ def _streams_of(blocks: list[_Block]) -> list[list[_Block]]:
     return out
 
 
-# --------------------------------------------------------------------------- the structural check
-
-def _is_fused(node: Any, family: str) -> bool:
-    """A call of the fused op family "add_norm" (a plain norm included) or "norm_add"."""
-    from normfuse.passes.rewrite import fused_op_name
-    name = fused_op_name(node) if isinstance(node, fx.Node) else None
-    return name is not None and (name == family or (family == "add_norm" and name == "norm"))
-
-
-def _value(node: fx.Node) -> fx.Node:
-    """A fused op's sum output stands for the op itself (the add happens inside it)."""
-    if node.op == "call_function" and node.target is operator.getitem and _is_fused(node.args[0], "add_norm") \
-            and node.args[1] == 1:
-        return node.args[0]
-    return node
-
-
-def _add_operands(node: fx.Node) -> tuple[Any, Any] | None:
-    """(a, b) when ``node`` is an unscaled add of two values: a plain add, or a fused op's add."""
-    node = _value(node)
-    if _is_fused(node, "add_norm"):
-        if node.args[1] is None or node.kwargs.get("residual_scale", 1.0) != 1.0:
-            return None
-        return node.args[0], node.args[1]
-    if node.op == "call_function" and node.target is operator.getitem and _is_fused(node.args[0], "norm_add") \
-            and node.args[1] == 0:
-        call = node.args[0]
-        return (call.args[1], call.args[0]) if call.kwargs.get("residual_scale", 1.0) == 1.0 else None
-    c = canonical(node)
-    if c is not None and c.prim == "add" and c["alpha"] == 1 and isinstance(c["input"], fx.Node) \
-            and isinstance(c["other"], fx.Node):
-        return c["input"], c["other"]
-    return None
-
-
-def _entry(nodes: list[fx.Node], order: dict) -> fx.Node | None:
-    """The stream value a norm (fused or not) reads."""
-    for n in nodes:
-        if _is_fused(n, "add_norm"):
-            return n if n.args[1] is not None else n.args[0]
-    for n in nodes:
-        c = canonical(n)
-        if c is not None and c.prim in ("layer_norm", "rms_norm"):
-            return c["input"]
-    group = set(nodes)
-    out_shape = node_shape(max(nodes, key=order.__getitem__))
-    outside = sorted({i for n in nodes for i in n.all_input_nodes if i not in group
-                      and same_shape(node_shape(i), out_shape)}, key=order.__getitem__)
-    return outside[0] if outside else None
-
-
-def _groups(graph: fx.Graph) -> dict[str, list[fx.Node]]:
-    groups: dict[str, list[fx.Node]] = {}
-    for node in graph.nodes:
-        fqn = node.meta.get(FINAL_META) or node.meta.get(CONVERTED_META)
-        if fqn is None and node.meta.get("nn_module_stack"):
-            fqn = module_info(node)[0]
-        if fqn is not None and node.op != "placeholder" and not (
-                node.op == "call_function" and node.target is operator.getitem and node.args[1] == 1):
-            groups.setdefault(fqn, []).append(node)
-    return groups
-
-
-def check_structure(graph_modules) -> tuple[bool, str]:
-    """On the rewritten graphs: from the first converted block's input to each final norm,
-    does the residual stream pass through adds only? Returns (ok, explanation)."""
-    seen, lines, ok, any_stream = set(), [], True, False
-    for gm in graph_modules:
-        if id(gm) in seen:
-            continue
-        seen.add(id(gm))
-        info = getattr(gm, "meta", {}).get(GRAPH_META)
-        if not info:
-            continue
-        graph = gm.graph
-        g = _graph_of(graph)
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        groups = _groups(graph)
-        all_blocks = [f for s in info["streams"] for f in s["blocks"]]
-        for stream in info["streams"]:
-            any_stream = True
-            missing = [f for f in stream["blocks"] + [stream["final"] or ""] if f and f not in groups]
-            if missing:
-                ok = False
-                lines.append(f"{stream['blocks'][0]}: converted norm(s) {missing} not found in the graph")
-                continue
-            if stream["final"] is None:
-                lines.append(f"{stream['blocks'][0]}: stream ends in the model's own norm; not checked")
-                continue
-            cur = _entry(groups[stream["final"]], order)
-            adds, lost = 0, ""
-            while cur is not None:
-                ops = _add_operands(cur)
-                if ops is None:
-                    break
-                a, b = ops
-                # the stream is the operand the branch descends from; a fused op's sum stands
-                # for the op, which also produced the branch's input
-                nxt = a if nx.has_path(g, _value(a), b) else b if nx.has_path(g, _value(b), a) else None
-                if nxt is None:
-                    lost = f" (neither {a.name} nor {b.name} feeds the other)"
-                    break
-                adds += 1
-                cur = nxt
-            z = _value(cur)
-            first = min(stream["blocks"], key=lambda f: min(order[n] for n in groups[f]))
-            entry = _entry(groups[first], order)
-            earlier = [f for f in all_blocks if any(nx.has_path(g, n, z) for n in groups[f] if n is not z)]
-            if entry is None or _value(entry) is not z or earlier:
-                ok = False
-                where = f"{z.name} ({z.op} {getattr(z.target, '__name__', z.target)})"
-                lines.append(f"{first} -> {stream['final']}: the stream is interrupted at {where}{lost}"
-                             + (f", below converted {earlier[0]}" if earlier else ""))
-                continue
-            lines.append(f"{first} -> {stream['final']}: {len(stream['blocks'])} converted blocks, "
-                         f"the stream passes through {adds} adds only")
-    if not any_stream:
-        return False, "no converted Pre-Norm stream in these graphs"
-    return ok, "; ".join(lines)

@@ -1,11 +1,11 @@
-"""Rewrite: each safe site becomes one call of a fused op.
+"""Rewrite: each safe state becomes one call of a fused op.
 
 - add -> norm      : ``add_norm(x, residual, w, b, ...)``; the sum is an op output when
                      anything else still reads it.
 - norm -> add      : ``norm_add(f, stream, w, b, ...)`` for ``x + norm(f)`` (res-post, sandwich).
 - a norm alone     : ``add_norm(x, None, w, b, ...)``, one kernel instead of HF's ~8.
 
-A site that fails a precondition is left exactly as it was, with a reason. Each add is
+A state that fails a precondition is left exactly as it was, with a reason. Each add is
 folded into at most one kernel (the first norm that claims it).
 """
 
@@ -18,9 +18,10 @@ import torch
 import torch.fx as fx
 
 from normfuse.kernels.add_norm import add_norm, norm_add
-from normfuse.passes.canonical import is_check_only, node_dtype, node_shape, real_users, same_shape
+from normfuse.passes.canonical import node_dtype, node_shape, real_users, same_shape
 from normfuse.passes.classify import SiteState, stream_operand
-from normfuse.passes.find import GraphIndex, as_add
+from normfuse.passes.find import as_add
+from normfuse.passes.graph import GraphIndex
 from normfuse.vocabulary import KERNEL_DTYPES
 
 __all__ = ["plan", "apply", "add_reason", "Plan", "is_fused_call", "fused_op_name"]
@@ -51,22 +52,22 @@ def is_fused_call(node: fx.Node) -> bool:
 
 
 class Plan:
-    """How one site will be rewritten: which op, on which operands, with which modes."""
+    """How one state will be rewritten: which op, on which operands, with which modes."""
 
-    def __init__(self, site: SiteState, op: str, x: Any, residual: Any = None, post_add: fx.Node | None = None,
+    def __init__(self, state: SiteState, op: str, x: Any, residual: Any = None, output_add: fx.Node | None = None,
                  residual_scale: float = 1.0, sum_dtype: torch.dtype | None = None):
-        self.site = site
+        self.state = state
         self.op = op                    # "add_norm" | "norm_add" | "norm"
         self.x = x
         self.residual = residual
-        self.post_add = post_add        # the add folded after the norm (norm_add)
+        self.output_add = output_add        # the add folded after the norm (norm_add)
         self.residual_scale = residual_scale
         self.sum_dtype = sum_dtype
 
 
-def _refusal(site: SiteState) -> str | None:
+def _refusal(state: SiteState) -> str | None:
     """Why the norm itself cannot become a fused op (None when it can)."""
-    m = site.match
+    m = state.match
     if m.reason:
         return m.reason
     if m.hidden_size is None:
@@ -82,21 +83,21 @@ def _refusal(site: SiteState) -> str | None:
     return None
 
 
-def plan(index: GraphIndex, site: SiteState, claimed: set, reserved: set, fuse_output_add: bool
+def plan(index: GraphIndex, state: SiteState, claimed: set, reserved: set, fuse_output_add: bool
          ) -> tuple[Plan | None, str | None]:
-    """Choose the op for one site; returns (plan, None) or (None, reason).
+    """Choose the op for one state; returns (plan, None) or (None, reason).
 
     ``claimed``: adds already folded into a kernel. ``reserved``: adds that some norm reads;
     those go to that norm (add -> norm) rather than to a norm -> add before it."""
-    reason = _refusal(site)
+    reason = _refusal(state)
     if reason:
         return None, reason
-    m = site.match
-    add = site.in_add
-    if add is not None:  # refresh: an operand may be an earlier site's add, now replaced by its sum
+    m = state.match
+    add = state.in_add
+    if add is not None:  # refresh: an operand may be an earlier state's add, now replaced by its sum
         fresh = as_add(index, add.node, m.hidden_size)
         add.operands, add.scaled, add.residual_scale = fresh.operands, fresh.scaled, fresh.residual_scale
-    out = site.out_add
+    out = state.output_add
     if out is not None and out.node.graph is index.graph:
         fresh = as_add(index, out.node, m.hidden_size)
         out.operands, out.scaled, out.residual_scale = fresh.operands, fresh.scaled, fresh.residual_scale
@@ -110,27 +111,27 @@ def plan(index: GraphIndex, site: SiteState, claimed: set, reserved: set, fuse_o
         else:
             stream = stream_operand(index, add)
             x, residual = (b, a) if stream == 0 else (a, b)
-        return Plan(site, "add_norm", x, residual, residual_scale=add.residual_scale,
+        return Plan(state, "add_norm", x, residual, residual_scale=add.residual_scale,
                     sum_dtype=node_dtype(add.node)), None
     if fuse_output_add and out is not None and out.reason is None and out.node not in claimed \
-            and out.node not in reserved and add is None and site.placement in ("res_post", "sandwich") \
-            and not site.out_chain:
+            and out.node not in reserved and add is None and state.placement in ("res_post", "sandwich") \
+            and not state.output_chain:
         stream = stream_operand(index, out)
         ops = out.node.all_input_nodes
         if stream is not None and out.scaled in (None, stream) and same_shape(node_shape(ops[stream]),
                                                                                node_shape(m.output)):
             residual = out.operands[stream]
-            return Plan(site, "norm_add", m.input, residual, post_add=out.node,
+            return Plan(state, "norm_add", m.input, residual, output_add=out.node,
                         residual_scale=out.residual_scale), None
-    return Plan(site, "norm", m.input, None, sum_dtype=node_dtype(m.input)), None
+    return Plan(state, "norm", m.input, None, sum_dtype=node_dtype(m.input)), None
 
 
-def add_reason(site: SiteState, p: Plan, claimed: set, reserved: set, fuse_output_add: bool) -> str | None:
-    """Why the add next to a site is not in the site's kernel (None when the kernel holds an add,
-    or no add is next to it). Call before the site's own adds are claimed."""
+def add_reason(state: SiteState, p: Plan, claimed: set, reserved: set, fuse_output_add: bool) -> str | None:
+    """Why the add next to a state is not in the state's kernel (None when the kernel holds an add,
+    or no add is next to it). Call before the state's own adds are claimed."""
     if p.op in ("add_norm", "norm_add"):
         return None
-    add, out = site.in_add, site.out_add
+    add, out = state.in_add, state.output_add
     if add is not None:
         return add.reason or ("the sum is folded into another norm's kernel" if add.node in claimed
                               else "the add's operands change shape on the way to the norm")
@@ -142,9 +143,9 @@ def add_reason(site: SiteState, p: Plan, claimed: set, reserved: set, fuse_outpu
         return "the add after the norm is folded into the kernel of the norm that reads its sum"
     if not fuse_output_add:
         return "adds after a norm are not folded (fuse_output_add=False)"
-    if site.out_chain:
+    if state.output_chain:
         return "views or dropout sit between the norm and the add after it"
-    if site.placement not in ("res_post", "sandwich"):
+    if state.placement not in ("res_post", "sandwich"):
         return ("the add after the norm is not a residual add of the norm's output into a stream "
                 "(x + norm(F(x))): neither operand descends from the other")
     return "the add after the norm does not keep the stream's shape"
@@ -158,12 +159,12 @@ def _copy_meta(dst: fx.Node, src: fx.Node) -> None:
 
 def _insertion_point(index: GraphIndex, p: Plan) -> fx.Node:
     """The first node that may read the op's outputs; all operands must come before it."""
-    m = p.site.match
+    m = p.state.match
     candidates = list(m.nodes) + [m.output]
     if p.op == "add_norm":
-        candidates += [p.site.in_add.node, *p.site.in_add.chain]
-    if p.post_add is not None:
-        candidates.append(p.post_add)
+        candidates += [p.state.in_add.node, *p.state.in_add.chain]
+    if p.output_add is not None:
+        candidates.append(p.output_add)
     first = min(candidates, key=index.order.__getitem__)
     for operand in (p.x, p.residual, m.weight, m.bias):
         if isinstance(operand, fx.Node) and index.order[operand] >= index.order[first]:
@@ -171,7 +172,7 @@ def _insertion_point(index: GraphIndex, p: Plan) -> fx.Node:
                 first.prepend(operand)
                 index.order[operand] = index.order[first] - 0.5
             else:
-                raise RuntimeError(f"operand {operand.name} is computed after the site starts")
+                raise RuntimeError(f"operand {operand.name} is computed after the state starts")
     return first
 
 
@@ -202,7 +203,7 @@ def apply(index: GraphIndex, p: Plan, as_op: bool = False) -> list[fx.Node]:
     """Insert the fused call and reroute users; returns the inserted nodes. ``as_op``: call
     the custom op itself (graphs already lowered to ATen)."""
     graph = index.graph
-    m = p.site.match
+    m = p.state.match
     p.x, p.residual = index.resolve(p.x), index.resolve(p.residual)
     first = _insertion_point(index, p)
     modes = dict(kind=m.kind, eps=m.eps, weight_offset=m.weight_offset, residual_scale=p.residual_scale,
@@ -210,7 +211,7 @@ def apply(index: GraphIndex, p: Plan, as_op: bool = False) -> list[fx.Node]:
     old_nodes = list(m.nodes)
     with graph.inserting_before(first):
         if p.op == "norm_add":
-            post = p.post_add
+            post = p.output_add
             y_used = any(u is not post for u in real_users(m.output))
             call = _fused_call(graph, "norm_add", (p.x, p.residual, m.weight, m.bias),
                                dict(modes, add_dtype=node_dtype(post), return_norm=y_used), as_op)
@@ -228,7 +229,7 @@ def apply(index: GraphIndex, p: Plan, as_op: bool = False) -> list[fx.Node]:
                 index.replaced[m.output] = y
             old_nodes.append(post)
         else:
-            add = p.site.in_add if p.op == "add_norm" else None
+            add = p.state.in_add if p.op == "add_norm" else None
             s_used = add is not None and any(
                 u not in set(add.chain) | set(m.nodes) for node in (add.node, *add.chain) for u in real_users(node))
             call = _fused_call(graph, "add_norm", (p.x, p.residual, m.weight, m.bias),
@@ -265,8 +266,8 @@ def apply(index: GraphIndex, p: Plan, as_op: bool = False) -> list[fx.Node]:
 
 
 def _erase_dead(graph: fx.Graph, nodes: list[fx.Node], index: GraphIndex) -> None:
-    """Erase the site's old nodes that nothing reads any more, last first."""
-    # the site's own nodes are pure (arithmetic, casts, views, norm calls or norm modules)
+    """Erase the state's old nodes that nothing reads any more, last first."""
+    # the state's own nodes are pure (arithmetic, casts, views, norm calls or norm modules)
     pending = sorted({n for n in nodes if isinstance(n, fx.Node) and n.op in ("call_function", "call_method",
                                                                              "call_module")},
                      key=lambda n: index.order.get(n, -1), reverse=True)

@@ -18,7 +18,6 @@ so a failure names the site instead of a far-away output.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import json
 import sys
@@ -363,13 +362,7 @@ def check_graph_sites(original: fx.GraphModule, inputs: list[Any], rewritten: fx
 
 
 def _structure(report: FusionReport, notes: list[str]) -> bool | None:
-    try:
-        from normfuse.passes import prenorm
-        check_structure = prenorm.check_structure
-    except (ImportError, AttributeError):
-        notes.append("the Post-Norm -> Pre-Norm structure check (normfuse.passes.prenorm.check_structure) is not "
-                     "available in this build: structure_ok is unknown")
-        return None
+    from normfuse.verify.structure import check_structure
     ok, message = check_structure(report.graph_modules)
     if message:
         notes.append(f"structure: {message}")

@@ -84,7 +84,7 @@ def _subgraph(index, state, op: str, reads: set) -> tuple[list[fx.Node], list[tu
         nodes += [add.node, *add.chain, *_operand_prep(index, add.node, set(add.operands) | reads)]
         outputs = [(0, m.output), (1, add.node)]
     elif op == "norm_add":
-        out = state.out_add
+        out = state.output_add
         nodes += [out.node, *_operand_prep(index, out.node, set(out.operands) | {m.output} | reads)]
         outputs = [(0, out.node), (1, m.output)]
     else:

@@ -1,0 +1,97 @@
+"""The graph every stage reads: node order and the canonical view, with cheap ancestor queries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import networkx as nx
+import torch.fx as fx
+
+from normfuse.passes.canonical import Canon, canonical, common_subexpressions
+
+__all__ = ["GraphIndex", "dependency_graph"]
+
+
+class GraphIndex:
+    """Graph order and the canonical view, with cheap ancestor queries."""
+
+    def __init__(self, graph: fx.Graph, view: dict[fx.Node, Canon]):
+        self.graph = graph
+        self.view = view
+        self.order = {n: i for i, n in enumerate(graph.nodes)}
+        self.replaced: dict[fx.Node, fx.Node] = {}  # old node -> node holding its value after a rewrite
+        # outputs of the norms found so far: walks up from a norm's input stop there, so a
+        # norm that reads another norm's output never reaches into it (its "+ bias" is no
+        # residual add, its internal values are not this norm's input)
+        self.norm_outputs: set[fx.Node] = set()
+        # duplicated pure expressions -> the first node computing the same value
+        self.rep: dict[fx.Node, fx.Node] = common_subexpressions(graph, view)
+
+    def same(self, a: Any, b: Any) -> bool:
+        """Whether two arguments are one value: the same node, or structurally equal pure nodes."""
+        return a is b or (isinstance(a, fx.Node) and isinstance(b, fx.Node)
+                          and self.rep.get(a, a) is self.rep.get(b, b))
+
+    def duplicates(self, node: Any) -> list[fx.Node]:
+        """The duplicated nodes ``node`` is computed through (itself included when it is one):
+        what a match that read ``node`` as an equal earlier value also covers."""
+        found, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            if isinstance(n, fx.Node) and n in self.rep and n not in found:
+                found.append(n)
+                stack.extend(n.all_input_nodes)
+        return found
+
+    def resolve(self, node: Any) -> Any:
+        """The node that now holds the value ``node`` held before earlier rewrites."""
+        while isinstance(node, fx.Node) and node in self.replaced:
+            node = self.replaced[node]
+        return node
+
+    def refresh(self, node: fx.Node) -> None:
+        c = canonical(node)
+        if c is not None:
+            self.view[node] = c
+
+    def canon(self, node: Any) -> Canon | None:
+        return self.view.get(node) if isinstance(node, fx.Node) else None
+
+    def prim(self, node: Any) -> str | None:
+        c = self.canon(node)
+        return c.prim if c else None
+
+    def ancestors(self, node: fx.Node) -> set[fx.Node]:
+        seen, stack = set(), [node]
+        while stack:
+            for p in stack.pop().all_input_nodes:
+                if p not in seen:
+                    seen.add(p)
+                    stack.append(p)
+        return seen
+
+    def is_ancestor(self, a: fx.Node, b: fx.Node) -> bool:
+        """Whether ``a`` is an ancestor of ``b``; the search stops below a's position."""
+        if not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
+            return False
+        lo = self.order[a]
+        seen, stack = set(), [b]
+        while stack:
+            n = stack.pop()
+            for p in n.all_input_nodes:
+                if p is a:
+                    return True
+                if p not in seen and self.order[p] > lo:
+                    seen.add(p)
+                    stack.append(p)
+        return False
+
+
+def dependency_graph(graph: fx.Graph) -> nx.DiGraph:
+    """The graph's data flow as a networkx DiGraph (an edge from each input to its user)."""
+    g = nx.DiGraph()
+    for node in graph.nodes:
+        g.add_node(node)
+        for inp in node.all_input_nodes:
+            g.add_edge(inp, node)
+    return g
