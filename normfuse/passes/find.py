@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from normfuse.passes.canonical import (Canon, canonical, common_subexpressions, real_users, is_exact_upcast, last_dim, node_dtype, node_shape, same_dim,
-                                       same_shape)
+from normfuse.passes.canonical import (Canon, canonical, common_subexpressions, real_users, is_exact_upcast,
+                                       last_dim, node_dtype, node_shape, same_dim, same_shape)
 
 __all__ = ["NormMatch", "AddMatch", "find_norms", "find_input_add", "find_output_add", "GraphIndex", "as_add"]
 
@@ -348,7 +348,8 @@ def _match_decomposed(index: GraphIndex, mean: fx.Node, c: Canon) -> NormMatch |
     # LayerNorm: d = u - mean(u); var = mean(d^2); n = d * rsqrt(var + eps)
     for d in mean.users:
         cd = index.canon(d)
-        if cd is None or cd.prim != "sub" or not index.same(cd["other"], mean) or not _same_value(index, cd["input"], t):
+        if cd is None or cd.prim != "sub" or not index.same(cd["other"], mean) \
+                or not _same_value(index, cd["input"], t):
             continue
         for sqn in (u for u in d.users if index.same(_square_of(index, u), d)):
             for var in sqn.users:
