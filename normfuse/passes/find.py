@@ -274,7 +274,8 @@ def _match_decomposed(index: GraphIndex, mean: fx.Node, c: Canon) -> NormMatch |
     # LayerNorm: d = u - mean(u); var = mean(d^2); n = d * rsqrt(var + eps)
     for d in mean.users:
         cd = index.canon(d)
-        if cd is None or cd.prim != "sub" or not index.same(cd["other"], mean) or not _same_value(index, cd["input"], t):
+        if cd is None or cd.prim != "sub" or not index.same(cd["other"], mean) \
+                or not _same_value(index, cd["input"], t):
             continue
         for sqn in (u for u in d.users if index.same(_square_of(index, u), d)):
             for var in sqn.users:

@@ -308,10 +308,9 @@ def check_sites(report: FusionReport, originals: list[tuple[fx.GraphModule, list
         same = [i for i, (gm, _) in enumerate(originals) if _placeholders(gm) == _placeholders(rewritten)]
         match = next((i for i in same if i not in used), same[0] if same else None)
         if match is None:
-            unverified_why.append(
-                f"graph {g}: no captured original graph has the same inputs ({len(originals)} captured); its "
-                f"{sum(s.fused for s in sites)} fused sites were not verified (was the optimized model run on other "
-                "inputs?)")
+            unverified_why.append(f"graph {g} ({sum(s.fused for s in sites)} fused sites): none of the "
+                                  f"{len(originals)} captured original graphs has the same inputs (was the "
+                                  "optimized model run on other inputs?)")
             continue
         used.add(match)
         checks += _check_tree(report, g, *originals[match], rewritten)
