@@ -123,8 +123,8 @@ class OptimizedForward:
 
 class _NotPickled(list):
     """The report's rewritten graph modules: they live with the compiled code, so a pickled
-    (``torch.save(model)``) or copied model does not carry them (a GraphModule pickles by
-    re-tracing its code, which the fused ops' Python wrappers do not support)."""
+    (``torch.save(model)``) or copied model does not carry them: the loaded model captures
+    and rewrites its graphs afresh, and its report describes those."""
 
     def __reduce__(self):
         return (_NotPickled, ())

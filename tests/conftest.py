@@ -16,6 +16,15 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches empty before and after the test (a module opts in with
+    ``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def triton_cpu(monkeypatch):
     """Run the fused ops' Triton kernels on CPU tensors, under Triton's interpreter."""
     pytest.importorskip("triton")

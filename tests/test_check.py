@@ -21,6 +21,7 @@ from normfuse.verify.check import _Recorder, check_graph_on_first_call
 from normfuse.verify.numeric import Fp64Mode, perturb_vectors, ulp_diff
 from normfuse.verify.sites import fused_calls
 from normfuse.zoo import ToyTransformer, hf_model
+from helpers import assert_close
 
 pytest.importorskip("transformers")
 pytest.importorskip("sympy")
@@ -230,5 +231,5 @@ def test_optimize_with_check_runs_the_checker_quietly(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         got = normfuse.optimize(copy.deepcopy(model), check=True)(ids)
-    torch.testing.assert_close(got, want)
+    assert_close(got, want)
     assert len(calls) == 1 and len(calls[0].fused) == 5  # the graph and its 5 rewritten sites were checked

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import normfuse
 from normfuse.tolerances import within_tolerance
+from helpers import assert_close
 
 
 def _declare_torchvision_ops():
@@ -326,7 +327,7 @@ def test_prenorm_converts_every_stream_of_an_encoder_decoder():
     assert sorted(prenorm.final_norms(model)) == ["decoder.normfuse_final_norm", "encoder.normfuse_final_norm"]
     ok, why = prenorm.check_structure(rep.graph_modules)
     assert ok and why.count("adds only") == 2, why
-    torch.testing.assert_close(out.mean(-1), torch.zeros(out.shape[:-1]), atol=1e-4, rtol=0)
+    assert_close(out.mean(-1), torch.zeros(out.shape[:-1]))
 
 
 def test_prenorm_stream_left_unconverted_warns_and_gets_no_final_norm():

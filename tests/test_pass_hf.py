@@ -22,6 +22,7 @@ import torch
 import normfuse
 from normfuse.tolerances import within_tolerance
 from normfuse.zoo import example_inputs, hf_model
+from helpers import assert_close
 
 pytest.importorskip("transformers")
 
@@ -90,7 +91,7 @@ def test_hf_backward(name):
         if q.grad is None:
             assert p.grad is None, pname
             continue
-        assert torch.allclose(p.grad, q.grad, atol=1e-5, rtol=1e-3), pname
+        assert_close(p.grad, q.grad, pname)
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))
@@ -116,7 +117,7 @@ def test_inductor_backend_on_llama():
     with torch.no_grad():
         ref = _first_tensor(model(**inputs))
         out = _first_tensor(torch.compile(model, backend="normfuse_inductor")(**inputs))
-    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
+    assert_close(out, ref)
 
 
 @pytest.mark.parametrize("name", ["llama", "bert"])

@@ -13,6 +13,7 @@ import torch.nn as nn
 import normfuse
 from normfuse.passes import prenorm
 from normfuse.zoo import ToyTransformer
+from helpers import assert_close
 
 
 @pytest.fixture(autouse=True)
@@ -74,7 +75,7 @@ def test_toy_post_equals_hand_written_pre(kind, spelling):
     assert (out - original).abs().max() > 1e-2
     # ... into exactly the hand-written Pre-Norm model with the mapped weights
     expected = _pre_twin(post, kind, spelling)(ids)
-    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    assert_close(out, expected)
     ok, why = prenorm.check_structure(rep.graph_modules)
     assert ok, why
     assert "4 converted blocks" in why and "4 adds only" in why
@@ -97,7 +98,7 @@ def test_deepnorm_drops_alpha():
     out, rep = _converted(post, ids)
     assert rep.counts()["converted"] == 4
     assert any("DeepNorm residual scale [1.7] dropped" in n for n in rep.notes)
-    torch.testing.assert_close(out, _pre_twin(post)(ids), rtol=1e-4, atol=1e-5)
+    assert_close(out, _pre_twin(post)(ids))
     assert prenorm.check_structure(rep.graph_modules)[0]
 
 
@@ -113,7 +114,7 @@ def test_embedding_norm_stays_and_existing_final_norm_is_used():
     assert any("already ends in a norm" in n for n in rep.notes)
     expected = _pre_twin(post)
     expected.final_norm.load_state_dict(post.final_norm.state_dict())
-    torch.testing.assert_close(out, expected(ids), rtol=1e-4, atol=1e-5)
+    assert_close(out, expected(ids))
 
 
 def test_pre_norm_model_is_left_alone():
@@ -123,7 +124,7 @@ def test_pre_norm_model_is_left_alone():
     out, rep = _converted(pre, ids)
     assert rep.counts()["converted"] == 0
     assert any("no Post-Norm block" in n for n in rep.notes)
-    torch.testing.assert_close(out, original)
+    assert_close(out, original)
     assert prenorm.check_structure(rep.graph_modules) == (False, "no converted Pre-Norm stream in these graphs")
 
 
@@ -151,7 +152,7 @@ def test_unidentifiable_branch_is_refused_with_a_reason():
     rep = normfuse.report(model)
     assert rep.counts()["converted"] == 0
     assert any("left as it was" in w and "reads" in w and "from inside the branch" in w for w in rep.warnings)
-    torch.testing.assert_close(out[0], expected[0])
+    assert_close(out[0], expected[0])
 
 
 def test_structure_check_catches_a_non_add_on_the_stream():
@@ -210,13 +211,13 @@ def test_converted_model_trains_and_round_trips_state_dict():
     buf.seek(0)
     twin.load_state_dict(torch.load(buf))  # strict: same keys before its first call
     model.eval(), twin.eval()
-    torch.testing.assert_close(twin(ids), model(ids))
+    assert_close(twin(ids), model(ids))
     # optimize again changes nothing
     keys = list(model.state_dict())
     before = model(ids)
     assert normfuse.optimize(model, prenorm=True) is model
     assert list(model.state_dict()) == keys
-    torch.testing.assert_close(model(ids), before)
+    assert_close(model(ids), before)
 
 
 # --------------------------------------------------------------------------- HF Post-Norm models
@@ -247,7 +248,7 @@ def test_hf_post_norm_models(model_type, converted, finals):
     assert why.count("adds only") == len(finals)
     assert torch.isfinite(out).all()
     # the converted stream ends in a LayerNorm with identity affine: zero mean, unit variance rows
-    torch.testing.assert_close(out.mean(-1), torch.zeros(out.shape[:-1]), atol=1e-4, rtol=0)
+    assert_close(out.mean(-1), torch.zeros(out.shape[:-1]))
     loss = out.pow(2).mean() + out[..., 0].mean()
     opt.zero_grad()
     loss.backward()
@@ -263,7 +264,7 @@ def test_hf_post_norm_models(model_type, converted, finals):
     model.eval(), twin.eval()
     torch._dynamo.reset()
     with torch.no_grad():
-        torch.testing.assert_close(twin(**inputs).last_hidden_state, model(**inputs).last_hidden_state)
+        assert_close(twin(**inputs).last_hidden_state, model(**inputs).last_hidden_state)
 
 
 def test_check_knows_the_conversion_is_by_design():

@@ -23,11 +23,7 @@ from normfuse.zoo import ToyTransformer, example_inputs, hf_model
 IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class CheckpointedStack(nn.Module):

@@ -21,15 +21,12 @@ from normfuse.errors import (InvalidModelError, InvalidOptionError, NormfuseErro
 from normfuse.passes import pipeline
 from normfuse.tolerances import within_tolerance
 from normfuse.zoo import ToyTransformer, example_inputs, hf_model
+from helpers import assert_close
 
 IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _inject_fault(monkeypatch, stage, error):
@@ -231,7 +228,7 @@ def test_train_eval_switch_never_fuses_through_live_dropout():
     assert torch.equal(out, expected)
     out.sum().backward(), expected.sum().backward()
     for p, q in zip(model.parameters(), ref.parameters()):
-        assert torch.allclose(p.grad, q.grad, atol=1e-6)
+        assert_close(p.grad, q.grad)
     train_sites = normfuse.report(model).sites
     # training graph: the dropout is live, so the first norm's add stays outside its kernel
     assert [(s.fqn, s.input_is_add) for s in train_sites] == [("norm", True), ("norm2", True)]
@@ -266,7 +263,7 @@ def test_no_grad_and_inference_mode(grad_mode):
     y, z = model(IDS), ref(IDS)
     y.square().sum().backward(), z.square().sum().backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-5), name
+        assert_close(p.grad, q.grad, name)
     assert all(s.fused for s in normfuse.report(model).sites)
 
 
@@ -466,11 +463,11 @@ def test_shared_norm_module_forward_and_grads():
     model, ref = _optimized(SharedNorm())
     x = torch.randn(3, 5, 32)
     out, expected = model(x), ref(x)
-    assert torch.allclose(out, expected, atol=1e-6)
+    assert_close(out, expected)
     out.square().sum().backward(), expected.square().sum().backward()
     # the shared weight collects the gradient of all three uses
-    assert torch.allclose(model.norm.weight.grad, ref.norm.weight.grad, rtol=1e-5, atol=1e-5)
-    assert torch.allclose(model.norm.bias.grad, ref.norm.bias.grad, rtol=1e-5, atol=1e-5)
+    assert_close(model.norm.weight.grad, ref.norm.weight.grad)
+    assert_close(model.norm.bias.grad, ref.norm.bias.grad)
     rep = normfuse.report(model)
     assert [(s.fqn, s.op) for s in rep.sites] == [("norm", "add_norm")] * 3
 
@@ -479,7 +476,7 @@ def test_albert_shares_its_layers():
     model, ref = _optimized(hf_model("albert"))
     inputs = example_inputs(model)
     out, expected = model(**inputs).last_hidden_state, ref(**inputs).last_hidden_state
-    assert torch.allclose(out, expected, atol=1e-5)
+    assert_close(out, expected)
     rep = normfuse.report(model)
     assert rep.counts()["by_placement"] == {"embedding": 1, "post": 4} and rep.counts()["fused"] == 5
     # both layers are the same module: its two norms appear twice, under the same name
@@ -498,7 +495,7 @@ def test_frozen_parameters():
     out.square().mean().backward(), expected.square().mean().backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         if p.requires_grad:
-            assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
+            assert_close(p.grad, q.grad, name)
         else:
             assert p.grad is None and q.grad is None, name
     assert normfuse.report(model).counts()["fused"] == 5

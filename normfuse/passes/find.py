@@ -183,8 +183,9 @@ def _match_norm_call(index: GraphIndex, node: fx.Node, c: Canon) -> NormMatch | 
 # --------------------------------------------------------------------------- decomposed norms
 
 def _rstd_users(index: GraphIndex, denom_src: fx.Node):
-    """From ``var + eps`` to the ways it becomes rstd. Yields (kind, node):
-    ("mul", rstd) for rsqrt / 1/sqrt / pow(-0.5), ("div", sqrt) for ``v / sqrt(var + eps)``."""
+    """From ``var + eps`` to the ways it becomes rstd. Yields (how, node, nodes): ("mul", rstd,
+    its nodes) for rsqrt / 1/sqrt / pow(-0.5), ("div", sqrt / ..., its nodes) for
+    ``v / sqrt(var + eps)``; ``nodes`` are the ones between ``var + eps`` and the rstd."""
     for u in denom_src.users:
         c = index.canon(u)
         if c is None:
