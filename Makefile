@@ -1,23 +1,30 @@
 # Two commands for a fresh machine: `make demo` and `make test`.
 # Both set up a venv first; set-up is skipped when pyproject.toml has not changed.
+# Release: `make dist` (sdist + wheel in dist/, fails on any build warning) and
+# `make smoke` (that wheel installed in a fresh venv, exercised from outside the tree).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# The CPU wheel of torch. Installed before the package so that the torch range in
-# pyproject.toml is already satisfied and pip never pulls a CUDA build.
-TORCH  ?= torch==2.13.0
-TRITON ?= triton==3.8.*
+# The tested versions: the lower bounds in pyproject.toml (README, "Tested versions").
+# They are installed before the package, so its ranges are already satisfied and pip
+# never resolves `torch` against the index (that would pull a multi-GB CUDA build);
+# torch==2.13.0 is taken from the CPU wheel on local disk.
+TORCH        ?= torch==2.13.0
+TRITON       ?= triton==3.8.0
+TRANSFORMERS ?= transformers==5.24.0
+PINNED       := "$(TORCH)" "$(TRITON)" "$(TRANSFORMERS)"
 PYTEST_WORKERS ?= 2
+export TORCH TRITON TRANSFORMERS
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow smoke dist bench clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)" "$(TRITON)"
-	$(PY) -m pip install -q -e ".[dev,hf]"
+	$(PY) -m pip install -q $(PINNED)
+	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
 demo: setup
@@ -30,8 +37,20 @@ test: setup
 test-slow: setup
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
+# sdist, then the wheel built from it (so a file missing from the sdist breaks the wheel);
+# any warning of the build backend fails the target (pip's own notes, in capitals, are not its).
+dist: setup
+	rm -rf dist && mkdir dist
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m build --outdir dist . > dist/build.log 2>&1 || { cat dist/build.log; exit 1; }
+	@grep -E '^Successfully built' dist/build.log
+	@! grep -E '[Ww]arning|[Dd]eprecat' dist/build.log || { echo "make dist: the build warned (dist/build.log)"; exit 1; }
+
+# The built wheel, not the checkout: fresh venv, runtime extras only, run from a temp dir.
+smoke: dist
+	$(PYTHON) scripts/wheel_smoke.py dist/normfuse-*.whl $(PINNED)
+
 bench: setup
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info
