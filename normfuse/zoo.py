@@ -306,6 +306,9 @@ def hf_config(model_type: str, tiny: bool = True, **overrides: Any):
 
     config = AutoConfig.for_model(model_type)
     for key, value in {**(TINY_HF if tiny else {}), **overrides}.items():
+        derived = getattr(type(config), key, None)
+        if isinstance(derived, property) and derived.fset is None and key not in overrides:
+            continue  # computed from other fields (Falcon's head_dim): shrinks with them
         if hasattr(config, key) and (value is not None or key in overrides):
             setattr(config, key, value)
     if hasattr(config, "use_cache"):
