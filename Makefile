@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 TRITON ?= triton==3.8.*
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow test-zoo bench clean
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,10 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+# every model of tests/zoo (the default `make test` runs its fast subset)
+test-zoo: setup
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m zoo tests/zoo $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) benchmarks/run_all.py
