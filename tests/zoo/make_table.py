@@ -27,8 +27,8 @@ def _entry_text(name: str, got: dict) -> str:
 
 
 def measure(names: list[str]) -> None:
-    from tests.zoo.models import zoo_models
-    from tests.zoo.run import measure as run_one
+    from .models import zoo_models
+    from .run import measure as run_one
 
     models = zoo_models()
     for name in names or list(models):
@@ -46,8 +46,8 @@ def _cell(want: dict) -> str:
 
 
 def table() -> str:
-    from tests.zoo.expected import EXPECTED
-    from tests.zoo.models import zoo_models
+    from .expected import EXPECTED
+    from .models import zoo_models
 
     groups = defaultdict(list)
     for name, model in zoo_models().items():

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 import normfuse
-from tests.zoo.count import count_eager
-from tests.zoo.models import ZooModel
+from .count import count_eager
+from .models import ZooModel
 
 
 def measure(entry: ZooModel, check: bool = True) -> dict[str, Any]:

@@ -15,9 +15,9 @@ import importlib.util
 
 import pytest
 
-from tests.zoo.expected import EXPECTED, FAST
-from tests.zoo.models import zoo_models
-from tests.zoo.run import measure
+from .expected import EXPECTED, FAST
+from .models import zoo_models
+from .run import measure
 
 MODELS = zoo_models()
 ASSERTED = ("norms", "fused", "fused_with_add", "input_is_add", "placements", "eager_norms", "eager_input_is_add",
