@@ -423,4 +423,19 @@ EXPECTED = {
 }
 
 # the default test run's share of the zoo: one or two of every group, and known findings
-FAST = ["hf:llama", "hf:bert", "hf:gemma2", "hf:gpt_neox", "hf:deberta", "hf:cohere", "hf:mixtral", "hf:pegasus", "hf:lfm2", "hf:vit", "tv:swin_v2_t", "timm:deit_tiny_patch16_224", "nn:encoder_pre", "nn:decoder_post"]
+FAST = [
+    "hf:llama",
+    "hf:bert",
+    "hf:gemma2",
+    "hf:gpt_neox",
+    "hf:deberta",
+    "hf:cohere",
+    "hf:mixtral",
+    "hf:pegasus",
+    "hf:lfm2",
+    "hf:vit",
+    "tv:swin_v2_t",
+    "timm:deit_tiny_patch16_224",
+    "nn:encoder_pre",
+    "nn:decoder_post",
+]
