@@ -16,7 +16,7 @@ PINNED       := "$(TORCH)" "$(TRITON)" "$(TRANSFORMERS)"
 PYTEST_WORKERS ?= 2
 export TORCH TRITON TRANSFORMERS
 
-.PHONY: setup demo test test-slow smoke dist bench clean
+.PHONY: setup demo test test-slow test-zoo smoke dist bench clean
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,10 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+# every model of tests/zoo (the default `make test` runs its fast subset)
+test-zoo: setup
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m zoo tests/zoo $(PYTEST_ARGS)
 
 # sdist, then the wheel built from it (so a file missing from the sdist breaks the wheel);
 # any warning of the build backend fails the target (pip's own notes, in capitals, are not its).

@@ -80,11 +80,13 @@ def main(argv=None) -> dict:
         optimized = normfuse.optimize(copy.deepcopy(eager))
         eager_s, opt_s = _timed(eager, inputs, repeats), _timed(optimized, inputs, repeats)
         counts = normfuse.report(optimized).counts()
-        # one layer's rewritten graph: the optimized model's own layers run eagerly outside
-        # the compiled forward, so re-run the layer through a compiled copy of it
-        layer_model = copy.deepcopy(eager)
+        # what one layer's re-run keeps: the layer itself, eager and optimized, outside any
+        # checkpoint (a checkpointed call would keep only its inputs)
+        plain = copy.deepcopy(eager)
+        plain.gradient_checkpointing_disable()
+        layer_model = copy.deepcopy(plain)
         layer_model.layers[0] = normfuse.optimize(layer_model.layers[0])
-        eager_layer, fused_layer = _layer_recompute_saved(layer_model, eager, inputs)
+        eager_layer, fused_layer = _layer_recompute_saved(layer_model, plain, inputs)
         rows.append({
             "dtype": name, "hidden": hidden, "layers": layers, "tokens": batch * seq,
             "sites": counts["sites"], "fused": counts["fused"], "fused_with_add": counts["fused_with_add"],

@@ -29,6 +29,9 @@ import torch
 import torch.nn as nn
 
 from normfuse.errors import TargetError, closest
+from normfuse.zoo import prepare_torchvision
+
+prepare_torchvision()  # before transformers imports a torchvision that cannot load its extension
 
 __all__ = ["load_target", "is_config_target", "make_inputs", "default_seq", "parse_overrides", "parse_dtype", "hf_model_types",
            "LAYER_FIELDS"]

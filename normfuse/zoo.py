@@ -7,6 +7,9 @@ recognizes; the demo, the examples, the tests and the fuzzer build on it.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = ["ToyTransformer", "make_norm", "NORM_SPELLINGS", "PLACEMENTS", "ADD_ORDERS", "residual_add", "hf_config", "hf_model",
-           "example_inputs", "TINY_HF"]
+           "example_inputs", "TINY_HF", "prepare_torchvision"]
 
 PLACEMENTS = ("pre", "post", "res_post", "sandwich", "parallel", "deepnorm")
 
@@ -257,6 +260,37 @@ class ToyTransformer(nn.Module):
 
 # --------------------------------------------------------------------------- HF models
 
+_torchvision_ops = None  # the declarations live as long as the process
+
+
+def prepare_torchvision() -> None:
+    """Let a torchvision whose C extension cannot load (a CUDA wheel next to a CPU torch) import.
+
+    Its pure-Python models still work, but ``import torchvision`` fails registering fake kernels
+    for ``torchvision::nms``/``qnms``, ops its extension would have defined; transformers imports
+    torchvision whenever it is installed, so every HF model would fail to build. Declaring the two
+    schemas first lets the import through. Nothing happens when torchvision is absent, already
+    imported, or its extension loads (it then defines the ops itself)."""
+    global _torchvision_ops
+    if _torchvision_ops is not None or "torchvision" in sys.modules:
+        return
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    for extension in Path(spec.submodule_search_locations[0]).glob("_C.*"):
+        try:
+            torch.ops.load_library(str(extension))
+            return
+        except OSError:
+            break
+    _torchvision_ops = torch.library.Library("torchvision", "DEF")
+    for op in ("nms", "qnms"):
+        _torchvision_ops.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+
+
+prepare_torchvision()
+
+
 # Shrinking overrides applied to any HF config that has the field (2 layers, hidden 64).
 TINY_HF = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                num_hidden_layers=2, vocab_size=128, n_embd=64, n_layer=2, n_head=4, d_model=64, d_ff=128,
@@ -272,6 +306,9 @@ def hf_config(model_type: str, tiny: bool = True, **overrides: Any):
 
     config = AutoConfig.for_model(model_type)
     for key, value in {**(TINY_HF if tiny else {}), **overrides}.items():
+        derived = getattr(type(config), key, None)
+        if isinstance(derived, property) and derived.fset is None and key not in overrides:
+            continue  # computed from other fields (Falcon's head_dim): shrinks with them
         if hasattr(config, key) and (value is not None or key in overrides):
             setattr(config, key, value)
     if hasattr(config, "use_cache"):

@@ -14,6 +14,12 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from normfuse.zoo import prepare_torchvision  # noqa: E402
+
+# transformers imports torchvision whenever it is installed; a torchvision wheel whose C
+# extension does not load (the CUDA build next to a CPU torch) imports only after this
+prepare_torchvision()
+
 
 @pytest.fixture
 def fresh_dynamo():

@@ -1,0 +1,441 @@
+"""What the zoo (tests/zoo/models.py) must show, model by model; tests/zoo/test_zoo.py asserts it.
+
+Columns, per model, in one forward pass (batch 2, 8 tokens or 32x32 / 64x64 images, fp32, CPU):
+- norms, fused, fused_with_add, input_is_add, placements: normfuse's report (sites found, sites
+  rewritten, rewritten together with their residual add, sites whose input is an add, placement).
+- eager_norms, eager_input_is_add: the independent eager count of tests/zoo/count.py (norm calls,
+  and those whose input is the tensor an add returned). Where it differs from normfuse's the note
+  says why (a norm normfuse does not see, or an add behind a reshape the simple count misses).
+- check: normfuse.check (forward; outputs against fp64 under normfuse/tolerances.py, every fused
+  site numerically and symbolically), "ok", "FAILS" or "raises <error>"; checked_sites: sites it
+  verified; bitwise: the optimized outputs equal eager's bit for bit.
+- note: why an entry departs from "every norm found and fused, check ok, counts agree". "defect N"
+  names an open defect of the project's issue list; a finding not on that list says "open:".
+
+Regenerate an entry with `python -m tests.zoo.make_table --measure NAME`.
+"""
+
+EXPECTED = {
+    # --- encoder
+    "hf:bert": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"embedding": 1, "post": 4},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:roberta": dict(norms=5, fused=5, fused_with_add=5, input_is_add=5, placements={"embedding": 1, "post": 4},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:albert": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"embedding": 1, "post": 4},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:distilbert": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"embedding": 1, "post": 4},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:electra": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"embedding": 1, "post": 4},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:deberta": dict(norms=0, fused=0, fused_with_add=0, input_is_add=0, placements={},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=0, bitwise=True,
+        note=(
+        "defect 1: DebertaLayerNorm computes (x - mean) twice, like CohereLayerNorm; none of its 5 norms is found")),
+    "hf:deberta-v2": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"embedding": 1, "post": 4},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:xlm-roberta": dict(norms=5, fused=5, fused_with_add=5, input_is_add=5, placements={"embedding": 1, "post": 4},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:camembert": dict(norms=5, fused=5, fused_with_add=5, input_is_add=5, placements={"embedding": 1, "post": 4},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:mpnet": dict(norms=5, fused=5, fused_with_add=5, input_is_add=5, placements={"embedding": 1, "post": 4},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:ernie": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"embedding": 1, "post": 4},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:roformer": dict(norms=5, fused=5, fused_with_add=5, input_is_add=5, placements={"embedding": 1, "post": 4},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:convbert": dict(norms=5, fused=5, fused_with_add=5, input_is_add=5, placements={"embedding": 1, "post": 4},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:megatron-bert": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:esm": dict(norms=5, fused=5, fused_with_add=5, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:data2vec-text": dict(norms=5, fused=5, fused_with_add=5, input_is_add=5, placements={"embedding": 1, "post": 4},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:rembert": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"embedding": 1, "post": 4},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:modernbert": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:roberta-prelayernorm": dict(norms=6, fused=6, fused_with_add=5, input_is_add=5, placements={"embedding": 1, "pre": 4, "standalone": 1},
+        eager_norms=6, eager_input_is_add=5, check="ok", checked_sites=6, bitwise=True),
+    "hf:xlm-roberta-xl": dict(norms=5, fused=5, fused_with_add=5, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:mobilebert": dict(norms=0, fused=0, fused_with_add=0, input_is_add=0, placements={},
+        eager_norms=0, eager_input_is_add=0, check="ok", checked_sites=0, bitwise=True),
+    "hf:nomic_bert": dict(norms=5, fused=5, fused_with_add=5, input_is_add=5, placements={"embedding": 1, "post": 4},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:eurobert": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    # --- decoder
+    "hf:gpt2": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:gpt_neo": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:gptj": dict(norms=3, fused=3, fused_with_add=2, input_is_add=2, placements={"pre": 2, "standalone": 1},
+        eager_norms=3, eager_input_is_add=2, check="ok", checked_sites=3, bitwise=True),
+    "hf:gpt_neox": dict(norms=5, fused=5, fused_with_add=2, input_is_add=3, placements={"parallel": 4, "pre": 1},
+        eager_norms=5, eager_input_is_add=3, check="ok", checked_sites=5, bitwise=True),
+    "hf:llama": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:mistral": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:qwen2": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:qwen3": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 5},
+        eager_norms=9, eager_input_is_add=4, check="ok", checked_sites=9, bitwise=True),
+    "hf:phi": dict(norms=3, fused=3, fused_with_add=2, input_is_add=2, placements={"pre": 2, "standalone": 1},
+        eager_norms=3, eager_input_is_add=2, check="ok", checked_sites=3, bitwise=True),
+    "hf:phi3": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:gemma": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:gemma2": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "sandwich": 4, "standalone": 1},
+        eager_norms=9, eager_input_is_add=4, check="ok", checked_sites=9, bitwise=True),
+    "hf:gemma3_text": dict(norms=13, fused=13, fused_with_add=4, input_is_add=4, placements={"pre": 4, "sandwich": 4, "standalone": 5},
+        eager_norms=13, eager_input_is_add=4, check="ok", checked_sites=13, bitwise=True),
+    "hf:falcon": dict(norms=3, fused=3, fused_with_add=2, input_is_add=2, placements={"pre": 2, "standalone": 1},
+        eager_norms=3, eager_input_is_add=2, check="ok", checked_sites=3, bitwise=True),
+    "hf:bloom": dict(norms=6, fused=6, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 2},
+        eager_norms=6, eager_input_is_add=4, check="ok", checked_sites=6, bitwise=True),
+    "hf:opt": dict(norms=5, fused=5, fused_with_add=5, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=1, check="ok", checked_sites=5, bitwise=True,
+        note=(
+        "count: OPT flattens the stream (reshape(-1, d)) between the add and the final-layer norm; normfuse sees "
+        "through the reshape, the simple eager count does not")),
+    "hf:codegen": dict(norms=3, fused=3, fused_with_add=2, input_is_add=2, placements={"pre": 2, "standalone": 1},
+        eager_norms=3, eager_input_is_add=2, check="ok", checked_sites=3, bitwise=True),
+    "hf:stablelm": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:starcoder2": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:olmo": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:olmo2": dict(norms=9, fused=9, fused_with_add=4, input_is_add=1, placements={"pre": 1, "res_post": 3, "sandwich": 1, "standalone": 4},
+        eager_norms=9, eager_input_is_add=1, check="ok", checked_sites=9, bitwise=True),
+    "hf:cohere": dict(norms=0, fused=0, fused_with_add=0, input_is_add=0, placements={},
+        eager_norms=3, eager_input_is_add=2, check="ok", checked_sites=0, bitwise=True,
+        note=(
+        "defect 1: CohereLayerNorm computes (x - mean) twice; 0 of 3 norms found")),
+    "hf:cohere2": dict(norms=0, fused=0, fused_with_add=0, input_is_add=0, placements={},
+        eager_norms=3, eager_input_is_add=2, check="ok", checked_sites=0, bitwise=True,
+        note=(
+        "defect 1: CohereLayerNorm computes (x - mean) twice; 0 of 3 norms found")),
+    "hf:granite": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:mpt": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:persimmon": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 5},
+        eager_norms=9, eager_input_is_add=4, check="ok", checked_sites=9, bitwise=True),
+    "hf:biogpt": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:xglm": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="raises RuntimeError",
+        note=(
+        "open: normfuse.check raises in its fp64 reference run (RuntimeError: value cannot be converted to type "
+        "float without overflow), like defect 3: check must not fail on a model that runs")),
+    "hf:ctrl": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True,
+        note=(
+        "open: the first norm reads (embeds + pos) + token_type_embeds where token_type_embeds is the int 0; "
+        "normfuse does not take `x + 0` for the residual add (the real add sits behind it); the eager count does")),
+    "hf:gpt_bigcode": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:helium": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:glm": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:glm4": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "sandwich": 4, "standalone": 1},
+        eager_norms=9, eager_input_is_add=4, check="ok", checked_sites=9, bitwise=True),
+    "hf:nemotron": dict(norms=5, fused=0, fused_with_add=0, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=0, bitwise=True,
+        note=(
+        "open: the rewrite stage fails (RuntimeError: operand add_7 is computed after the site starts); the pass "
+        "leaves the whole graph unchanged, so 0 of 5 are fused")),
+    "hf:smollm3": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:exaone4": dict(norms=9, fused=9, fused_with_add=4, input_is_add=1, placements={"pre": 1, "res_post": 3, "sandwich": 1, "standalone": 4},
+        eager_norms=9, eager_input_is_add=1, check="ok", checked_sites=9, bitwise=True),
+    "hf:arcee": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:seed_oss": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:hunyuan_v1_dense": dict(norms=9, fused=9, fused_with_add=8, input_is_add=8, placements={"pre": 8, "standalone": 1},
+        eager_norms=9, eager_input_is_add=8, check="ok", checked_sites=9, bitwise=True),
+    "hf:ernie4_5": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:apertus": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 5},
+        eager_norms=9, eager_input_is_add=4, check="ok", checked_sites=9, bitwise=True),
+    "hf:bitnet": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 5},
+        eager_norms=9, eager_input_is_add=4, check="ok", checked_sites=9, bitwise=True),
+    "hf:openai-gpt": dict(norms=4, fused=4, fused_with_add=4, input_is_add=4, placements={"post": 4},
+        eager_norms=4, eager_input_is_add=4, check="ok", checked_sites=4, bitwise=True),
+    "hf:vaultgemma": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:diffllama": dict(norms=7, fused=7, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 3},
+        eager_norms=7, eager_input_is_add=4, check="ok", checked_sites=7, bitwise=True),
+    "hf:internlm3": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    # --- moe
+    "hf:mixtral": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="raises RuntimeError",
+        note=(
+        "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) in "
+        "float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double)")),
+    "hf:qwen2_moe": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="raises RuntimeError",
+        note=(
+        "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) in "
+        "float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double)")),
+    "hf:qwen3_moe": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 5},
+        eager_norms=9, eager_input_is_add=4, check="raises RuntimeError",
+        note=(
+        "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) in "
+        "float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double)")),
+    "hf:olmoe": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 5},
+        eager_norms=9, eager_input_is_add=4, check="raises RuntimeError",
+        note=(
+        "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) in "
+        "float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double)")),
+    "hf:granitemoe": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="raises RuntimeError",
+        note=(
+        "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) in "
+        "float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double)")),
+    "hf:jetmoe": dict(norms=3, fused=3, fused_with_add=1, input_is_add=1, placements={"pre": 1, "standalone": 2},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=3, bitwise=True,
+        note=(
+        "open: a graph break in every block (JetMoE's expert dispatch) makes dynamo capture one graph per block's "
+        "code, reused by both layers: normfuse reports the sites of each captured graph once (3 sites for 5 norm "
+        "calls), the adds that end one graph cannot fold into the norm that starts the next, and site fqns lose "
+        "the block prefix (input_layernorm)")),
+    "hf:phimoe": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="raises RuntimeError",
+        note=(
+        "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) in "
+        "float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double)")),
+    "hf:ernie4_5_moe": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="raises RuntimeError",
+        note=(
+        "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) in "
+        "float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double)")),
+    "hf:gpt_oss": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="raises RuntimeError",
+        note=(
+        "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) in "
+        "float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double)")),
+    "hf:dots1": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 5},
+        eager_norms=9, eager_input_is_add=4, check="raises RuntimeError",
+        note=(
+        "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) in "
+        "float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double)")),
+    # --- hybrid
+    "hf:jamba": dict(norms=8, fused=8, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 4},
+        eager_norms=8, eager_input_is_add=4, check="raises RuntimeError",
+        note=(
+        "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) in "
+        "float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double)")),
+    "hf:bamba": dict(norms=6, fused=6, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 2},
+        eager_norms=6, eager_input_is_add=4, check="ok", checked_sites=6, bitwise=True),
+    "hf:falcon_h1": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:mamba": dict(norms=3, fused=3, fused_with_add=2, input_is_add=2, placements={"pre": 2, "standalone": 1},
+        eager_norms=3, eager_input_is_add=2, check="FAILS", checked_sites=3, bitwise=False,
+        note=(
+        "open: check's symbolic proof refutes the two Llama-style MambaRMSNorm sites (layers.N.norm) although "
+        "their numeric check passes; outputs pass the tolerance rule but are not bit-identical")),
+    "hf:mamba2": dict(norms=5, fused=5, fused_with_add=2, input_is_add=2, placements={"pre": 2, "standalone": 3},
+        eager_norms=5, eager_input_is_add=2, check="FAILS", checked_sites=5, bitwise=True,
+        note=(
+        "open: check's symbolic proof refutes the two Llama-style Mamba2RMSNorm sites (layers.N.norm) although "
+        "their numeric check passes and the outputs are bit-identical")),
+    "hf:recurrent_gemma": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:lfm2": dict(norms=7, fused=7, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 3},
+        eager_norms=7, eager_input_is_add=4, check="ok", checked_sites=7, bitwise=True),
+    "hf:rwkv": dict(norms=6, fused=6, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 2},
+        eager_norms=6, eager_input_is_add=4, check="ok", checked_sites=6, bitwise=True),
+    # --- encoder-decoder
+    "hf:t5": dict(norms=12, fused=12, fused_with_add=10, input_is_add=10, placements={"pre": 10, "standalone": 2},
+        eager_norms=12, eager_input_is_add=10, check="ok", checked_sites=12, bitwise=True),
+    "hf:bart": dict(norms=12, fused=12, fused_with_add=11, input_is_add=12, placements={"embedding": 2, "post": 10},
+        eager_norms=12, eager_input_is_add=12, check="ok", checked_sites=12, bitwise=True),
+    "hf:mbart": dict(norms=14, fused=14, fused_with_add=11, input_is_add=12, placements={"embedding": 2, "pre": 10, "standalone": 2},
+        eager_norms=14, eager_input_is_add=12, check="ok", checked_sites=14, bitwise=True),
+    "hf:pegasus": dict(norms=12, fused=12, fused_with_add=10, input_is_add=12, placements={"pre": 12},
+        eager_norms=12, eager_input_is_add=12, check="ok", checked_sites=12, bitwise=True),
+    "hf:marian": dict(norms=10, fused=10, fused_with_add=10, input_is_add=10, placements={"post": 10},
+        eager_norms=10, eager_input_is_add=10, check="ok", checked_sites=10, bitwise=True),
+    "hf:blenderbot": dict(norms=12, fused=12, fused_with_add=10, input_is_add=12, placements={"pre": 12},
+        eager_norms=12, eager_input_is_add=12, check="ok", checked_sites=12, bitwise=True),
+    "hf:blenderbot-small": dict(norms=12, fused=12, fused_with_add=10, input_is_add=11, placements={"embedding": 1, "post": 10, "standalone": 1},
+        eager_norms=12, eager_input_is_add=11, check="ok", checked_sites=12, bitwise=True),
+    "hf:mt5": dict(norms=12, fused=12, fused_with_add=10, input_is_add=10, placements={"pre": 10, "standalone": 2},
+        eager_norms=12, eager_input_is_add=10, check="ok", checked_sites=12, bitwise=True),
+    "hf:umt5": dict(norms=12, fused=12, fused_with_add=10, input_is_add=10, placements={"pre": 10, "standalone": 2},
+        eager_norms=12, eager_input_is_add=10, check="ok", checked_sites=12, bitwise=True),
+    "hf:longt5": dict(norms=11, fused=11, fused_with_add=6, input_is_add=6, placements={"pre": 6, "standalone": 5},
+        eager_norms=12, eager_input_is_add=10, check="ok", checked_sites=11, bitwise=True,
+        note=(
+        "open: a graph break in every block (LongT5's local attention) makes dynamo capture one graph per block's "
+        "code, reused by both layers: normfuse reports the sites of each captured graph once (11 sites for 12 "
+        "norm calls), the adds that end one graph cannot fold into the norm that starts the next, and site fqns "
+        "lose the block prefix (layer.0.layer_norm)")),
+    "hf:plbart": dict(norms=12, fused=12, fused_with_add=11, input_is_add=12, placements={"deepnorm": 1, "embedding": 1, "post": 10},
+        eager_norms=12, eager_input_is_add=12, check="ok", checked_sites=12, bitwise=True),
+    "hf:m2m_100": dict(norms=12, fused=12, fused_with_add=12, input_is_add=12, placements={"deepnorm": 2, "post": 2, "pre": 8},
+        eager_norms=12, eager_input_is_add=12, check="ok", checked_sites=12, bitwise=True),
+    "hf:led": dict(norms=12, fused=12, fused_with_add=10, input_is_add=12, placements={"embedding": 2, "post": 10},
+        eager_norms=12, eager_input_is_add=12, check="ok", checked_sites=12, bitwise=True),
+    "hf:switch_transformers": dict(norms=10, fused=10, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 6},
+        eager_norms=12, eager_input_is_add=10, check="ok", checked_sites=10, bitwise=True,
+        note=(
+        "open: a graph break in every block (the router's data-dependent expert dispatch) makes dynamo capture "
+        "one graph per block's code, reused by both layers: normfuse reports the sites of each captured graph "
+        "once (10 sites for 12 norm calls), the adds that end one graph cannot fold into the norm that starts the "
+        "next, and site fqns lose the block prefix (layer.0.layer_norm)")),
+    "hf:fsmt": dict(norms=10, fused=10, fused_with_add=10, input_is_add=10, placements={"post": 10},
+        eager_norms=10, eager_input_is_add=10, check="ok", checked_sites=10, bitwise=True),
+    "hf:whisper": dict(norms=12, fused=12, fused_with_add=11, input_is_add=12, placements={"pre": 12},
+        eager_norms=12, eager_input_is_add=12, check="ok", checked_sites=12, bitwise=True),
+    # --- vision
+    "hf:vit": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:deit": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:beit": dict(norms=5, fused=5, fused_with_add=3, input_is_add=3, placements={"pre": 3, "standalone": 2},
+        eager_norms=5, eager_input_is_add=3, check="ok", checked_sites=5, bitwise=True),
+    "hf:data2vec-vision": dict(norms=4, fused=4, fused_with_add=3, input_is_add=3, placements={"pre": 3, "standalone": 1},
+        eager_norms=4, eager_input_is_add=3, check="ok", checked_sites=4, bitwise=True),
+    "hf:dinov2": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:vit_msn": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:ijepa": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "hf:vit_mae": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:swin": dict(norms=7, fused=7, fused_with_add=3, input_is_add=3, placements={"pre": 3, "standalone": 4},
+        eager_norms=7, eager_input_is_add=3, check="ok", checked_sites=7, bitwise=True),
+    "hf:swinv2": dict(norms=7, fused=7, fused_with_add=4, input_is_add=1, placements={"pre": 1, "res_post": 3, "sandwich": 1, "standalone": 2},
+        eager_norms=7, eager_input_is_add=1, check="ok", checked_sites=7, bitwise=True),
+    "hf:donut-swin": dict(norms=6, fused=6, fused_with_add=2, input_is_add=2, placements={"pre": 2, "standalone": 4},
+        eager_norms=6, eager_input_is_add=2, check="ok", checked_sites=6, bitwise=True),
+    "hf:convnext": dict(norms=5, fused=5, fused_with_add=0, input_is_add=0, placements={"standalone": 5},
+        eager_norms=5, eager_input_is_add=0, check="ok", checked_sites=5, bitwise=True),
+    "hf:convnextv2": dict(norms=5, fused=5, fused_with_add=0, input_is_add=0, placements={"standalone": 5},
+        eager_norms=5, eager_input_is_add=0, check="ok", checked_sites=5, bitwise=True),
+    "hf:segformer": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 5},
+        eager_norms=9, eager_input_is_add=4, check="ok", checked_sites=9, bitwise=True),
+    "hf:pvt_v2": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 5},
+        eager_norms=9, eager_input_is_add=4, check="ok", checked_sites=9, bitwise=True),
+    "hf:dinov2_with_registers": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:siglip_vision_model": dict(norms=6, fused=6, fused_with_add=4, input_is_add=5, placements={"pre": 5, "standalone": 1},
+        eager_norms=6, eager_input_is_add=5, check="ok", checked_sites=6, bitwise=True),
+    "hf:clip_vision_model": dict(norms=6, fused=6, fused_with_add=3, input_is_add=4, placements={"embedding": 1, "pre": 3, "standalone": 2},
+        eager_norms=6, eager_input_is_add=4, check="ok", checked_sites=6, bitwise=True),
+    "hf:dinov3_vit": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:focalnet": dict(norms=7, fused=7, fused_with_add=3, input_is_add=3, placements={"pre": 3, "standalone": 4},
+        eager_norms=7, eager_input_is_add=3, check="ok", checked_sites=7, bitwise=True),
+    "timm:vit_tiny_patch16_224": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "timm:deit_tiny_patch16_224": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "timm:eva02_tiny_patch14_224": dict(norms=5, fused=5, fused_with_add=3, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "timm:cait_xxs24_224": dict(norms=7, fused=7, fused_with_add=4, input_is_add=5, placements={"pre": 5, "standalone": 2},
+        eager_norms=7, eager_input_is_add=5, check="ok", checked_sites=7, bitwise=True),
+    "timm:swin_tiny_patch4_window7_224": dict(norms=7, fused=7, fused_with_add=3, input_is_add=3, placements={"pre": 3, "standalone": 4},
+        eager_norms=7, eager_input_is_add=0, check="ok", checked_sites=7, bitwise=True,
+        note=(
+        "count: timm's Swin reshapes the stream between the add and the next norm; normfuse sees through the "
+        "reshape, the simple eager count does not")),
+    "timm:convnext_atto": dict(norms=9, fused=9, fused_with_add=0, input_is_add=0, placements={"standalone": 9},
+        eager_norms=9, eager_input_is_add=0, check="ok", checked_sites=9, bitwise=True),
+    "timm:convnextv2_atto": dict(norms=9, fused=9, fused_with_add=0, input_is_add=0, placements={"standalone": 9},
+        eager_norms=9, eager_input_is_add=0, check="ok", checked_sites=9, bitwise=True),
+    "timm:coatnet_nano_rw_224": dict(norms=19, fused=19, fused_with_add=0, input_is_add=0, placements={"standalone": 19},
+        eager_norms=19, eager_input_is_add=0, check="ok", checked_sites=19, bitwise=True),
+    "timm:edgenext_xx_small": dict(norms=20, fused=20, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 16},
+        eager_norms=20, eager_input_is_add=1, check="ok", checked_sites=20, bitwise=True,
+        note=(
+        "count: EdgeNeXt's transposed-attention blocks reshape the stream between the add and the next norm; "
+        "normfuse sees through the reshape, the simple eager count does not (3 of 4)")),
+    "timm:efficientformer_l1": dict(norms=3, fused=3, fused_with_add=2, input_is_add=2, placements={"pre": 2, "standalone": 1},
+        eager_norms=3, eager_input_is_add=2, check="ok", checked_sites=3, bitwise=True),
+    "timm:levit_128s": dict(norms=0, fused=0, fused_with_add=0, input_is_add=0, placements={},
+        eager_norms=0, eager_input_is_add=0, check="ok", checked_sites=0, bitwise=True),
+    "timm:beit_base_patch16_224": dict(norms=5, fused=5, fused_with_add=3, input_is_add=3, placements={"pre": 3, "standalone": 2},
+        eager_norms=5, eager_input_is_add=3, check="ok", checked_sites=5, bitwise=True),
+    "tv:vit": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
+    "tv:swin_t": dict(norms=7, fused=7, fused_with_add=3, input_is_add=3, placements={"pre": 3, "standalone": 4},
+        eager_norms=7, eager_input_is_add=3, check="ok", checked_sites=7, bitwise=True),
+    "tv:swin_v2_t": dict(norms=7, fused=7, fused_with_add=4, input_is_add=1, placements={"pre": 1, "res_post": 3, "sandwich": 1, "standalone": 2},
+        eager_norms=7, eager_input_is_add=1, check="ok", checked_sites=7, bitwise=True),
+    "tv:convnext": dict(norms=5, fused=5, fused_with_add=0, input_is_add=0, placements={"standalone": 5},
+        eager_norms=5, eager_input_is_add=0, check="ok", checked_sites=5, bitwise=True),
+    "tv:maxvit": dict(norms=5, fused=5, fused_with_add=2, input_is_add=2, placements={"pre": 2, "standalone": 3},
+        eager_norms=5, eager_input_is_add=2, check="ok", checked_sites=5, bitwise=True),
+    # --- torch.nn
+    "nn:transformer_post": dict(norms=8, fused=8, fused_with_add=6, input_is_add=6, placements={"post": 6, "standalone": 2},
+        eager_norms=12, eager_input_is_add=10, check="ok", checked_sites=0, bitwise=False,
+        note=(
+        "the encoder layers run PyTorch's fused encoder-layer op (torch._transformer_encoder_layer_fwd, nn's eval "
+        "fast path) in the captured graph: their 4 norms are inside it; the eager count (a TorchFunctionMode, "
+        "which turns the fast path off) sees all 12; defect 4: check verifies 0 of the fused sites (its capture "
+        "names graph inputs differently) and still says ok; outputs within tolerance, not bit-identical: eager "
+        "takes nn.MultiheadAttention's native fast path, the captured graph the composite one")),
+    "nn:transformer_pre": dict(norms=8, fused=8, fused_with_add=6, input_is_add=6, placements={"pre": 6, "standalone": 2},
+        eager_norms=12, eager_input_is_add=10, check="ok", checked_sites=0, bitwise=False,
+        note=(
+        "the encoder layers run PyTorch's fused encoder-layer op (torch._transformer_encoder_layer_fwd, nn's eval "
+        "fast path) in the captured graph: their 4 norms are inside it; the eager count (a TorchFunctionMode, "
+        "which turns the fast path off) sees all 12; defect 4: check verifies 0 of the fused sites (its capture "
+        "names graph inputs differently) and still says ok; outputs within tolerance, not bit-identical: eager "
+        "takes nn.MultiheadAttention's native fast path, the captured graph the composite one")),
+    "nn:encoder_post": dict(norms=1, fused=1, fused_with_add=0, input_is_add=0, placements={"standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=0, bitwise=True,
+        note=(
+        "the layers run PyTorch's fused encoder-layer op (torch._transformer_encoder_layer_fwd, nn's eval fast "
+        "path) in the captured graph: their 4 norms are inside it, only the final norm is a site; the eager count "
+        "(a TorchFunctionMode, which turns the fast path off) sees all 5; defect 4: check verifies 0 of the fused "
+        "sites (its capture names graph inputs differently) and still says ok")),
+    "nn:encoder_pre": dict(norms=1, fused=1, fused_with_add=0, input_is_add=0, placements={"standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=0, bitwise=True,
+        note=(
+        "the layers run PyTorch's fused encoder-layer op (torch._transformer_encoder_layer_fwd, nn's eval fast "
+        "path) in the captured graph: their 4 norms are inside it, only the final norm is a site; the eager count "
+        "(a TorchFunctionMode, which turns the fast path off) sees all 5; defect 4: check verifies 0 of the fused "
+        "sites (its capture names graph inputs differently) and still says ok")),
+    "nn:decoder_post": dict(norms=7, fused=7, fused_with_add=6, input_is_add=6, placements={"post": 6, "standalone": 1},
+        eager_norms=7, eager_input_is_add=6, check="ok", checked_sites=0, bitwise=False,
+        note=(
+        "defect 4: check verifies 0 of the fused sites (its capture names graph inputs differently) and still "
+        "says ok; outputs within tolerance, not bit-identical: eager takes nn.MultiheadAttention's native fast "
+        "path, the captured graph the composite one")),
+    "nn:decoder_pre": dict(norms=7, fused=7, fused_with_add=6, input_is_add=6, placements={"pre": 6, "standalone": 1},
+        eager_norms=7, eager_input_is_add=6, check="ok", checked_sites=0, bitwise=False,
+        note=(
+        "defect 4: check verifies 0 of the fused sites (its capture names graph inputs differently) and still "
+        "says ok; outputs within tolerance, not bit-identical: eager takes nn.MultiheadAttention's native fast "
+        "path, the captured graph the composite one")),
+}
+
+# the default test run's share of the zoo: one or two of every group, and known findings
+FAST = [
+    "hf:llama",
+    "hf:bert",
+    "hf:gemma2",
+    "hf:gpt_neox",
+    "hf:deberta",
+    "hf:cohere",
+    "hf:mixtral",
+    "hf:pegasus",
+    "hf:lfm2",
+    "hf:vit",
+    "tv:swin_v2_t",
+    "timm:deit_tiny_patch16_224",
+    "nn:encoder_pre",
+    "nn:decoder_post",
+]
