@@ -2,11 +2,11 @@
 
 Which path a call runs (decided here, in ``forward_for`` and ``_backend``, nowhere else):
 
-| call                                      | tensors                                     | runs                         |
-|-------------------------------------------|---------------------------------------------|------------------------------|
-| functional API, eager (not traced)        | plain CPU tensors, NORMFUSE_TRITON_CPU unset | reference, called directly   |
-| the custom op (traced calls: dynamo, AOT, | CUDA/ROCm; CPU with NORMFUSE_TRITON_CPU=1    | Triton kernels (``triton.py``) |
-| export; tensor subclasses; direct calls)  | anything else (CPU, fp64, no triton)         | reference (``reference.py``) |
+| call                                   | tensors                                    | runs                   |
+|----------------------------------------|--------------------------------------------|------------------------|
+| functional API, eager (not traced)     | plain CPU tensors, NORMFUSE_TRITON_CPU off | reference, directly    |
+| the custom op (traced calls: dynamo,   | CUDA/ROCm; CPU with NORMFUSE_TRITON_CPU=1  | Triton (``triton.py``) |
+| AOT, export; subclasses; direct calls) | anything else (CPU, fp64, no triton)       | reference              |
 
 The first row exists for speed: the custom-op dispatcher's Python wrapper costs
 ~100 us a call (as much as a whole small norm on CPU), and custom ops may not
