@@ -213,6 +213,14 @@ def mode_cases(n=1000, rows=4):
                 yield Case(kind=kind, n=n, rows=rows, dtype=dtype, **kw)
 
 
+# Parameters in a dtype that is neither the activations' nor fp32 (computed in fp32).
+OTHER_WEIGHT_DTYPE_CASES = [
+    Case(kind=kind, n=1000, rows=4, dtype=dtype, wdtype=wdtype, **MODES[mode])
+    for dtype, wdtype in ((BF16, FP16), (FP16, BF16), (FP32, BF16))
+    for kind in ("rms_norm", "layer_norm")
+    for mode in ("bias", "llama", "norm_add")
+]
+
 EDGE_CASES = [
     Case(rows=0), Case(rows=1), Case(kind="layer_norm", rows=0, op="norm_add"),
     Case(kind="layer_norm", rows=1, n=5120, dtype=FP32, wdtype=FP32, bias=True),
@@ -235,7 +243,7 @@ EDGE_CASES = [
     Case(kind="layer_norm", n=768, rows=3, dtype=BF16, rdtype=FP32, wdtype=BF16, op="norm_add", round_first=True),
 ]
 
-REF_CASES = [*size_cases(), *mode_cases(), *EDGE_CASES]
+REF_CASES = [*size_cases(), *mode_cases(), *OTHER_WEIGHT_DTYPE_CASES, *EDGE_CASES]
 
 
 @pytest.mark.parametrize("case", REF_CASES, ids=str)

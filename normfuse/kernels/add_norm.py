@@ -52,11 +52,12 @@ def _one_call_when_fx_traced(fn):
 
 @_one_call_when_fx_traced
 def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offset=0.0, residual_scale=1.0,
-             sum_dtype=None, norm_round_dtype=None, out_dtype=None, return_sum=True):
+             sum_dtype=None, norm_round_dtype=None, out_dtype=None, return_sum=True, round_sum_first=True):
     """Fused ``s = x + residual_scale * residual; y = norm(s)``: returns (y, s).
 
     kind: "rms_norm" or "layer_norm", over the last dim N. x, residual: (..., N) of
-    equal shape, fp32/fp16/bf16; weight, bias: (N,), x's dtype or fp32.
+    equal shape, fp32/fp16/bf16; weight, bias: (N,), fp32/fp16/bf16 (any, whatever x's dtype:
+    they are used in fp32; flash-attn's layer_norm_fn takes the same).
     weight_offset: w' = weight + offset in fp32 (Gemma: 1.0). residual_scale: the
     residual is scaled in its own dtype before the add (DeepNorm). sum_dtype: dtype
     the sum is rounded to (default: promoted dtype of x and residual).
@@ -64,6 +65,10 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
     F.rms_norm, Gemma); a dtype rounds the normalized value to it first (HF Llama).
     out_dtype: dtype of y (default: see normfuse.kernels.reference).
     s is None for a plain norm (residual=None) or return_sum=False.
+    round_sum_first: True normalizes s, the sum rounded to sum_dtype (what a graph that adds in
+    the model dtype computes); False normalizes the unrounded fp32 sum and still returns s
+    rounded (flash-attn's ``layer_norm_fn(x, w, b, residual=r, prenorm=True)``, quack, vLLM's
+    native RMSNorm).
     """
     validate(x, residual, weight, bias, kind, eps,
              {"sum_dtype": sum_dtype, "norm_round_dtype": norm_round_dtype, "out_dtype": out_dtype})
@@ -72,7 +77,7 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
     store_sum = has_sum and (return_sum or _grad_needed(x, residual, weight, bias))
     forward = forward_for("add_norm_fwd", x, residual, weight, bias)
     y, s, _, _ = forward(x, residual, weight, bias, kind, float(eps), float(weight_offset), float(residual_scale),
-                         sum_dtype, norm_round_dtype, out_dtype, store_sum)
+                         sum_dtype, norm_round_dtype, out_dtype, store_sum, bool(round_sum_first))
     return y, (s if has_sum and return_sum else None)
 
 

@@ -2,11 +2,11 @@
 
 Which path a call runs (decided here, in ``forward_for`` and ``_backend``, nowhere else):
 
-| call                                      | tensors                                     | runs                         |
-|-------------------------------------------|---------------------------------------------|------------------------------|
-| functional API, eager (not traced)        | plain CPU tensors, NORMFUSE_TRITON_CPU unset | reference, called directly   |
-| the custom op (traced calls: dynamo, AOT, | CUDA/ROCm; CPU with NORMFUSE_TRITON_CPU=1    | Triton kernels (``triton.py``) |
-| export; tensor subclasses; direct calls)  | anything else (CPU, fp64, no triton)         | reference (``reference.py``) |
+| call                                   | tensors                                    | runs                   |
+|----------------------------------------|--------------------------------------------|------------------------|
+| functional API, eager (not traced)     | plain CPU tensors, NORMFUSE_TRITON_CPU off | reference, directly    |
+| the custom op (traced calls: dynamo,   | CUDA/ROCm; CPU with NORMFUSE_TRITON_CPU=1  | Triton (``triton.py``) |
+| AOT, export; subclasses; direct calls) | anything else (CPU, fp64, no triton)       | reference              |
 
 The first row exists for speed: the custom-op dispatcher's Python wrapper costs
 ~100 us a call (as much as a whole small norm on CPU), and custom ops may not
@@ -92,13 +92,12 @@ def validate(x, residual, weight, bias, kind, eps, rounding: dict):
         if t is not None and t.dtype not in ok:
             raise UnsupportedDtypeError(f"{name} has dtype {t.dtype} on {t.device}; the fused add+norm ops take "
                                         f"{_SUPPORTED_TEXT}. Cast it first, e.g. {name}.to(torch.bfloat16).")
+    # Parameters of any dtype the ops take, whatever the activations' (fp16 weight with bf16
+    # activations, bf16 with fp32): w' and b are used in fp32.
     for name, p in (("weight", weight), ("bias", bias)):
-        if p is None:
-            continue
-        allowed = {x.dtype, torch.float32} | ({residual.dtype} if residual is not None else set())
-        if p.dtype not in allowed or p.dtype not in ok:
-            raise UnsupportedDtypeError(f"{name} has dtype {p.dtype} but x has dtype {x.dtype}; {name} must have "
-                                        f"x's dtype or torch.float32. Cast it with {name}.to(torch.float32).")
+        if p is not None and p.dtype not in ok:
+            raise UnsupportedDtypeError(f"{name} has dtype {p.dtype}; the fused add+norm ops take parameters in "
+                                        f"{_SUPPORTED_TEXT}. Cast it with {name}.to(torch.float32).")
     for name, t in (("residual", residual), ("weight", weight), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise InvalidOptionError(f"{name} is on {t.device} but x is on {x.device}; move them to one device.")
@@ -201,18 +200,19 @@ def _stats_fake(x: Tensor, kind: str, norm_in_dtype: torch.dtype):
 def add_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
                  kind: str, eps: float, weight_offset: float, residual_scale: float, sum_dtype: torch.dtype,
                  norm_round_dtype: Optional[torch.dtype], out_dtype: torch.dtype, store_sum: bool,
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 round_sum_first: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Add-then-norm. Returns (y, s, mean, rstd): s is empty unless store_sum and there is a residual;
-    mean (empty for rms_norm) and rstd are flat per-row fp32 (fp64 for fp64 input)."""
+    mean (empty for rms_norm) and rstd are flat per-row fp32 (fp64 for fp64 input).
+    round_sum_first=False normalizes the sum before its rounding to sum_dtype."""
     backend = _backend(x, _dtypes(x, residual, weight, bias, sum_dtype, norm_round_dtype, out_dtype))
     outputs = backend.add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
-                                   norm_round_dtype, out_dtype, store_sum and residual is not None)
+                                   norm_round_dtype, out_dtype, store_sum and residual is not None, round_sum_first)
     return _op_outputs(outputs, (None, sum_dtype, None, None), x, (x, residual, weight, bias))
 
 
 @add_norm_fwd.register_fake
 def _add_norm_fwd_fake(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
-                       norm_round_dtype, out_dtype, store_sum):
+                       norm_round_dtype, out_dtype, store_sum, round_sum_first=True):
     check_shapes(x, residual, weight, bias)
     s = x.new_empty(x.shape, dtype=sum_dtype) if store_sum and residual is not None else _empty(x, sum_dtype)
     return (x.new_empty(x.shape, dtype=out_dtype), s, *_stats_fake(x, kind, sum_dtype))
@@ -301,12 +301,14 @@ def _save_common(ctx, x, weight, bias, kind, weight_offset, residual_scale, dy_d
 
 def _add_norm_setup_context(ctx, inputs, output):
     (x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype,
-     out_dtype, store_sum) = inputs
+     out_dtype, store_sum, *rest) = inputs
     _, s, mean, rstd = output
+    ctx.round_sum_first = rest[0] if rest else True
     ctx.sum_stored = bool(store_sum and residual is not None)
-    # Backward needs the norm input s and the per-row stats. When s was not stored
-    # (no residual, or a direct call with store_sum=False) it is rebuilt from x.
-    if ctx.sum_stored:
+    # Backward needs the norm input and the per-row stats. The norm input is s when s was
+    # stored and normalized; otherwise (no residual, store_sum=False, or the unrounded sum
+    # normalized) it is rebuilt from x and the residual.
+    if ctx.sum_stored and ctx.round_sum_first:
         ctx.save_for_backward(s, None, mean, rstd, weight)
     else:
         ctx.save_for_backward(x, residual, mean, rstd, weight)
@@ -318,11 +320,13 @@ def _add_norm_setup_context(ctx, inputs, output):
 def _add_norm_backward(ctx, dy, ds, dmean, drstd):
     saved = ctx.saved_tensors
     inp, residual = saved[:2]
-    if not ctx.sum_stored:
+    if not ctx.round_sum_first:
+        inp = reference.unrounded_sum(inp, residual, ctx.residual_scale, ctx.sum_dtype)
+    elif not ctx.sum_stored:
         inp = reference.pre_sum(inp, residual, ctx.residual_scale, ctx.sum_dtype)
     ds = ds if ctx.sum_stored else None
     grads = _norm_backward(ctx, saved, dy, ds, inp, ctx.residual_dtype, post_add=False)
-    return (*grads, None, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None, None)
 
 
 add_norm_fwd.register_autograd(_add_norm_backward, setup_context=_add_norm_setup_context)

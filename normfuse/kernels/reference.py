@@ -15,6 +15,10 @@ Add-then-norm (pre-norm and post-norm blocks), normalizing over the last dim N::
     y  = round(out_dtype, n * w' + float(bias))                          # norm_round_dtype None: "multiply then round"
     y  = round(out_dtype, float(round(norm_round_dtype, n)) * w' + float(bias))   # "round then multiply"
 
+``round_sum_first=False`` normalizes the unrounded sum instead (``u = float32(float(x) +
+float(r'))``; s is still returned rounded to sum_dtype): flash-attn's and quack's kernels
+and vLLM's native RMSNorm do this; graphs that add in the model dtype round first.
+
 ``sum_dtype`` defaults to ``promote_types(x.dtype, residual.dtype)`` (``x.dtype``
 without a residual); ``out_dtype`` to ``sum_dtype`` when multiplying then
 rounding (``F.layer_norm``, ``F.rms_norm``, Gemma's ``1 + w``), and to
@@ -44,12 +48,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from normfuse.vocabulary import KERNEL_DTYPES, KINDS
+
 __all__ = ["add_norm_ref", "norm_add_ref", "add_norm_bwd_ref", "KINDS", "SUPPORTED_DTYPES"]
 
-KINDS = ("rms_norm", "layer_norm")
-# Activation, weight and rounding dtypes the fused ops take. fp64 runs on CPU
-# only, through the reference (gradcheck needs it).
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Activation, weight and rounding dtypes the fused ops take (normfuse/vocabulary.py). fp64
+# runs on CPU only, through the reference (gradcheck needs it).
+SUPPORTED_DTYPES = KERNEL_DTYPES
 CPU_ONLY_DTYPES = (torch.float64,)
 
 
@@ -97,6 +102,12 @@ def pre_sum(x: Tensor, residual: Optional[Tensor], residual_scale: float, sum_dt
         return torch.add(x, r)  # eager adds in fp32 (opmath) and rounds once to sum_dtype
     wide = acc_dtype(sum_dtype if sum_dtype == torch.float64 else torch.promote_types(x.dtype, r.dtype))
     return torch.add(x.to(wide), r.to(wide)).to(sum_dtype)
+
+
+def unrounded_sum(x: Tensor, residual: Optional[Tensor], residual_scale: float, sum_dtype: torch.dtype) -> Tensor:
+    """u = float(x) + float(r') before any rounding to sum_dtype (fp32; fp64 for an fp64 sum_dtype)."""
+    acc = acc_dtype(sum_dtype)
+    return x.to(acc) if residual is None else x.to(acc) + _scale_residual(residual, residual_scale).to(acc)
 
 
 def _effective_weight(weight: Optional[Tensor], weight_offset: float, acc: torch.dtype) -> Optional[Tensor]:
@@ -172,10 +183,11 @@ def normalize(u: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], kind:
 
 
 def add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype,
-                 out_dtype, store_sum):
+                 out_dtype, store_sum, round_sum_first=True):
     """(y, s, mean, rstd) of add-then-norm; s is None unless stored (and there is a residual)."""
     s = pre_sum(x, residual, residual_scale, sum_dtype)
-    y, mean, rstd = normalize(s, weight, bias, kind, eps, weight_offset, norm_round_dtype, out_dtype)
+    u = s if round_sum_first else unrounded_sum(x, residual, residual_scale, sum_dtype)
+    y, mean, rstd = normalize(u, weight, bias, kind, eps, weight_offset, norm_round_dtype, out_dtype)
     return y, (s if store_sum and residual is not None else None), mean, rstd
 
 
@@ -190,7 +202,7 @@ def norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_s
 
 def add_norm_ref(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offset=0.0,
                  residual_scale=1.0, sum_dtype=None, norm_round_dtype=None, out_dtype=None,
-                 return_sum=True):
+                 return_sum=True, round_sum_first=True):
     """Plain-PyTorch add-then-norm with the semantics of the module docstring: returns (y, s).
 
     Same arguments as :func:`normfuse.add_norm`. A plain norm (``residual=None``) returns
@@ -199,7 +211,7 @@ def add_norm_ref(x, residual=None, weight=None, bias=None, *, kind, eps, weight_
     """
     sum_dtype, out_dtype = add_norm_dtypes(x, residual, weight, sum_dtype, norm_round_dtype, out_dtype)
     y, s, _, _ = add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
-                              norm_round_dtype, out_dtype, return_sum)
+                              norm_round_dtype, out_dtype, return_sum, round_sum_first)
     return y, s
 
 
@@ -232,8 +244,8 @@ def _norm_grads(dn: Tensor, inp: Tensor, mean: Tensor, rstd: Tensor, weight: Opt
     du = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with g = dn * w' (no mean(g) for rms_norm).
     dweight = sum_rows(dn * x_hat) and dbias = sum_rows(dn) are reduced in fp32: eager's CPU
     LayerNorm backward reduces them in the 16-bit input dtype when the parameters are fp32, far
-    less accurately (up to ~50x over the fp32 reference's error at 4096 rows), so it only
-    supplies them for fp32/fp64 input.
+    less accurately (26x (fp16) and 48x (bf16) the error of an fp32 reduction at 4096 rows of
+    192), so it only supplies them for fp32/fp64 input.
     """
     acc = acc_dtype(inp.dtype)
     stat_shape = (*inp.shape[:-1], 1)
@@ -285,7 +297,7 @@ def add_norm_bwd_ref(dy, dextra, inp, mean, rstd, weight=None, *, kind, weight_o
                      residual_scale=1.0, post_add=False, x_dtype, residual_dtype=None, bias_dtype=None):
     """Backward of both orders; rounding steps are identities, math in fp32 (fp64 for fp64).
 
-    ``inp`` is the norm input (s, or x without a residual / for norm_add), ``mean``
+    ``inp`` is the norm input (s, or the unrounded sum, or x for norm_add), ``mean``
     and ``rstd`` its flat per-row stats (mean empty for rms_norm).
     add_norm (post_add=False): dy = grad of y, dextra = grad of s (or None);
         ds = norm_bwd(dy) + dextra; dx = ds; dresidual = residual_scale * ds.

@@ -71,18 +71,20 @@ if triton is not None:
         return v.to(DTYPE)
 
     @triton.jit
-    def _load_norm_input(X, R, x_off, r_off, cols, mask, residual_scale,
-                         HAS_RESIDUAL: tl.constexpr, SCALE_RESIDUAL: tl.constexpr, SUM_DTYPE: tl.constexpr):
-        """s = round(SUM_DTYPE, float(x) + float(round(r.dtype, scale * r))), returned in SUM_DTYPE."""
-        x = tl.load(X + x_off + cols, mask=mask, other=0.0)
+    def _load_norm_input(X, R, x_off, r_off, cols, mask, residual_scale, HAS_RESIDUAL: tl.constexpr,
+                         SCALE_RESIDUAL: tl.constexpr, SUM_DTYPE: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr):
+        """(s, u): s = round(SUM_DTYPE, float(x) + float(round(r.dtype, scale * r))), and the norm
+        input u in fp32: s, or the sum before that rounding (ROUND_SUM_FIRST off)."""
+        u = tl.load(X + x_off + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             r = tl.load(R + r_off + cols, mask=mask, other=0.0)
             if SCALE_RESIDUAL:
                 r = _round(r.to(tl.float32) * residual_scale, R.dtype.element_ty)
-            s = _round(x.to(tl.float32) + r.to(tl.float32), SUM_DTYPE)
-        else:
-            s = _round(x, SUM_DTYPE)
-        return s
+            u = u + r.to(tl.float32)
+        s = _round(u, SUM_DTYPE)
+        if ROUND_SUM_FIRST:
+            u = s.to(tl.float32)
+        return s, u
 
     @triton.jit
     def _load_params(W, B, cols, mask, weight_offset, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -128,7 +130,7 @@ if triton is not None:
         SUM_DTYPE: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
         ROUND_FIRST: tl.constexpr, STORE_SUM: tl.constexpr, STORE_Y: tl.constexpr, POST_ADD: tl.constexpr,
-        SCALE_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+        SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         """A row fits one block: one read of each input and one write of each output per row."""
         cols = tl.arange(0, BLOCK_N)
@@ -140,11 +142,10 @@ if triton is not None:
             row = tl.program_id(0) * rows_per_program + i
             mask = (cols < N) & (row < n_rows)
             row = row.to(tl.int64)
-            s = _load_norm_input(X, R, row * stride_x, row * stride_r, cols, mask, residual_scale,
-                                 HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL, SUM_DTYPE)
+            s, u = _load_norm_input(X, R, row * stride_x, row * stride_r, cols, mask, residual_scale,
+                                    HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL, SUM_DTYPE, ROUND_SUM_FIRST)
             if STORE_SUM and not POST_ADD:
                 tl.store(S + row * stride_s + cols, s, mask=mask)
-            u = s.to(tl.float32)                                     # stats in fp32 registers
             if IS_RMS:
                 mean = 0.0
                 var = tl.sum(u * u, axis=0) / N
@@ -169,7 +170,7 @@ if triton is not None:
         SUM_DTYPE: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
         ROUND_FIRST: tl.constexpr, STORE_SUM: tl.constexpr, STORE_Y: tl.constexpr, POST_ADD: tl.constexpr,
-        SCALE_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+        SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         """Rows wider than one block: pass 1 accumulates the stats block by block (Chan's
         parallel mean/M2 update for layer_norm), pass 2 re-reads the row and writes."""
@@ -185,11 +186,10 @@ if triton is not None:
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
                 mask = (cols < N) & row_ok
-                s = _load_norm_input(X, R, row * stride_x, row * stride_r, cols, mask, residual_scale,
-                                     HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL, SUM_DTYPE)
+                s, u = _load_norm_input(X, R, row * stride_x, row * stride_r, cols, mask, residual_scale,
+                                        HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL, SUM_DTYPE, ROUND_SUM_FIRST)
                 if STORE_SUM and not POST_ADD:
                     tl.store(S + row * stride_s + cols, s, mask=mask)
-                u = s.to(tl.float32)
                 if IS_RMS:
                     m2 += tl.sum(u * u, axis=0)
                 else:
@@ -208,13 +208,14 @@ if triton is not None:
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
                 mask = (cols < N) & row_ok
-                if STORE_SUM and not POST_ADD:
-                    s = tl.load(S + row * stride_s + cols, mask=mask, other=0.0)
+                if STORE_SUM and not POST_ADD and ROUND_SUM_FIRST:
+                    u = tl.load(S + row * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
                 else:
-                    s = _load_norm_input(X, R, row * stride_x, row * stride_r, cols, mask, residual_scale,
-                                         HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL, SUM_DTYPE)
+                    _, u = _load_norm_input(X, R, row * stride_x, row * stride_r, cols, mask, residual_scale,
+                                            HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL, SUM_DTYPE,
+                                            ROUND_SUM_FIRST)
                 w, b = _load_params(W, B, cols, mask, weight_offset, HAS_WEIGHT, HAS_BIAS)
-                _normalize_and_store(s.to(tl.float32), mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s,
+                _normalize_and_store(u, mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s,
                                      row * stride_r, cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS,
                                      ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD, SCALE_RESIDUAL)
 
@@ -412,7 +413,7 @@ def _param(t: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def _launch_fwd(x, residual, weight, bias, y, s, kind, eps, weight_offset, residual_scale, sum_dtype,
-                norm_round_dtype, out_dtype, store_sum, store_y, post_add):
+                norm_round_dtype, out_dtype, store_sum, store_y, post_add, round_sum_first=True):
     """Shared by both orders; y and s are (M, N) outputs or None when not stored."""
     n_cols = x.shape[-1]
     x2, r2 = _rows_2d(x, n_cols), _rows_2d(residual, n_cols)
@@ -439,23 +440,23 @@ def _launch_fwd(x, residual, weight, bias, y, s, kind, eps, weight_offset, resid
         OUT_DTYPE=TL_DTYPES[out_dtype], HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, IS_RMS=kind == "rms_norm", ROUND_FIRST=norm_round_dtype is not None,
         STORE_SUM=store_sum, STORE_Y=store_y, POST_ADD=post_add, SCALE_RESIDUAL=residual_scale != 1.0,
-        BLOCK_N=block, num_warps=num_warps)
+        ROUND_SUM_FIRST=round_sum_first, BLOCK_N=block, num_warps=num_warps)
     return mean, rstd
 
 
-def add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
-                         norm_round_dtype, out_dtype, store_sum):
+def add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype,
+                 out_dtype, store_sum, round_sum_first=True):
     y = x.new_empty(x.shape, dtype=out_dtype)
     s = x.new_empty(x.shape, dtype=sum_dtype) if store_sum else None
     n_cols = x.shape[-1]
     mean, rstd = _launch_fwd(x, residual, weight, bias, y.view(-1, n_cols), None if s is None else s.view(-1, n_cols),
                              kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype, out_dtype,
-                             store_sum, True, False)
+                             store_sum, True, False, round_sum_first)
     return y, s, mean, rstd
 
 
-def norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, norm_round_dtype,
-                         out_dtype, add_dtype, store_norm):
+def norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, norm_round_dtype, out_dtype,
+                 add_dtype, store_norm):
     out = x.new_empty(x.shape, dtype=add_dtype)
     y = x.new_empty(x.shape, dtype=out_dtype) if store_norm else None
     n_cols = x.shape[-1]
@@ -465,8 +466,8 @@ def norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_s
     return out, y, mean, rstd
 
 
-def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add,
-                         x_dtype, residual_dtype, bias_dtype):
+def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add, x_dtype,
+                 residual_dtype, bias_dtype):
     n_cols = inp.shape[-1]
     inp2, dy2, de2 = _rows_2d(inp, n_cols), _rows_2d(dy, n_cols), _rows_2d(dextra, n_cols)
     n_rows = inp2.shape[0]

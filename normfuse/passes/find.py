@@ -24,6 +24,7 @@ import torch.fx as fx
 from normfuse.passes.canonical import (Canon, is_exact_upcast, last_dim, node_dtype, node_shape, real_users,
                                        same_dim, same_shape)
 from normfuse.passes.graph import GraphIndex
+from normfuse.vocabulary import KERNEL_DTYPES
 
 __all__ = ["NormMatch", "AddMatch", "find_norms", "find_input_add", "find_output_add", "as_add"]
 
@@ -471,7 +472,7 @@ def as_add(index: GraphIndex, node: Any, n: int | None) -> AddMatch | None:
         ops.append(strip_upcasts(index, op))
     am.operands = tuple(ops)
     dts = [node_dtype(o) for o in ops]
-    if any(d not in (torch.float32, torch.float16, torch.bfloat16) for d in dts):
+    if any(d not in KERNEL_DTYPES for d in dts):
         am.reason = f"operand dtypes {dts} are not ones the kernels take"
     return am
 

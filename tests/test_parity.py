@@ -1,0 +1,371 @@
+"""Parity with the fused add+norm test suites of flash-attn, Liger-Kernel and vLLM.
+
+Each suite's parameter grid, reference and tolerance rule, written here in our own
+words, with each peer kernel call replaced by the normfuse call that computes the same
+thing; both CPU paths (the reference, and the Triton kernels under the interpreter).
+
+* flash-attn ``tests/ops/triton/test_layer_norm.py``: three-way rule
+  ``max|ours - ref| <= 2 * max|same-precision reference - ref| + atol`` for every output
+  and gradient. Their upcast reference is fp32; here it is fp64, a more exact anchor.
+* Liger-Kernel ``test/transformers/test_rms_norm.py``, ``test_fused_add_rms_norm.py``:
+  ``allclose(ours, reference module in the same dtype, atol, rtol)`` for outputs and grads.
+* vLLM ``tests/kernels/core/test_layernorm.py``: ``assert_close`` against the layer's
+  native PyTorch forward (inference only).
+
+The default run takes a CI-sized subset of each grid; ``pytest -m parity`` runs the rest.
+Cases normfuse cannot express are skipped with a reason that names them.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import normfuse
+
+BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+
+
+PATHS = ("reference", "triton")
+
+
+def use_path(request, path):
+    """Run CPU tensors through the reference, or through the Triton kernels (interpreter)."""
+    if path == "triton":
+        request.getfixturevalue("triton_cpu")
+
+
+def _name(value) -> str:
+    return str(value).replace("torch.", "") if isinstance(value, torch.dtype) else str(value)
+
+
+def grid(cases, default, triton_default=None):
+    """pytest params (path, *case) for both paths. The cases in ``default`` (reference path) and
+    ``triton_default`` (Triton path; default: the same) run by default, the rest with -m parity.
+    The interpreter runs a row of a program in ~10 ms, so the Triton path's default cases are small."""
+    params = []
+    for path in PATHS:
+        chosen = default if path == "reference" or triton_default is None else triton_default
+        for case in cases:
+            params.append(pytest.param(path, *case, marks=() if case in chosen else pytest.mark.parity,
+                                       id="-".join(_name(v) for v in (path, *case))))
+    return params
+
+
+def _leaves(*tensors):
+    return [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
+
+
+# ---- flash-attn ---------------------------------------------------------------------------
+
+FLASH_HIDDEN = (192, 2048, 2560, 3000, 4096)
+FLASH_DTYPES = ((FP16, FP16), (FP16, FP32), (FP32, FP32), (BF16, BF16), (BF16, FP32))  # (input, residual)
+FLASH_WEIGHT = (FP32, FP16, BF16)
+FLASH_BATCH, FLASH_SEQLEN = 8, 512
+FLASH_CASES = list(itertools.product(FLASH_HIDDEN, FLASH_DTYPES, FLASH_WEIGHT, (True, False),   # has_residual
+                                     ("layer_norm", "rms_norm"), (True, False)))                # prenorm
+FLASH_DEFAULT = {
+    # 16-bit activations with fp32 parameters: LayerNorm's weight/bias gradients must be reduced in
+    # fp32 (eager's CPU LayerNorm backward reduced them 6-50x over this rule)
+    (192, (FP16, FP16), FP32, True, "layer_norm", False),
+    (192, (BF16, FP32), FP32, True, "layer_norm", True),
+    (192, (BF16, BF16), FP32, False, "layer_norm", True),
+    (192, (FP32, FP32), FP32, True, "rms_norm", True),
+    (192, (BF16, BF16), BF16, True, "rms_norm", False),
+    (192, (FP16, FP32), FP16, False, "layer_norm", True),
+}
+
+
+def _flash_unfused(x, residual, weight, bias, kind, eps, upcast):
+    """flash-attn's reference: the sum rounded to x's dtype; LayerNorm in the weight's dtype, RMSNorm in
+    x's dtype up to the weight multiply; the output in x's dtype. ``upcast`` runs it all in fp64 (and
+    leaves the output unrounded). Returns (out, the residual stream after the add)."""
+    out_dtype = x.dtype
+    if upcast:
+        x, residual, weight, bias = (None if t is None else t.to(FP64) for t in (x, residual, weight, bias))
+    if residual is not None:
+        x = (x + residual).to(x.dtype)
+    if kind == "layer_norm":
+        out = F.layer_norm(x.to(weight.dtype), x.shape[-1:], weight, bias, eps)
+    else:
+        out = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight
+        out = out if bias is None else out + bias
+    return (out if upcast else out.to(out_dtype)), x
+
+
+def _flash_rule(name, ours, same_precision, ref, atol):
+    """max|ours - ref| <= 2 max|same_precision - ref| + atol (NaNs of the same-precision run ignored)."""
+    keep = ~same_precision.isnan()
+    err = (ours.double() - ref.double()).abs().max().item()
+    base = (same_precision.double()[keep] - ref.double()[keep]).abs().max().item()
+    assert err <= 2 * base + atol, f"{name}: error {err:.3g} > 2 * {base:.3g} + {atol:g}"
+
+
+@pytest.mark.parametrize("path,hidden,dtypes,weight_dtype,has_residual,kind,prenorm",
+                         grid(FLASH_CASES, FLASH_DEFAULT, triton_default=set()))
+def test_flash_attn_layer_norm(request, path, hidden, dtypes, weight_dtype, has_residual, kind, prenorm):
+    use_path(request, path)
+    input_dtype, residual_dtype = dtypes
+    bf16 = BF16 in (input_dtype, residual_dtype, weight_dtype)
+    atol = 5e-2 if bf16 else 1e-2 if FP16 in (input_dtype, residual_dtype, weight_dtype) else 1e-4
+    torch.manual_seed(0)
+    shape = (FLASH_BATCH, FLASH_SEQLEN, hidden)
+    x = torch.randn(shape, dtype=input_dtype)
+    residual = torch.randn(shape, dtype=residual_dtype) if has_residual else None
+    weight = torch.randn(hidden, dtype=weight_dtype)
+    bias = torch.randn(hidden, dtype=weight_dtype) if kind == "layer_norm" else None
+    grad = torch.randn(shape, dtype=input_dtype) / FLASH_BATCH
+
+    def ours(x, residual, weight, bias):
+        # flash-attn's kernel normalizes the fp32 sum and stores it rounded: round_sum_first=False
+        out, stream = normfuse.add_norm(x, residual, weight, bias, kind=kind, eps=1e-6, out_dtype=input_dtype,
+                                        return_sum=prenorm, round_sum_first=False)
+        # a plain norm returns no sum: its residual stream is its input (flash-attn returns x, cast)
+        return out, (x.to(residual_dtype) if prenorm and stream is None else stream)
+
+    runs = []
+    for fn in (ours, lambda *t: _flash_unfused(*t, kind, 1e-6, False), lambda *t: _flash_unfused(*t, kind, 1e-6, True)):
+        leaves = _leaves(x, residual, weight, bias)
+        out, stream = fn(*leaves)
+        loss = out
+        if prenorm:
+            # as flash-attn: the reference's stream goes through the sigmoid in the residual dtype
+            gate = stream.to(residual_dtype).to(stream.dtype) if stream.dtype == FP64 else stream
+            loss = out * torch.sigmoid(gate)
+        loss.backward(grad.to(loss.dtype))
+        runs.append((out, stream, *[None if t is None else t.grad for t in leaves]))
+    (out, stream, *_), _, _ = runs
+    assert out.dtype == input_dtype
+    if prenorm:
+        assert stream.dtype == residual_dtype
+    names = ("out", "residual_out", "dx", "dresidual", "dweight", "dbias")
+    for name, o, p, r in zip(names, *runs):
+        if o is not None and (name != "residual_out" or prenorm):
+            _flash_rule(name, o, p, r, atol)
+
+
+def _flash_full_grid():
+    """flash-attn's full grid (its own test skips rowscale together with x1)."""
+    axes = itertools.product(FLASH_CASES, (0.0, 0.27), (False, True), (False, True), (False, True))
+    return [(drop, rowscale, x1, weight1) for _, drop, rowscale, x1, weight1 in axes if not (rowscale and x1)]
+
+
+def _flash_cannot_express():
+    cases = _flash_full_grid()
+    count = lambda pick: sum(1 for c in cases if pick(c))  # noqa: E731
+    yield "dropout", count(lambda c: c[0] > 0), "dropout_p > 0: normfuse fuses no dropout"
+    yield "rowscale", count(lambda c: c[1]), "rowscale: no per-row scale of the branch yet"
+    yield "x1", count(lambda c: c[2]), "x1: no second branch added in the same kernel yet (x0 + x1 + residual)"
+    yield "weight1", count(lambda c: c[3]), "weight1/bias1: one norm input with two weight sets is not fused"
+    yield "layer_norm_linear", 4 * 4 * 2 * 2 * 2, "layer_norm_linear_fn: normfuse fuses the add and the norm, not " \
+                                                  "the linear after it"
+
+
+@pytest.mark.parametrize("feature,cases,reason", list(_flash_cannot_express()), ids=lambda v: str(v))
+def test_flash_attn_cases_normfuse_cannot_express(feature, cases, reason):
+    pytest.skip(f"{reason} ({cases} cases of flash-attn's grid)")
+
+
+# ---- Liger-Kernel -------------------------------------------------------------------------
+
+LIGER_SHAPES = ((2, 128, 512), (5, 123, 123))
+LIGER_DTYPES = ((FP32, 1e-4, 1e-6), (BF16, 2e-1, 2e-2))    # (dtype, atol, rtol)
+LIGER_MODES = ("llama", "gemma", "none")
+LIGER_CASES = list(itertools.product(LIGER_SHAPES, LIGER_DTYPES, LIGER_MODES, (False, True)))
+LIGER_DEFAULT = {c for c in LIGER_CASES if c[0] == (5, 123, 123)}
+
+
+def _liger_style_norm(h, weight, mode, eps=1e-6):
+    """The reference modules of Liger's tests: HF Llama (fp32 math, round, then weight), HF Gemma
+    (fp32 math times 1 + w, round once), and "none" (all math in h's dtype)."""
+    if mode == "none":
+        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    hf = h.float()
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    if mode == "llama":
+        return weight * normed.to(h.dtype)
+    return (normed * (1.0 + weight.float())).to(h.dtype)
+
+
+def _normfuse_modes(mode, dtype):
+    return {"llama": {"norm_round_dtype": dtype}, "gemma": {"weight_offset": 1.0}, "none": {}}[mode]
+
+
+@pytest.mark.parametrize("path,shape,dtype_tol,mode,fused_add", grid(LIGER_CASES, LIGER_DEFAULT, set()))
+def test_liger_rms_norm(request, path, shape, dtype_tol, mode, fused_add):
+    """test_rms_norm.py and test_fused_add_rms_norm.py ``test_correctness``. Their in_place axis (the
+    backward may overwrite dY) has no counterpart: normfuse never writes into its inputs."""
+    use_path(request, path)
+    dtype, atol, rtol = dtype_tol
+    torch.manual_seed(42)
+    x, r = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+    dh, dr = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+    weight = torch.ones(shape[-1], dtype=dtype)        # the modules' initial weight
+    results = []
+    for ours in (False, True):
+        x_, r_, w_ = _leaves(x, r, weight)
+        if ours:
+            out, stream = normfuse.add_norm(x_, r_ if fused_add else None, w_, kind="rms_norm", eps=1e-6,
+                                            **_normfuse_modes(mode, dtype))
+        else:
+            stream = x_ + r_ if fused_add else None
+            out = _liger_style_norm(x_ if stream is None else stream, w_, mode)
+        torch.autograd.backward((out, stream) if fused_add else (out,), (dh, dr) if fused_add else (dh,))
+        results.append([out, stream, w_.grad, x_.grad, r_.grad if fused_add else None])
+    for name, got, expect in zip(("out", "residual_out", "dweight", "dx", "dresidual"), *results[::-1]):
+        if expect is not None:
+            torch.testing.assert_close(got, expect, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+LIGER_FUNCTIONAL_CASES = list(itertools.product(((2, 2, 8), (9, 7, 41)), LIGER_DTYPES, ("llama", "gemma"),
+                                                (False, True)))
+
+
+@pytest.mark.parametrize("path,shape,dtype_tol,mode,fused_add",
+                         grid(LIGER_FUNCTIONAL_CASES, set(LIGER_FUNCTIONAL_CASES)))
+def test_liger_functional_equals_op(request, path, shape, dtype_tol, mode, fused_add):
+    """``test_correctness_functional``: the functional API against the autograd-level entry point
+    (Liger's Function.apply; here the custom op called directly), random weight."""
+    use_path(request, path)
+    dtype, atol, rtol = dtype_tol
+    torch.manual_seed(0)
+    x, r, w = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype), torch.randn(shape[-1], dtype=dtype)
+    dh, dr = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+    modes = _normfuse_modes(mode, dtype)
+    results = []
+    for functional in (True, False):
+        x_, r_ = _leaves(x, r)
+        residual = r_ if fused_add else None
+        if functional:
+            out, stream = normfuse.add_norm(x_, residual, w, kind="rms_norm", eps=1e-6, **modes)
+        else:
+            out, stream, _, _ = torch.ops.normfuse.add_norm_fwd(
+                x_, residual, w, None, "rms_norm", 1e-6, modes.get("weight_offset", 0.0), 1.0, dtype,
+                modes.get("norm_round_dtype"), dtype, fused_add)
+        torch.autograd.backward((out, stream) if fused_add else (out,), (dh, dr) if fused_add else (dh,))
+        results.append([out, stream if fused_add else None, x_.grad, r_.grad if fused_add else None])
+    for got, expect in zip(*results):
+        if expect is not None:
+            assert torch.allclose(got, expect, atol=atol, rtol=rtol)
+
+
+# ---- vLLM ---------------------------------------------------------------------------------
+
+VLLM_TOKENS = (7, 83, 4096)
+VLLM_HIDDEN = (8, 768, 769, 5120, 5125, 8192)
+VLLM_DTYPES = (FP16, BF16, FP32)
+# vLLM's default IR tolerances (vllm/ir/tolerances.py), used by the weightless test
+VLLM_TOLERANCE = {FP32: dict(atol=1e-5, rtol=1.3e-6), FP16: dict(atol=1e-3, rtol=1e-3),
+                  BF16: dict(atol=1e-3, rtol=1.6e-2)}
+VLLM_CASES = list(itertools.product(VLLM_TOKENS, VLLM_HIDDEN, (False, True), VLLM_DTYPES, (False, True)))
+VLLM_DEFAULT = {(83, 769, True, BF16, True), (7, 5125, True, FP16, False), (83, 768, False, FP32, True),
+                (7, 8, True, FP32, False)}
+VLLM_TRITON_DEFAULT = {(7, 769, True, BF16, True), (7, 8, True, FP32, False)}
+
+
+def _vllm_inputs(tokens, hidden, add_residual, dtype, strided, weight_mean):
+    torch.manual_seed(0)
+    weight = torch.empty(hidden, dtype=dtype).normal_(mean=weight_mean, std=0.1)
+    scale = 1 / (2 * hidden)
+    x = torch.randn(tokens, 2 * hidden if strided else hidden, dtype=dtype)[..., :hidden]
+    assert x.is_contiguous() != strided
+    x *= scale
+    residual = None
+    if add_residual:
+        residual = x.new_empty_strided(x.size(), x.stride()).normal_(std=scale)
+    return x, residual, weight
+
+
+def _vllm_rms_native(x, residual, weight, eps=1e-6):
+    """vLLM RMSNorm's native forward: the fp32 sum normalized (and returned rounded), the normalized
+    value rounded to x's dtype, then the weight multiply: normfuse's round_sum_first=False with
+    norm_round_dtype=x.dtype."""
+    orig = x.dtype
+    h = x.float()
+    if residual is not None:
+        h = h + residual.float()
+        residual = h.to(orig)
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(orig)
+    return (h if weight is None else h * weight), residual
+
+
+def _vllm_gemma_native(x, residual, weight, eps=1e-6):
+    """vLLM GemmaRMSNorm's native forward: fp16 sums in fp32 (and returned in fp32), others in
+    their dtype; fp32 math times (1 + w), rounded once."""
+    orig = x.dtype
+    if residual is not None:
+        x = x.float() + residual.float() if orig == FP16 else x + residual
+        residual = x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
+    return h.to(orig), residual
+
+
+def _check_vllm(got, expect, tolerance):
+    for g, e in zip(got, expect):
+        if e is not None:
+            torch.testing.assert_close(g, e, **tolerance)
+
+
+@pytest.mark.parametrize("path,tokens,hidden,add_residual,dtype,strided",
+                         grid(VLLM_CASES, VLLM_DEFAULT, VLLM_TRITON_DEFAULT))
+@torch.inference_mode()
+def test_vllm_rms_norm(request, path, tokens, hidden, add_residual, dtype, strided):
+    use_path(request, path)
+    x, residual, weight = _vllm_inputs(tokens, hidden, add_residual, dtype, strided, weight_mean=1.0)
+    expect = _vllm_rms_native(x, residual, weight)
+    got = normfuse.add_rms_norm(x, residual, weight, eps=1e-6, norm_round_dtype=dtype, round_sum_first=False)
+    _check_vllm(got, expect, dict(atol=1e-2, rtol=1e-2))
+
+
+@pytest.mark.parametrize("path,tokens,hidden,add_residual,dtype,strided",
+                         grid(VLLM_CASES, VLLM_DEFAULT, VLLM_TRITON_DEFAULT))
+@torch.inference_mode()
+def test_vllm_gemma_rms_norm(request, path, tokens, hidden, add_residual, dtype, strided):
+    use_path(request, path)
+    x, residual, weight = _vllm_inputs(tokens, hidden, add_residual, dtype, strided, weight_mean=0.0)
+    expect = _vllm_gemma_native(x, residual, weight)
+    sum_dtype = FP32 if dtype == FP16 and add_residual else None
+    got = normfuse.add_rms_norm(x, residual, weight, eps=1e-6, weight_offset=1.0, sum_dtype=sum_dtype,
+                                out_dtype=dtype)
+    _check_vllm(got, expect, dict(atol=1e-2, rtol=1e-2))
+
+
+VLLM_WEIGHTLESS_CASES = list(itertools.product(VLLM_TOKENS, VLLM_HIDDEN, (False, True), VLLM_DTYPES))
+
+
+@pytest.mark.parametrize("path,tokens,hidden,add_residual,dtype",
+                         grid(VLLM_WEIGHTLESS_CASES, {(83, 769, True, FP16), (7, 5120, False, BF16)},
+                              {(7, 769, True, FP16)}))
+@torch.inference_mode()
+def test_vllm_rms_norm_weightless(request, path, tokens, hidden, add_residual, dtype):
+    use_path(request, path)
+    torch.manual_seed(0)
+    x = torch.randn(tokens, hidden, dtype=dtype)
+    residual = torch.randn_like(x) if add_residual else None
+    expect = _vllm_rms_native(x, residual, None)
+    got = normfuse.add_rms_norm(x, residual, None, eps=1e-6, norm_round_dtype=dtype, round_sum_first=False)
+    _check_vllm(got, expect, VLLM_TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("path", PATHS)
+@torch.inference_mode()
+def test_vllm_gemma_rms_norm_mixed_input_weight_dtype(request, path):
+    use_path(request, path)
+    torch.manual_seed(0)
+    x = torch.randn(32, 1024, dtype=BF16)
+    weight = torch.empty(1024).normal_(mean=0.0, std=0.1)            # fp32 weight, bf16 activations
+    h = x.float()
+    expect = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * (weight + 1.0)).to(BF16)
+    got, _ = normfuse.add_rms_norm(x, None, weight, eps=1e-6, weight_offset=1.0)
+    assert got.dtype == BF16
+    torch.testing.assert_close(got, expect, atol=1e-2, rtol=1e-2)
+
+
+def test_vllm_cases_normfuse_cannot_express():
+    cases = len(VLLM_CASES) * 3   # test_fused_rms_norm_quant: the grid times quant_scale (0.01, 1, 10)
+    pytest.skip(f"fused static fp8 quantization of the norm's output ({cases} cases of vLLM's "
+                f"test_fused_rms_norm_quant): not fused by normfuse")
