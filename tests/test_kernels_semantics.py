@@ -16,7 +16,7 @@ import normfuse
 from normfuse.errors import InvalidOptionError, ShapeMismatchError, UnsupportedDtypeError
 from normfuse.kernels import add_norm as K
 from normfuse.tolerances import within_tolerance
-from test_kernels import BF16, FP16, FP32, FP64, Case, check_case
+from kernel_cases import BF16, FP16, FP32, FP64, Case, check_case
 
 
 @pytest.fixture(params=["reference", "triton"])

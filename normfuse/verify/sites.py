@@ -93,6 +93,20 @@ def _subgraph(index, state, op: str, reads: set) -> tuple[list[fx.Node], list[tu
     return unique, outputs
 
 
+def _with_duplicates(index, nodes: list[fx.Node]) -> list[fx.Node]:
+    """``nodes`` and the duplicates they read of their own values (model code that writes
+    ``x - mean`` twice): a duplicate computes inside the subgraph, it is not an input of it."""
+    inside = set(nodes)
+    grown = True
+    while grown:
+        grown = False
+        for node in _boundary(sorted(inside, key=index.order.__getitem__)):
+            if index.rep.get(node) in inside:
+                inside.add(node)
+                grown = True
+    return sorted(inside, key=index.order.__getitem__)
+
+
 def _boundary(nodes: list[fx.Node]) -> list[fx.Node]:
     inside = set(nodes)
     seen: list[fx.Node] = []
@@ -144,6 +158,7 @@ def pair_sites(original: fx.GraphModule, rewritten: fx.GraphModule, sites: list[
         except AttributeError as error:  # the analysis found no add where the report says one was fused
             pair.problem = f"the original subgraph of {site.id} cannot be rebuilt ({error})"
             continue
+        pair.nodes = _with_duplicates(index, pair.nodes)
         pair.inputs = _boundary(pair.nodes)
         pair.eps = state.match.eps
         unmapped = [f"{r}={a.name}" for r, a in pair.args.items() if isinstance(a, _Unmapped)]
