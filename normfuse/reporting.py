@@ -41,6 +41,7 @@ class Site:
     out_dtype: str | None = None
     module_type: str | None = None
     residual_dtype: str | None = None  # the stream's sum widened to this dtype (FuseConfig.residual_dtype)
+    recomputed_linears: int = 0  # linears reading the norm output, which recompute it in backward
     graph: int = 0              # the graph it was found in (nested subgraphs count as graphs)
     number: int = 0             # its place among that graph's sites, in graph order
 
