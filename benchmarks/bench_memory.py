@@ -127,20 +127,21 @@ class NormLinearStack(nn.Module):
         return h + a
 
 
-def _step_seconds(model: nn.Module, make_args, repeats: int) -> float:
-    """Median CPU time of forward + backward (the process's CPU time: steadier on a shared machine)."""
-    times = []
+def _step_seconds(models: dict[str, nn.Module], make_args, repeats: int) -> dict[str, float]:
+    """Median CPU time of forward + backward of each model (the process's CPU time: steadier on a
+    shared machine), the models' steps interleaved so that load changes hit all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in models}
     for i in range(repeats + 1):
-        args = make_args()
-        with Clock() as clock:
-            out = model(*args) if isinstance(args, tuple) else model(**args)
-            out = out if isinstance(out, torch.Tensor) else out[0]
-            out.float().square().mean().backward()
-        if i:  # the first is a warm-up
-            times.append(clock.cpu)
-        model.zero_grad(set_to_none=True)
-    times.sort()
-    return times[len(times) // 2]
+        for name, model in models.items():
+            args = make_args()
+            with Clock() as clock:
+                out = model(*args) if isinstance(args, tuple) else model(**args)
+                out = out if isinstance(out, torch.Tensor) else out[0]
+                out.float().square().mean().backward()
+            if i:  # the first round is a warm-up
+                times[name].append(clock.cpu)
+            model.zero_grad(set_to_none=True)
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
 def recompute_rows(hidden: int, layers: int, tokens: int, repeats: int, llama_shape: dict) -> list[dict]:
@@ -165,6 +166,7 @@ def recompute_rows(hidden: int, layers: int, tokens: int, repeats: int, llama_sh
     }
     for name, (build, make_args, shape) in builds.items():
         row = {"model": name, "shape": shape}
+        timed = {}
         for variant, options in (("eager", None), ("optimized", {}), ("recompute", dict(recompute_norm_output=True))):
             reset_dynamo()
             torch.manual_seed(0)
@@ -179,9 +181,11 @@ def recompute_rows(hidden: int, layers: int, tokens: int, repeats: int, llama_sh
             del out
             row[f"{variant}_bytes"] = saved.bytes
             if variant != "eager":
-                row[f"{variant}_step_s"] = _step_seconds(model, make_args, repeats)
+                timed[variant] = model
             if variant == "recompute":
                 row["recomputed_sites"] = sum(s.recomputed_linears > 0 for s in normfuse.report(model).sites)
+        for variant, seconds in _step_seconds(timed, make_args, repeats).items():
+            row[f"{variant}_step_s"] = seconds
         row["recompute_vs_eager"] = row["recompute_bytes"] / row["eager_bytes"]
         row["recompute_vs_optimized"] = row["recompute_bytes"] / row["optimized_bytes"]
         row["speed_vs_optimized"] = row["optimized_step_s"] / row["recompute_step_s"]
@@ -229,7 +233,7 @@ def main(argv=None) -> dict:
     else:
         shape = dict(hidden=256, layers=2, batch=2, seq=128)
         site_n, site_rows_ = 1024, 256
-        stack = dict(hidden=1024, layers=2, tokens=512, repeats=7)
+        stack = dict(hidden=1024, layers=2, tokens=512, repeats=15)
     models = [model_rows(m, d, **shape) for m in ("llama", "bert") for d in DTYPES]
     sites = [r for d in DTYPES for r in site_rows(d, site_n, site_rows_)]
     recompute = recompute_rows(**stack, llama_shape=shape)
