@@ -122,6 +122,19 @@ def test_hf_llama_counts_and_check():
     assert len(calls) == 4
 
 
+def test_with_an_fp32_residual_stream():
+    """Both options: the recomputed norm reads the fp32 sum while its weight stays bf16."""
+    torch._dynamo.reset()
+    model = hf_model("llama", BF16).eval()
+    inputs = example_inputs(model)
+    opt = normfuse.optimize(copy.deepcopy(model), recompute_norm_output=True, residual_dtype=FP32)
+    res = normfuse.check(model, optimized=opt, **inputs)
+    sites = normfuse.report(opt).sites
+    assert [(s.recomputed_linears, s.residual_dtype) for s in sites] == [
+        (3, None), (2, "torch.float32"), (3, "torch.float32"), (2, "torch.float32"), (0, "torch.float32")]
+    assert res.ok and res.by_design, res
+
+
 class _NormThenMixedUse(nn.Module):
     def __init__(self):
         super().__init__()

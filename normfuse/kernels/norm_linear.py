@@ -31,10 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from normfuse.errors import InvalidOptionError, ShapeMismatchError
+from normfuse.errors import InvalidOptionError, ShapeMismatchError, UnsupportedDtypeError
 from normfuse.kernels.add_norm import _one_call_when_fx_traced
-from normfuse.kernels.ops import _eager_cpu, _grad_needed, validate
 from normfuse.kernels import reference
+from normfuse.kernels.ops import _eager_cpu, _grad_needed, check_shapes, validate
+from normfuse.kernels.reference import SUPPORTED_DTYPES
 
 __all__ = ["norm_linears"]
 
@@ -184,8 +185,14 @@ def norm_linears(y, inp, norm_weight, norm_bias, weights, biases, *, kind, eps, 
     """[linear(y, W_i, b_i)] with y = norm(inp) recomputed in backward instead of saved."""
     weights, biases = list(weights), list(biases)
     _check_linears(y, inp, weights, biases)
-    validate(inp, None, norm_weight, norm_bias, kind, eps,
+    # the norm's parameters may be in any dtype the site's fused op took (e.g. bf16 beside an
+    # fp32 sum when the stream is widened): their shapes and dtypes are checked, not their pairing
+    validate(inp, None, None, None, kind, eps,
              {"sum_dtype": sum_dtype, "norm_round_dtype": norm_round_dtype, "out_dtype": out_dtype})
+    check_shapes(inp, None, norm_weight, norm_bias)
+    for name, p in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
+        if p is not None and p.dtype not in SUPPORTED_DTYPES + (inp.dtype,):
+            raise UnsupportedDtypeError(f"{name} has dtype {p.dtype}; the fused ops take {SUPPORTED_DTYPES}.")
     params = (*weights, *(b for b in biases if b is not None))
     if not _grad_needed(y, *params):
         return [F.linear(y, w, b) for w, b in zip(weights, biases)]  # nothing to save, nothing to recompute
