@@ -99,3 +99,20 @@ def test_without_the_option_nothing_widens():
 def test_bad_residual_dtype(bad):
     with pytest.raises(InvalidOptionError, match="residual_dtype=torch.float32"):
         normfuse.optimize(ToyTransformer(), residual_dtype=bad)
+
+
+# gpt_neox: layer 1's parallel add_norm and the final one write the wide sum; layer 1's second
+# norm of that sum reads it rounded back. gemma2: the 4 pre-norm adds (the sandwich norms'
+# adds are those same adds, folded into the pre-norms' kernels)
+@pytest.mark.parametrize("name, widened", [("gpt2", 4), ("gpt_neox", 3), ("gemma2", 4)])
+def test_other_stream_shapes(name, widened):
+    """Learned-position LayerNorm (gpt2), parallel blocks whose sum two norms read (gpt_neox),
+    sandwich norms with norm_add (gemma2): every model runs, keeps its output dtype and passes
+    the checker; a reader that cannot take the wide sum gets it rounded back."""
+    torch._dynamo.reset()
+    model = hf_model(name, BF16).eval()
+    inputs = example_inputs(model)
+    opt = normfuse.optimize(copy.deepcopy(model), residual_dtype=FP32)
+    res = normfuse.check(model, optimized=opt, **inputs)
+    assert sum(s.residual_dtype is not None for s in normfuse.report(opt).sites) == widened
+    assert res.ok and res.by_design, res

@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from normfuse.kernels.add_norm import add_norm, norm_add
+from normfuse.passes.canonical import node_dtype
 
 __all__ = ["widen_stream", "WIDENED_DTYPES"]
 
@@ -39,9 +40,21 @@ def _retype(node: fx.Node, dtype: torch.dtype) -> None:
     node.meta.pop("tensor_meta", None)
 
 
+def _takes_wide(call: fx.Node, value: fx.Node, widened: dict, dtype: torch.dtype) -> bool:
+    """Whether a fused call can read the wide ``value`` as the add's operand: it must be the
+    residual add's x or residual (norm_add: its residual), and the norm's weight and bias must
+    keep a dtype the op pairs with its operands (an operand's dtype, or fp32)."""
+    x, residual, weight, bias = call.args[:4]
+    if residual is None or value not in ((x, residual) if call.target is add_norm else (residual,)):
+        return False
+    operand_dtypes = {dtype if op in widened else node_dtype(op) for op in (x, residual)}
+    return all(p is None or node_dtype(p) in operand_dtypes | {torch.float32} for p in (weight, bias))
+
+
 def widen_stream(graph: fx.Graph, calls: dict[fx.Node, object], dtype: torch.dtype) -> list[fx.Node]:
-    """Widen the stream sums of the fused ``calls`` (call node -> its report Site, whose
-    ``residual_dtype`` is set) to ``dtype``; returns the calls changed. Only the functional
+    """Widen the stream sums of the fused ``calls`` (call node -> its report Site) to ``dtype``;
+    returns the calls changed. ``site.residual_dtype`` is set on the sites that write the wide
+    stream and on the fused sites that read it rounded back. Only the functional
     calls are changed (graphs that call the custom ops directly keep their dtypes)."""
     widened: dict[fx.Node, torch.dtype] = {}  # stream output node -> the dtype the graph had
     changed = []
@@ -65,7 +78,7 @@ def widen_stream(graph: fx.Graph, calls: dict[fx.Node, object], dtype: torch.dty
     stream_calls = {c for c in calls if c.target in (add_norm, norm_add)}
     for out, old in widened.items():
         # readers that are not the next fused add of the stream get the graph's dtype back
-        others = [u for u in out.users if not (u in stream_calls and out in u.args[:2])]
+        others = [u for u in out.users if not (u in stream_calls and _takes_wide(u, out, widened, dtype))]
         if not others:
             continue
         with graph.inserting_after(out):
@@ -76,4 +89,6 @@ def widen_stream(graph: fx.Graph, calls: dict[fx.Node, object], dtype: torch.dty
                 narrow.meta[key] = out.meta[key].to(old)
         for user in others:
             user.replace_input_with(out, narrow)
+            if user in calls:  # a fused site reading the stream rounded back: by design as well
+                calls[user].residual_dtype = str(dtype)
     return changed
