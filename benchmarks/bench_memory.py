@@ -10,6 +10,13 @@ from the HF module itself and rewritten by the pass.
 Target: a fused site keeps only what its backward needs (the sum it normalizes plus fp32
 row statistics): at least 50% less than HF eager's decomposed RMSNorm site.
 
+Recomputing the norm output for the linears that read it (``recompute_norm_output``):
+a bf16 llama-shaped norm-and-linear stack (HF LlamaRMSNorm, q/k/v and gate/up linears)
+and the whole HF llama, eager vs optimized vs optimized with recompute, with the CPU
+time of a training step (forward + backward) of the two optimized ones. Targets: the
+stack with recompute <= 0.3x eager; the whole 2-layer llama <= 0.8x optimized; the step
+time >= 0.95x optimized (speed, i.e. time(optimized) / time(recompute) >= 0.95).
+
     python benchmarks/bench_memory.py [--toy]
 """
 
@@ -17,8 +24,8 @@ from __future__ import annotations
 
 import warnings
 
-from common import (ResidualNormSite, hf_overrides, machine, markdown_table, parse_args, reset_dynamo, save_plot,
-                    site_norms, write_csv, write_json)
+from common import (Clock, ResidualNormSite, hf_overrides, machine, markdown_table, parse_args, reset_dynamo,
+                    save_plot, site_norms, write_csv, write_json)
 
 import torch
 import torch.nn as nn
@@ -85,6 +92,101 @@ def model_rows(model_type: str, dtype_name: str, hidden: int, layers: int, batch
             "saved_bytes_per_fused_site_per_token": (e.bytes - o.bytes) / max(fused, 1) / (batch * seq)}
 
 
+# ------------------------------------------------------------------ norm-and-linear stack
+
+class NormLinearStack(nn.Module):
+    """Llama's norms and the linears that read them, nothing else: per layer
+    ``s = h + a; a = q(y) + k(y) + v(y)`` with ``y = norm1(s)``, then ``s' = s + a;
+    a = fold(gate(y') + up(y'))`` with ``y' = norm2(s')`` (sums and a reshape save nothing,
+    so what is kept is the norms' and the linears' own)."""
+
+    def __init__(self, hidden: int, layers: int, dtype):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+        self.hidden = hidden
+        self.layers = nn.ModuleList(nn.ModuleDict({
+            "norm1": LlamaRMSNorm(hidden, eps=1e-6), "norm2": LlamaRMSNorm(hidden, eps=1e-6),
+            **{name: nn.Linear(hidden, hidden, bias=False) for name in ("q", "k", "v")},
+            **{name: nn.Linear(hidden, 2 * hidden, bias=False) for name in ("gate", "up")}})
+            for _ in range(layers)).to(dtype)
+
+    def forward(self, h, a):
+        for layer in self.layers:
+            h = h + a
+            y = layer["norm1"](h)
+            a = layer["q"](y) + layer["k"](y) + layer["v"](y)
+            h = h + a
+            y = layer["norm2"](h)
+            a = (layer["gate"](y) + layer["up"](y)).unflatten(-1, (2, self.hidden)).sum(-2)
+        return h + a
+
+
+def _step_seconds(models: dict[str, nn.Module], make_args, repeats: int) -> dict[str, float]:
+    """Median CPU time of forward + backward of each model (the process's CPU time: steadier on a
+    shared machine), the models' steps interleaved so that load changes hit all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for i in range(repeats + 1):
+        for name, model in models.items():
+            args = make_args()
+            with Clock() as clock:
+                out = model(*args) if isinstance(args, tuple) else model(**args)
+                out = out if isinstance(out, torch.Tensor) else out[0]
+                out.float().square().mean().backward()
+            if i:  # the first round is a warm-up
+                times[name].append(clock.cpu)
+            model.zero_grad(set_to_none=True)
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+
+
+def recompute_rows(hidden: int, layers: int, tokens: int, repeats: int, llama_shape: dict) -> list[dict]:
+    """Saved bytes and step time of the norm-and-linear stack and the whole llama, bf16:
+    eager, optimized, optimized with recompute_norm_output."""
+    dtype = torch.bfloat16
+    rows = []
+
+    def stack_args():
+        g = torch.Generator().manual_seed(0)
+        return tuple(torch.randn(tokens, hidden, generator=g).to(dtype).requires_grad_() for _ in range(2))
+
+    overrides = hf_overrides("llama", llama_shape["hidden"], llama_shape["layers"])
+    probe = zoo.hf_model("llama", dtype=dtype, **overrides)
+    llama_inputs = zoo.example_inputs(probe, batch=llama_shape["batch"], seq=llama_shape["seq"])
+    builds = {
+        "norm-and-linear stack": (lambda: NormLinearStack(hidden, layers, dtype), stack_args, f"{layers} layers, "
+                                  f"N={hidden}, {tokens} tokens"),
+        "HF llama": (lambda: zoo.hf_model("llama", dtype=dtype, **overrides), lambda: dict(llama_inputs),
+                     f"{llama_shape['layers']} layers, hidden {llama_shape['hidden']}, "
+                     f"{llama_shape['batch'] * llama_shape['seq']} tokens"),
+    }
+    for name, (build, make_args, shape) in builds.items():
+        row = {"model": name, "shape": shape}
+        timed = {}
+        for variant, options in (("eager", None), ("optimized", {}), ("recompute", dict(recompute_norm_output=True))):
+            reset_dynamo()
+            torch.manual_seed(0)
+            model = build()
+            if options is not None:
+                model = normfuse.optimize(model, **options)
+            args = make_args()
+            call = (lambda m=model, a=args: m(*a)) if isinstance(args, tuple) else (lambda m=model, a=args: m(**a))
+            call()  # capture and rewrite
+            with SavedBytes(exclude=list(model.parameters())) as saved:
+                out = call()
+            del out
+            row[f"{variant}_bytes"] = saved.bytes
+            if variant != "eager":
+                timed[variant] = model
+            if variant == "recompute":
+                row["recomputed_sites"] = sum(s.recomputed_linears > 0 for s in normfuse.report(model).sites)
+        for variant, seconds in _step_seconds(timed, make_args, repeats).items():
+            row[f"{variant}_step_s"] = seconds
+        row["recompute_vs_eager"] = row["recompute_bytes"] / row["eager_bytes"]
+        row["recompute_vs_optimized"] = row["recompute_bytes"] / row["optimized_bytes"]
+        row["speed_vs_optimized"] = row["optimized_step_s"] / row["recompute_step_s"]
+        rows.append(row)
+    return rows
+
+
 # ------------------------------------------------------------------ one site
 
 def site_rows(dtype_name: str, n: int, rows: int) -> list[dict]:
@@ -121,11 +223,14 @@ def main(argv=None) -> dict:
     if args.toy:
         shape = dict(hidden=64, layers=1, batch=1, seq=8)
         site_n, site_rows_ = 64, 4
+        stack = dict(hidden=64, layers=1, tokens=8, repeats=1)
     else:
         shape = dict(hidden=256, layers=2, batch=2, seq=128)
         site_n, site_rows_ = 1024, 256
+        stack = dict(hidden=1024, layers=2, tokens=512, repeats=15)
     models = [model_rows(m, d, **shape) for m in ("llama", "bert") for d in DTYPES]
     sites = [r for d in DTYPES for r in site_rows(d, site_n, site_rows_)]
+    recompute = recompute_rows(**stack, llama_shape=shape)
     hf_rms = [s for s in sites if s["site"].startswith("HF LlamaRMSNorm")]
     verdict = {
         "min_reduction_vs_hf_rmsnorm_site": min(s["reduction"] for s in hf_rms),
@@ -136,9 +241,19 @@ def main(argv=None) -> dict:
                             for s in hf_rms),
         "all_sites_minimal": all(s["fused_is_minimal"] for s in sites),
     }
+    stack_row, llama_row = recompute
+    verdict["recompute"] = {
+        "stack_vs_eager": stack_row["recompute_vs_eager"], "stack_target_met": stack_row["recompute_vs_eager"] <= 0.3,
+        "llama_vs_optimized": llama_row["recompute_vs_optimized"],
+        "llama_target_met": llama_row["recompute_vs_optimized"] <= 0.8,
+        "speed_vs_optimized": {r["model"]: r["speed_vs_optimized"] for r in recompute},
+        "speed_target_met": all(r["speed_vs_optimized"] >= 0.95 for r in recompute),
+    }
     write_csv(args.out / "memory_models.csv", models)
     write_csv(args.out / "memory_sites.csv", sites)
-    payload = {"machine": machine(), "shape": shape, "models": models, "sites": sites, "verdict": verdict}
+    write_csv(args.out / "memory_recompute.csv", recompute)
+    payload = {"machine": machine(), "shape": shape, "models": models, "sites": sites, "recompute_shape": stack,
+               "recompute": recompute, "verdict": verdict}
     write_json(args.out / "memory.json", payload)
 
     def draw(ax):
@@ -153,6 +268,9 @@ def main(argv=None) -> dict:
     print(markdown_table(models, ["model", "dtype", "fused", "eager_bytes", "optimized_bytes", "saved_fraction"]))
     print(markdown_table(sites, ["site", "dtype", "eager_bytes_per_elem", "fused_bytes_per_elem",
                                  "needed_bytes_per_elem", "reduction"]))
+    print(markdown_table(recompute, ["model", "shape", "eager_bytes", "optimized_bytes", "recompute_bytes",
+                                     "recompute_vs_eager", "recompute_vs_optimized", "optimized_step_s",
+                                     "recompute_step_s", "speed_vs_optimized"]))
     print("verdict:", verdict)
     return payload
 

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+
 from normfuse.errors import InvalidOptionError, closest
 
 __all__ = ["FuseConfig", "make_config"]
@@ -22,6 +24,12 @@ class FuseConfig:
     fuse_output_add: fold ``x + norm(f)`` (res-post, sandwich) into the norm-then-add op.
     prenorm:    convert Post-Norm blocks to Pre-Norm first (changes the function by design).
     check:      run the numeric equivalence checker on the first call and warn on failure.
+    residual_dtype: None, or ``torch.float32`` to keep every fused sum of a bf16/fp16
+                residual stream in fp32 (changes the function by design; see
+                normfuse/passes/residual_stream.py).
+    recompute_norm_output: when every reader of a fused norm's output is a linear, do not
+                keep that output for the linears' backward: recompute it from the sum
+                (see normfuse/passes/norm_linear.py).
     """
 
     filter_fn: Callable[[Any], bool] | None = None
@@ -29,13 +37,19 @@ class FuseConfig:
     fuse_output_add: bool = True
     prenorm: bool = False
     check: bool = False
+    residual_dtype: Any = None
+    recompute_norm_output: bool = False
 
     def __post_init__(self):
         if self.filter_fn is not None and not callable(self.filter_fn):
             raise InvalidOptionError(
                 f"filter_fn must be a callable taking a normfuse.Site and returning bool, got "
                 f"{type(self.filter_fn).__name__}. Pass e.g. filter_fn=lambda site: site.placement != 'post'.")
-        for name in ("standalone", "fuse_output_add", "prenorm", "check"):
+        if self.residual_dtype not in (None, torch.float32):
+            raise InvalidOptionError(
+                f"residual_dtype must be None (the stream keeps the model's dtype) or torch.float32, got "
+                f"{self.residual_dtype!r}. Pass residual_dtype=torch.float32.")
+        for name in ("standalone", "fuse_output_add", "prenorm", "check", "recompute_norm_output"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidOptionError(f"{name} must be True or False, got {value!r}.")

@@ -39,6 +39,8 @@ class Site:
     norm_round_dtype: str | None = None
     out_dtype: str | None = None
     module_type: str | None = None
+    residual_dtype: str | None = None  # the site writes (or reads) a residual stream kept in this dtype
+    recomputed_linears: int = 0  # linears reading the norm output, which recompute it in backward
     graph: int = 0              # the graph it was found in (nested subgraphs count as graphs)
     number: int = 0             # its place among that graph's sites, in graph order
 

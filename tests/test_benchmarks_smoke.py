@@ -48,6 +48,11 @@ def test_pass_cost_memory_cpu_e2e_toy(tmp_path):
     assert hf["eager_bytes_per_elem"] >= 6.0
     assert hf["fused_bytes_per_elem"] == pytest.approx(2 + 4 / hf["N"])
     assert mem["verdict"]["all_sites_minimal"]
+    # recompute_norm_output: the stack's 2 sites (q/k/v, gate/up) keep the bf16 sums only
+    stack, llama = mem["recompute"]
+    assert stack["recomputed_sites"] == 2 and llama["recomputed_sites"] == 2
+    assert stack["recompute_bytes"] < stack["optimized_bytes"] < stack["eager_bytes"]
+    assert llama["recompute_bytes"] < llama["optimized_bytes"]
 
     e2e = json.loads((tmp_path / "cpu_e2e.json").read_text())
     assert {(r["model"], r["step"]) for r in e2e["rows"]} == {(m, s) for m in ("llama", "bert")
@@ -92,3 +97,10 @@ def test_gpu_suite_toy_under_interpreter(tmp_path):
     assert all(r["timing"] == "cpu-interpreter" and r["fwd_ms"] > 0 and r["bwd_ms"] > 0 for r in ok)
     block = result["llama_block"]
     assert [b["variant"] for b in block] == ["eager", "normfuse"] and block[1]["fused"] == 3
+
+
+def test_residual_dtype_toy(tmp_path):
+    _run("bench_residual_dtype.py", tmp_path)
+    result = json.loads((tmp_path / "residual_dtype.json").read_text())
+    assert [r["widened_sums"] for r in result["rows"]] == [4, 4]
+    assert result["verdict"]["all_checks_ok"]

@@ -289,7 +289,13 @@ class NormFusionPass(CustomGraphPass):
         analysis.append((index, states))
         sites = [site_record(index, state, i) for i, state in enumerate(states)]
         self._stage("rewrite")
-        self._rewrite(index, states, sites)
+        calls = self._rewrite(index, states, sites)
+        if self.config.residual_dtype is not None and calls:
+            from normfuse.passes.residual_stream import widen_stream
+            widen_stream(graph, calls, self.config.residual_dtype)
+        if self.config.recompute_norm_output and calls:
+            from normfuse.passes.norm_linear import recompute_for_linears
+            recompute_for_linears(graph, calls)
         for node in list(graph.nodes):  # parameters read only by a norm that is gone now
             if node.op == "get_attr" and not node.users:
                 graph.erase_node(node)
@@ -300,8 +306,10 @@ class NormFusionPass(CustomGraphPass):
             gm.recompile()
         return sites
 
-    def _rewrite(self, index: GraphIndex, states: list[SiteState], sites: list[Site]) -> None:
+    def _rewrite(self, index: GraphIndex, states: list[SiteState], sites: list[Site]) -> dict:
+        """Rewrite the sites; returns each inserted fused call with its Site."""
         config = self.config
+        calls = {}
         claimed: set = set()
         reserved = {s.in_add.node for s in states if s.in_add is not None and s.in_add.reason is None}
         for state, site in zip(states, sites):
@@ -324,7 +332,7 @@ class NormFusionPass(CustomGraphPass):
                 site.reason = "not applied (analysis only)"
                 site.op = plan.op
                 continue
-            rewrite.apply(index, plan, as_op=self._as_op)
+            calls[rewrite.apply(index, plan, as_op=self._as_op)[0]] = site
             site.fused, site.op = True, plan.op
             site.fused_add = plan.op in ("add_norm", "norm_add")
             site.residual_scale = plan.residual_scale
@@ -334,3 +342,4 @@ class NormFusionPass(CustomGraphPass):
         for site in sites:
             if not site.fused and site.reason is None:
                 site.reason = "not rewritten"
+        return calls
