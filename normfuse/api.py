@@ -175,6 +175,9 @@ def optimize(model: nn.Module, config: FuseConfig | None = None, **options: Any)
     if cfg.prenorm:
         from normfuse.passes import prenorm
         prenorm.prepare_module(model)
+    if cfg.cross_block:  # normfuse.passes.boundary: carry the residual pair across block boundaries
+        from normfuse.passes.boundary import rewrite_streams
+        rep.notes += [s.describe() for s in rewrite_streams(model)]
     model.forward = OptimizedForward(model, model.forward, cfg, rep)
     return model
 

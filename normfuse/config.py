@@ -22,6 +22,10 @@ class FuseConfig:
     fuse_output_add: fold ``x + norm(f)`` (res-post, sandwich) into the norm-then-add op.
     prenorm:    convert Post-Norm blocks to Pre-Norm first (changes the function by design).
     check:      run the numeric equivalence checker on the first call and warn on failure.
+    cross_block: carry the residual pair across the blocks of a Pre-Norm stream, so the add
+                that ends a block fuses with the norm that starts the next one even when each
+                block is a region of its own (checkpointing, FSDP2, per-block compile). Exact:
+                the same adds and norms, regrouped. Streams that do not fit stay as they were.
     """
 
     filter_fn: Callable[[Any], bool] | None = None
@@ -29,13 +33,14 @@ class FuseConfig:
     fuse_output_add: bool = True
     prenorm: bool = False
     check: bool = False
+    cross_block: bool = True
 
     def __post_init__(self):
         if self.filter_fn is not None and not callable(self.filter_fn):
             raise InvalidOptionError(
                 f"filter_fn must be a callable taking a normfuse.Site and returning bool, got "
                 f"{type(self.filter_fn).__name__}. Pass e.g. filter_fn=lambda site: site.placement != 'post'.")
-        for name in ("standalone", "fuse_output_add", "prenorm", "check"):
+        for name in ("standalone", "fuse_output_add", "prenorm", "check", "cross_block"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidOptionError(f"{name} must be True or False, got {value!r}.")
