@@ -173,3 +173,17 @@ def test_optimize_applies_it_by_default_and_says_so():
     assert any("3 blocks hand the residual pair" in note for note in normfuse.report(model).notes)
     off = normfuse.optimize(_toy(), cross_block=False)
     assert isinstance(off.blocks[0](off.tok(IDS)), torch.Tensor)
+
+
+def test_rewritten_model_pickles_and_deep_copies():
+    import io
+    original = _toy()
+    model = copy.deepcopy(original)
+    rewrite_streams(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert isinstance(loaded.blocks[1](original.tok(IDS)), ResidualPair)
+    _assert_identical(_run(original, IDS), _run(loaded, IDS))
+    _assert_identical(_run(copy.deepcopy(original), IDS), _run(copy.deepcopy(model), IDS))

@@ -36,7 +36,9 @@ No module, parameter or buffer is added: ``state_dict`` keys are unchanged.
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
+import json
 import operator
 import textwrap
 from dataclasses import dataclass, field
@@ -80,23 +82,52 @@ class _StreamElement:
         return _as_pair(super().__call__(pair.hidden, pair.residual, pair.combine, *args, **kwargs))
 
 
-class _PairNorm:
-    """Mixin of the final norm: it adds the last pair first (so the add sits right before it)."""
+def _add_pair_first(module: nn.Module, args: tuple):
+    """Forward pre-hook of the final norm: the last pair is added right before it. (A hook,
+    not a __call__ override: the norm's own frame stays the innermost user frame, so its
+    site still names the line of the model that calls it.)"""
+    if args and isinstance(args[0], tuple):
+        return (_added(_as_pair(args[0])), *args[1:])
+    return None
 
-    def __call__(self, x, *args, **kwargs):
-        return super().__call__(_added(_as_pair(x)), *args, **kwargs)
+
+_SWAPPED: dict[tuple, type] = {}
+_MIXINS = {"_StreamElement": _StreamElement}
+_SWAPPED_PREFIX = "_nf_swapped_"
 
 
-_SWAPPED: dict[tuple[type, type], type] = {}
-
-
-def _swap_class(module: nn.Module, mixin: type) -> None:
-    # one subclass per (mixin, class): the blocks of a list keep sharing one class
-    cls = type(module)
-    key = (mixin, cls)
+def _swapped_class(base: type, mixins: tuple, forward: bool) -> type:
+    """The subclass of ``base`` with ``mixins`` first and, when ``forward``, the pair forward.
+    One per (class, mixins, forward): the blocks of a list keep sharing one class. Its
+    qualified name encodes how to build it again, so a pickled model loads (see __getattr__)."""
+    key = (base, mixins, forward)
     if key not in _SWAPPED:
-        _SWAPPED[key] = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__, "_normfuse_base": cls})
-    module.__class__ = _SWAPPED[key]
+        spec = json.dumps([base.__module__, base.__qualname__, [m.__name__ for m in mixins], forward])
+        attrs = {"__module__": __name__, "__qualname__": _SWAPPED_PREFIX + spec.encode().hex(),
+                 "_normfuse_base": base, "_normfuse_mixins": mixins, "_normfuse_forward": forward}
+        if forward:  # a class attribute, so module paths in graphs read "blocks.0.norm1"
+            attrs["forward"] = _pair_forward(base)
+        _SWAPPED[key] = type(base.__name__, (*mixins, base), attrs)
+    return _SWAPPED[key]
+
+
+def __getattr__(name: str):
+    # unpickling a rewritten model looks its block classes up here
+    if not name.startswith(_SWAPPED_PREFIX):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, qualname, mixins, forward = json.loads(bytes.fromhex(name[len(_SWAPPED_PREFIX):]))
+    base = importlib.import_module(module)
+    for part in qualname.split("."):
+        base = getattr(base, part)
+    return _swapped_class(base, tuple(_MIXINS[m] for m in mixins), forward)
+
+
+def _swap_class(module: nn.Module, mixin: type | None = None, forward: bool = False) -> None:
+    """Give ``module`` its swapped class, adding ``mixin`` and/or the pair forward."""
+    cls = type(module)
+    base = cls.__dict__.get("_normfuse_base", cls)
+    mixins = tuple(m for m in (*cls.__dict__.get("_normfuse_mixins", ()), mixin) if m is not None)
+    module.__class__ = _swapped_class(base, mixins, forward or cls.__dict__.get("_normfuse_forward", False))
 
 
 def _unswap_class(module: nn.Module) -> None:
@@ -259,11 +290,24 @@ def _defer_final_adds(fn_node: ast.FunctionDef, raw: Callable) -> int:
     return rewritten
 
 
-def _pair_forward(block: nn.Module) -> Callable:
+_PAIR_FORWARDS: dict[type, Callable] = {}
+
+
+def _base_class(module: nn.Module) -> type:
+    return type(module).__dict__.get("_normfuse_base", type(module))
+
+
+def _pair_forward(cls: type) -> Callable:
+    """The pair forward of a block class, built once per class."""
+    if cls not in _PAIR_FORWARDS:
+        _PAIR_FORWARDS[cls] = _build_pair_forward(cls)
+    return _PAIR_FORWARDS[cls]
+
+
+def _build_pair_forward(cls: type) -> Callable:
     """A copy of the block's forward that takes (hidden, residual, combine) for its first
     argument and returns the final add's operands as a ResidualPair."""
-    forward = type(block).forward
-    fn_node, raw = _function_ast(forward)
+    fn_node, raw = _function_ast(cls.forward)
     if raw.__code__.co_freevars:  # (super() needs __class__, ...)
         raise NotFit(f"{raw.__qualname__} uses enclosing variables {raw.__code__.co_freevars}")
     args = fn_node.args
@@ -291,7 +335,7 @@ def _pair_forward(block: nn.Module) -> Callable:
     exec(code, raw.__globals__, namespace)
     new = namespace["_nf_factory"](ResidualPair, operator)
     new.__qualname__ = raw.__qualname__
-    return new.__get__(block)
+    return new
 
 
 # --------------------------------------------------------------------------- install
@@ -338,22 +382,23 @@ def rewrite_streams(model: nn.Module) -> list[StreamRewrite]:
         parent_fqn, _, attr = fqn.rpartition(".")
         owner = owner_of.get(parent_fqn, model) if fqn else model
         if getattr(owner, _MARK, None):
-            result.blocks, result.final_norm = len(owner.get_submodule(attr)), owner.__dict__[_MARK]
+            result.blocks, result.final_norm = len(owner.get_submodule(attr)), owner.__dict__[_MARK][0]
             continue
         try:
             if not fqn:
                 raise NotFit("the model is itself the block list; there is no loop to carry a pair through")
             loop = _analyze_owner(owner, attr)
             elements = list(owner.get_submodule(attr))
-            forwards = [_pair_forward(_inner_block(e)) for e in elements]
+            for element in elements:  # every block's forward must fit before any is changed
+                _pair_forward(_base_class(_inner_block(element)))
         except NotFit as why:
             result.reason = str(why)
             continue
-        for element, forward in zip(elements, forwards):
-            _inner_block(element).forward = forward
+        for element in elements:
+            _swap_class(_inner_block(element), forward=True)
             _swap_class(element, _StreamElement)
-        _swap_class(getattr(owner, loop.final_norm), _PairNorm)
-        object.__setattr__(owner, _MARK, loop.final_norm)
+        handle = getattr(owner, loop.final_norm).register_forward_pre_hook(_add_pair_first)
+        object.__setattr__(owner, _MARK, (loop.final_norm, handle.id))
         result.blocks, result.final_norm = len(elements), f"{parent_fqn + '.' if parent_fqn else ''}{loop.final_norm}"
     return results
 
@@ -363,10 +408,10 @@ def undo_streams(model: nn.Module) -> None:
     for fqn in _block_lists(model):
         parent_fqn, _, attr = fqn.rpartition(".")
         owner = model.get_submodule(parent_fqn) if parent_fqn else model
-        norm = owner.__dict__.pop(_MARK, None)
-        if norm is None:
+        mark = owner.__dict__.pop(_MARK, None)
+        if mark is None:
             continue
+        getattr(owner, mark[0])._forward_pre_hooks.pop(mark[1], None)
         for element in owner.get_submodule(attr):
-            _inner_block(element).__dict__.pop("forward", None)
+            _unswap_class(_inner_block(element))
             _unswap_class(element)
-        _unswap_class(getattr(owner, norm))
