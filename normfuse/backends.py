@@ -38,7 +38,9 @@ def run_pass(gm: fx.GraphModule, config: FuseConfig) -> FusionReport:
     """``pipeline.run``, and when the pass failed and left the graph unchanged, the sites it
     would have rewritten, each with the failure as its reason (found again on a copy)."""
     from normfuse.passes import pipeline
+    from normfuse.passes.dtensor_graph import hoist_from_local  # sequence parallel: add -> from_local -> norm
 
+    hoist_from_local(gm)
     report = pipeline.run(gm, config)
     if report.sites or not report.warnings:
         return report

@@ -13,7 +13,8 @@ of its input (so DTensor never moves the statistics apart from their rows). Weig
 bias gradients are per-rank partial sums: ``Partial()``.
 
 The last dim must be whole on every rank: an input sharded on it raises
-``ShardedNormDimError`` naming the fix. (The pass checks this first and leaves such a
+``ShardedNormDimError`` naming the fix (DTensor re-raises it as a RuntimeError with the
+same message). (The pass checks this first and leaves such a
 site unfused, with the reason: see ``refusal``.) Partial inputs are reduced by DTensor
 first (the norm of a pending sum is not a sum of norms).
 
@@ -71,14 +72,13 @@ def _strategies(spec: Any, op: str, arg: str, layout) -> list:
     return [layout(Replicate(), Replicate())] + [layout(Shard(d), Shard(0)) for d in rows]
 
 
-def _forward_rule(op: str, has_sum_out: bool, stats_present: tuple[bool, bool]):
+def _forward_rule(op: str):
     """Sharding function of add_norm_fwd / norm_add_fwd: (y, s|y, mean, rstd) from
     (x, residual, weight, bias, *scalars)."""
     def rule(x, residual, weight, bias, kind, *rest):
         from torch.distributed.tensor import Replicate
-        for extra, name in ((residual, "residual"),):
-            if extra is not None:
-                _row_dims(extra, op, name)
+        if residual is not None:
+            _row_dims(residual, op, "residual")
         store_extra = bool(rest[-1]) and (residual is not None or op == "norm_add_fwd")
         n_scalars = len(rest) + 1  # kind and the rest
 
@@ -120,8 +120,8 @@ def register() -> bool:
     register_sharding = api[-1]
     import normfuse.kernels.add_norm  # noqa: F401 - defines the ops
     ops = torch.ops.normfuse
-    register_sharding(ops.add_norm_fwd.default)(_forward_rule("add_norm_fwd", True, (True, True)))
-    register_sharding(ops.norm_add_fwd.default)(_forward_rule("norm_add_fwd", True, (True, True)))
+    register_sharding(ops.add_norm_fwd.default)(_forward_rule("add_norm_fwd"))
+    register_sharding(ops.norm_add_fwd.default)(_forward_rule("norm_add_fwd"))
     register_sharding(ops.add_norm_bwd.default)(_backward_rule)
     _REGISTERED.append(True)
     return True

@@ -397,7 +397,8 @@ def rewrite_streams(model: nn.Module) -> list[StreamRewrite]:
         for element in elements:
             _swap_class(_inner_block(element), forward=True)
             _swap_class(element, _StreamElement)
-        handle = getattr(owner, loop.final_norm).register_forward_pre_hook(_add_pair_first)
+        # first of its pre-hooks: a SequenceParallel (or other) input hook then sees a tensor
+        handle = getattr(owner, loop.final_norm).register_forward_pre_hook(_add_pair_first, prepend=True)
         object.__setattr__(owner, _MARK, (loop.final_norm, handle.id))
         result.blocks, result.final_norm = len(elements), f"{parent_fqn + '.' if parent_fqn else ''}{loop.final_norm}"
     return results
