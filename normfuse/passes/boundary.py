@@ -83,10 +83,11 @@ class _StreamElement:
 
 
 def _add_pair_first(module: nn.Module, args: tuple):
-    """Forward pre-hook of the final norm: the last pair is added right before it. (A hook,
-    not a __call__ override: the norm's own frame stays the innermost user frame, so its
-    site still names the line of the model that calls it.)"""
-    if args and isinstance(args[0], tuple):
+    """First forward pre-hook of the final norm. Its forward adds the pair itself (so the add
+    is in the norm's graph); when other input hooks follow (SequenceParallel wraps the input
+    in a DTensor) or the forward could not be copied, the pair is added here, before them."""
+    if args and isinstance(args[0], tuple) and (len(module._forward_pre_hooks) > 1
+                                                or not type(module).__dict__.get("_normfuse_forward")):
         return (_added(_as_pair(args[0])), *args[1:])
     return None
 
@@ -96,8 +97,9 @@ _MIXINS = {"_StreamElement": _StreamElement}
 _SWAPPED_PREFIX = "_nf_swapped_"
 
 
-def _swapped_class(base: type, mixins: tuple, forward: bool) -> type:
-    """The subclass of ``base`` with ``mixins`` first and, when ``forward``, the pair forward.
+def _swapped_class(base: type, mixins: tuple, forward: str) -> type:
+    """The subclass of ``base`` with ``mixins`` first and the ``forward`` kind ("pair",
+    "entry_add", "" for its own).
     One per (class, mixins, forward): the blocks of a list keep sharing one class. Its
     qualified name encodes how to build it again, so a pickled model loads (see __getattr__)."""
     key = (base, mixins, forward)
@@ -106,7 +108,7 @@ def _swapped_class(base: type, mixins: tuple, forward: bool) -> type:
         attrs = {"__module__": __name__, "__qualname__": _SWAPPED_PREFIX + spec.encode().hex(),
                  "_normfuse_base": base, "_normfuse_mixins": mixins, "_normfuse_forward": forward}
         if forward:  # a class attribute, so module paths in graphs read "blocks.0.norm1"
-            attrs["forward"] = _pair_forward(base)
+            attrs["forward"] = _new_forward(base, forward)
         _SWAPPED[key] = type(base.__name__, (*mixins, base), attrs)
     return _SWAPPED[key]
 
@@ -122,12 +124,12 @@ def __getattr__(name: str):
     return _swapped_class(base, tuple(_MIXINS[m] for m in mixins), forward)
 
 
-def _swap_class(module: nn.Module, mixin: type | None = None, forward: bool = False) -> None:
-    """Give ``module`` its swapped class, adding ``mixin`` and/or the pair forward."""
+def _swap_class(module: nn.Module, mixin: type | None = None, forward: str = "") -> None:
+    """Give ``module`` its swapped class, adding ``mixin`` and/or a forward kind."""
     cls = type(module)
     base = cls.__dict__.get("_normfuse_base", cls)
     mixins = tuple(m for m in (*cls.__dict__.get("_normfuse_mixins", ()), mixin) if m is not None)
-    module.__class__ = _swapped_class(base, mixins, forward or cls.__dict__.get("_normfuse_forward", False))
+    module.__class__ = _swapped_class(base, mixins, forward or cls.__dict__.get("_normfuse_forward", ""))
 
 
 def _unswap_class(module: nn.Module) -> None:
@@ -290,18 +292,18 @@ def _defer_final_adds(fn_node: ast.FunctionDef, raw: Callable) -> int:
     return rewritten
 
 
-_PAIR_FORWARDS: dict[type, Callable] = {}
+_FORWARDS: dict[tuple[type, str], Callable] = {}
 
 
 def _base_class(module: nn.Module) -> type:
     return type(module).__dict__.get("_normfuse_base", type(module))
 
 
-def _pair_forward(cls: type) -> Callable:
-    """The pair forward of a block class, built once per class."""
-    if cls not in _PAIR_FORWARDS:
-        _PAIR_FORWARDS[cls] = _build_pair_forward(cls)
-    return _PAIR_FORWARDS[cls]
+def _new_forward(cls: type, kind: str) -> Callable:
+    """The "pair" forward of a block class, or the "entry_add" forward of a norm class; once per class."""
+    if (cls, kind) not in _FORWARDS:
+        _FORWARDS[cls, kind] = _FORWARD_BUILDERS[kind](cls)
+    return _FORWARDS[cls, kind]
 
 
 def _build_pair_forward(cls: type) -> Callable:
@@ -321,21 +323,50 @@ def _build_pair_forward(cls: type) -> Callable:
     ast.copy_location(entry, fn_node.body[0])
     ast.fix_missing_locations(entry)
     fn_node.body.insert(0, entry)
+    return _compile_function(fn_node, raw, {"_nf_pair": ResidualPair, "_nf_operator": operator})
+
+
+def _compile_function(fn_node: ast.FunctionDef, raw: Callable, helpers: dict) -> Callable:
+    """Compile an edited copy of ``raw`` under its own file name and module globals."""
     fn_node.decorator_list = []  # decorators (HF's kwarg renames) are not re-applied
-    # Built inside a factory so the two helpers are closure cells: the function keeps the
+    # Built inside a factory so the helpers are closure cells: the function keeps the
     # module's own globals (dynamo resolves globals through the module).
     factory = ast.FunctionDef(name="_nf_factory", args=ast.arguments(
-        posonlyargs=[], args=[ast.arg(arg="_nf_pair"), ast.arg(arg="_nf_operator")], kwonlyargs=[],
-        kw_defaults=[], defaults=[]), body=[fn_node, ast.Return(value=ast.Name(id=fn_node.name, ctx=ast.Load()))],
+        posonlyargs=[], args=[ast.arg(arg=name) for name in helpers], kwonlyargs=[], kw_defaults=[], defaults=[]),
+        body=[fn_node, ast.Return(value=ast.Name(id=fn_node.name, ctx=ast.Load()))],
         decorator_list=[], returns=None, type_params=[])
     ast.copy_location(factory, fn_node)
     ast.fix_missing_locations(factory)
     code = compile(ast.Module(body=[factory], type_ignores=[]), inspect.getsourcefile(raw) or "<normfuse>", "exec")
     namespace: dict = {}
     exec(code, raw.__globals__, namespace)
-    new = namespace["_nf_factory"](ResidualPair, operator)
+    new = namespace["_nf_factory"](*helpers.values())
     new.__qualname__ = raw.__qualname__
     return new
+
+
+def _add_if_pair(x: Any) -> Any:
+    return _added(_as_pair(x)) if isinstance(x, tuple) else x
+
+
+def _build_entry_add_forward(cls: type) -> Callable:
+    """A copy of the final norm's forward that first adds a pair it is given. (A copy, not a
+    wrapper: its frames keep the norm's own file, so the site still names the model's line,
+    and the add is in the norm's graph even when dynamo compiles the norm's frame alone,
+    as under FSDP2, whose hooks break the owner's loop.)"""
+    fn_node, raw = _function_ast(cls.forward)
+    if raw.__code__.co_freevars or len(fn_node.args.args) < 2:
+        raise NotFit(f"{raw.__qualname__} cannot take the pair")
+    name = fn_node.args.args[1].arg
+    fn_node.args.args[1] = ast.arg(arg=_HIDDEN)
+    entry = ast.parse(f"{name} = _nf_add_if_pair({_HIDDEN})").body[0]
+    ast.copy_location(entry, fn_node.body[0])
+    ast.fix_missing_locations(entry)
+    fn_node.body.insert(0, entry)
+    return _compile_function(fn_node, raw, {"_nf_add_if_pair": _add_if_pair})
+
+
+_FORWARD_BUILDERS = {"pair": _build_pair_forward, "entry_add": _build_entry_add_forward}
 
 
 # --------------------------------------------------------------------------- install
@@ -390,15 +421,20 @@ def rewrite_streams(model: nn.Module) -> list[StreamRewrite]:
             loop = _analyze_owner(owner, attr)
             elements = list(owner.get_submodule(attr))
             for element in elements:  # every block's forward must fit before any is changed
-                _pair_forward(_base_class(_inner_block(element)))
+                _new_forward(_base_class(_inner_block(element)), "pair")
         except NotFit as why:
             result.reason = str(why)
             continue
         for element in elements:
-            _swap_class(_inner_block(element), forward=True)
+            _swap_class(_inner_block(element), forward="pair")
             _swap_class(element, _StreamElement)
+        norm = getattr(owner, loop.final_norm)
+        try:
+            _swap_class(norm, forward="entry_add")
+        except NotFit:
+            pass  # the pre-hook adds the pair
         # first of its pre-hooks: a SequenceParallel (or other) input hook then sees a tensor
-        handle = getattr(owner, loop.final_norm).register_forward_pre_hook(_add_pair_first, prepend=True)
+        handle = norm.register_forward_pre_hook(_add_pair_first, prepend=True)
         object.__setattr__(owner, _MARK, (loop.final_norm, handle.id))
         result.blocks, result.final_norm = len(elements), f"{parent_fqn + '.' if parent_fqn else ''}{loop.final_norm}"
     return results
@@ -412,7 +448,9 @@ def undo_streams(model: nn.Module) -> None:
         mark = owner.__dict__.pop(_MARK, None)
         if mark is None:
             continue
-        getattr(owner, mark[0])._forward_pre_hooks.pop(mark[1], None)
+        norm = getattr(owner, mark[0])
+        norm._forward_pre_hooks.pop(mark[1], None)
+        _unswap_class(norm)
         for element in owner.get_submodule(attr):
             _unswap_class(_inner_block(element))
             _unswap_class(element)
