@@ -14,94 +14,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn as nn
 import torch.nn.functional as F
 
 import normfuse
 from normfuse.tolerances import within_tolerance
+from normfuse.zoo import TitanLlama, apply_titan_tp
 
 WORLD = 2
-VOCAB, DIM, HEADS, DEPTH, BATCH, SEQ = 64, 32, 4, 2, 2, 8
+VOCAB, DEPTH, BATCH, SEQ = 64, 2, 2, 8
 
 
-class Attention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.head_dim = DIM // HEADS
-        self.wq, self.wk, self.wv = (nn.Linear(DIM, DIM, bias=False) for _ in range(3))
-        self.wo = nn.Linear(DIM, DIM, bias=False)
-
-    def forward(self, x):
-        bs, seq, _ = x.shape
-        # (bs, seq, heads, head_dim): -1 heads, so each TP rank uses its local heads
-        q, k, v = (w(x).view(bs, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(bs, seq, -1))
-
-
-class FeedForward(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w1, self.w3 = nn.Linear(DIM, 2 * DIM, bias=False), nn.Linear(DIM, 2 * DIM, bias=False)
-        self.w2 = nn.Linear(2 * DIM, DIM, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.attention_norm, self.ffn_norm = nn.RMSNorm(DIM, eps=1e-5), nn.RMSNorm(DIM, eps=1e-5)
-        self.attention, self.feed_forward = Attention(), FeedForward()
-
-    def forward(self, x):
-        h = x + self.attention(self.attention_norm(x))
-        return h + self.feed_forward(self.ffn_norm(h))
-
-
-class Llama(nn.Module):
-    """torchtitan's llama, shrunk (no rotary embedding)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(DEPTH))
-        self.norm = nn.RMSNorm(DIM, eps=1e-5)
-        self.output = nn.Linear(DIM, VOCAB, bias=False)
-        for p in self.parameters():  # norm weights away from 1, so their gradients matter
-            nn.init.normal_(p, 1.0 if p.ndim == 1 else 0.0, 0.2)
-
-    def forward(self, tokens):
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.output(self.norm(h))
-
-
-def apply_tp(model, mesh):
-    """torchtitan's llama TP plan (sequence-parallel norms)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
-    parallelize_module(model, mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
-    })
-    for block in model.layers:
-        parallelize_module(block, mesh, {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        })
-    return model
+def Llama():  # noqa: N802 - a model factory
+    return TitanLlama(vocab=VOCAB, depth=DEPTH)
 
 
 def batch():
@@ -166,7 +90,7 @@ def _tp_worker(rank, results):
     from torch.distributed.tensor import init_device_mesh
     mesh = init_device_mesh("cpu", (WORLD,))
     tokens, labels = batch()
-    model = normfuse.optimize(apply_tp(Llama(), mesh))
+    model = normfuse.optimize(apply_titan_tp(Llama(), mesh))
     loss = loss_of(model, tokens, labels)
     loss.backward()
     results["loss"] = loss.detach()
