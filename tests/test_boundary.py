@@ -187,3 +187,25 @@ def test_rewritten_model_pickles_and_deep_copies():
     assert isinstance(loaded.blocks[1](original.tok(IDS)), ResidualPair)
     _assert_identical(_run(original, IDS), _run(loaded, IDS))
     _assert_identical(_run(copy.deepcopy(original), IDS), _run(copy.deepcopy(model), IDS))
+
+
+@pytest.mark.parametrize("optimized", [False, True])
+def test_hf_output_hidden_states_are_the_added_stream(optimized):
+    # transformers records each layer's output in a hook: the layers then return it added
+    original = hf_model("llama", num_hidden_layers=3)
+    model = copy.deepcopy(original)
+    if optimized:
+        normfuse.optimize(model)
+    else:
+        rewrite_streams(model)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    want = original(input_ids=ids, output_hidden_states=True)
+    got = model(input_ids=ids, output_hidden_states=True)
+    assert len(got.hidden_states) == len(want.hidden_states) == 4
+    for a, b in zip(got.hidden_states, want.hidden_states):
+        assert isinstance(a, torch.Tensor) and torch.allclose(a, b, rtol=0, atol=1e-5)
+    if not optimized:
+        assert all(torch.equal(a, b) for a, b in zip(got.hidden_states, want.hidden_states))
+    assert torch.allclose(got.last_hidden_state, want.last_hidden_state, rtol=0, atol=1e-5)
+    # and without recording, the pairs cross the blocks again
+    assert torch.allclose(model(input_ids=ids).last_hidden_state, want.last_hidden_state, rtol=0, atol=1e-5)

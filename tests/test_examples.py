@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
 # minutes-long runs: the stability experiment trains two 24-block models; the demo is `make demo`;
 # the FSDP2 + TP example compiles two 2-process trainings
-SLOW = {"prenorm_stability.py", "demo.py", "train_fsdp2_tp.py"}  # the last: 2 processes, 2 min on 2 cores
+SLOW = {"prenorm_stability.py", "demo.py", "train_fsdp2_tp.py"}
 
 
 def test_every_example_is_listed():

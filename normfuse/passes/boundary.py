@@ -39,6 +39,7 @@ import ast
 import importlib
 import inspect
 import json
+import sys
 import operator
 import textwrap
 from dataclasses import dataclass, field
@@ -61,6 +62,21 @@ class ResidualPair(NamedTuple):
     hidden: torch.Tensor
     residual: Optional[torch.Tensor]
     combine: Optional[Callable]
+
+
+def _outputs_recorded() -> bool:
+    """True while a transformers model records its layers' outputs (``output_hidden_states``):
+    its hooks read each layer's output as the hidden state, so the layers return it added."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(capturing, "_active_collector", None)
+    return collector is not None and collector.get() is not None
+
+
+def _pair_or_sum(hidden: torch.Tensor, residual: torch.Tensor, combine: Callable) -> Any:
+    """What a rewritten block returns in place of ``combine(hidden, residual)``."""
+    if _outputs_recorded():
+        return combine(hidden, residual)
+    return ResidualPair(hidden, residual, combine)
 
 
 def _as_pair(value: Any) -> ResidualPair:
@@ -323,7 +339,7 @@ def _build_pair_forward(cls: type) -> Callable:
     ast.copy_location(entry, fn_node.body[0])
     ast.fix_missing_locations(entry)
     fn_node.body.insert(0, entry)
-    return _compile_function(fn_node, raw, {"_nf_pair": ResidualPair, "_nf_operator": operator})
+    return _compile_function(fn_node, raw, {"_nf_pair": _pair_or_sum, "_nf_operator": operator})
 
 
 def _compile_function(fn_node: ast.FunctionDef, raw: Callable, helpers: dict) -> Callable:
