@@ -209,3 +209,13 @@ def test_hf_output_hidden_states_are_the_added_stream(optimized):
     assert torch.allclose(got.last_hidden_state, want.last_hidden_state, rtol=0, atol=1e-5)
     # and without recording, the pairs cross the blocks again
     assert torch.allclose(model(input_ids=ids).last_hidden_state, want.last_hidden_state, rtol=0, atol=1e-5)
+
+
+def test_blocks_with_output_hooks_are_left_with_the_reason():
+    model = _toy()
+    seen = []
+    model.blocks[1].register_forward_hook(lambda module, args, output: seen.append(output))
+    [result] = rewrite_streams(model)
+    assert not result.applied and "forward hook" in result.reason and "un-added pair" in result.reason
+    model(IDS)
+    assert isinstance(seen[0], torch.Tensor)

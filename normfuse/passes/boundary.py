@@ -417,6 +417,21 @@ def _inner_block(element: nn.Module) -> nn.Module:
     return seen
 
 
+# Forward hooks known to take a pair as the block's output: FSDP2's post-forward (it only
+# registers backward hooks on the output's tensors) and transformers' output recorder
+# (the blocks return the added stream while it records, see _outputs_recorded).
+_PAIR_SAFE_HOOKS = ("FSDPState._post_forward", "output_capturing_hook")
+
+
+def _check_output_hooks(element: nn.Module, fqn: str) -> None:
+    for module in {element, _inner_block(element)}:
+        for hook in module._forward_hooks.values():
+            name = getattr(hook, "__qualname__", type(hook).__name__)
+            if not any(safe in name for safe in _PAIR_SAFE_HOOKS):
+                raise NotFit(f"a forward hook on the blocks of {fqn} ({name}) reads a block's output, "
+                             f"which would be the un-added pair")
+
+
 def rewrite_streams(model: nn.Module) -> list[StreamRewrite]:
     """Rewrite every Pre-Norm block stream of ``model`` to carry the residual pair across
     block boundaries (see the module docstring). Streams that do not fit are left as they
@@ -436,8 +451,9 @@ def rewrite_streams(model: nn.Module) -> list[StreamRewrite]:
                 raise NotFit("the model is itself the block list; there is no loop to carry a pair through")
             loop = _analyze_owner(owner, attr)
             elements = list(owner.get_submodule(attr))
-            for element in elements:  # every block's forward must fit before any is changed
+            for element in elements:  # every block must fit before any is changed
                 _new_forward(_base_class(_inner_block(element)), "pair")
+                _check_output_hooks(element, fqn)
         except NotFit as why:
             result.reason = str(why)
             continue
