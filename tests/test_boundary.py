@@ -57,6 +57,7 @@ def test_rewrite_is_bit_identical_to_eager(dtype, spelling, kind, order):
     # a block returns the un-added pair; the final norm takes it
     pair = model.blocks[0](original.tok(IDS))
     assert isinstance(pair, ResidualPair) and pair.residual is not None
+    assert torch.equal(model.blocks[1](x=pair).hidden, model.blocks[1](pair).hidden)  # the stream by name
     _assert_identical(_run(original, IDS), _run(model, IDS))
     undo_streams(model)
     assert isinstance(model.blocks[0](original.tok(IDS)), torch.Tensor)
@@ -65,9 +66,9 @@ def test_rewrite_is_bit_identical_to_eager(dtype, spelling, kind, order):
 class _CheckpointedStack(nn.Module):
     """Pre-Norm blocks checkpointed in the owner's loop, as research code writes it."""
 
-    def __init__(self, reentrant):
+    def __init__(self, reentrant, add_order="x+f"):
         super().__init__()
-        toy = _toy()
+        toy = _toy(add_order=add_order)
         self.tok, self.blocks, self.norm, self.head = toy.tok, toy.blocks, toy.final_norm, toy.head
         self.reentrant = reentrant
 
@@ -78,8 +79,9 @@ class _CheckpointedStack(nn.Module):
         return self.head(self.norm(x))
 
 
-def test_pair_crosses_non_reentrant_checkpoint():
-    original = _CheckpointedStack(reentrant=False)
+@pytest.mark.parametrize("order", ["x+f", "iadd"])  # in place: the recomputed block must not add twice
+def test_pair_crosses_non_reentrant_checkpoint(order):
+    original = _CheckpointedStack(reentrant=False, add_order=order)
     model = copy.deepcopy(original)
     assert rewrite_streams(model)[0].applied
     _assert_identical(_run(original, IDS), _run(model, IDS))

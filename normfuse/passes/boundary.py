@@ -39,10 +39,10 @@ import ast
 import importlib
 import inspect
 import json
-import sys
 import operator
+import sys
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -87,13 +87,29 @@ def _as_pair(value: Any) -> ResidualPair:
 
 
 def _added(pair: ResidualPair) -> torch.Tensor:
-    return pair.hidden if pair.residual is None else pair.combine(pair.hidden, pair.residual)
+    return _combine(pair.hidden, pair.residual, pair.combine)
+
+
+def _combine(hidden: torch.Tensor, residual: Optional[torch.Tensor], combine: Optional[Callable]) -> torch.Tensor:
+    """The add moved to the start of the next block (or the final norm)."""
+    if residual is None:
+        return hidden
+    if combine is operator.add:
+        return hidden + residual
+    # The block's own add function may add in place (``f += x``). It ran inside the block
+    # that made its operands; it now runs on the next block's inputs, which a checkpoint
+    # keeps and hands over again when it recomputes the block: it gets copies.
+    return combine(hidden.clone(), residual.clone())
 
 
 class _StreamElement:
     """Mixin of the stream's list elements: a pair enters as three positional arguments."""
 
-    def __call__(self, hidden, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
+        if args:
+            hidden, args = args[0], args[1:]
+        else:  # the stream passed by its name, e.g. block(hidden_states=x)
+            hidden = kwargs.pop(type(_inner_block(self)).forward.nf_stream_arg)
         pair = _as_pair(hidden)
         return _as_pair(super().__call__(pair.hidden, pair.residual, pair.combine, *args, **kwargs))
 
@@ -335,11 +351,14 @@ def _build_pair_forward(cls: type) -> Callable:
     _defer_final_adds(fn_node, raw)
     args.args[1:2] = [ast.arg(arg=n) for n in (_HIDDEN, _RESIDUAL, _COMBINE)]
     # x = combine(hidden, residual): the moved add, right at the start of the block
-    entry = ast.parse(f"{stream} = {_HIDDEN} if {_RESIDUAL} is None else {_COMBINE}({_HIDDEN}, {_RESIDUAL})").body[0]
+    entry = ast.parse(f"{stream} = _nf_combine({_HIDDEN}, {_RESIDUAL}, {_COMBINE})").body[0]
     ast.copy_location(entry, fn_node.body[0])
     ast.fix_missing_locations(entry)
     fn_node.body.insert(0, entry)
-    return _compile_function(fn_node, raw, {"_nf_pair": _pair_or_sum, "_nf_operator": operator})
+    forward = _compile_function(fn_node, raw, {"_nf_pair": _pair_or_sum, "_nf_operator": operator,
+                                                       "_nf_combine": _combine})
+    forward.nf_stream_arg = stream
+    return forward
 
 
 def _compile_function(fn_node: ast.FunctionDef, raw: Callable, helpers: dict) -> Callable:
