@@ -53,6 +53,7 @@ from normfuse.passes.prenorm import _block_lists, _is_norm_module
 __all__ = ["ResidualPair", "StreamRewrite", "rewrite_streams", "undo_streams"]
 
 _MARK = "_normfuse_stream"
+_RECOMPUTED = "_normfuse_recomputed"  # on a block whose forward a checkpoint may run twice
 _HIDDEN, _RESIDUAL, _COMBINE = "nf_hidden", "nf_residual", "nf_combine"
 
 
@@ -90,16 +91,19 @@ def _added(pair: ResidualPair) -> torch.Tensor:
     return _combine(pair.hidden, pair.residual, pair.combine)
 
 
-def _combine(hidden: torch.Tensor, residual: Optional[torch.Tensor], combine: Optional[Callable]) -> torch.Tensor:
+def _combine(hidden: torch.Tensor, residual: Optional[torch.Tensor], combine: Optional[Callable],
+             block: Optional[nn.Module] = None) -> torch.Tensor:
     """The add moved to the start of the next block (or the final norm)."""
     if residual is None:
         return hidden
     if combine is operator.add:
         return hidden + residual
-    # The block's own add function may add in place (``f += x``). It ran inside the block
-    # that made its operands; it now runs on the next block's inputs, which a checkpoint
-    # keeps and hands over again when it recomputes the block: it gets copies.
-    return combine(hidden.clone(), residual.clone())
+    if block is not None and (block.__dict__.get(_RECOMPUTED) or getattr(block, "gradient_checkpointing", False)):
+        # The block's own add function may add in place (``f += x``). It ran inside the
+        # block that made its operands; it now runs on this block's inputs, which a
+        # checkpoint keeps and hands over again when it recomputes the block: copies.
+        return combine(hidden.clone(), residual.clone())
+    return combine(hidden, residual)
 
 
 class _StreamElement:
@@ -221,6 +225,7 @@ class _Loop:
     stream: str          # the stream variable, e.g. "hidden_states"
     list_attr: str       # self.<list_attr> is the block list
     final_norm: str      # self.<final_norm>(stream) follows the loop
+    checkpointed: bool   # the loop calls the blocks through checkpoint(...)
 
 
 def _analyze_owner(owner: nn.Module, list_attr: str) -> _Loop:
@@ -237,7 +242,7 @@ def _analyze_owner(owner: nn.Module, list_attr: str) -> _Loop:
     block_var = loop.target.id
     calls = [s for s in loop.body if isinstance(s, ast.Assign) and len(s.targets) == 1
              and isinstance(s.targets[0], ast.Name) and isinstance(s.value, ast.Call)]
-    stream = None
+    stream, checkpointed = None, False
     for stmt in calls:
         call, target = stmt.value, stmt.targets[0].id
         if _is_name(call.func, block_var) and call.args and _is_name(call.args[0], target):
@@ -248,7 +253,7 @@ def _analyze_owner(owner: nn.Module, list_attr: str) -> _Loop:
             if not (reentrant and isinstance(reentrant[0].value, ast.Constant) and reentrant[0].value.value is False):
                 raise NotFit(f"the blocks are called through a function that may hide a pair from autograd "
                              f"({_where(raw, stmt)}): only use_reentrant=False checkpointing passes it through")
-            stream = target
+            stream, checkpointed = target, True
     if stream is None:
         raise NotFit(f"no `x = block(x, ...)` statement in the loop over self.{list_attr} ({_where(raw, loop)})")
     reads = [n for n in ast.walk(loop) if _is_name(n, stream) and isinstance(n.ctx, ast.Load)]
@@ -264,7 +269,7 @@ def _analyze_owner(owner: nn.Module, list_attr: str) -> _Loop:
     if norm is None or not _is_norm_module(getattr(owner, norm, None) or nn.Identity()):
         raise NotFit(f"after the loop over self.{list_attr}, `{stream}` does not go straight into a norm module "
                      f"({_where(raw, first or loop)})")
-    return _Loop(stream, list_attr, norm)
+    return _Loop(stream, list_attr, norm, checkpointed)
 
 
 def _bodies(fn_node: ast.FunctionDef):
@@ -351,7 +356,7 @@ def _build_pair_forward(cls: type) -> Callable:
     _defer_final_adds(fn_node, raw)
     args.args[1:2] = [ast.arg(arg=n) for n in (_HIDDEN, _RESIDUAL, _COMBINE)]
     # x = combine(hidden, residual): the moved add, right at the start of the block
-    entry = ast.parse(f"{stream} = _nf_combine({_HIDDEN}, {_RESIDUAL}, {_COMBINE})").body[0]
+    entry = ast.parse(f"{stream} = _nf_combine({_HIDDEN}, {_RESIDUAL}, {_COMBINE}, {args.args[0].arg})").body[0]
     ast.copy_location(entry, fn_node.body[0])
     ast.fix_missing_locations(entry)
     fn_node.body.insert(0, entry)
@@ -476,8 +481,14 @@ def rewrite_streams(model: nn.Module) -> list[StreamRewrite]:
         except NotFit as why:
             result.reason = str(why)
             continue
+        except Exception as error:  # noqa: BLE001 - reading unusual source must not break the model
+            result.reason = f"not analysed ({type(error).__name__}: {error})"
+            continue
         for element in elements:
-            _swap_class(_inner_block(element), forward="pair")
+            inner = _inner_block(element)
+            _swap_class(inner, forward="pair")
+            if loop.checkpointed or hasattr(element, "_checkpoint_wrapped_module"):
+                inner.__dict__[_RECOMPUTED] = True
             _swap_class(element, _StreamElement)
         norm = getattr(owner, loop.final_norm)
         try:
@@ -503,5 +514,6 @@ def undo_streams(model: nn.Module) -> None:
         norm._forward_pre_hooks.pop(mark[1], None)
         _unswap_class(norm)
         for element in owner.get_submodule(attr):
+            _inner_block(element).__dict__.pop(_RECOMPUTED, None)
             _unswap_class(_inner_block(element))
             _unswap_class(element)
