@@ -57,7 +57,8 @@ def test_rewrite_is_bit_identical_to_eager(dtype, spelling, kind, order):
     # a block returns the un-added pair; the final norm takes it
     pair = model.blocks[0](original.tok(IDS))
     assert isinstance(pair, ResidualPair) and pair.residual is not None
-    assert torch.equal(model.blocks[1](x=pair).hidden, model.blocks[1](pair).hidden)  # the stream by name
+    by_name = model.blocks[1](x=model.blocks[0](original.tok(IDS)))  # the stream passed by its name
+    assert torch.equal(by_name.hidden, model.blocks[1](model.blocks[0](original.tok(IDS))).hidden)
     _assert_identical(_run(original, IDS), _run(model, IDS))
     undo_streams(model)
     assert isinstance(model.blocks[0](original.tok(IDS)), torch.Tensor)
