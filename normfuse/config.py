@@ -30,6 +30,10 @@ class FuseConfig:
     recompute_norm_output: when every reader of a fused norm's output is a linear, do not
                 keep that output for the linears' backward: recompute it from the sum
                 (see normfuse/passes/norm_linear.py).
+    cross_block: carry the residual pair across the blocks of a Pre-Norm stream, so the add
+                that ends a block fuses with the norm that starts the next one even when each
+                block is a region of its own (checkpointing, FSDP2, per-block compile). Exact:
+                the same adds and norms, regrouped. Streams that do not fit stay as they were.
     """
 
     filter_fn: Callable[[Any], bool] | None = None
@@ -39,6 +43,7 @@ class FuseConfig:
     check: bool = False
     residual_dtype: Any = None
     recompute_norm_output: bool = False
+    cross_block: bool = True
 
     def __post_init__(self):
         if self.filter_fn is not None and not callable(self.filter_fn):
@@ -49,7 +54,7 @@ class FuseConfig:
             raise InvalidOptionError(
                 f"residual_dtype must be None (the stream keeps the model's dtype) or torch.float32, got "
                 f"{self.residual_dtype!r}. Pass residual_dtype=torch.float32.")
-        for name in ("standalone", "fuse_output_add", "prenorm", "check", "recompute_norm_output"):
+        for name in ("standalone", "fuse_output_add", "prenorm", "check", "recompute_norm_output", "cross_block"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidOptionError(f"{name} must be True or False, got {value!r}.")

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = ["ToyTransformer", "make_norm", "NORM_SPELLINGS", "PLACEMENTS", "ADD_ORDERS", "residual_add", "hf_config", "hf_model",
-           "example_inputs", "TINY_HF", "prepare_torchvision"]
+           "example_inputs", "TINY_HF", "prepare_torchvision", "TitanLlama", "apply_titan_tp"]
 
 PLACEMENTS = ("pre", "post", "res_post", "sandwich", "parallel", "deepnorm")
 
@@ -354,3 +354,85 @@ def example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int = 0
     if getattr(config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = ids.clone()
     return inputs
+
+
+# --------------------------------------------------------------------------- tensor parallel
+
+class _TitanAttention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        bs, seq, _ = x.shape
+        # (bs, seq, heads, head_dim): -1 heads, so each TP rank uses its local heads
+        q, k, v = (w(x).view(bs, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(bs, seq, -1))
+
+
+class _TitanFeedForward(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(dim, 2 * dim, bias=False)
+        self.w2 = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _TitanBlock(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim, eps=1e-5), nn.RMSNorm(dim, eps=1e-5)
+        self.attention, self.feed_forward = _TitanAttention(dim, heads), _TitanFeedForward(dim)
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TitanLlama(nn.Module):
+    """torchtitan's llama layout (module names its TP plan addresses), small, no rotary embedding."""
+
+    def __init__(self, vocab=64, dim=32, heads=4, depth=2, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(_TitanBlock(dim, heads) for _ in range(depth))
+        self.norm = nn.RMSNorm(dim, eps=1e-5)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        for p in self.parameters():  # norm weights away from 1, so their gradients matter
+            nn.init.normal_(p, 1.0 if p.ndim == 1 else 0.0, 0.2)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def apply_titan_tp(model: "TitanLlama", mesh) -> "TitanLlama":
+    """torchtitan's llama tensor-parallel plan (sequence-parallel norms) on ``mesh``, in place."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    parallelize_module(model, mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
+    })
+    for block in model.layers:
+        parallelize_module(block, mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+    return model

@@ -9,8 +9,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
-# minutes-long runs: the stability experiment trains two 24-block models; the demo is `make demo`
-SLOW = {"prenorm_stability.py", "demo.py"}
+# minutes-long runs: the stability experiment trains two 24-block models; the demo is `make demo`;
+# the FSDP2 + TP example compiles two 2-process trainings
+SLOW = {"prenorm_stability.py", "demo.py", "train_fsdp2_tp.py"}
 
 
 def test_every_example_is_listed():

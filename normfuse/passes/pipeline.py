@@ -34,6 +34,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from normfuse.config import FuseConfig
 from normfuse.passes.canonical import canonicalize
+from normfuse.passes.dtensor_graph import hoist_from_local
 from normfuse.passes.classify import SiteState, classify
 from normfuse.passes.find import find_input_add, find_norms, find_output_add
 from normfuse.passes.graph import GraphIndex
@@ -282,6 +283,9 @@ class NormFusionPass(CustomGraphPass):
     def _fuse_unsafe(self, gm: fx.GraphModule, report: FusionReport, analysis: list) -> list[Site]:
         # work on a copy: the user's graph is swapped only when everything succeeded
         graph = _copy_graph(gm)
+        # sequence parallel: the add reaches its norm through DTensor.from_local; the wrap
+        # moves onto the add's operands (same values), so the add feeds the norm
+        hoist_from_local(graph)
         fused_calls = sum(1 for n in graph.nodes if rewrite.is_fused_call(n))
         if fused_calls:
             report.notes.append(f"graph already optimized ({fused_calls} fused op calls): left as is")

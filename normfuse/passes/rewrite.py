@@ -80,7 +80,10 @@ def _refusal(state: SiteState) -> str | None:
             return f"{name} dtype {node_dtype(t)} is not one the kernels take"
     if m.out_dtype not in KERNEL_DTYPES:
         return f"output dtype {m.out_dtype} is not one the kernels take"
-    return None
+    # DTensor (tensor/sequence parallel) inputs: the rows must be whole (normfuse.kernels.sharding)
+    from normfuse.kernels.sharding import refusal as dtensor_refusal
+    return dtensor_refusal([n.meta.get("example_value", n.meta.get("val")) for n in (m.input, m.weight, m.bias)
+                            if isinstance(n, fx.Node)])
 
 
 def plan(index: GraphIndex, state: SiteState, claimed: set, reserved: set, fuse_output_add: bool

@@ -1,0 +1,149 @@
+"""DTensor sharding rules of the fused ops (tensor and sequence parallel).
+
+A norm works row by row over the last dim, so the fused ops run on each rank's local
+rows unchanged when:
+- the activations (x, residual, and the grads of the outputs) are sharded on one dim
+  that is not the last one (``Shard(0)`` batch, ``Shard(1)`` sequence: torchtitan's
+  ``SequenceParallel`` norms), or replicated;
+- weight and bias are replicated (``SequenceParallel`` makes them so).
+Outputs shaped like x keep x's placement. The per-row statistics (mean, rstd) are flat
+``(rows,)`` tensors: each rank holds its own rows' statistics, declared ``Shard(0)``.
+They are read only by the backward op, which is offered exactly the forward's sharding
+of its input (so DTensor never moves the statistics apart from their rows). Weight and
+bias gradients are per-rank partial sums: ``Partial()``.
+
+The last dim must be whole on every rank: an input sharded on it raises
+``ShardedNormDimError`` naming the fix (DTensor re-raises it as a RuntimeError with the
+same message). (The pass checks this first and leaves such a
+site unfused, with the reason: see ``refusal``.) Partial inputs are reduced by DTensor
+first (the norm of a pending sum is not a sum of norms).
+
+``register()`` is idempotent and cheap after the first call; ``normfuse.optimize`` and
+the rewriter call it, as can code that calls the ops on DTensors directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["register", "refusal", "ShardedNormDimError"]
+
+_REGISTERED: list[bool] = []
+
+
+class ShardedNormDimError(ValueError):
+    """A fused norm op got an input sharded on the normalized (last) dim."""
+
+
+def _dtensor_api():
+    if not torch.distributed.is_available():
+        return None
+    try:
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+        from torch.distributed.tensor.experimental import register_sharding
+    except ImportError:  # pragma: no cover - builds without DTensor
+        return None
+    return DTensor, Partial, Replicate, Shard, register_sharding
+
+
+def _row_dims(spec: Any, op: str, arg: str) -> set[int]:
+    """The row dims ``spec`` is sharded on; raises when the last dim is sharded."""
+    from torch.distributed.tensor import Shard
+    ndim = len(spec.shape)
+    dims = set()
+    for placement in spec.placements:
+        if isinstance(placement, Shard):
+            dim = placement.dim % ndim
+            if dim == ndim - 1:
+                raise ShardedNormDimError(
+                    f"normfuse.{op}: {arg} is sharded on its last dim ({placement}), the dim the norm normalizes "
+                    f"over; every rank needs whole rows. Shard the rows instead (Shard(0), or Shard(1) as "
+                    f"SequenceParallel does) or redistribute {arg} to Replicate() before the norm.")
+            dims.add(dim)
+    return dims
+
+
+def _strategies(spec: Any, op: str, arg: str, layout) -> list:
+    """One strategy per row dim the input is sharded on, plus all-replicated."""
+    from torch.distributed.tensor import Replicate, Shard
+    rows = sorted(_row_dims(spec, op, arg))
+    return [layout(Replicate(), Replicate())] + [layout(Shard(d), Shard(0)) for d in rows]
+
+
+def _forward_rule(op: str):
+    """Sharding function of add_norm_fwd / norm_add_fwd: (y, s|y, mean, rstd) from
+    (x, residual, weight, bias, *scalars)."""
+    def rule(x, residual, weight, bias, kind, *rest):
+        from torch.distributed.tensor import Replicate
+        if residual is not None:
+            _row_dims(residual, op, "residual")
+        # rest: eps, weight_offset, residual_scale, 3 dtypes, store_sum / store_norm (, round_sum_first)
+        store_extra = bool(rest[6]) and (residual is not None or op == "norm_add_fwd")
+        n_scalars = len(rest) + 1  # kind and the rest
+
+        def layout(act, stats):
+            outs = [act, act if store_extra else Replicate(),
+                    stats if kind == "layer_norm" else Replicate(), stats]
+            ins = [act, None if residual is None else act, None if weight is None else Replicate(),
+                   None if bias is None else Replicate()] + [None] * n_scalars
+            return outs, ins
+        return _strategies(x, op, "x", layout)
+    return rule
+
+
+def _backward_rule(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add,
+                   x_dtype, residual_dtype, bias_dtype):
+    from torch.distributed.tensor import Partial, Replicate
+    op = "add_norm_bwd"
+
+    def layout(act, stats):
+        grad = Partial() if act != Replicate() else Replicate()
+        outs = [act, act if residual_dtype is not None else Replicate(),
+                grad if weight is not None else Replicate(), grad if bias_dtype is not None else Replicate()]
+        ins = [act, None if dextra is None else act, act, stats if kind == "layer_norm" else Replicate(), stats,
+               None if weight is None else Replicate()] + [None] * 7
+        return outs, ins
+    # offered only the input's own sharding: the statistics hold exactly its rows
+    return _strategies(inp, op, "the saved norm input", layout)
+
+
+def register() -> bool:
+    """Register the DTensor sharding rules of torch.ops.normfuse.*; False when this build has
+    no DTensor. Idempotent."""
+    if _REGISTERED:
+        return _REGISTERED[0]
+    api = _dtensor_api()
+    if api is None:
+        _REGISTERED.append(False)
+        return False
+    register_sharding = api[-1]
+    import normfuse.kernels.add_norm  # noqa: F401 - defines the ops
+    ops = torch.ops.normfuse
+    register_sharding(ops.add_norm_fwd.default)(_forward_rule("add_norm_fwd"))
+    register_sharding(ops.norm_add_fwd.default)(_forward_rule("norm_add_fwd"))
+    register_sharding(ops.add_norm_bwd.default)(_backward_rule)
+    _REGISTERED.append(True)
+    return True
+
+
+def refusal(values: list[Any]) -> str | None:
+    """Why a site whose tensors are ``values`` (example values of its graph nodes) cannot run
+    a fused op on DTensors; None when it can (registering the rules then)."""
+    api = _dtensor_api()
+    if api is None:
+        return None
+    dtensor = api[0]
+    dvalues = [v for v in values if isinstance(v, dtensor)]
+    if not dvalues:
+        return None
+    for v in dvalues:
+        try:
+            _row_dims(v._spec, "add_norm", "an input")
+        except ShardedNormDimError:
+            return (f"a DTensor input is sharded on the normalized (last) dim ({list(v.placements)}); the fused "
+                    f"ops need whole rows on every rank")
+    if not register():
+        return "DTensor sharding rules are unavailable in this build"
+    return None

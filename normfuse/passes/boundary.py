@@ -1,0 +1,519 @@
+"""Carry the residual pair across block boundaries.
+
+In a Pre-Norm stack the add that ends block i feeds the norm that starts block i+1::
+
+    for block in self.blocks:          # block: h = x + attn(norm1(x)); return h + mlp(norm2(h))
+        x = block(x)
+    x = self.final_norm(x)
+
+When each block is a region of its own (activation checkpointing, an FSDP2 unit, a
+per-block ``torch.compile``, a graph break), that add and that norm are never in one
+graph, so no pass can fuse them. This module rewrites the stream so that the add
+moves across the boundary: each block returns the un-added operands as a
+``ResidualPair(hidden, residual, combine)``, and the next block starts with
+``x = combine(hidden, residual)``, which then sits right before its first norm in
+its own graph, where the fusion pass turns the two into one ``add_norm``. The final
+norm takes the last pair the same way. The adds and norms are the same, with the same
+operands, regrouped: the outputs and gradients are bit-identical to eager.
+
+How, generically:
+- the stream is a ModuleList/Sequential of blocks of one class (the Post-Norm
+  conversion's rule, ``prenorm_model.block_lists``);
+- the owner's forward (read from its source) must pass the stream value only from
+  block to block, then straight into a norm module: ``x = block(x, ...)`` or
+  ``x = checkpoint(block, x, ..., use_reentrant=False)`` in the loop, ``self.norm(x)``
+  next; anything else that reads the value between blocks leaves the stream as it was;
+- each block's forward (read from its source) must end by returning a two-operand add:
+  ``return a + b``, ``return torch.add(a, b)``, ``h = a + b; return h``, or a call of a
+  local two-argument function ``return add(a, b)``. Its copy returns the pair instead,
+  and takes ``(hidden, residual, combine)`` in place of its first argument;
+- the list's elements (the block itself, or the checkpoint/FSDP/compile wrapper in the
+  list) unpack a pair into those three positional arguments in their ``__call__``, so
+  the pair crosses every wrapper (reentrant checkpoint included) as two tensors.
+No module, parameter or buffer is added: ``state_dict`` keys are unchanged.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+import operator
+import sys
+import textwrap
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+
+from normfuse.passes.prenorm_model import block_lists, is_norm_module
+
+__all__ = ["ResidualPair", "StreamRewrite", "rewrite_streams", "undo_streams"]
+
+_MARK = "_normfuse_stream"
+_RECOMPUTED = "_normfuse_recomputed"  # on a block whose forward a checkpoint may run twice
+_HIDDEN, _RESIDUAL, _COMBINE = "nf_hidden", "nf_residual", "nf_combine"
+
+
+class ResidualPair(NamedTuple):
+    """The stream value between two rewritten blocks: ``combine(hidden, residual)``, not yet added."""
+
+    hidden: torch.Tensor
+    residual: Optional[torch.Tensor]
+    combine: Optional[Callable]
+
+
+def _outputs_recorded() -> bool:
+    """True while a transformers model records its layers' outputs (``output_hidden_states``):
+    its hooks read each layer's output as the hidden state, so the layers return it added."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(capturing, "_active_collector", None)
+    return collector is not None and collector.get() is not None
+
+
+def _pair_or_sum(hidden: torch.Tensor, residual: torch.Tensor, combine: Callable) -> Any:
+    """What a rewritten block returns in place of ``combine(hidden, residual)``."""
+    if _outputs_recorded():
+        return combine(hidden, residual)
+    return ResidualPair(hidden, residual, combine)
+
+
+def _as_pair(value: Any) -> ResidualPair:
+    # A checkpoint or wrapper may hand the NamedTuple back as a plain tuple.
+    if isinstance(value, tuple) and len(value) == 3 and (value[2] is None or callable(value[2])):
+        return ResidualPair(*value)
+    return ResidualPair(value, None, None)
+
+
+def _added(pair: ResidualPair) -> torch.Tensor:
+    return _combine(pair.hidden, pair.residual, pair.combine)
+
+
+def _combine(hidden: torch.Tensor, residual: Optional[torch.Tensor], combine: Optional[Callable],
+             block: Optional[nn.Module] = None) -> torch.Tensor:
+    """The add moved to the start of the next block (or the final norm)."""
+    if residual is None:
+        return hidden
+    if combine is operator.add:
+        return hidden + residual
+    if block is not None and (block.__dict__.get(_RECOMPUTED) or getattr(block, "gradient_checkpointing", False)):
+        # The block's own add function may add in place (``f += x``). It ran inside the
+        # block that made its operands; it now runs on this block's inputs, which a
+        # checkpoint keeps and hands over again when it recomputes the block: copies.
+        return combine(hidden.clone(), residual.clone())
+    return combine(hidden, residual)
+
+
+class _StreamElement:
+    """Mixin of the stream's list elements: a pair enters as three positional arguments."""
+
+    def __call__(self, *args, **kwargs):
+        if args:
+            hidden, args = args[0], args[1:]
+        else:  # the stream passed by its name, e.g. block(hidden_states=x)
+            hidden = kwargs.pop(type(_inner_block(self)).forward.nf_stream_arg)
+        pair = _as_pair(hidden)
+        return _as_pair(super().__call__(pair.hidden, pair.residual, pair.combine, *args, **kwargs))
+
+
+def _add_pair_first(module: nn.Module, args: tuple):
+    """First forward pre-hook of the final norm. Its forward adds the pair itself (so the add
+    is in the norm's graph); when other input hooks follow (SequenceParallel wraps the input
+    in a DTensor) or the forward could not be copied, the pair is added here, before them."""
+    if args and isinstance(args[0], tuple) and (len(module._forward_pre_hooks) > 1
+                                                or not type(module).__dict__.get("_normfuse_forward")):
+        return (_added(_as_pair(args[0])), *args[1:])
+    return None
+
+
+_SWAPPED: dict[tuple, type] = {}
+_MIXINS = {"_StreamElement": _StreamElement}
+_SWAPPED_PREFIX = "_nf_swapped_"
+
+
+def _swapped_class(base: type, mixins: tuple, forward: str) -> type:
+    """The subclass of ``base`` with ``mixins`` first and the ``forward`` kind ("pair",
+    "entry_add", "" for its own).
+    One per (class, mixins, forward): the blocks of a list keep sharing one class. Its
+    qualified name encodes how to build it again, so a pickled model loads (see __getattr__)."""
+    key = (base, mixins, forward)
+    if key not in _SWAPPED:
+        spec = json.dumps([base.__module__, base.__qualname__, [m.__name__ for m in mixins], forward])
+        attrs = {"__module__": __name__, "__qualname__": _SWAPPED_PREFIX + spec.encode().hex(),
+                 "_normfuse_base": base, "_normfuse_mixins": mixins, "_normfuse_forward": forward}
+        if forward:  # a class attribute, so module paths in graphs read "blocks.0.norm1"
+            attrs["forward"] = _new_forward(base, forward)
+        _SWAPPED[key] = type(base.__name__, (*mixins, base), attrs)
+    return _SWAPPED[key]
+
+
+def __getattr__(name: str):
+    # unpickling a rewritten model looks its block classes up here
+    if not name.startswith(_SWAPPED_PREFIX):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, qualname, mixins, forward = json.loads(bytes.fromhex(name[len(_SWAPPED_PREFIX):]))
+    base = importlib.import_module(module)
+    for part in qualname.split("."):
+        base = getattr(base, part)
+    return _swapped_class(base, tuple(_MIXINS[m] for m in mixins), forward)
+
+
+def _swap_class(module: nn.Module, mixin: type | None = None, forward: str = "") -> None:
+    """Give ``module`` its swapped class, adding ``mixin`` and/or a forward kind."""
+    cls = type(module)
+    base = cls.__dict__.get("_normfuse_base", cls)
+    mixins = tuple(m for m in (*cls.__dict__.get("_normfuse_mixins", ()), mixin) if m is not None)
+    module.__class__ = _swapped_class(base, mixins, forward or cls.__dict__.get("_normfuse_forward", ""))
+
+
+def _unswap_class(module: nn.Module) -> None:
+    base = type(module).__dict__.get("_normfuse_base")
+    if base is not None:
+        module.__class__ = base
+
+
+# --------------------------------------------------------------------------- source analysis
+
+class NotFit(Exception):
+    """The stream or block does not have the shape the rewrite needs; the message says why."""
+
+
+def _function_ast(fn: Callable) -> tuple[ast.FunctionDef, Callable]:
+    raw = inspect.unwrap(fn)
+    try:
+        source = textwrap.dedent(inspect.getsource(raw))
+        _, first_line = inspect.getsourcelines(raw)
+    except (OSError, TypeError) as error:
+        raise NotFit(f"the source of {getattr(raw, '__qualname__', raw)} is not available ({error})") from None
+    tree = ast.parse(source)
+    node = tree.body[0]
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or isinstance(node, ast.AsyncFunctionDef):
+        raise NotFit(f"{raw.__qualname__} is not a plain function")
+    ast.increment_lineno(tree, first_line - 1)
+    return node, raw
+
+
+def _where(fn: Callable, node: ast.AST) -> str:
+    return f"{inspect.getsourcefile(fn)}:{getattr(node, 'lineno', '?')}"
+
+
+def _own_nodes(fn_node: ast.FunctionDef):
+    """Nodes of the function body, not of nested functions or lambdas."""
+    stack = list(fn_node.body)
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                stack.append(child)
+
+
+def _is_name(node: ast.AST, name: str) -> bool:
+    return isinstance(node, ast.Name) and node.id == name
+
+
+def _is_self_attr(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Attribute) and _is_name(node.value, "self"):
+        return node.attr
+    return None
+
+
+@dataclass
+class _Loop:
+    stream: str          # the stream variable, e.g. "hidden_states"
+    list_attr: str       # self.<list_attr> is the block list
+    final_norm: str      # self.<final_norm>(stream) follows the loop
+    checkpointed: bool   # the loop calls the blocks through checkpoint(...)
+
+
+def _analyze_owner(owner: nn.Module, list_attr: str) -> _Loop:
+    """Check that the owner's forward passes the stream value only from block to block,
+    then into a norm module."""
+    fn_node, raw = _function_ast(type(owner).forward)
+    loops = [n for n in _own_nodes(fn_node) if isinstance(n, ast.For)
+             and (_is_self_attr(n.iter) == list_attr
+                  or (isinstance(n.iter, ast.Subscript) and _is_self_attr(n.iter.value) == list_attr))]
+    if len(loops) != 1 or not isinstance(loops[0].target, ast.Name):
+        raise NotFit(f"{type(owner).__name__}.forward does not loop once over self.{list_attr} "
+                     f"({len(loops)} loops found)")
+    loop = loops[0]
+    block_var = loop.target.id
+    calls = [s for s in loop.body if isinstance(s, ast.Assign) and len(s.targets) == 1
+             and isinstance(s.targets[0], ast.Name) and isinstance(s.value, ast.Call)]
+    stream, checkpointed = None, False
+    for stmt in calls:
+        call, target = stmt.value, stmt.targets[0].id
+        if _is_name(call.func, block_var) and call.args and _is_name(call.args[0], target):
+            stream = target
+        elif (call.args and len(call.args) >= 2 and _is_name(call.args[0], block_var)
+              and _is_name(call.args[1], target)):  # checkpoint(block, x, ...)
+            reentrant = [k for k in call.keywords if k.arg == "use_reentrant"]
+            if not (reentrant and isinstance(reentrant[0].value, ast.Constant) and reentrant[0].value.value is False):
+                raise NotFit(f"the blocks are called through a function that may hide a pair from autograd "
+                             f"({_where(raw, stmt)}): only use_reentrant=False checkpointing passes it through")
+            stream, checkpointed = target, True
+    if stream is None:
+        raise NotFit(f"no `x = block(x, ...)` statement in the loop over self.{list_attr} ({_where(raw, loop)})")
+    reads = [n for n in ast.walk(loop) if _is_name(n, stream) and isinstance(n.ctx, ast.Load)]
+    if len(reads) != 1:
+        raise NotFit(f"the loop over self.{list_attr} reads `{stream}` other than to call the next block "
+                     f"({_where(raw, loop)})")
+    # The first read of the stream after the loop must be the final norm.
+    after = [n for n in _own_nodes(fn_node) if getattr(n, "lineno", 0) > (loop.end_lineno or loop.lineno)]
+    after.sort(key=lambda n: (n.lineno, n.col_offset))
+    first = next((n for n in after if _is_name(n, stream) and isinstance(n.ctx, ast.Load)), None)
+    user = next((n for n in after if isinstance(n, ast.Call) and n.args and n.args[0] is first), None)
+    norm = _is_self_attr(user.func) if user is not None else None
+    if norm is None or not is_norm_module(getattr(owner, norm, None) or nn.Identity()):
+        raise NotFit(f"after the loop over self.{list_attr}, `{stream}` does not go straight into a norm module "
+                     f"({_where(raw, first or loop)})")
+    return _Loop(stream, list_attr, norm, checkpointed)
+
+
+def _bodies(fn_node: ast.FunctionDef):
+    """Every statement list of the function (not of nested functions)."""
+    for node in [fn_node, *_own_nodes(fn_node)]:
+        for name in ("body", "orelse", "finalbody"):
+            stmts = getattr(node, name, None)
+            if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt) \
+                    and (node is fn_node or not isinstance(node, (ast.FunctionDef, ast.Lambda))):
+                yield stmts
+        for handler in getattr(node, "handlers", []):
+            yield handler.body
+
+
+def _split_add(fn_node: ast.FunctionDef, value: ast.expr):
+    """(a, b, combine expression) when ``value`` is a two-operand add, else None."""
+    add = ast.Attribute(value=ast.Name(id="_nf_operator", ctx=ast.Load()), attr="add", ctx=ast.Load())
+    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add):
+        return value.left, value.right, add
+    if isinstance(value, ast.Call) and len(value.args) == 2 and not value.keywords \
+            and not any(isinstance(a, ast.Starred) for a in value.args):
+        func = value.func
+        if isinstance(func, ast.Attribute) and _is_name(func.value, "torch") and func.attr == "add":
+            return value.args[0], value.args[1], add
+        # a local two-argument function (``add = lambda a, b: ...``): the next block calls it
+        if isinstance(func, ast.Name) and any(isinstance(n, ast.Name) and n.id == func.id
+                                              and isinstance(n.ctx, ast.Store) for n in _own_nodes(fn_node)):
+            return value.args[0], value.args[1], func
+    return None
+
+
+def _defer_final_adds(fn_node: ast.FunctionDef, raw: Callable) -> int:
+    """Make every ``return a + b`` (or ``h = a + b; return h``) return ``ResidualPair(a, b, add)``;
+    other returns stay (their value travels as a pair with no residual). Returns how many."""
+    rewritten = 0
+    for stmts in list(_bodies(fn_node)):
+        for i in range(len(stmts) - 1, -1, -1):
+            ret = stmts[i]
+            if not isinstance(ret, ast.Return) or ret.value is None:
+                continue
+            value, drop = ret.value, False
+            if isinstance(value, ast.Name) and i >= 1:
+                before = stmts[i - 1]
+                if isinstance(before, ast.Assign) and len(before.targets) == 1 \
+                        and _is_name(before.targets[0], value.id):
+                    value, drop = before.value, True
+            split = _split_add(fn_node, value)
+            if split is None:
+                continue
+            ret.value = ast.Call(func=ast.Name(id="_nf_pair", ctx=ast.Load()), args=list(split), keywords=[])
+            if drop:  # the add is not computed here any more
+                del stmts[i - 1]
+            rewritten += 1
+    if not rewritten:
+        raise NotFit(f"{raw.__qualname__} does not return a two-operand add (`return a + b`, "
+                     f"`h = a + b; return h`, `return torch.add(a, b)`)")
+    return rewritten
+
+
+_FORWARDS: dict[tuple[type, str], Callable] = {}
+
+
+def _base_class(module: nn.Module) -> type:
+    return type(module).__dict__.get("_normfuse_base", type(module))
+
+
+def _new_forward(cls: type, kind: str) -> Callable:
+    """The "pair" forward of a block class, or the "entry_add" forward of a norm class; once per class."""
+    if (cls, kind) not in _FORWARDS:
+        _FORWARDS[cls, kind] = _FORWARD_BUILDERS[kind](cls)
+    return _FORWARDS[cls, kind]
+
+
+def _build_pair_forward(cls: type) -> Callable:
+    """A copy of the block's forward that takes (hidden, residual, combine) for its first
+    argument and returns the final add's operands as a ResidualPair."""
+    fn_node, raw = _function_ast(cls.forward)
+    if raw.__code__.co_freevars:  # (super() needs __class__, ...)
+        raise NotFit(f"{raw.__qualname__} uses enclosing variables {raw.__code__.co_freevars}")
+    args = fn_node.args
+    if len(args.args) < 2 or args.posonlyargs:
+        raise NotFit(f"{raw.__qualname__} takes no positional stream argument")
+    stream = args.args[1].arg
+    _defer_final_adds(fn_node, raw)
+    args.args[1:2] = [ast.arg(arg=n) for n in (_HIDDEN, _RESIDUAL, _COMBINE)]
+    # x = combine(hidden, residual): the moved add, right at the start of the block
+    entry = ast.parse(f"{stream} = _nf_combine({_HIDDEN}, {_RESIDUAL}, {_COMBINE}, {args.args[0].arg})").body[0]
+    ast.copy_location(entry, fn_node.body[0])
+    ast.fix_missing_locations(entry)
+    fn_node.body.insert(0, entry)
+    forward = _compile_function(fn_node, raw, {"_nf_pair": _pair_or_sum, "_nf_operator": operator,
+                                                       "_nf_combine": _combine})
+    forward.nf_stream_arg = stream
+    return forward
+
+
+def _compile_function(fn_node: ast.FunctionDef, raw: Callable, helpers: dict) -> Callable:
+    """Compile an edited copy of ``raw`` under its own file name and module globals."""
+    fn_node.decorator_list = []  # decorators (HF's kwarg renames) are not re-applied
+    # Built inside a factory so the helpers are closure cells: the function keeps the
+    # module's own globals (dynamo resolves globals through the module).
+    factory = ast.FunctionDef(name="_nf_factory", args=ast.arguments(
+        posonlyargs=[], args=[ast.arg(arg=name) for name in helpers], kwonlyargs=[], kw_defaults=[], defaults=[]),
+        body=[fn_node, ast.Return(value=ast.Name(id=fn_node.name, ctx=ast.Load()))],
+        decorator_list=[], returns=None, type_params=[])
+    ast.copy_location(factory, fn_node)
+    ast.fix_missing_locations(factory)
+    code = compile(ast.Module(body=[factory], type_ignores=[]), inspect.getsourcefile(raw) or "<normfuse>", "exec")
+    namespace: dict = {}
+    exec(code, raw.__globals__, namespace)
+    new = namespace["_nf_factory"](*helpers.values())
+    new.__qualname__ = raw.__qualname__
+    return new
+
+
+def _add_if_pair(x: Any) -> Any:
+    return _added(_as_pair(x)) if isinstance(x, tuple) else x
+
+
+def _build_entry_add_forward(cls: type) -> Callable:
+    """A copy of the final norm's forward that first adds a pair it is given. (A copy, not a
+    wrapper: its frames keep the norm's own file, so the site still names the model's line,
+    and the add is in the norm's graph even when dynamo compiles the norm's frame alone,
+    as under FSDP2, whose hooks break the owner's loop.)"""
+    fn_node, raw = _function_ast(cls.forward)
+    if raw.__code__.co_freevars or len(fn_node.args.args) < 2:
+        raise NotFit(f"{raw.__qualname__} cannot take the pair")
+    name = fn_node.args.args[1].arg
+    fn_node.args.args[1] = ast.arg(arg=_HIDDEN)
+    entry = ast.parse(f"{name} = _nf_add_if_pair({_HIDDEN})").body[0]
+    ast.copy_location(entry, fn_node.body[0])
+    ast.fix_missing_locations(entry)
+    fn_node.body.insert(0, entry)
+    return _compile_function(fn_node, raw, {"_nf_add_if_pair": _add_if_pair})
+
+
+_FORWARD_BUILDERS = {"pair": _build_pair_forward, "entry_add": _build_entry_add_forward}
+
+
+# --------------------------------------------------------------------------- install
+
+@dataclass
+class StreamRewrite:
+    """What ``rewrite_streams`` did to one block list."""
+
+    fqn: str
+    blocks: int = 0
+    final_norm: str | None = None
+    reason: str | None = None     # why the stream was left as it was
+
+    @property
+    def applied(self) -> bool:
+        return self.reason is None
+
+    def describe(self) -> str:
+        if self.applied:
+            return (f"cross-block: {self.fqn}: {self.blocks} blocks hand the residual pair to the next block "
+                    f"and the last to {self.final_norm}")
+        return f"cross-block: {self.fqn}: left as it was: {self.reason}"
+
+
+def _inner_block(element: nn.Module) -> nn.Module:
+    """The block under its wrappers (torch.compile's OptimizedModule, checkpoint_wrapper)."""
+    seen = element
+    for attr in ("_orig_mod", "_checkpoint_wrapped_module"):
+        inner = getattr(seen, attr, None)
+        if isinstance(inner, nn.Module):
+            return _inner_block(inner)
+    return seen
+
+
+# Forward hooks known to take a pair as the block's output: FSDP2's post-forward (it only
+# registers backward hooks on the output's tensors) and transformers' output recorder
+# (the blocks return the added stream while it records, see _outputs_recorded).
+_PAIR_SAFE_HOOKS = ("FSDPState._post_forward", "output_capturing_hook")
+
+
+def _check_output_hooks(element: nn.Module, fqn: str) -> None:
+    for module in {element, _inner_block(element)}:
+        for hook in module._forward_hooks.values():
+            name = getattr(hook, "__qualname__", type(hook).__name__)
+            if not any(safe in name for safe in _PAIR_SAFE_HOOKS):
+                raise NotFit(f"a forward hook on the blocks of {fqn} ({name}) reads a block's output, "
+                             f"which would be the un-added pair")
+
+
+def rewrite_streams(model: nn.Module) -> list[StreamRewrite]:
+    """Rewrite every Pre-Norm block stream of ``model`` to carry the residual pair across
+    block boundaries (see the module docstring). Streams that do not fit are left as they
+    were, with the reason. Idempotent."""
+    results = []
+    owner_of = {name: mod for name, mod in model.named_modules()}
+    for fqn in block_lists(model):
+        result = StreamRewrite(fqn)
+        results.append(result)
+        parent_fqn, _, attr = fqn.rpartition(".")
+        owner = owner_of.get(parent_fqn, model) if fqn else model
+        if getattr(owner, _MARK, None):
+            result.blocks, result.final_norm = len(owner.get_submodule(attr)), owner.__dict__[_MARK][0]
+            continue
+        try:
+            if not fqn:
+                raise NotFit("the model is itself the block list; there is no loop to carry a pair through")
+            loop = _analyze_owner(owner, attr)
+            elements = list(owner.get_submodule(attr))
+            for element in elements:  # every block must fit before any is changed
+                _new_forward(_base_class(_inner_block(element)), "pair")
+                _check_output_hooks(element, fqn)
+        except NotFit as why:
+            result.reason = str(why)
+            continue
+        except Exception as error:  # noqa: BLE001 - reading unusual source must not break the model
+            result.reason = f"not analysed ({type(error).__name__}: {error})"
+            continue
+        for element in elements:
+            inner = _inner_block(element)
+            _swap_class(inner, forward="pair")
+            if loop.checkpointed or hasattr(element, "_checkpoint_wrapped_module"):
+                inner.__dict__[_RECOMPUTED] = True
+            _swap_class(element, _StreamElement)
+        norm = getattr(owner, loop.final_norm)
+        try:
+            _swap_class(norm, forward="entry_add")
+        except NotFit:
+            pass  # the pre-hook adds the pair
+        # first of its pre-hooks: a SequenceParallel (or other) input hook then sees a tensor
+        handle = norm.register_forward_pre_hook(_add_pair_first, prepend=True)
+        object.__setattr__(owner, _MARK, (loop.final_norm, handle.id))
+        result.blocks, result.final_norm = len(elements), f"{parent_fqn + '.' if parent_fqn else ''}{loop.final_norm}"
+    return results
+
+
+def undo_streams(model: nn.Module) -> None:
+    """Put every rewritten stream of ``model`` back as it was."""
+    for fqn in block_lists(model):
+        parent_fqn, _, attr = fqn.rpartition(".")
+        owner = model.get_submodule(parent_fqn) if parent_fqn else model
+        mark = owner.__dict__.pop(_MARK, None)
+        if mark is None:
+            continue
+        norm = getattr(owner, mark[0])
+        norm._forward_pre_hooks.pop(mark[1], None)
+        _unswap_class(norm)
+        for element in owner.get_submodule(attr):
+            _inner_block(element).__dict__.pop(_RECOMPUTED, None)
+            _unswap_class(_inner_block(element))
+            _unswap_class(element)

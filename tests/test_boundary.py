@@ -1,0 +1,224 @@
+"""Cross-block residual pairs (normfuse.passes.boundary).
+
+The rewrite moves the add that ends block i to the start of block i+1 (and the last
+one in front of the final norm): the same adds and norms, regrouped, so outputs and
+gradients are bit-identical to the original model; and under per-block regions the
+moved add lands next to the norm it feeds, where the pass fuses it.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as cp
+
+import normfuse
+from normfuse.backends import last_report
+from normfuse.passes.boundary import ResidualPair, rewrite_streams, undo_streams
+from normfuse.zoo import ToyTransformer, hf_model
+
+IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _toy(dtype=torch.float32, **kw):
+    torch.manual_seed(0)
+    kw = {"placement": "pre", "kind": "rms_norm", "spelling": "llama", "hidden": 32, "depth": 3, **kw}
+    return ToyTransformer(**kw).to(dtype)
+
+
+def _run(model, *args, **kwargs):
+    out = model(*args, **kwargs)
+    out = out.last_hidden_state if hasattr(out, "last_hidden_state") else out
+    out.float().square().mean().backward()
+    # names as state_dict shows them (checkpoint_wrapper's and compile's prefixes removed)
+    return out, {n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): p.grad
+                 for n, p in model.named_parameters()}
+
+
+def _assert_identical(a, b):
+    (out_a, grads_a), (out_b, grads_b) = a, b
+    assert torch.equal(out_a, out_b)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spelling,kind,order", [("llama", "rms_norm", "x+f"), ("module", "layer_norm", "f+x"),
+                                                 ("functional", "rms_norm", "torch.add"),
+                                                 ("module", "layer_norm", "iadd")])
+def test_rewrite_is_bit_identical_to_eager(dtype, spelling, kind, order):
+    original = _toy(dtype, spelling=spelling, kind=kind, add_order=order)
+    model = copy.deepcopy(original)
+    [result] = rewrite_streams(model)
+    assert result.applied and result.blocks == 3 and result.final_norm == "final_norm"
+    assert list(model.state_dict()) == list(original.state_dict())
+    # a block returns the un-added pair; the final norm takes it
+    pair = model.blocks[0](original.tok(IDS))
+    assert isinstance(pair, ResidualPair) and pair.residual is not None
+    by_name = model.blocks[1](x=model.blocks[0](original.tok(IDS)))  # the stream passed by its name
+    assert torch.equal(by_name.hidden, model.blocks[1](model.blocks[0](original.tok(IDS))).hidden)
+    _assert_identical(_run(original, IDS), _run(model, IDS))
+    undo_streams(model)
+    assert isinstance(model.blocks[0](original.tok(IDS)), torch.Tensor)
+
+
+class _CheckpointedStack(nn.Module):
+    """Pre-Norm blocks checkpointed in the owner's loop, as research code writes it."""
+
+    def __init__(self, reentrant, add_order="x+f"):
+        super().__init__()
+        toy = _toy(add_order=add_order)
+        self.tok, self.blocks, self.norm, self.head = toy.tok, toy.blocks, toy.final_norm, toy.head
+        self.reentrant = reentrant
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        for block in self.blocks:
+            x = cp.checkpoint(block, x, use_reentrant=False)
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("order", ["x+f", "iadd"])  # in place: the recomputed block must not add twice
+def test_pair_crosses_non_reentrant_checkpoint(order):
+    original = _CheckpointedStack(reentrant=False, add_order=order)
+    model = copy.deepcopy(original)
+    assert rewrite_streams(model)[0].applied
+    _assert_identical(_run(original, IDS), _run(model, IDS))
+
+
+def test_pair_crosses_checkpoint_wrapper_of_each_block():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+    original = _toy()
+    model = copy.deepcopy(original)
+    for i, block in enumerate(model.blocks):  # the reentrant flavour too: the pair enters as two tensors
+        model.blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.REENTRANT)
+    assert rewrite_streams(model)[0].applied
+    _assert_identical(_run(original, IDS), _run(model, IDS))
+
+
+class _HiddenStatesCollector(nn.Module):
+    def __init__(self):
+        super().__init__()
+        toy = _toy()
+        self.tok, self.blocks, self.norm = toy.tok, toy.blocks, toy.final_norm
+
+    def forward(self, ids):
+        x, seen = self.tok(ids), []
+        for block in self.blocks:
+            x = block(x)
+            seen.append(x)  # reads the stream between blocks: a pair would leak here
+        return self.norm(x), seen
+
+
+class _ReentrantLoop(_CheckpointedStack):
+    def forward(self, ids):
+        x = self.tok(ids)
+        for block in self.blocks:
+            x = cp.checkpoint(block, x, use_reentrant=True)
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("model,reason", [
+    (_HiddenStatesCollector(), "reads `x` other than to call the next block"),
+    (_ReentrantLoop(True), "only use_reentrant=False checkpointing passes it through"),
+    (ToyTransformer(final_norm=False), "does not go straight into a norm module"),
+])
+def test_streams_that_do_not_fit_are_left_with_the_reason(model, reason):
+    before = {n: type(m) for n, m in model.named_modules()}
+    [result] = rewrite_streams(model)
+    assert not result.applied and reason in result.reason
+    assert {n: type(m) for n, m in model.named_modules()} == before
+    assert "forward" not in model.blocks[0].__dict__
+
+
+def test_hf_llama_with_gradient_checkpointing_is_bit_identical():
+    original = hf_model("llama", num_hidden_layers=3).train()
+    original.gradient_checkpointing_enable()
+    model = copy.deepcopy(original)
+    [result] = rewrite_streams(model)
+    assert result.applied and result.blocks == 3 and result.final_norm == "norm"
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    _assert_identical(_run(original, input_ids=ids), _run(model, input_ids=ids))
+
+
+def test_per_block_compile_fuses_the_add_that_crosses_each_boundary():
+    depth = 3
+
+    def fused_with_add(rewrite):
+        torch._dynamo.reset()
+        model = _toy(depth=depth)
+        if rewrite:
+            rewrite_streams(model)
+        for i, block in enumerate(model.blocks):  # torchtitan's apply_compile
+            model.blocks.register_module(str(i), torch.compile(block, backend="normfuse"))
+        before = len(last_report().sites)
+        out, _ = _run(model, IDS)
+        # one graph per distinct block input (the blocks share their code): the sites of each
+        sites = last_report().sites[before:]
+        return sorted((s.fqn.rsplit(".", 1)[-1], s.fused and s.fused_add) for s in sites), out
+
+    plain, out_plain = fused_with_add(False)
+    crossed, out_crossed = fused_with_add(True)
+    # without the pairs: one graph for all blocks, its first norm alone
+    assert plain == [("norm1", False), ("norm2", True)]
+    # with them: block 0 (a plain tensor in) as before; blocks 1.. fuse the add that crossed
+    # (a block's `add` lambda is a new function per block, so blocks 1.. may compile apart)
+    assert [site for site in crossed if not site[1]] == [("norm1", False)]
+    assert ("norm1", True) in crossed and ("norm2", True) in crossed
+    assert torch.allclose(out_plain, out_crossed, rtol=0, atol=1e-5)
+
+
+def test_optimize_applies_it_by_default_and_says_so():
+    model = normfuse.optimize(_toy())
+    assert isinstance(model.blocks[0](model.tok(IDS)), ResidualPair)
+    assert any("3 blocks hand the residual pair" in note for note in normfuse.report(model).notes)
+    off = normfuse.optimize(_toy(), cross_block=False)
+    assert isinstance(off.blocks[0](off.tok(IDS)), torch.Tensor)
+
+
+def test_rewritten_model_pickles_and_deep_copies():
+    import io
+    original = _toy()
+    model = copy.deepcopy(original)
+    rewrite_streams(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert isinstance(loaded.blocks[1](original.tok(IDS)), ResidualPair)
+    _assert_identical(_run(original, IDS), _run(loaded, IDS))
+    _assert_identical(_run(copy.deepcopy(original), IDS), _run(copy.deepcopy(model), IDS))
+
+
+@pytest.mark.parametrize("optimized", [False, True])
+def test_hf_output_hidden_states_are_the_added_stream(optimized):
+    # transformers records each layer's output in a hook: the layers then return it added
+    original = hf_model("llama", num_hidden_layers=3)
+    model = copy.deepcopy(original)
+    if optimized:
+        normfuse.optimize(model)
+    else:
+        rewrite_streams(model)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    want = original(input_ids=ids, output_hidden_states=True)
+    got = model(input_ids=ids, output_hidden_states=True)
+    assert len(got.hidden_states) == len(want.hidden_states) == 4
+    for a, b in zip(got.hidden_states, want.hidden_states):
+        assert isinstance(a, torch.Tensor) and torch.allclose(a, b, rtol=0, atol=1e-5)
+    if not optimized:
+        assert all(torch.equal(a, b) for a, b in zip(got.hidden_states, want.hidden_states))
+    assert torch.allclose(got.last_hidden_state, want.last_hidden_state, rtol=0, atol=1e-5)
+    # and without recording, the pairs cross the blocks again
+    assert torch.allclose(model(input_ids=ids).last_hidden_state, want.last_hidden_state, rtol=0, atol=1e-5)
+
+
+def test_blocks_with_output_hooks_are_left_with_the_reason():
+    model = _toy()
+    seen = []
+    model.blocks[1].register_forward_hook(lambda module, args, output: seen.append(output))
+    [result] = rewrite_streams(model)
+    assert not result.applied and "forward hook" in result.reason and "un-added pair" in result.reason
+    model(IDS)
+    assert isinstance(seen[0], torch.Tensor)
