@@ -43,7 +43,7 @@ class FuseConfig:
     check: bool = False
     residual_dtype: Any = None
     recompute_norm_output: bool = False
-    cross_block: bool = True
+    cross_block: bool = False
 
     def __post_init__(self):
         if self.filter_fn is not None and not callable(self.filter_fn):

@@ -170,11 +170,11 @@ def test_per_block_compile_fuses_the_add_that_crosses_each_boundary():
     assert torch.allclose(out_plain, out_crossed, rtol=0, atol=1e-5)
 
 
-def test_optimize_applies_it_by_default_and_says_so():
-    model = normfuse.optimize(_toy())
+def test_optimize_applies_it_when_asked_and_says_so():
+    model = normfuse.optimize(_toy(), cross_block=True)
     assert isinstance(model.blocks[0](model.tok(IDS)), ResidualPair)
     assert any("3 blocks hand the residual pair" in note for note in normfuse.report(model).notes)
-    off = normfuse.optimize(_toy(), cross_block=False)
+    off = normfuse.optimize(_toy())  # off by default
     assert isinstance(off.blocks[0](off.tok(IDS)), torch.Tensor)
 
 
@@ -198,7 +198,7 @@ def test_hf_output_hidden_states_are_the_added_stream(optimized):
     original = hf_model("llama", num_hidden_layers=3)
     model = copy.deepcopy(original)
     if optimized:
-        normfuse.optimize(model)
+        normfuse.optimize(model, cross_block=True)
     else:
         rewrite_streams(model)
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))

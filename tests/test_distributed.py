@@ -53,7 +53,7 @@ def _worker(rank, init_file, out_dir):
         try:
             from torch.distributed.fsdp import fully_shard
             torch._dynamo.reset()
-            model = normfuse.optimize(_model())
+            model = normfuse.optimize(_model(), cross_block=True)  # blocks are graphs of their own
             for block in model.blocks:
                 fully_shard(block)
             fully_shard(model)

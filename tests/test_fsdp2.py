@@ -66,7 +66,7 @@ def _sharded(rank, variant):
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-        normfuse.optimize(model)
+        normfuse.optimize(model, cross_block=True)
     else:  # torchtitan: apply_compile (each block), then fully_shard; the pairs first
         rewrite_streams(model)
         for i, block in enumerate(model.blocks):

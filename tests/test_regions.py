@@ -58,11 +58,19 @@ def _train_step(model, ids):
     return out, {n: p.grad for n, p in model.named_parameters()}
 
 
+# add-fed sites fused with their add: inside each block the add before norm2; with the
+# residual pair carried across the boundaries (cross_block) also each block's first norm and
+# the final norm
+WITH_ADD = {("non_reentrant", False): 2, ("reentrant", False): 2, ("checkpoint_wrapper", False): 2,
+            ("non_reentrant", True): 4, ("reentrant", True): 4, ("checkpoint_wrapper", True): 4}
+
+
+@pytest.mark.parametrize("cross_block", [False, True])
 @pytest.mark.parametrize("wrap", ["non_reentrant", "reentrant", "checkpoint_wrapper"])
-def test_checkpointed_blocks_are_entered_and_fused(wrap):
+def test_checkpointed_blocks_are_entered_and_fused(wrap, cross_block):
     model = CheckpointedStack(wrap)
     ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
-    normfuse.optimize(model)
+    normfuse.optimize(model, cross_block=cross_block)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no fallback anywhere
         out, grads = _train_step(model, IDS)
@@ -70,9 +78,9 @@ def test_checkpointed_blocks_are_entered_and_fused(wrap):
     _, grads64 = _train_step(ref64, IDS)
     rep = normfuse.report(model)
     counts = rep.counts()
-    # 2 norms per block and the final norm: all found and fused; inside each block the add
-    # before norm2 is fused with it (the add between blocks crosses the region boundary)
-    assert counts["sites"] == 5 and counts["fused"] == 5 and counts["fused_with_add"] == 2
+    # 2 norms per block and the final norm: all found and fused
+    assert counts["sites"] == 5 and counts["fused"] == 5
+    assert counts["fused_with_add"] == WITH_ADD[wrap, cross_block], str(rep)
     assert [r.op for r in rep.regions] == ["tag_activation_checkpoint"] * 2
     assert all(r.analyzed for r in rep.regions)
     assert sorted(s.fqn for s in rep.sites if s.graph > 0) == [
@@ -85,14 +93,15 @@ def test_checkpointed_blocks_are_entered_and_fused(wrap):
 
 
 @pytest.mark.parametrize("family", ["llama", "bert"])
-def test_hf_gradient_checkpointing(family):
+@pytest.mark.parametrize("cross_block", [False, True])
+def test_hf_gradient_checkpointing(family, cross_block):
     no_dropout = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0} if family == "bert" else {}
     model = hf_model(family, **no_dropout)
     model.gradient_checkpointing_enable()
     model.train()  # HF checkpoints only in training mode
     inputs = example_inputs(model)
     ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
-    normfuse.optimize(model)
+    normfuse.optimize(model, cross_block=cross_block)
     out = model(**inputs).last_hidden_state
     ref_out = ref(**inputs).last_hidden_state
     out.sum().backward()
@@ -102,8 +111,12 @@ def test_hf_gradient_checkpointing(family):
     counts = rep.counts()
     assert len(rep.regions) == 2 and all(r.op == "tag_activation_checkpoint" for r in rep.regions)
     if family == "llama":
-        # every norm of the 2 layers and the final norm; the add inside each layer fused
-        assert counts["sites"] == 5 and counts["fused"] == 5 and counts["fused_with_add"] == 2
+        # every norm of the 2 layers and the final norm; the add inside each layer fused. The
+        # adds between layers stay outside: transformers 5 records every layer's output
+        # (its output collector is active on every call), so the layers keep returning the
+        # added stream and no pair crosses (normfuse/passes/boundary.py, _outputs_recorded)
+        assert counts["sites"] == 5 and counts["fused"] == 5
+        assert counts["fused_with_add"] == 2, str(rep)
     else:
         # 2 Post-Norm sites per layer, each with its add, as without checkpointing; the
         # embedding norm is fused alone (its position add broadcasts over the batch)

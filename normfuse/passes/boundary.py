@@ -67,7 +67,11 @@ class ResidualPair(NamedTuple):
 
 def _outputs_recorded() -> bool:
     """True while a transformers model records its layers' outputs (``output_hidden_states``):
-    its hooks read each layer's output as the hidden state, so the layers return it added."""
+    its hooks read each layer's output as the hidden state, so the layers return it added.
+
+    Dynamo reads this context variable only through a graph break (one per block), which is
+    why FuseConfig.cross_block is off by default; the value cannot be taken at trace time,
+    since transformers sets it while the traced forward runs."""
     capturing = sys.modules.get("transformers.utils.output_capturing")
     collector = getattr(capturing, "_active_collector", None)
     return collector is not None and collector.get() is not None
