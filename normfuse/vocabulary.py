@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["KINDS", "PLACEMENTS", "FORMS", "FUSED_OPS", "KERNEL_DTYPES", "CONVERTED_META", "FINAL_META",
-           "GRAPH_META"]
+           "GRAPH_META", "LAYOUT_META"]
 
 # what a norm computes
 KINDS = ("layer_norm", "rms_norm")
@@ -33,3 +33,5 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CONVERTED_META = "normfuse_converted"     # on the nodes of a converted norm: its fqn
 FINAL_META = "normfuse_final_norm"        # on a final norm node: its fqn
 GRAPH_META = "normfuse_prenorm"           # on the graph module: the streams converted in it
+# node.meta key of the rewrite
+LAYOUT_META = "normfuse_layout"           # on a permute the rewrite inserted around a fused call: its dims

@@ -33,7 +33,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.shape_prop import ShapeProp
 
 import normfuse
-from normfuse.tolerances import within_tolerance
+from normfuse.tolerances import atol, error_factor, within_tolerance
+from normfuse.verify.numeric import Fp64Mode
 from normfuse.zoo import ADD_ORDERS, NORM_SPELLINGS, PLACEMENTS, ToyTransformer, _Attention, _MLP
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -108,9 +109,15 @@ def _check_report(rep, expected_sites, cfg):
         assert s.fused or (isinstance(s.reason, str) and s.reason), (cfg, s)
 
 
-def _check_outputs(out, eager, ref64, dtype, cfg, what="output"):
+def _check_outputs(out, eager, ref64, dtype, cfg, what="output", noise=0.0):
+    """The tolerance rule; ``noise``: a floor for eager's error relative to the reference's
+    size (``_two_column_noise``), 0 but at N = 2."""
     ok, err, base, bound = within_tolerance(out.float(), eager.float(), ref64, dtype)
-    assert ok, f"{what}: err {err:.3g} vs eager {base:.3g}, bound {bound:.3g}; {cfg}"
+    if not ok and noise and out.isfinite().all() and eager.isfinite().all():
+        mag = ref64.abs().max().item()
+        bound = error_factor(dtype) * max(base, noise * mag) + atol(dtype) * max(1.0, mag)
+        ok = err <= bound
+    assert ok, f"{what}: err {err:.3g} vs eager {base:.3g}, bound {bound:.3g} (noise {noise:.3g}); {cfg}"
 
 
 def _reference(model, ids):
@@ -218,7 +225,9 @@ def _fuzz_optimize(cfg):
         warnings.simplefilter("always")
         out = _seeded(model, ids, cfg["seed"])
     assert not [str(w.message) for w in record if "normfuse" in str(w.message)]
-    eager, ref64 = _seeded(eager_model, ids, cfg["seed"]), _seeded(ref_model, ids, cfg["seed"])
+    eager = _seeded(eager_model, ids, cfg["seed"])
+    with Fp64Mode():  # the norms' own .to(float32) upcasts too: an fp32 norm is no reference
+        ref64 = _seeded(ref_model, ids, cfg["seed"])
     _check_outputs(out.detach(), eager.detach(), ref64.detach(), cfg["dtype"], cfg)
     _check_report(normfuse.report(model), _expected_sites(model, cfg), cfg)
     # backward through the fused ops: parameter gradients of a fixed projection of the output
@@ -226,14 +235,59 @@ def _fuzz_optimize(cfg):
     proj = torch.randn(out.shape, generator=g)
     for m, y in ((model, out), (eager_model, eager), (ref_model, ref64)):
         (y * proj.to(y.dtype)).sum().backward()
-    for (name, p), q, r in zip(model.named_parameters(), eager_model.parameters(), ref_model.parameters()):
-        if r.grad is not None:
-            _check_outputs(p.grad, q.grad, r.grad, cfg["dtype"], cfg, what=f"grad of {name}")
+    grads = [(name, p.grad, q.grad, r.grad) for (name, p), q, r in
+             zip(model.named_parameters(), eager_model.parameters(), ref_model.parameters()) if r.grad is not None]
+    floor = _two_column_noise(grads) if cfg["hidden"] == 2 else 0.0
+    for name, got, base, ref in grads:
+        _check_outputs(got, base, ref, cfg["dtype"], cfg, what=f"grad of {name}", noise=floor)
+
+
+def _two_column_noise(grads) -> float:
+    """Eager's largest gradient error relative to the gradient's size, over the whole model.
+
+    Over N = 2 columns a norm's input gradient is rounding noise in ill-conditioned rows, in
+    any backward ordering, eager's included. LayerNorm's is exactly
+    ``du = eps * rstd^3 * (g1 - g2) / 2 * (1, -1)`` (g = dy * w), while the general formula
+    forms it as ``rstd * (g_c - x_hat * mean(g * x_hat))``, cancelling ``1 - (d * rstd)^2`` to
+    ``eps * rstd^2``; rstd is saved rounded to fp32 (eager's rsqrt output too) and the backward
+    has no eps, so the cancellation leaves ``~ulp_fp32 * rstd * |g|`` whatever the order: with
+    var/eps = 1e4 that is ~10^4 ulp relative. (RMSNorm: g's part along x, likewise.) That noise
+    flows into every gradient upstream of the norm, and which tensor's largest error happens
+    to be small is chance: the fuzz found eager at 0.00138 on one fp16 bias whose neighbours
+    were at 0.005 - 0.1 and the fused op at 0.0162 (hidden 2, sandwich, t5), and 4.3e-4
+    against 1.6e-3 (fp32, res_post, manual_var). So at N = 2 each gradient's baseline is at
+    least this model-wide relative noise of eager, times the gradient's size."""
+    rel = [(base.double() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
+           for _, _, base, ref in grads if ref.numel() and ref.isfinite().all() and base.isfinite().all()]
+    return max(rel, default=0.0)
 
 
 @_profile(10)
 @given(stacks())
 def test_fuzz_optimize_forward_backward(cfg):
+    _fuzz_optimize(cfg)
+
+
+def _two_columns(placement, kind, spelling, dtype, eps, add_order, depth, final_norm, seq, seed, dropout):
+    return dict(placement=placement, kind=kind, spelling=spelling, dtype=dtype, eps=eps, hidden=2,
+                add_order=add_order, depth=depth, embed_norm=False, final_norm=final_norm, seq=seq, seed=seed,
+                dropout=dropout)
+
+
+# Hidden = 2 models on which the long fuzz failed (see _two_column_noise): the fused gradients at
+# 2.6x - 12x eager's error (fp32 LayerNorm: eager's fused backward formula; the others: eager's
+# error small by chance on one tensor).
+TWO_COLUMN_EXAMPLES = [
+    _two_columns("res_post", "layer_norm", "manual_var", torch.float32, 1e-5, "f+x", 1, False, 9, 9698, 0.0),
+    _two_columns("sandwich", "rms_norm", "t5", torch.float16, 1e-5, "x+f", 2, False, 7, 6131, 0.0),
+    _two_columns("parallel", "rms_norm", "t5", torch.bfloat16, 0.00035752404879959383, "torch.add", 1, True, 5,
+                 15932, 0.3),
+    _two_columns("parallel", "layer_norm", "manual", torch.float32, 1e-5, "iadd", 2, True, 7, 64481, 0.0),
+]
+
+
+@pytest.mark.parametrize("cfg", TWO_COLUMN_EXAMPLES, ids=lambda c: f"{c['placement']}-{c['spelling']}-{c['dtype']}")
+def test_two_column_gradients(cfg):
     _fuzz_optimize(cfg)
 
 

@@ -53,6 +53,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "var": ("input", "dim", "unbiased", "keepdim"),
     "cast": ("input",),  # the target dtype is read off the node's output metadata
     "view": ("input",),  # reshapes, views, contiguous, clone: same values, maybe another shape
+    "permute": ("input", "dims"),  # same values, dims reordered (channels-first <-> channels-last)
     "dropout": ("input", "p", "training"),
     "layer_norm": ("input", "normalized_shape", "weight", "bias", "eps"),
     "rms_norm": ("input", "normalized_shape", "weight", "eps"),
@@ -81,6 +82,7 @@ SPELLINGS: dict[str, list[Any]] = {
              *([prims.convert_element_type.default] if hasattr(prims, "convert_element_type") else [])],
     "view": ["view", "reshape", "contiguous", "clone", "view_as", "reshape_as", torch.reshape, torch.clone,
              *_aten("view.default", "reshape.default", "_unsafe_view.default", "clone.default", "alias.default")],
+    "permute": ["permute", torch.permute, *_aten("permute.default")],
     "dropout": [F.dropout, torch.dropout, "dropout", *_aten("dropout.default")],
     "layer_norm": [F.layer_norm, torch.layer_norm, *_aten("layer_norm.default", "native_layer_norm.default")],
     "rms_norm": [F.rms_norm, *( [torch.rms_norm] if hasattr(torch, "rms_norm") else []),
@@ -220,6 +222,8 @@ def canonical(node: fx.Node) -> Canon | None:
         overload = f"{node.target._opname}.{node.target._overloadname}"
         names = _ATEN_POSITIONAL.get(overload, names)
     args = _bind(node, names)
+    if prim == "permute" and len(node.args) > 2:  # x.permute(0, 2, 3, 1): the dims as varargs
+        args["dims"] = tuple(node.args[1:])
     if prim == "dropout" and "train" in args:
         args["training"] = args.pop("train")
     multi = node.target in _aten("native_layer_norm.default", "_fused_rms_norm.default")

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from normfuse.passes.canonical import (Canon, is_exact_upcast, last_dim, node_dtype, node_shape, real_users,
-                                       same_dim, same_shape)
+from normfuse.passes.canonical import (Canon, dim_value, is_exact_upcast, last_dim, node_dtype, node_shape,
+                                       real_users, same_dim, same_shape, tensor_meta)
 from normfuse.passes.graph import GraphIndex
 from normfuse.vocabulary import KERNEL_DTYPES
 
@@ -56,6 +56,7 @@ class AddMatch:
     scaled: int | None = None        # index of the operand multiplied by residual_scale
     residual_scale: float = 1.0
     chain: list[fx.Node] = field(default_factory=list)  # pass-through nodes between the add and the norm
+    permute: tuple[int, ...] | None = None  # a permute in the chain: the norm reads ``sum.permute(*permute)``
     reason: str | None = None        # why it cannot be folded into the kernel
 
 
@@ -477,15 +478,58 @@ def as_add(index: GraphIndex, node: Any, n: int | None) -> AddMatch | None:
     return am
 
 
+def permute_dims(index: GraphIndex, node: Any) -> tuple[int, ...] | None:
+    """The dims of a permute node, made non-negative; None when they are not constants."""
+    dims = index.canon(node)["dims"] if index.prim(node) == "permute" else None
+    if not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) for d in dims):
+        return None
+    return tuple(d % len(dims) for d in dims)
+
+
+def _is_contiguous(shape: tuple, strides: tuple) -> bool:
+    expected = 1
+    for size, stride in reversed(list(zip(shape, strides))):
+        if not same_dim(size, 1) and not same_dim(stride, expected):
+            return False
+        expected = expected * size
+    return True
+
+
+def permuted_layout_reason(operands: tuple, dims: tuple[int, ...]) -> str | None:
+    """Why the kernel cannot read the operands, permuted by ``dims``, as contiguous rows of the
+    normalized dim without a copy (None when it can: e.g. NCHW tensors in channels_last format)."""
+    for op in operands:
+        t = tensor_meta(op)
+        if not isinstance(t, torch.Tensor) or t.dim() != len(dims):
+            return (f"the layout of {getattr(op, 'name', op)} is unknown (no tensor metadata), so the permuted "
+                    "normalized dim is not known to be contiguous")
+        shape = tuple(dim_value(t.shape[d]) for d in dims)
+        strides = tuple(dim_value(t.stride(d)) for d in dims)
+        if not _is_contiguous(shape, strides):
+            return (f"the normalized dim is not contiguous: the norm reads {op.name}.permute{dims} "
+                    f"(shape {tuple(map(dim_value, t.shape))}, strides {tuple(map(dim_value, t.stride()))}), "
+                    f"whose dim {dims[-1]} has stride {strides[-1]}; the kernel reads contiguous rows "
+                    "(a channels_last model and input, .to(memory_format=torch.channels_last), make them so)")
+    return None
+
+
 def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
-    """The add whose sum the norm reads, seen through pass-through nodes."""
+    """The add whose sum the norm reads, seen through pass-through nodes and at most one
+    permute (an add commutes with permuting both operands: the channel norms of vision models)."""
     chain = []
     cur = m.input
     n = m.hidden_size
+    permute = None
     while isinstance(cur, fx.Node) and cur not in index.norm_outputs:
         am = as_add(index, cur, n)
         if am is not None:
             am.chain = chain
+            if am.reason is None and permute is not None:
+                am.permute = permute
+                if any(index.prim(p) == "view" for p in chain):
+                    am.reason = "a reshape and a permute both sit between the residual add and the norm"
+                else:
+                    am.reason = permuted_layout_reason(am.operands, permute)
             if am.reason is None:
                 for p in chain:
                     if index.prim(p) == "cast" and not is_exact_upcast(node_dtype(p.args[0]) if p.args else None,
@@ -495,9 +539,13 @@ def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
                         am.reason = "live dropout (training mode) sits between the residual add and the norm"
             return am
         c = index.canon(cur)
-        live_dropout = c is not None and c.prim == "dropout" and same_dim(last_dim(cur), n)
-        if not is_pass_through(index, cur, n) and not live_dropout:
-            return None
+        if c is not None and c.prim == "permute" and permute is None and permute_dims(index, cur) is not None:
+            permute = permute_dims(index, cur)
+            n = None  # above the permute the rows are not in the last dim: views do not pass
+        else:
+            live_dropout = c is not None and c.prim == "dropout" and (n is None or same_dim(last_dim(cur), n))
+            if not is_pass_through(index, cur, n) and not live_dropout:
+                return None
         chain.append(cur)
         cur = index.canon(cur)["input"]
     return None

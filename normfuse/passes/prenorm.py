@@ -88,6 +88,8 @@ def _plan(index: GraphIndex, g: nx.DiGraph, b: _Block) -> str | None:
     add = state.in_add
     if add is None:
         return "no residual add feeds the norm"
+    if add.permute is not None:
+        return "a permute sits between the residual add and the norm (a channel norm)"
     c = index.canon(add.node)
     a, o = c["input"], c["other"]
     if not isinstance(a, fx.Node) or not isinstance(o, fx.Node):

@@ -18,11 +18,11 @@ import torch
 import torch.fx as fx
 
 from normfuse.kernels.add_norm import add_norm, norm_add
-from normfuse.passes.canonical import node_dtype, node_shape, real_users, same_shape
+from normfuse.passes.canonical import node_dtype, node_shape, real_users, same_shape, tensor_meta
 from normfuse.passes.classify import SiteState, stream_operand
 from normfuse.passes.find import as_add
 from normfuse.passes.graph import GraphIndex
-from normfuse.vocabulary import KERNEL_DTYPES
+from normfuse.vocabulary import KERNEL_DTYPES, LAYOUT_META
 
 __all__ = ["plan", "apply", "add_reason", "Plan", "is_fused_call", "fused_op_name"]
 
@@ -55,7 +55,8 @@ class Plan:
     """How one state will be rewritten: which op, on which operands, with which modes."""
 
     def __init__(self, state: SiteState, op: str, x: Any, residual: Any = None, output_add: fx.Node | None = None,
-                 residual_scale: float = 1.0, sum_dtype: torch.dtype | None = None):
+                 residual_scale: float = 1.0, sum_dtype: torch.dtype | None = None,
+                 permute: tuple[int, ...] | None = None):
         self.state = state
         self.op = op                    # "add_norm" | "norm_add" | "norm"
         self.x = x
@@ -63,6 +64,7 @@ class Plan:
         self.output_add = output_add        # the add folded after the norm (norm_add)
         self.residual_scale = residual_scale
         self.sum_dtype = sum_dtype
+        self.permute = permute          # the kernel reads x and residual permuted by these dims
 
 
 def _refusal(state: SiteState) -> str | None:
@@ -104,7 +106,8 @@ def plan(index: GraphIndex, state: SiteState, claimed: set, reserved: set, fuse_
     if out is not None and out.node.graph is index.graph:
         fresh = as_add(index, out.node, m.hidden_size)
         out.operands, out.scaled, out.residual_scale = fresh.operands, fresh.scaled, fresh.residual_scale
-    reshaped = add is not None and not same_shape(node_shape(add.node), node_shape(m.output))
+    reshaped = add is not None and add.permute is None and not same_shape(node_shape(add.node),
+                                                                          node_shape(m.output))
     static = all(isinstance(d, int) for d in (node_shape(m.output) or (None,)))
     if add is not None and add.reason is None and add.node not in claimed and (static or not reshaped):
         a, b = add.operands
@@ -115,7 +118,7 @@ def plan(index: GraphIndex, state: SiteState, claimed: set, reserved: set, fuse_
             stream = stream_operand(index, add)
             x, residual = (b, a) if stream == 0 else (a, b)
         return Plan(state, "add_norm", x, residual, residual_scale=add.residual_scale,
-                    sum_dtype=node_dtype(add.node)), None
+                    sum_dtype=node_dtype(add.node), permute=add.permute), None
     if fuse_output_add and out is not None and out.reason is None and out.node not in claimed \
             and out.node not in reserved and add is None and state.placement in ("res_post", "sandwich") \
             and not state.output_chain:
@@ -179,6 +182,20 @@ def _insertion_point(index: GraphIndex, p: Plan) -> fx.Node:
     return first
 
 
+def _permuted(graph: fx.Graph, value: fx.Node, dims: tuple[int, ...], as_op: bool) -> fx.Node:
+    """``value.permute(*dims)``, tagged with ``LAYOUT_META`` so the checker knows the rewrite made it."""
+    if as_op:
+        node = graph.call_function(torch.ops.aten.permute.default, (value, list(dims)))
+    else:
+        node = graph.call_method("permute", (value, *dims))
+    val = tensor_meta(value)
+    for key in ("val", "example_value"):
+        if key in value.meta and isinstance(val, torch.Tensor):
+            node.meta[key] = val.permute(dims)
+    node.meta[LAYOUT_META] = tuple(dims)
+    return node
+
+
 def _fused_call(graph: fx.Graph, family: str, args: tuple, options: dict, as_op: bool) -> fx.Node:
     """One call of the functional API, or (``as_op``) of its custom op with every option
     spelled out and the fake result as its ``val`` (Inductor lowers from that)."""
@@ -235,11 +252,15 @@ def apply(index: GraphIndex, p: Plan, as_op: bool = False) -> list[fx.Node]:
             add = p.state.in_add if p.op == "add_norm" else None
             s_used = add is not None and any(
                 u not in set(add.chain) | set(m.nodes) for node in (add.node, *add.chain) for u in real_users(node))
-            call = _fused_call(graph, "add_norm", (p.x, p.residual, m.weight, m.bias),
+            x, residual, inserted = p.x, p.residual, []
+            if p.permute is not None:  # the add moves through the permute: sum(a, b).permute == a.permute + b.permute
+                x, residual = (None if v is None else _permuted(graph, v, p.permute, as_op) for v in (x, residual))
+                inserted += [v for v in (x, residual) if v is not None]
+            call = _fused_call(graph, "add_norm", (x, residual, m.weight, m.bias),
                                dict(modes, sum_dtype=p.sum_dtype, return_sum=s_used), as_op)
             y = graph.call_function(operator.getitem, (call, 0))
             _copy_meta(y, m.output)
-            inserted = [call, y]
+            inserted += [call, y]
             result = y
             if add is not None and not same_shape(node_shape(add.node), node_shape(m.output)):
                 # the add and the norm see the rows in different shapes (a view between them)
@@ -252,6 +273,13 @@ def apply(index: GraphIndex, p: Plan, as_op: bool = False) -> list[fx.Node]:
                 s = graph.call_function(operator.getitem, (call, 1))
                 _copy_meta(s, add.node)
                 inserted.append(s)
+                if p.permute is not None:  # hand the sum back in the add's layout
+                    inverse = tuple(sorted(range(len(p.permute)), key=p.permute.__getitem__))
+                    s.meta.update({k: v.permute(p.permute) for k, v in s.meta.items()
+                                   if k in ("val", "example_value") and isinstance(v, torch.Tensor)})
+                    s = _permuted(graph, s, inverse, as_op)
+                    _copy_meta(s, add.node)
+                    inserted.append(s)
                 add.node.replace_all_uses_with(s)
                 index.replaced[add.node] = s
             if add is not None:

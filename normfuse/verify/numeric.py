@@ -322,8 +322,13 @@ def check_site(gm: fx.GraphModule, pair: SitePair, env: dict[fx.Node, Any]) -> S
         result.passed, result.reason = False, pair.problem
         return result
     args = [env.get(a, a) if isinstance(a, fx.Node) else a for a in pair.args.values()]
+    if pair.layout is not None:  # the call reads x and residual permuted; its sum goes back permuted
+        args[:2] = [a if a is None else a.permute(pair.layout) for a in args[:2]]
     with torch.no_grad():
         got = pair.call.target(*args, **pair.call.kwargs)
+    if pair.layout is not None and got[1] is not None:
+        inverse = sorted(range(len(pair.layout)), key=pair.layout.__getitem__)
+        got = (got[0], got[1].permute(inverse), *got[2:])
     ref = _subgraph_values(gm, pair, env, fp64=True)
     for k, orig in pair.outputs:
         if got[k] is None:

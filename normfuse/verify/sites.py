@@ -11,7 +11,9 @@ A ``SitePair`` says, for one fused call:
 - ``nodes``: the original subgraph (graph order) the call stands for;
 - ``inputs``: the original values that subgraph reads (its boundary);
 - ``outputs``: (call output index, original node it replaced);
-- ``args``: the original node each tensor argument of the call carries (None for None).
+- ``args``: the original node each tensor argument of the call carries (None for None);
+- ``layout``: the dims the rewrite permuted x and residual by (a channel norm's add moved
+  through its permute), or None.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.fx as fx
 from normfuse.passes.pipeline import analyze
 from normfuse.passes.rewrite import fused_op_name, is_fused_call
 from normfuse.reporting import Site
+from normfuse.vocabulary import LAYOUT_META
 
 __all__ = ["SitePair", "pair_sites", "fused_calls", "site_order"]
 
@@ -40,6 +43,7 @@ class SitePair:
     outputs: list[tuple[int, fx.Node]] = field(default_factory=list)
     args: dict[str, Any] = field(default_factory=dict)   # role -> original node / None / constant
     eps: float | None = None                     # the eps the original subgraph uses
+    layout: tuple[int, ...] | None = None        # the call reads args["x"/"residual"].permute(*layout)
     problem: str | None = None                   # why the pair could not be formed
 
 
@@ -151,6 +155,9 @@ def pair_sites(original: fx.GraphModule, rewritten: fx.GraphModule, sites: list[
         if site.op and site.op != op:
             pair.problem = f"the report says {site.id} became {site.op} but the graph calls {op}"
         for role, arg in zip(_ARG_ROLES, call.args):
+            if isinstance(arg, fx.Node) and LAYOUT_META in arg.meta:  # a permute the rewrite inserted
+                pair.layout = arg.meta[LAYOUT_META]
+                arg = arg.all_input_nodes[0]
             pair.args[role] = original_of(arg)
         reads = {a for a in pair.args.values() if isinstance(a, fx.Node)}
         try:
@@ -172,8 +179,9 @@ def pair_sites(original: fx.GraphModule, rewritten: fx.GraphModule, sites: list[
                 continue
             pair.outputs.append((k, orig))
             produced[item] = orig
-            for user in item.users:  # a reshape the rewrite inserted stands for the norm's output
-                if user.name not in by_name and user.op == "call_method" and user.target == "reshape":
+            for user in item.users:  # a reshape or permute the rewrite inserted stands for the output
+                if user.name not in by_name and user.op == "call_method" and user.target == "reshape" \
+                        or LAYOUT_META in user.meta:
                     produced[user] = orig
     return pairs
 

@@ -125,7 +125,7 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym) -> Any:
     if c is None:
         raise _Unsupported(f"no symbolic rule for node {node.name} ({node.op} {getattr(node.target, '__name__', node.target)})")
     p = c.prim
-    if p in ("cast", "view", "dropout"):
+    if p in ("cast", "view", "permute", "dropout"):  # a row keeps its values (a permute moves it whole)
         return val(c["input"])
     if p in ("add", "sub"):
         alpha = _const(c["alpha"], None, None)
@@ -157,8 +157,10 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym) -> Any:
     raise _Unsupported(f"no symbolic rule for primitive {p!r} (node {node.name})")
 
 
-def _leaf(node: fx.Node, name: str, hidden: int | None) -> list:
+def _leaf(node: fx.Node, name: str, hidden: int | None, layout: tuple[int, ...] | None = None) -> list:
     shape = node_shape(node)
+    if layout is not None and shape and len(shape) == len(layout):
+        shape = tuple(shape[d] for d in layout)  # the row the call reads is along the permuted last dim
     last = shape[-1] if shape else 1
     if hidden is not None and last == hidden:
         return _row(name, ROW)
@@ -258,13 +260,13 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
                 rows[role] = None
             elif isinstance(node, fx.Node):
                 if node not in leaves:
-                    leaves[node] = _leaf(node, role[0] if role != "residual" else "r", hidden)
+                    leaves[node] = _leaf(node, role[0] if role != "residual" else "r", hidden, pair.layout)
                 rows[role] = leaves[node]
             else:
                 raise _Unsupported(f"the fused call's {role} is a constant {node!r}")
         for i, node in enumerate(pair.inputs):  # values the original reads that the call does not
             if node not in leaves:
-                leaves[node] = _leaf(node, f"z{i}_", hidden)
+                leaves[node] = _leaf(node, f"z{i}_", hidden, pair.layout)
         values: dict[fx.Node, Any] = {}
 
         def load(n):
