@@ -77,8 +77,13 @@ def _outputs_recorded() -> bool:
     return collector is not None and collector.get() is not None
 
 
+def _pair(hidden: torch.Tensor, residual: torch.Tensor, combine: Callable) -> Any:
+    """What a rewritten block of any other library returns in place of ``combine(hidden, residual)``."""
+    return ResidualPair(hidden, residual, combine)
+
+
 def _pair_or_sum(hidden: torch.Tensor, residual: torch.Tensor, combine: Callable) -> Any:
-    """What a rewritten block returns in place of ``combine(hidden, residual)``."""
+    """What a rewritten transformers block returns in place of ``combine(hidden, residual)``."""
     if _outputs_recorded():
         return combine(hidden, residual)
     return ResidualPair(hidden, residual, combine)
@@ -364,7 +369,9 @@ def _build_pair_forward(cls: type) -> Callable:
     ast.copy_location(entry, fn_node.body[0])
     ast.fix_missing_locations(entry)
     fn_node.body.insert(0, entry)
-    forward = _compile_function(fn_node, raw, {"_nf_pair": _pair_or_sum, "_nf_operator": operator,
+    # only transformers' blocks consult its output recorder (dynamo reads it through a graph break)
+    pair = _pair_or_sum if cls.__module__.startswith("transformers.") else _pair
+    forward = _compile_function(fn_node, raw, {"_nf_pair": pair, "_nf_operator": operator,
                                                        "_nf_combine": _combine})
     forward.nf_stream_arg = stream
     return forward
