@@ -4,7 +4,7 @@ Each runs in its own process (the static report needs Triton without its interpr
 dynamo state does not leak between them) and writes under ``benchmarks/results/``. The GPU
 suite (5) runs with ``python benchmarks/bench_gpu.py`` on a machine with CUDA.
 
-    python benchmarks/run_all.py [--toy] [--only pass_cost memory cpu_e2e static_kernels residual_dtype]
+    python benchmarks/run_all.py [--toy] [--only pass_cost memory cpu_e2e static_kernels residual_dtype checkpoint]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ SCRIPTS = {  # name -> (script, its JSON)
     "memory": ("bench_memory.py", "memory.json"),
     "cpu_e2e": ("bench_cpu_e2e.py", "cpu_e2e.json"),
     "residual_dtype": ("bench_residual_dtype.py", "residual_dtype.json"),
+    "checkpoint": ("bench_checkpoint.py", "checkpoint.json"),
 }
 
 
