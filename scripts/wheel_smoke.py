@@ -139,7 +139,7 @@ def checks(source: str) -> None:
           "--graph", "llama.svg"])
     with open("llama.json", encoding="utf-8") as f:
         summary = json.load(f)["summary"]
-    assert (summary["sites"], summary["would_fuse"], summary["would_fuse_with_add"]) == (5, 5, 4), summary
+    assert (summary["sites"], summary["fused"], summary["fused_with_add"]) == (5, 5, 4), summary
     with open("llama.svg", encoding="utf-8") as f:
         assert f.read().lstrip().startswith("<svg")
 
@@ -149,7 +149,7 @@ def checks(source: str) -> None:
     summary = json.loads(_run(["normfuse", "audit", "my_model.py:build", "--set", "depth=3",
                                "--format", "json"]))["summary"]
     # the first block's norm stands alone; each block's residual add feeds the next norm
-    assert (summary["sites"], summary["would_fuse_with_add"]) == (4, 3), summary
+    assert (summary["sites"], summary["fused_with_add"]) == (4, 3), summary
 
     import torch
     from normfuse.backends import last_report
