@@ -56,6 +56,8 @@ class _HFLlamaRMSNorm(torch.nn.Module):
 
     def __new__(cls, n):
         try:
+            from normfuse.zoo import prepare_torchvision
+            prepare_torchvision()  # transformers imports torchvision, whose C extension may not load
             from transformers.models.llama.modeling_llama import LlamaRMSNorm
             return LlamaRMSNorm(n, eps=EPS)
         except ImportError:

@@ -19,3 +19,43 @@ def assert_within(candidate: torch.Tensor, baseline: torch.Tensor, reference: to
     """The project's rule against an fp64 reference: at most a small multiple of eager's error."""
     ok, err, err_eager, bound = within_tolerance(candidate, baseline, reference)
     assert ok, f"{msg} error {err:.3g} > bound {bound:.3g} (eager's error {err_eager:.3g})"
+
+
+WORLD = 2  # processes of the distributed tests (gloo on CPU)
+
+
+def _rank_main(rank: int, init_file: str, out_dir: str, body, args: tuple) -> None:
+    import os
+    import traceback
+
+    import torch.distributed as dist
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+        torch.save(body(rank, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+    except Exception:  # noqa: BLE001 - the parent reads this file and fails with it
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(body, *args) -> list:
+    """``body(rank, *args)`` in WORLD processes joined by gloo; each rank's return value, in
+    rank order. ``body`` must be a module-level function (it is pickled by name)."""
+    import os
+    import tempfile
+
+    import pytest
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this build")
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            mp.spawn(_rank_main, args=(os.path.join(tmp, "init"), tmp, body, args), nprocs=WORLD, join=True)
+        except Exception:
+            errors = [open(os.path.join(tmp, f)).read() for f in os.listdir(tmp) if f.endswith(".err")]
+            raise AssertionError("a rank failed:\n" + ("\n".join(errors) or "no traceback written")) from None
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]

@@ -5,20 +5,17 @@ runs here, FSDP2's ``fully_shard``); after backward, the averaged gradients must
 the gradients of the unoptimized model run on the whole batch in one process.
 """
 
-import os
-import tempfile
 import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import normfuse
 from normfuse.tolerances import within_tolerance
 from normfuse.zoo import ToyTransformer
 
-WORLD = 2
+from helpers import WORLD, run_on_ranks
+
 BATCH, SEQ = 4, 8
 
 
@@ -36,56 +33,38 @@ def _loss(model, ids, target):
     return (model(ids) - target).square().mean()
 
 
-def _worker(rank, init_file, out_dir):
+def _rank(rank):
+    ids, target = _batch()
+    shard = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    results = {}
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = normfuse.optimize(_model())
+    ddp = DDP(model)
+    _loss(ddp, ids[shard], target[shard]).backward()
+    results["ddp"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    results["ddp_counts"] = normfuse.report(model).counts()
+
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-        ids, target = _batch()
-        shard = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
-        results = {}
-
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        model = normfuse.optimize(_model())
-        ddp = DDP(model)
-        _loss(ddp, ids[shard], target[shard]).backward()
-        results["ddp"] = {n: p.grad.clone() for n, p in model.named_parameters()}
-        results["ddp_counts"] = normfuse.report(model).counts()
-
-        try:
-            from torch.distributed.fsdp import fully_shard
-            torch._dynamo.reset()
-            model = normfuse.optimize(_model(), cross_block=True)  # blocks are graphs of their own
-            for block in model.blocks:
-                fully_shard(block)
-            fully_shard(model)
-            _loss(model, ids[shard], target[shard]).backward()
-            # each rank holds a shard of every gradient (a DTensor): gather the full one
-            results["fsdp"] = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
-            results["fsdp_counts"] = normfuse.report(model).counts()
-            results["fsdp_graphs"] = normfuse.report(model).graphs
-        except Exception:  # noqa: BLE001 - recorded and reported by the test, not swallowed
-            results["fsdp_error"] = traceback.format_exc()
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    except Exception:  # noqa: BLE001 - the parent reads this file and fails with it
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from torch.distributed.fsdp import fully_shard
+        torch._dynamo.reset()
+        model = normfuse.optimize(_model(), cross_block=True)  # blocks are graphs of their own
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        _loss(model, ids[shard], target[shard]).backward()
+        # each rank holds a shard of every gradient (a DTensor): gather the full one
+        results["fsdp"] = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        results["fsdp_counts"] = normfuse.report(model).counts()
+        results["fsdp_graphs"] = normfuse.report(model).graphs
+    except Exception:  # noqa: BLE001 - recorded and reported by the test, not swallowed
+        results["fsdp_error"] = traceback.format_exc()
+    return results
 
 
 @pytest.fixture(scope="module")
 def distributed_results():
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available in this build")
-    with tempfile.TemporaryDirectory() as out_dir:
-        init_file = os.path.join(out_dir, "init")
-        try:
-            mp.spawn(_worker, args=(init_file, out_dir), nprocs=WORLD, join=True)
-        except Exception as error:
-            errs = [open(os.path.join(out_dir, f)).read() for f in os.listdir(out_dir) if f.endswith(".err")]
-            raise AssertionError("a rank failed:\n" + "\n".join(errs)) from error
-        yield [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
+    return run_on_ranks(_rank)
 
 
 def _reference_grads():

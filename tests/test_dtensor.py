@@ -6,21 +6,16 @@ RowwiseParallel, SequenceParallel norms, PrepareModuleInput) runs optimized with
 add-fed norm fused, and its loss and gradients equal the one-process model's.
 """
 
-import os
-import tempfile
-import traceback
 
-import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import normfuse
 from normfuse.tolerances import within_tolerance
 from normfuse.zoo import TitanLlama, apply_titan_tp
 
-WORLD = 2
+from helpers import WORLD, run_on_ranks
+
 VOCAB, DEPTH, BATCH, SEQ = 64, 2, 2, 8
 
 
@@ -101,32 +96,14 @@ def _tp_worker(rank, results):
     results["warnings"] = list(rep.warnings)
 
 
-def _worker(rank, init_file, out_dir, name):
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-        results = {}
-        {"ops": _ops_worker, "tp": _tp_worker}[name](rank, results)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    except Exception:  # noqa: BLE001 - the parent reads this file and fails with it
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _rank(rank, name):
+    results = {}
+    {"ops": _ops_worker, "tp": _tp_worker}[name](rank, results)
+    return results
 
 
 def run_distributed(name):
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available in this build")
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        try:
-            mp.spawn(_worker, args=(init_file, tmp, name), nprocs=WORLD, join=True)
-        except Exception:
-            errors = [open(os.path.join(tmp, f)).read() for f in os.listdir(tmp) if f.endswith(".err")]
-            raise AssertionError("\n".join(errors) or "a worker failed") from None
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    return run_on_ranks(_rank, name)
 
 
 def test_ops_on_dtensors_match_local_tensors():

@@ -7,21 +7,18 @@ a residual pair); 10 training steps have the gradients of the unsharded eager mo
 under the project's tolerance rule.
 """
 
-import os
-import tempfile
 import time
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import normfuse
 from normfuse.tolerances import within_tolerance
 from normfuse.zoo import ToyTransformer
 
-WORLD, BATCH, SEQ, DEPTH, STEPS, LR = 2, 4, 8, 2, 10, 0.05
+from helpers import WORLD, run_on_ranks
+
+BATCH, SEQ, DEPTH, STEPS, LR = 4, 8, 2, 10, 0.05
 
 
 def make_model(dtype=torch.float32):
@@ -85,29 +82,8 @@ def _sharded(rank, variant):
             "sites": [(s.fqn, s.fused, s.fused_add, s.input_is_add, s.reason) for s in sites]}
 
 
-def _worker(rank, init_file, out_dir, variant):
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-        torch.save(_sharded(rank, variant), os.path.join(out_dir, f"rank{rank}.pt"))
-    except Exception:  # noqa: BLE001 - the parent reads this file and fails with it
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def run_distributed(variant):
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available in this build")
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.spawn(_worker, args=(os.path.join(tmp, "init"), tmp, variant), nprocs=WORLD, join=True)
-        except Exception:
-            errors = [open(os.path.join(tmp, f)).read() for f in os.listdir(tmp) if f.endswith(".err")]
-            raise AssertionError("\n".join(errors) or "a worker failed") from None
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    return run_on_ranks(_sharded, variant)
 
 
 @pytest.fixture(scope="module")
