@@ -173,8 +173,6 @@ def optimize(model: nn.Module, config: FuseConfig | None = None, **options: Any)
     if cfg.prenorm:
         from normfuse.passes.prenorm_model import prepare_module
         prepare_module(model)
-    from normfuse.kernels.sharding import register as register_dtensor_rules  # DTensor inputs (TP/SP)
-    register_dtensor_rules()
     if cfg.cross_block:  # normfuse.passes.boundary: carry the residual pair across block boundaries
         from normfuse.passes.boundary import rewrite_streams
         rep.notes += [s.describe() for s in rewrite_streams(model)]

@@ -18,6 +18,8 @@ from normfuse.backends import last_report
 from normfuse.passes.boundary import ResidualPair, rewrite_streams, undo_streams
 from normfuse.zoo import ToyTransformer, hf_model
 
+from helpers import assert_close
+
 IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
@@ -167,7 +169,7 @@ def test_per_block_compile_fuses_the_add_that_crosses_each_boundary():
     # (a block's `add` lambda is a new function per block, so blocks 1.. may compile apart)
     assert [site for site in crossed if not site[1]] == [("norm1", False)]
     assert ("norm1", True) in crossed and ("norm2", True) in crossed
-    assert torch.allclose(out_plain, out_crossed, rtol=0, atol=1e-5)
+    assert_close(out_plain, out_crossed)
 
 
 def test_optimize_applies_it_when_asked_and_says_so():
@@ -206,12 +208,13 @@ def test_hf_output_hidden_states_are_the_added_stream(optimized):
     got = model(input_ids=ids, output_hidden_states=True)
     assert len(got.hidden_states) == len(want.hidden_states) == 4
     for a, b in zip(got.hidden_states, want.hidden_states):
-        assert isinstance(a, torch.Tensor) and torch.allclose(a, b, rtol=0, atol=1e-5)
+        assert isinstance(a, torch.Tensor)
+        assert_close(a, b)
     if not optimized:
         assert all(torch.equal(a, b) for a, b in zip(got.hidden_states, want.hidden_states))
-    assert torch.allclose(got.last_hidden_state, want.last_hidden_state, rtol=0, atol=1e-5)
+    assert_close(got.last_hidden_state, want.last_hidden_state)
     # and without recording, the pairs cross the blocks again
-    assert torch.allclose(model(input_ids=ids).last_hidden_state, want.last_hidden_state, rtol=0, atol=1e-5)
+    assert_close(model(input_ids=ids).last_hidden_state, want.last_hidden_state)
 
 
 def test_blocks_with_output_hooks_are_left_with_the_reason():

@@ -310,28 +310,33 @@ def _check_vllm(got, expect, tolerance):
             torch.testing.assert_close(g, e, **tolerance)
 
 
-@pytest.mark.parametrize("path,tokens,hidden,add_residual,dtype,strided",
-                         grid(VLLM_CASES, VLLM_DEFAULT, VLLM_TRITON_DEFAULT))
-@torch.inference_mode()
-def test_vllm_rms_norm(request, path, tokens, hidden, add_residual, dtype, strided):
-    use_path(request, path)
-    x, residual, weight = _vllm_inputs(tokens, hidden, add_residual, dtype, strided, weight_mean=1.0)
-    expect = _vllm_rms_native(x, residual, weight)
-    got = normfuse.add_rms_norm(x, residual, weight, eps=1e-6, norm_round_dtype=dtype, round_sum_first=False)
-    _check_vllm(got, expect, dict(atol=1e-2, rtol=1e-2))
+def _vllm_rms(x, residual, weight, dtype, add_residual):
+    """vLLM's RMSNorm: the unrounded fp32 sum, rounded before the weight."""
+    return normfuse.add_rms_norm(x, residual, weight, eps=1e-6, norm_round_dtype=dtype, round_sum_first=False)
 
 
-@pytest.mark.parametrize("path,tokens,hidden,add_residual,dtype,strided",
-                         grid(VLLM_CASES, VLLM_DEFAULT, VLLM_TRITON_DEFAULT))
-@torch.inference_mode()
-def test_vllm_gemma_rms_norm(request, path, tokens, hidden, add_residual, dtype, strided):
-    use_path(request, path)
-    x, residual, weight = _vllm_inputs(tokens, hidden, add_residual, dtype, strided, weight_mean=0.0)
-    expect = _vllm_gemma_native(x, residual, weight)
+def _vllm_gemma(x, residual, weight, dtype, add_residual):
+    """vLLM's GemmaRMSNorm: ``1 + w``, an fp32 sum for fp16 activations."""
     sum_dtype = FP32 if dtype == FP16 and add_residual else None
-    got = normfuse.add_rms_norm(x, residual, weight, eps=1e-6, weight_offset=1.0, sum_dtype=sum_dtype,
-                                out_dtype=dtype)
-    _check_vllm(got, expect, dict(atol=1e-2, rtol=1e-2))
+    return normfuse.add_rms_norm(x, residual, weight, eps=1e-6, weight_offset=1.0, sum_dtype=sum_dtype,
+                                 out_dtype=dtype)
+
+
+# variant -> (normfuse call, vLLM's native reference, mean of the weight)
+VLLM_VARIANTS = {"rms_norm": (_vllm_rms, _vllm_rms_native, 1.0),
+                 "gemma_rms_norm": (_vllm_gemma, _vllm_gemma_native, 0.0)}
+
+
+@pytest.mark.parametrize("variant", list(VLLM_VARIANTS))
+@pytest.mark.parametrize("path,tokens,hidden,add_residual,dtype,strided",
+                         grid(VLLM_CASES, VLLM_DEFAULT, VLLM_TRITON_DEFAULT))
+@torch.inference_mode()
+def test_vllm_rms_norm(request, path, tokens, hidden, add_residual, dtype, strided, variant):
+    call, native, weight_mean = VLLM_VARIANTS[variant]
+    use_path(request, path)
+    x, residual, weight = _vllm_inputs(tokens, hidden, add_residual, dtype, strided, weight_mean=weight_mean)
+    expect = native(x, residual, weight)
+    _check_vllm(call(x, residual, weight, dtype, add_residual), expect, dict(atol=1e-2, rtol=1e-2))
 
 
 VLLM_WEIGHTLESS_CASES = list(itertools.product(VLLM_TOKENS, VLLM_HIDDEN, (False, True), VLLM_DTYPES))

@@ -57,6 +57,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "dropout": ("input", "p", "training"),
     "layer_norm": ("input", "normalized_shape", "weight", "bias", "eps"),
     "rms_norm": ("input", "normalized_shape", "weight", "eps"),
+    "linear": ("input", "weight", "bias"),
 }
 
 # Canonical primitive -> every spelling of it: call_function targets (callables, ATen
@@ -85,6 +86,7 @@ SPELLINGS: dict[str, list[Any]] = {
     "permute": ["permute", torch.permute, *_aten("permute.default")],
     "dropout": [F.dropout, torch.dropout, "dropout", *_aten("dropout.default")],
     "layer_norm": [F.layer_norm, torch.layer_norm, *_aten("layer_norm.default", "native_layer_norm.default")],
+    "linear": [F.linear, *_aten("linear.default")],
     "rms_norm": [F.rms_norm, *( [torch.rms_norm] if hasattr(torch, "rms_norm") else []),
                  *_aten("rms_norm.default", "_fused_rms_norm.default")],
 }

@@ -28,9 +28,10 @@ import operator
 import torch
 import torch.fx as fx
 
+from normfuse.passes.canonical import canonical
+
 __all__ = ["hoist_from_local"]
 
-_ADDS = (operator.add, torch.add, operator.iadd)
 
 
 def _from_local_target():
@@ -53,10 +54,10 @@ def hoist_from_local(graph: fx.Graph) -> int:
     count = 0
     for wrap in [n for n in graph.nodes if n.op == "call_function" and n.target is target]:
         add = wrap.args[0] if wrap.args else None
-        if not (isinstance(add, fx.Node) and add.op == "call_function" and add.target in _ADDS
-                and len(add.args) == 2 and not add.kwargs and all(_is_tensor_node(a) for a in add.args)):
+        c = canonical(add) if isinstance(add, fx.Node) else None
+        if c is None or c.prim != "add" or c["alpha"] != 1 or not all(_is_tensor_node(c[k]) for k in ("input", "other")):
             continue
-        a, b = add.args
+        a, b = c["input"], c["other"]
         if a.meta["example_value"].shape != b.meta["example_value"].shape:
             continue  # a broadcasting add: its operands are not shards of the same rows
         with graph.inserting_before(wrap):

@@ -1,7 +1,7 @@
 """Recompute a fused norm's output for the linears that read it (``FuseConfig.recompute_norm_output``).
 
 Runs after the rewrite. For each fused ``add_norm`` / plain-norm call whose output ``y``
-is read by linears only (``F.linear``, ``torch._C._nn.linear``, ``aten.linear``; directly
+is read by linears only (the canonical table's ``linear``: ``F.linear``, ``aten.linear``; directly
 or through the one reshape the rewriter adds between the add's and the norm's shapes),
 the linears become one ``norm_linears`` call (normfuse/kernels/norm_linear.py): the
 same products, but ``y`` is not kept for their weight gradients; backward recomputes it
@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import operator
 
-import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from normfuse.kernels.add_norm import add_norm
 from normfuse.kernels.norm_linear import norm_linears
-from normfuse.passes.canonical import real_users
+from normfuse.passes.canonical import canonical, real_users
 
-__all__ = ["recompute_for_linears", "LINEARS"]
+__all__ = ["recompute_for_linears"]
 
-LINEARS = (F.linear, torch._C._nn.linear, torch.ops.aten.linear.default)
 _RESHAPES = ("reshape", "view")
 
 
@@ -33,10 +30,10 @@ def _output(call: fx.Node, index: int) -> fx.Node | None:
 
 def _linear_operands(node: fx.Node, y: fx.Node) -> tuple[fx.Node, fx.Node | None] | None:
     """(weight, bias) when ``node`` is a linear whose input is ``y`` (and only that)."""
-    if node.op != "call_function" or node.target not in LINEARS or not node.args or node.args[0] is not y:
+    c = canonical(node)
+    if c is None or c.prim != "linear" or c["input"] is not y:
         return None
-    weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    weight, bias = c["weight"], c["bias"]
     if not isinstance(weight, fx.Node) or y in (weight, bias):
         return None
     return weight, bias

@@ -11,6 +11,7 @@ folded into at most one kernel (the first norm that claims it).
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any
 
@@ -32,6 +33,7 @@ __all__ = ["plan", "apply", "add_reason", "Plan", "is_fused_call", "fused_op_nam
 _FUNCTIONS = {add_norm: "add_norm", norm_add: "norm_add"}
 
 
+@functools.cache
 def _op_overloads() -> dict:
     return {torch.ops.normfuse.add_norm_fwd.default: "add_norm", torch.ops.normfuse.norm_add_fwd.default: "norm_add"}
 

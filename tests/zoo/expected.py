@@ -15,6 +15,37 @@ Columns, per model, in one forward pass (batch 2, 8 tokens or 32x32 / 64x64 imag
 Regenerate an entry with `python -m tests.zoo.make_table --measure NAME`.
 """
 
+# notes shared by several entries
+COHERE_LAYER_NORM = (
+    "CohereLayerNorm computes (x - mean) twice, seen as one value; the fused op's LayerNorm reduces the r"
+    'ow in another order than the written-out mean and variance: within the tolerance rule'
+)
+MOE_CHECK_RAISES = (
+    "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) i"
+    'n float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Dou'
+    'ble)'
+)
+CHANNEL_NORMS = (
+    'channel norms (permute -> layer_norm -> permute): the eager count does not follow an add through the'
+    ' permute; on NCHW tensors that add stays outside the kernel with the reason (the normalized dim is n'
+    'ot contiguous); it fuses where the permuted operands are contiguous rows'
+)
+NN_TRANSFORMER_FAST_PATH = (
+    "the encoder layers run PyTorch's fused encoder-layer op (torch._transformer_encoder_layer_fwd, nn's "
+    'eval fast path) in the captured graph: their 4 norms are inside it; the eager count (a TorchFunction'
+    'Mode, which turns the fast path off) sees all 12; outputs within tolerance, not bit-identical: eager'
+    " takes nn.MultiheadAttention's native fast path, the captured graph the composite one"
+)
+NN_ENCODER_FAST_PATH = (
+    "the layers run PyTorch's fused encoder-layer op (torch._transformer_encoder_layer_fwd, nn's eval fas"
+    't path) in the captured graph: their 4 norms are inside it, only the final norm is a site; the eager'
+    ' count (a TorchFunctionMode, which turns the fast path off) sees all 5'
+)
+NN_DECODER_MHA_PATH = (
+    "outputs within tolerance, not bit-identical: eager takes nn.MultiheadAttention's native fast path, t"
+    'he captured graph the composite one'
+)
+
 EXPECTED = {
     # --- encoder
     "hf:bert": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"embedding": 1, "post": 4},
@@ -114,14 +145,10 @@ EXPECTED = {
         eager_norms=9, eager_input_is_add=1, check="ok", checked_sites=9, bitwise=True),
     "hf:cohere": dict(norms=3, fused=3, fused_with_add=2, input_is_add=2, placements={"pre": 2, "standalone": 1},
         eager_norms=3, eager_input_is_add=2, check="ok", checked_sites=3, bitwise=False,
-        note=(
-        "CohereLayerNorm computes (x - mean) twice, seen as one value; the fused op's LayerNorm reduces "
-        "the row in another order than the written-out mean and variance: within the tolerance rule")),
+        note=COHERE_LAYER_NORM),
     "hf:cohere2": dict(norms=3, fused=3, fused_with_add=2, input_is_add=2, placements={"pre": 2, "standalone": 1},
         eager_norms=3, eager_input_is_add=2, check="ok", checked_sites=3, bitwise=False,
-        note=(
-        "CohereLayerNorm computes (x - mean) twice, seen as one value; the fused op's LayerNorm reduces "
-        "the row in another order than the written-out mean and variance: within the tolerance rule")),
+        note=COHERE_LAYER_NORM),
     "hf:granite": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     "hf:mpt": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
@@ -180,29 +207,19 @@ EXPECTED = {
     # --- moe
     "hf:mixtral": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="raises RuntimeError",
-        note=(
-        "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) in "
-        "float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double)")),
+        note=MOE_CHECK_RAISES),
     "hf:qwen2_moe": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="raises RuntimeError",
-        note=(
-        "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) in "
-        "float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double)")),
+        note=MOE_CHECK_RAISES),
     "hf:qwen3_moe": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 5},
         eager_norms=9, eager_input_is_add=4, check="raises RuntimeError",
-        note=(
-        "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) in "
-        "float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double)")),
+        note=MOE_CHECK_RAISES),
     "hf:olmoe": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 5},
         eager_norms=9, eager_input_is_add=4, check="raises RuntimeError",
-        note=(
-        "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) in "
-        "float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double)")),
+        note=MOE_CHECK_RAISES),
     "hf:granitemoe": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="raises RuntimeError",
-        note=(
-        "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) in "
-        "float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double)")),
+        note=MOE_CHECK_RAISES),
     "hf:jetmoe": dict(norms=3, fused=3, fused_with_add=1, input_is_add=1, placements={"pre": 1, "standalone": 2},
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=3, bitwise=True,
         note=(
@@ -212,30 +229,20 @@ EXPECTED = {
         "the block prefix (input_layernorm)")),
     "hf:phimoe": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="raises RuntimeError",
-        note=(
-        "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) in "
-        "float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double)")),
+        note=MOE_CHECK_RAISES),
     "hf:ernie4_5_moe": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="raises RuntimeError",
-        note=(
-        "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) in "
-        "float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double)")),
+        note=MOE_CHECK_RAISES),
     "hf:gpt_oss": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="raises RuntimeError",
-        note=(
-        "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) in "
-        "float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double)")),
+        note=MOE_CHECK_RAISES),
     "hf:dots1": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 5},
         eager_norms=9, eager_input_is_add=4, check="raises RuntimeError",
-        note=(
-        "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) in "
-        "float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double)")),
+        note=MOE_CHECK_RAISES),
     # --- hybrid
     "hf:jamba": dict(norms=8, fused=8, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 4},
         eager_norms=8, eager_input_is_add=4, check="raises RuntimeError",
-        note=(
-        "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) in "
-        "float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double)")),
+        note=MOE_CHECK_RAISES),
     "hf:bamba": dict(norms=6, fused=6, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 2},
         eager_norms=6, eager_input_is_add=4, check="ok", checked_sites=6, bitwise=True),
     "hf:falcon_h1": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
@@ -323,11 +330,9 @@ EXPECTED = {
     "hf:donut-swin": dict(norms=6, fused=6, fused_with_add=2, input_is_add=2, placements={"pre": 2, "standalone": 4},
         eager_norms=6, eager_input_is_add=2, check="ok", checked_sites=6, bitwise=True),
     "hf:convnext": dict(norms=5, fused=5, fused_with_add=1, input_is_add=1, placements={"pre": 1, "standalone": 4}, eager_norms=5, eager_input_is_add=0, check="ok", checked_sites=5, bitwise=True,
-        note=(
-        "channel norms (permute -> layer_norm -> permute): the eager count does not follow an add through the permute; on NCHW tensors that add stays outside the kernel with the reason (the normalized dim is not contiguous); it fuses where the permuted operands are contiguous rows")),
+        note=CHANNEL_NORMS),
     "hf:convnextv2": dict(norms=5, fused=5, fused_with_add=1, input_is_add=1, placements={"pre": 1, "standalone": 4}, eager_norms=5, eager_input_is_add=0, check="ok", checked_sites=5, bitwise=True,
-        note=(
-        "channel norms (permute -> layer_norm -> permute): the eager count does not follow an add through the permute; on NCHW tensors that add stays outside the kernel with the reason (the normalized dim is not contiguous); it fuses where the permuted operands are contiguous rows")),
+        note=CHANNEL_NORMS),
     "hf:segformer": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 5},
         eager_norms=9, eager_input_is_add=4, check="ok", checked_sites=9, bitwise=True),
     "hf:pvt_v2": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 5},
@@ -356,17 +361,13 @@ EXPECTED = {
         "count: timm's Swin reshapes the stream between the add and the next norm; normfuse sees through the "
         "reshape, the simple eager count does not")),
     "timm:convnext_atto": dict(norms=9, fused=9, fused_with_add=3, input_is_add=3, placements={"pre": 3, "standalone": 6}, eager_norms=9, eager_input_is_add=0, check="ok", checked_sites=9, bitwise=True,
-        note=(
-        "channel norms (permute -> layer_norm -> permute): the eager count does not follow an add through the permute; on NCHW tensors that add stays outside the kernel with the reason (the normalized dim is not contiguous); it fuses where the permuted operands are contiguous rows")),
+        note=CHANNEL_NORMS),
     "timm:convnextv2_atto": dict(norms=9, fused=9, fused_with_add=3, input_is_add=3, placements={"pre": 3, "standalone": 6}, eager_norms=9, eager_input_is_add=0, check="ok", checked_sites=9, bitwise=True,
-        note=(
-        "channel norms (permute -> layer_norm -> permute): the eager count does not follow an add through the permute; on NCHW tensors that add stays outside the kernel with the reason (the normalized dim is not contiguous); it fuses where the permuted operands are contiguous rows")),
+        note=CHANNEL_NORMS),
     "timm:coatnet_nano_rw_224": dict(norms=19, fused=19, fused_with_add=0, input_is_add=19, placements={"pre": 19}, eager_norms=19, eager_input_is_add=0, check="ok", checked_sites=19, bitwise=True,
-        note=(
-        "channel norms (permute -> layer_norm -> permute): the eager count does not follow an add through the permute; on NCHW tensors that add stays outside the kernel with the reason (the normalized dim is not contiguous); it fuses where the permuted operands are contiguous rows")),
+        note=CHANNEL_NORMS),
     "timm:edgenext_xx_small": dict(norms=20, fused=20, fused_with_add=7, input_is_add=7, placements={"pre": 7, "standalone": 13}, eager_norms=20, eager_input_is_add=1, check="ok", checked_sites=20, bitwise=True,
-        note=(
-        "channel norms (permute -> layer_norm -> permute): the eager count does not follow an add through the permute; on NCHW tensors that add stays outside the kernel with the reason (the normalized dim is not contiguous); it fuses where the permuted operands are contiguous rows")),
+        note=CHANNEL_NORMS),
     "timm:efficientformer_l1": dict(norms=3, fused=3, fused_with_add=2, input_is_add=2, placements={"pre": 2, "standalone": 1},
         eager_norms=3, eager_input_is_add=2, check="ok", checked_sites=3, bitwise=True),
     "timm:levit_128s": dict(norms=0, fused=0, fused_with_add=0, input_is_add=0, placements={},
@@ -380,47 +381,28 @@ EXPECTED = {
     "tv:swin_v2_t": dict(norms=7, fused=7, fused_with_add=4, input_is_add=1, placements={"pre": 1, "res_post": 3, "sandwich": 1, "standalone": 2},
         eager_norms=7, eager_input_is_add=1, check="ok", checked_sites=7, bitwise=True),
     "tv:convnext": dict(norms=5, fused=5, fused_with_add=1, input_is_add=1, placements={"pre": 1, "standalone": 4}, eager_norms=5, eager_input_is_add=0, check="ok", checked_sites=5, bitwise=True,
-        note=(
-        "channel norms (permute -> layer_norm -> permute): the eager count does not follow an add through the permute; on NCHW tensors that add stays outside the kernel with the reason (the normalized dim is not contiguous); it fuses where the permuted operands are contiguous rows")),
+        note=CHANNEL_NORMS),
     "tv:maxvit": dict(norms=5, fused=5, fused_with_add=2, input_is_add=2, placements={"pre": 2, "standalone": 3},
         eager_norms=5, eager_input_is_add=2, check="ok", checked_sites=5, bitwise=True),
     # --- torch.nn
     "nn:transformer_post": dict(norms=8, fused=8, fused_with_add=6, input_is_add=6, placements={"post": 6, "standalone": 2},
         eager_norms=12, eager_input_is_add=10, check="ok", checked_sites=8, bitwise=False,
-        note=(
-        "the encoder layers run PyTorch's fused encoder-layer op (torch._transformer_encoder_layer_fwd, nn's eval "
-        "fast path) in the captured graph: their 4 norms are inside it; the eager count (a TorchFunctionMode, "
-        "which turns the fast path off) sees all 12; outputs within tolerance, not bit-identical: eager "
-        "takes nn.MultiheadAttention's native fast path, the captured graph the composite one")),
+        note=NN_TRANSFORMER_FAST_PATH),
     "nn:transformer_pre": dict(norms=8, fused=8, fused_with_add=6, input_is_add=6, placements={"pre": 6, "standalone": 2},
         eager_norms=12, eager_input_is_add=10, check="ok", checked_sites=8, bitwise=False,
-        note=(
-        "the encoder layers run PyTorch's fused encoder-layer op (torch._transformer_encoder_layer_fwd, nn's eval "
-        "fast path) in the captured graph: their 4 norms are inside it; the eager count (a TorchFunctionMode, "
-        "which turns the fast path off) sees all 12; outputs within tolerance, not bit-identical: eager "
-        "takes nn.MultiheadAttention's native fast path, the captured graph the composite one")),
+        note=NN_TRANSFORMER_FAST_PATH),
     "nn:encoder_post": dict(norms=1, fused=1, fused_with_add=0, input_is_add=0, placements={"standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=1, bitwise=True,
-        note=(
-        "the layers run PyTorch's fused encoder-layer op (torch._transformer_encoder_layer_fwd, nn's eval fast "
-        "path) in the captured graph: their 4 norms are inside it, only the final norm is a site; the eager count "
-        "(a TorchFunctionMode, which turns the fast path off) sees all 5")),
+        note=NN_ENCODER_FAST_PATH),
     "nn:encoder_pre": dict(norms=1, fused=1, fused_with_add=0, input_is_add=0, placements={"standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=1, bitwise=True,
-        note=(
-        "the layers run PyTorch's fused encoder-layer op (torch._transformer_encoder_layer_fwd, nn's eval fast "
-        "path) in the captured graph: their 4 norms are inside it, only the final norm is a site; the eager count "
-        "(a TorchFunctionMode, which turns the fast path off) sees all 5")),
+        note=NN_ENCODER_FAST_PATH),
     "nn:decoder_post": dict(norms=7, fused=7, fused_with_add=6, input_is_add=6, placements={"post": 6, "standalone": 1},
         eager_norms=7, eager_input_is_add=6, check="ok", checked_sites=7, bitwise=False,
-        note=(
-        "outputs within tolerance, not bit-identical: eager takes nn.MultiheadAttention's native fast "
-        "path, the captured graph the composite one")),
+        note=NN_DECODER_MHA_PATH),
     "nn:decoder_pre": dict(norms=7, fused=7, fused_with_add=6, input_is_add=6, placements={"pre": 6, "standalone": 1},
         eager_norms=7, eager_input_is_add=6, check="ok", checked_sites=7, bitwise=False,
-        note=(
-        "outputs within tolerance, not bit-identical: eager takes nn.MultiheadAttention's native fast "
-        "path, the captured graph the composite one")),
+        note=NN_DECODER_MHA_PATH),
 }
 
 # the default test run's share of the zoo: one or two of every group, and known findings
