@@ -92,10 +92,16 @@ def test_checkpointed_blocks_are_entered_and_fused(wrap, cross_block):
         assert within_tolerance(grads[name], g, grads64[name]), name
 
 
-@pytest.mark.parametrize("family", ["llama", "bert"])
+_NO_DROPOUT = {"bert": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+               "opt": {"dropout": 0.0, "attention_dropout": 0.0}}
+
+
+# llama-, Gemma- (decomposed ``1 + w`` RMSNorm), OPT- (Pre-Norm LayerNorm modules) and
+# BERT-style (Post-Norm) families
+@pytest.mark.parametrize("family", ["llama", "gemma", "opt", "bert"])
 @pytest.mark.parametrize("cross_block", [False, True])
 def test_hf_gradient_checkpointing(family, cross_block):
-    no_dropout = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0} if family == "bert" else {}
+    no_dropout = _NO_DROPOUT.get(family, {})
     model = hf_model(family, **no_dropout)
     model.gradient_checkpointing_enable()
     model.train()  # HF checkpoints only in training mode
@@ -110,7 +116,7 @@ def test_hf_gradient_checkpointing(family, cross_block):
     rep = normfuse.report(model)
     counts = rep.counts()
     assert len(rep.regions) == 2 and all(r.op == "tag_activation_checkpoint" for r in rep.regions)
-    if family == "llama":
+    if family != "bert":
         # every norm of the 2 layers and the final norm; the add inside each layer fused. The
         # adds between layers stay outside: transformers 5 records every layer's output
         # (its output collector is active on every call), so the layers keep returning the
