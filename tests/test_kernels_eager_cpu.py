@@ -37,7 +37,7 @@ def test_eager_path_equals_custom_op(dtype, op, kind):
             if op == "add_norm":
                 sd = torch.promote_types(x.dtype, r.dtype)
                 od = modes["norm_round_dtype"] and torch.promote_types(modes["norm_round_dtype"], w.dtype) or sd
-                first, second, _, _ = fwd(*args, sd, modes["norm_round_dtype"], od, True)
+                first, second, *_ = fwd(*args, sd, modes["norm_round_dtype"], od, True)
             else:
                 od = modes["norm_round_dtype"] and torch.promote_types(modes["norm_round_dtype"], w.dtype) or x.dtype
                 first, second, _, _ = fwd(*args, modes["norm_round_dtype"], od, torch.promote_types(r.dtype, od),

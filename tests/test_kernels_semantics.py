@@ -183,8 +183,8 @@ def test_unrounded_sum_mode_gradients(path, op_path):
     def candidate(x, r, w, b):
         if op_path == "eager":
             return normfuse.add_layer_norm(x, r, w, b, round_sum_first=False)
-        y, s, _, _ = torch.ops.normfuse.add_norm_fwd(x, r, w, b, "layer_norm", 1e-5, 0.0, 1.0, BF16, None, BF16, True,
-                                                    False)
+        y, s, *_ = torch.ops.normfuse.add_norm_fwd(x, r, w, b, "layer_norm", 1e-5, 0.0, 1.0, BF16, None, BF16, True,
+                                                  False)
         return y, s
 
     def unfused(x, r, w, b):                  # the same function in plain autograd (bf16 storage)

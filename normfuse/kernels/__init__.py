@@ -18,6 +18,7 @@ _EXPORTS = {
     **{name: "normfuse.kernels.add_norm"
        for name in ("add_norm", "add_rms_norm", "add_layer_norm", "norm_add", "rms_norm_add", "layer_norm_add")},
     **{name: "normfuse.kernels.reference" for name in ("add_norm_ref", "norm_add_ref", "add_norm_bwd_ref")},
+    "dropout_keep_mask": "normfuse.kernels.ops",
 }
 
 __all__ = list(_EXPORTS)

@@ -6,6 +6,7 @@ read its docstring first) -> ``triton.py`` (the kernels and launchers) -> ``ops.
 module, the functions users and the rewritten graphs call::
 
     add_norm(x, residual, weight, bias, kind=..., eps=..., ...)  -> (y, s)     # y = norm(x + r), s = x + r
+    add_norm(..., weight1=w1)                                    -> (y, y1, s) # y1 = norm(s) with w1
     norm_add(x, residual, weight, bias, kind=..., eps=..., ...)  -> (out, y)   # out = r + norm(x)
 
 with the shorthands ``add_rms_norm``, ``add_layer_norm``, ``rms_norm_add``,
@@ -19,9 +20,10 @@ import functools
 import torch
 
 from normfuse.errors import InvalidOptionError
-from normfuse.kernels.ops import _grad_needed, forward_for, validate
+from normfuse.kernels.ops import _grad_needed, forward_for, seed_tensor, validate, validate_modes
 from normfuse.kernels.reference import (KINDS, SUPPORTED_DTYPES, add_norm_bwd_ref, add_norm_dtypes,
                                         add_norm_ref, norm_add_dtypes, norm_add_ref)
+from normfuse.kernels.reference import has_sum as has_sum_of
 
 # Names other modules and the benchmarks import from here (kept working after the split
 # into reference / triton / ops).
@@ -52,8 +54,10 @@ def _one_call_when_fx_traced(fn):
 
 @_one_call_when_fx_traced
 def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offset=0.0, residual_scale=1.0,
-             sum_dtype=None, norm_round_dtype=None, out_dtype=None, return_sum=True, round_sum_first=True):
-    """Fused ``s = x + residual_scale * residual; y = norm(s)``: returns (y, s).
+             sum_dtype=None, norm_round_dtype=None, out_dtype=None, return_sum=True, round_sum_first=True,
+             x1=None, rowscale=None, weight1=None, bias1=None, dropout_p=0.0, generator=None, seed=None):
+    """Fused ``s = x + residual_scale * residual; y = norm(s)``: returns (y, s), or (y, y1, s)
+    with weight1.
 
     kind: "rms_norm" or "layer_norm", over the last dim N. x, residual: (..., N) of
     equal shape, fp32/fp16/bf16; weight, bias: (N,), fp32/fp16/bf16 (any, whatever x's dtype:
@@ -69,16 +73,39 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
     the model dtype computes); False normalizes the unrounded fp32 sum and still returns s
     rounded (flash-attn's ``layer_norm_fn(x, w, b, residual=r, prenorm=True)``, quack, vLLM's
     native RMSNorm).
+
+    Modes (off by default; the semantics are in normfuse.kernels.reference; flash-attn's
+    ``layer_norm_fn`` takes the same arguments):
+    x1: a second branch of x's shape added in the same kernel (parallel blocks: attn + mlp + r).
+    rowscale: x.shape[:-1], scales each row of x (stochastic depth / drop_path); not differentiated
+    (pass it detached).
+    weight1, bias1: a second norm of the same sum with its own parameters (bias1 needs weight1);
+    add_norm then returns (y, y1, s), y1 in y's dtype.
+    dropout_p in [0, 1): dropout on x (before rowscale and x1), scaled by 1 / (1 - p). The mask is
+    regenerated from a seed in the backward, never stored. seed: an int or an int64 CPU tensor of
+    shape () (reproducible); without one a seed is drawn from ``generator`` (a CPU
+    torch.Generator; default: torch's). normfuse.kernels.dropout_keep_mask(x, p, seed) returns the
+    mask. The reference (CPU) and Triton backends draw different masks from one seed.
+    s exists (unless return_sum=False) whenever a residual or any mode forms a sum.
     """
     validate(x, residual, weight, bias, kind, eps,
              {"sum_dtype": sum_dtype, "norm_round_dtype": norm_round_dtype, "out_dtype": out_dtype})
-    sum_dtype, out_dtype = add_norm_dtypes(x, residual, weight, sum_dtype, norm_round_dtype, out_dtype)
-    has_sum = residual is not None
-    store_sum = has_sum and (return_sum or _grad_needed(x, residual, weight, bias))
-    forward = forward_for("add_norm_fwd", x, residual, weight, bias)
-    y, s, _, _ = forward(x, residual, weight, bias, kind, float(eps), float(weight_offset), float(residual_scale),
-                         sum_dtype, norm_round_dtype, out_dtype, store_sum, bool(round_sum_first))
-    return y, (s if has_sum and return_sum else None)
+    validate_modes(x, x1, rowscale, weight1, bias1, dropout_p, seed, generator)
+    dropout_p = float(dropout_p)
+    if dropout_p > 0:
+        seed = seed_tensor(seed) if seed is not None else torch.randint(0, 2**62, (), generator=generator)
+    else:
+        seed = None  # p = 0 draws nothing
+    sum_dtype, out_dtype = add_norm_dtypes(x, residual, weight, sum_dtype, norm_round_dtype, out_dtype, x1)
+    has_sum = has_sum_of(residual, x1, rowscale, dropout_p)
+    tensors = (x, residual, weight, bias, x1, rowscale, weight1, bias1)
+    store_sum = has_sum and (return_sum or _grad_needed(*tensors))
+    forward = forward_for("add_norm_fwd", *tensors, seed)
+    y, s, _, _, y1 = forward(x, residual, weight, bias, kind, float(eps), float(weight_offset),
+                             float(residual_scale), sum_dtype, norm_round_dtype, out_dtype, store_sum,
+                             bool(round_sum_first), x1, rowscale, weight1, bias1, dropout_p, seed)
+    s = s if has_sum and return_sum else None
+    return (y, s) if weight1 is None else (y, y1, s)
 
 
 @_one_call_when_fx_traced

@@ -45,7 +45,8 @@ from normfuse.kernels import reference
 from normfuse.kernels import triton as triton_backend
 from normfuse.kernels.reference import CPU_ONLY_DTYPES, KINDS, SUPPORTED_DTYPES, acc_dtype
 
-__all__ = ["add_norm_fwd", "norm_add_fwd", "add_norm_bwd", "validate", "forward_for"]
+__all__ = ["add_norm_fwd", "norm_add_fwd", "add_norm_bwd", "dropout_keep_mask", "validate", "validate_modes",
+           "forward_for"]
 
 
 # --------------------------------------------------------------------------------------
@@ -59,7 +60,7 @@ def _dtype_names(dtypes) -> str:
 _SUPPORTED_TEXT = _dtype_names(SUPPORTED_DTYPES) + " (and torch.float64 on CPU)"
 
 
-def check_shapes(x, residual, weight, bias):
+def check_shapes(x, residual, weight, bias, x1=None, rowscale=None, weight1=None, bias1=None):
     """The shape checks (all a fake can check): raise a ShapeMismatchError naming the fix."""
     if not isinstance(x, Tensor) or x.dim() == 0:
         raise ShapeMismatchError(f"x must be a tensor with at least one dim (the normalized last dim); "
@@ -68,11 +69,15 @@ def check_shapes(x, residual, weight, bias):
     if n_cols == 0:
         raise ShapeMismatchError(f"x has shape {tuple(x.shape)}: its last dim, the one normalized, is empty; "
                                  f"pass at least one element per row.")
-    if residual is not None and residual.shape != x.shape:
-        raise ShapeMismatchError(f"residual has shape {tuple(residual.shape)} but x has shape {tuple(x.shape)}; "
-                                 f"the fused add does not broadcast, so expand or reshape the residual to "
-                                 f"{tuple(x.shape)} first.")
-    for name, p in (("weight", weight), ("bias", bias)):
+    for name, t in (("residual", residual), ("x1", x1)):
+        if t is not None and t.shape != x.shape:
+            raise ShapeMismatchError(f"{name} has shape {tuple(t.shape)} but x has shape {tuple(x.shape)}; the "
+                                     f"fused add does not broadcast, so expand or reshape {name} to "
+                                     f"{tuple(x.shape)} first.")
+    if rowscale is not None and rowscale.shape != x.shape[:-1]:
+        raise ShapeMismatchError(f"rowscale has shape {tuple(rowscale.shape)} but x has shape {tuple(x.shape)}; it "
+                                 f"scales each row of x, so it must have shape {tuple(x.shape[:-1])} (x.shape[:-1]).")
+    for name, p in (("weight", weight), ("bias", bias), ("weight1", weight1), ("bias1", bias1)):
         if p is not None and p.shape != (n_cols,):
             raise ShapeMismatchError(f"{name} has shape {tuple(p.shape)} but x has shape {tuple(x.shape)}; the "
                                      f"norm is over the last dim, so {name} must have shape ({n_cols},).")
@@ -105,6 +110,47 @@ def validate(x, residual, weight, bias, kind, eps, rounding: dict):
         if dtype is not None and dtype not in ok:
             raise UnsupportedDtypeError(f"{name}={dtype} is not a dtype the fused ops round to; use one of "
                                         f"{_SUPPORTED_TEXT}.")
+
+
+def validate_modes(x, x1, rowscale, weight1, bias1, dropout_p, seed, generator) -> None:
+    """The checks of add_norm's modes (x1, rowscale, weight1/bias1, dropout); shapes are
+    checked by check_shapes."""
+    ok = _dtypes_on(x.device)
+    for name, t in (("x1", x1), ("rowscale", rowscale), ("weight1", weight1), ("bias1", bias1)):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise InvalidOptionError(f"{name} must be a tensor or None; got {type(t).__name__}.")
+        if t.dtype not in ok:
+            raise UnsupportedDtypeError(f"{name} has dtype {t.dtype} on {t.device}; the fused add+norm ops take "
+                                        f"{_SUPPORTED_TEXT}. Cast it first, e.g. {name}.to(torch.float32).")
+        if t.device != x.device:
+            raise InvalidOptionError(f"{name} is on {t.device} but x is on {x.device}; move them to one device.")
+    if bias1 is not None and weight1 is None:
+        raise InvalidOptionError("bias1 needs weight1: the second norm output y1 exists only with its own weight; "
+                                 "pass weight1 (torch.ones(N) for none) with bias1.")
+    if rowscale is not None and _grad_needed(rowscale):
+        raise InvalidOptionError("rowscale requires grad, but the fused ops do not differentiate it (it is a "
+                                 "per-row mask/scale, as in stochastic depth); pass rowscale.detach().")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise InvalidOptionError(f"dropout_p={dropout_p!r} must be a number in [0, 1) (0 disables dropout; "
+                                 f"p = 1 would drop every element).")
+    if seed is not None and generator is not None:
+        raise InvalidOptionError("pass either seed (a reproducible mask) or generator (a seed drawn from it), "
+                                 "not both.")
+    if seed is not None and not isinstance(seed, int) and not (
+            isinstance(seed, Tensor) and seed.dtype == torch.int64 and seed.dim() == 0
+            and seed.device.type == "cpu"):
+        raise InvalidOptionError(f"seed must be an int or an int64 CPU tensor of shape () (it is read once, "
+                                 f"without a device sync); got {_describe(seed)}. Pass e.g. "
+                                 f"torch.tensor(1234), or seed=None to draw one.")
+    check_shapes(x, None, None, None, x1, rowscale, weight1, bias1)
+
+
+def _describe(value) -> str:
+    if isinstance(value, Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+    return type(value).__name__
 
 
 def _dtypes_on(device: torch.device) -> tuple:
@@ -154,12 +200,12 @@ def _grad_needed(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def forward_for(op: str, x, residual, weight, bias):
+def forward_for(op: str, x, residual, weight, bias, *more):
     """The callable a functional call of ``op`` ("add_norm_fwd" or "norm_add_fwd") runs, with the op's
     positional arguments and outputs (None, not an empty tensor, for an output that does not exist
-    on the eager path)."""
-    if _eager_cpu(x, residual, weight, bias):
-        if _grad_needed(x, residual, weight, bias):
+    on the eager path). ``more``: the other tensor arguments (add_norm's modes)."""
+    if _eager_cpu(x, residual, weight, bias, *more):
+        if _grad_needed(x, residual, weight, bias, *more):
             return _EAGER_FUNCTIONS[op].apply
         return getattr(reference, op)  # no autograd graph to record: the reference alone
     return getattr(torch.ops.normfuse, op)
@@ -196,26 +242,74 @@ def _stats_fake(x: Tensor, kind: str, norm_in_dtype: torch.dtype):
     return x.new_empty((rows,) if kind == "layer_norm" else (0,), dtype=acc), x.new_empty((rows,), dtype=acc)
 
 
+def _add_norm_backend(x, residual, weight, bias, sum_dtype, norm_round_dtype, out_dtype, x1, rowscale, weight1,
+                      bias1):
+    """The backend add_norm_fwd runs (and whose dropout mask its backward regenerates)."""
+    return _backend(x, _dtypes(x, residual, weight, bias, sum_dtype, norm_round_dtype, out_dtype, x1, rowscale,
+                               weight1, bias1))
+
+
 @torch.library.custom_op("normfuse::add_norm_fwd", mutates_args=())
 def add_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
                  kind: str, eps: float, weight_offset: float, residual_scale: float, sum_dtype: torch.dtype,
                  norm_round_dtype: Optional[torch.dtype], out_dtype: torch.dtype, store_sum: bool,
-                 round_sum_first: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Add-then-norm. Returns (y, s, mean, rstd): s is empty unless store_sum and there is a residual;
-    mean (empty for rms_norm) and rstd are flat per-row fp32 (fp64 for fp64 input).
-    round_sum_first=False normalizes the sum before its rounding to sum_dtype."""
-    backend = _backend(x, _dtypes(x, residual, weight, bias, sum_dtype, norm_round_dtype, out_dtype))
+                 round_sum_first: bool = True, x1: Optional[Tensor] = None, rowscale: Optional[Tensor] = None,
+                 weight1: Optional[Tensor] = None, bias1: Optional[Tensor] = None, dropout_p: float = 0.0,
+                 seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Add-then-norm. Returns (y, s, mean, rstd, y1): s is empty unless store_sum and there is a sum
+    (a residual or a mode); mean (empty for rms_norm) and rstd are flat per-row fp32 (fp64 for fp64
+    input); y1 (empty without weight1) is the second norm output, in out_dtype.
+    round_sum_first=False normalizes the sum before its rounding to sum_dtype. The modes x1,
+    rowscale, weight1/bias1, dropout_p/seed are those of reference.py; seed (an int64 CPU tensor
+    of shape ()) is read once when dropout_p > 0."""
+    backend = _add_norm_backend(x, residual, weight, bias, sum_dtype, norm_round_dtype, out_dtype, x1, rowscale,
+                                weight1, bias1)
+    store_sum = store_sum and reference.has_sum(residual, x1, rowscale, dropout_p)
     outputs = backend.add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
-                                   norm_round_dtype, out_dtype, store_sum and residual is not None, round_sum_first)
-    return _op_outputs(outputs, (None, sum_dtype, None, None), x, (x, residual, weight, bias))
+                                   norm_round_dtype, out_dtype, store_sum, round_sum_first, x1, rowscale, weight1,
+                                   bias1, dropout_p, seed)
+    return _op_outputs(outputs, (None, sum_dtype, None, None, out_dtype), x,
+                       (x, residual, weight, bias, x1, rowscale, weight1, bias1))
 
 
 @add_norm_fwd.register_fake
 def _add_norm_fwd_fake(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
-                       norm_round_dtype, out_dtype, store_sum, round_sum_first=True):
-    check_shapes(x, residual, weight, bias)
-    s = x.new_empty(x.shape, dtype=sum_dtype) if store_sum and residual is not None else _empty(x, sum_dtype)
-    return (x.new_empty(x.shape, dtype=out_dtype), s, *_stats_fake(x, kind, sum_dtype))
+                       norm_round_dtype, out_dtype, store_sum, round_sum_first=True, x1=None, rowscale=None,
+                       weight1=None, bias1=None, dropout_p=0.0, seed=None):
+    check_shapes(x, residual, weight, bias, x1, rowscale, weight1, bias1)
+    stored = store_sum and reference.has_sum(residual, x1, rowscale, dropout_p)
+    s = x.new_empty(x.shape, dtype=sum_dtype) if stored else _empty(x, sum_dtype)
+    y1 = _empty(x, out_dtype) if weight1 is None else x.new_empty(x.shape, dtype=out_dtype)
+    return (x.new_empty(x.shape, dtype=out_dtype), s, *_stats_fake(x, kind, sum_dtype), y1)
+
+
+@torch.library.custom_op("normfuse::dropout_keep_mask", mutates_args=())
+def dropout_keep_mask_op(x: Tensor, p: float, seed: Tensor, on_reference: bool = False) -> Tensor:
+    """The keep mask (bool, x's shape) the backend running x draws for dropout_p=p and this seed;
+    on_reference: the reference backend's (where the forward ran it for its dtypes)."""
+    backend = reference if on_reference else _backend(x, (x.dtype,))
+    n_cols = x.shape[-1]
+    return backend.dropout_keep(seed, x.numel() // n_cols, n_cols, p, x.device).view(x.shape)
+
+
+@dropout_keep_mask_op.register_fake
+def _dropout_keep_mask_fake(x, p, seed, on_reference=False):
+    return x.new_empty(x.shape, dtype=torch.bool)
+
+
+def seed_tensor(seed) -> Tensor:
+    """A seed as the ops take it: an int64 CPU tensor of shape ()."""
+    return seed if isinstance(seed, Tensor) else torch.tensor(int(seed), dtype=torch.int64)
+
+
+def dropout_keep_mask(x: Tensor, p: float, seed) -> Tensor:
+    """The bool keep mask (x's shape; True: kept) add_norm's dropout draws for x with dropout_p=p
+    and this seed (an int or an int64 CPU tensor of shape ()), from the backend the op runs for x
+    (the streams of the backends differ). Multiply x by it and by 1 / (1 - p) to replay the
+    dropout in plain PyTorch."""
+    if _eager_cpu(x):
+        return reference.dropout_keep(seed, x.numel() // x.shape[-1], x.shape[-1], p, x.device).view(x.shape)
+    return torch.ops.normfuse.dropout_keep_mask(x, float(p), seed_tensor(seed))
 
 
 @torch.library.custom_op("normfuse::norm_add_fwd", mutates_args=())
@@ -242,23 +336,38 @@ def _norm_add_fwd_fake(x, residual, weight, bias, kind, eps, weight_offset, resi
 def add_norm_bwd(dy: Tensor, dextra: Optional[Tensor], inp: Tensor, mean: Tensor, rstd: Tensor,
                  weight: Optional[Tensor], kind: str, weight_offset: float, residual_scale: float, post_add: bool,
                  x_dtype: torch.dtype, residual_dtype: Optional[torch.dtype], bias_dtype: Optional[torch.dtype],
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 dy1: Optional[Tensor] = None, weight1: Optional[Tensor] = None,
+                 bias1_dtype: Optional[torch.dtype] = None, x1_dtype: Optional[torch.dtype] = None,
+                 rowscale: Optional[Tensor] = None, dropout_p: float = 0.0, seed: Optional[Tensor] = None,
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward of add_norm_fwd (post_add=False) and norm_add_fwd (post_add=True); see add_norm_bwd_ref.
-    Returns (dx, dresidual, dweight, dbias), each empty when that input does not exist."""
-    backend = _backend(inp, _dtypes(dy, inp, weight, x_dtype, residual_dtype, bias_dtype))
+    Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1), each empty when that input does
+    not exist (dweight1 and dbias1 also without dy1)."""
+    backend = _backend(inp, _dtypes(dy, inp, weight, x_dtype, residual_dtype, bias_dtype, dy1, weight1, bias1_dtype,
+                                    x1_dtype, rowscale))
     grads = backend.add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add,
-                                 x_dtype, residual_dtype, bias_dtype)
-    return _op_outputs(grads, (None, inp.dtype, inp.dtype, inp.dtype), inp, (dy, dextra, inp, mean, rstd, weight))
+                                 x_dtype, residual_dtype, bias_dtype, dy1, weight1, bias1_dtype, x1_dtype, rowscale,
+                                 dropout_p, seed)
+    return _op_outputs(grads, (None, inp.dtype, inp.dtype, inp.dtype, inp.dtype, inp.dtype, inp.dtype), inp,
+                       (dy, dextra, inp, mean, rstd, weight, dy1, weight1, rowscale))
 
 
 @add_norm_bwd.register_fake
 def _add_norm_bwd_fake(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add,
-                       x_dtype, residual_dtype, bias_dtype):
+                       x_dtype, residual_dtype, bias_dtype, dy1=None, weight1=None, bias1_dtype=None, x1_dtype=None,
+                       rowscale=None, dropout_p=0.0, seed=None):
     n_cols = inp.shape[-1]
+
+    def like(exists, shape, dtype):
+        return inp.new_empty(shape, dtype=dtype) if exists else _empty(inp, inp.dtype)
+    has_y1 = dy1 is not None
     return (inp.new_empty(inp.shape, dtype=x_dtype),
-            _empty(inp, inp.dtype) if residual_dtype is None else inp.new_empty(inp.shape, dtype=residual_dtype),
-            _empty(inp, inp.dtype) if weight is None else inp.new_empty((n_cols,), dtype=weight.dtype),
-            _empty(inp, inp.dtype) if bias_dtype is None else inp.new_empty((n_cols,), dtype=bias_dtype))
+            like(residual_dtype is not None, inp.shape, residual_dtype),
+            like(weight is not None, (n_cols,), weight.dtype if weight is not None else None),
+            like(bias_dtype is not None, (n_cols,), bias_dtype),
+            like(x1_dtype is not None, inp.shape, x1_dtype),
+            like(has_y1 and weight1 is not None, (n_cols,), weight1.dtype if weight1 is not None else None),
+            like(has_y1 and bias1_dtype is not None, (n_cols,), bias1_dtype))
 
 
 # --------------------------------------------------------------------------------------
@@ -269,24 +378,32 @@ def _grad_or_none(g: Optional[Tensor], exists: bool) -> Optional[Tensor]:
     return g if exists and g is not None else None
 
 
-def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, post_add):
+def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, post_add, modes=None):
     """Shared tail of both autograd formulas: call the backward, map empties to None.
-    ``saved``: ctx.saved_tensors, read once (non-reentrant checkpointing allows one unpack)."""
+    ``saved``: ctx.saved_tensors, read once (non-reentrant checkpointing allows one unpack).
+    ``modes``: add_norm's (dy1, weight1, x1_dtype, rowscale, seed), or None.
+    Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1)."""
     mean, rstd, weight = saved[-3:]
+    dy1, weight1, x1_dtype, rowscale, seed = modes or (None,) * 5
+    dropout_p = ctx.dropout_p if modes else 0.0
     if dy is None:
         dy = inp.new_zeros(inp.shape, dtype=ctx.dy_dtype)
     # With residual_scale 1 and matching dtypes the residual's grad is dx (add_norm) or the
     # incoming grad itself (norm_add): hand that tensor over instead of writing a copy.
-    shared = (residual_dtype is not None and ctx.residual_scale == 1.0
+    # (Not with rowscale or dropout: dx is then a scaled copy of the residual's grad.)
+    shared = (residual_dtype is not None and ctx.residual_scale == 1.0 and rowscale is None and dropout_p == 0
               and residual_dtype == (dy.dtype if post_add else ctx.x_dtype))
     backward = reference.add_norm_bwd if ctx.eager_cpu else torch.ops.normfuse.add_norm_bwd
-    dx, dres, dw, db = backward(
+    dx, dres, dw, db, dx1, dw1, db1 = backward(
         dy, dextra, inp, mean, rstd, weight, ctx.kind, ctx.weight_offset, ctx.residual_scale, post_add,
-        ctx.x_dtype, None if shared else residual_dtype, ctx.bias_dtype)
+        ctx.x_dtype, None if shared else residual_dtype, ctx.bias_dtype, dy1, None if dy1 is None else weight1,
+        None if dy1 is None else ctx.bias1_dtype, x1_dtype, rowscale, dropout_p, seed)
     if shared:
         dres = dy if post_add else dx
     return (dx, _grad_or_none(dres, residual_dtype is not None), _grad_or_none(dw, weight is not None),
-            _grad_or_none(db, ctx.bias_dtype is not None))
+            _grad_or_none(db, ctx.bias_dtype is not None), _grad_or_none(dx1, x1_dtype is not None),
+            _grad_or_none(dw1, dy1 is not None and weight1 is not None),
+            _grad_or_none(db1, dy1 is not None and ctx.bias1_dtype is not None))
 
 
 def _save_common(ctx, x, weight, bias, kind, weight_offset, residual_scale, dy_dtype):
@@ -299,34 +416,61 @@ def _save_common(ctx, x, weight, bias, kind, weight_offset, residual_scale, dy_d
     ctx.eager_cpu = False  # the eager path's autograd.Function sets it after this
 
 
+# add_norm_fwd's arguments after store_sum, with their defaults (callers may omit them)
+_ADD_NORM_MODE_DEFAULTS = (True, None, None, None, None, 0.0, None)
+
+
 def _add_norm_setup_context(ctx, inputs, output):
     (x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype,
      out_dtype, store_sum, *rest) = inputs
-    _, s, mean, rstd = output
-    ctx.round_sum_first = rest[0] if rest else True
-    ctx.sum_stored = bool(store_sum and residual is not None)
-    # Backward needs the norm input and the per-row stats. The norm input is s when s was
-    # stored and normalized; otherwise (no residual, store_sum=False, or the unrounded sum
-    # normalized) it is rebuilt from x and the residual.
+    round_sum_first, x1, rowscale, weight1, bias1, dropout_p, seed = (
+        *rest, *_ADD_NORM_MODE_DEFAULTS[len(rest):])
+    _, s, mean, rstd, _ = output
+    ctx.round_sum_first = round_sum_first
+    ctx.sum_stored = bool(store_sum and reference.has_sum(residual, x1, rowscale, dropout_p))
+    ctx.dropout_p = dropout_p
+    # The backend the forward ran: its dropout mask is the one a rebuilt sum must use.
+    ctx.mask_on_reference = dropout_p > 0 and _add_norm_backend(
+        x, residual, weight, bias, sum_dtype, norm_round_dtype, out_dtype, x1, rowscale, weight1,
+        bias1) is reference
+    # Backward needs the norm input and the per-row stats (and rowscale and the seed for dx).
+    # The norm input is s when s was stored and normalized; otherwise (no sum, store_sum=False,
+    # or the unrounded sum normalized) it is rebuilt from the inputs (and the seed's mask).
+    seed = seed if dropout_p > 0 else None
     if ctx.sum_stored and ctx.round_sum_first:
-        ctx.save_for_backward(s, None, mean, rstd, weight)
+        ctx.save_for_backward(s, None, None, rowscale, seed, weight1, mean, rstd, weight)
     else:
-        ctx.save_for_backward(x, residual, mean, rstd, weight)
+        ctx.save_for_backward(x, residual, x1, rowscale, seed, weight1, mean, rstd, weight)
     ctx.sum_dtype = sum_dtype
     ctx.residual_dtype = None if residual is None else residual.dtype
+    ctx.x1_dtype = None if x1 is None else x1.dtype
+    ctx.bias1_dtype = None if bias1 is None else bias1.dtype
     _save_common(ctx, x, weight, bias, kind, weight_offset, residual_scale, out_dtype)
 
 
-def _add_norm_backward(ctx, dy, ds, dmean, drstd):
+def _rebuilt_norm_input(ctx, x, residual, x1, rowscale, seed) -> Tensor:
+    """The forward's norm input, from its inputs; with dropout, the forward backend's mask."""
+    keep = None
+    if ctx.dropout_p > 0:
+        if ctx.eager_cpu:
+            n_cols = x.shape[-1]
+            keep = reference.dropout_keep(seed, x.numel() // n_cols, n_cols, ctx.dropout_p, x.device)
+        else:
+            keep = torch.ops.normfuse.dropout_keep_mask(x, ctx.dropout_p, seed, ctx.mask_on_reference)
+    return reference.norm_input(x, residual, ctx.residual_scale, ctx.sum_dtype, ctx.round_sum_first, x1, rowscale,
+                                keep, ctx.dropout_p)[1]
+
+
+def _add_norm_backward(ctx, dy, ds, dmean, drstd, dy1):
     saved = ctx.saved_tensors
-    inp, residual = saved[:2]
-    if not ctx.round_sum_first:
-        inp = reference.unrounded_sum(inp, residual, ctx.residual_scale, ctx.sum_dtype)
-    elif not ctx.sum_stored:
-        inp = reference.pre_sum(inp, residual, ctx.residual_scale, ctx.sum_dtype)
+    inp, residual, x1, rowscale, seed, weight1 = saved[:6]
+    if not (ctx.sum_stored and ctx.round_sum_first):
+        inp = _rebuilt_norm_input(ctx, inp, residual, x1, rowscale, seed)
     ds = ds if ctx.sum_stored else None
-    grads = _norm_backward(ctx, saved, dy, ds, inp, ctx.residual_dtype, post_add=False)
-    return (*grads, None, None, None, None, None, None, None, None, None)
+    dy1 = dy1 if weight1 is not None else None  # a traced backward may get a tangent of the empty y1
+    dx, dres, dw, db, dx1, dw1, db1 = _norm_backward(ctx, saved, dy, ds, inp, ctx.residual_dtype, post_add=False,
+                                                     modes=(dy1, weight1, ctx.x1_dtype, rowscale, seed))
+    return (dx, dres, dw, db, None, None, None, None, None, None, None, None, None, dx1, None, dw1, db1, None, None)
 
 
 add_norm_fwd.register_autograd(_add_norm_backward, setup_context=_add_norm_setup_context)
@@ -346,7 +490,7 @@ def _norm_add_backward(ctx, dout, dy, dmean, drstd):
     saved = ctx.saved_tensors
     dy = dy if ctx.norm_stored else None
     grads = _norm_backward(ctx, saved, dout, dy, saved[0], ctx.residual_dtype, post_add=True)
-    return (*grads, None, None, None, None, None, None, None, None)
+    return (*grads[:4], None, None, None, None, None, None, None, None)
 
 
 norm_add_fwd.register_autograd(_norm_add_backward, setup_context=_norm_add_setup_context)

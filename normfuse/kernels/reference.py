@@ -15,8 +15,33 @@ Add-then-norm (pre-norm and post-norm blocks), normalizing over the last dim N::
     y  = round(out_dtype, n * w' + float(bias))                          # norm_round_dtype None: "multiply then round"
     y  = round(out_dtype, float(round(norm_round_dtype, n)) * w' + float(bias))   # "round then multiply"
 
+Optional modes of add-then-norm (each off by default; flash-attn's ``layer_norm_fn`` has the
+same ones). They change how the norm input is formed and add a second output::
+
+    b = x
+    dropout:  b = round(x.dtype, float(b) * keep * scale)       # keep in {0, 1}, scale = 1 / (1 - p)
+                                                                # (eager's native_dropout: input * mask * scale)
+    rowscale: b = round(x.dtype, float(b) * float(rowscale[row]))        # per-row scale (stochastic depth)
+    x1:       b = round(promote(b.dtype, x1.dtype), float(b) + float(x1))  # a second branch
+    s  = round(sum_dtype, float(b) + float(r'))     # sum_dtype default: promote(x, x1, residual)
+    y1 = the same normalized n with weight1 / bias1 (same kind, eps, weight_offset, rounding modes; out_dtype)
+
+``keep`` is regenerated from (seed, row * N + col) wherever it is needed, never stored:
+``dropout_keep(seed, n_rows, n_cols, p, device)`` (one per backend) draws it. This backend
+draws ``torch.rand(M, N, generator=g) >= p`` with a torch.Generator on x's device seeded with
+the seed; the Triton backend draws ``tl.rand(seed, row * N + col) >= p`` (Philox). The two
+streams differ: a mask is only ever replayed by the backend that drew it. dropout_p = 0 draws
+nothing. With any of these modes (or a residual) s exists (the op returns it when stored).
+
+Backward of the modes (fp32, rounding steps straight-through)::
+
+    ds  = norm_bwd(g = dn * w' + dy1 * w1') + dextra     # the input-grad formula is linear in g
+    dx  = round(x.dtype, ds * keep * scale * rowscale[row])
+    dx1 = round(x1.dtype, ds);  dweight1 = sum_rows(dy1 * x_hat);  dbias1 = sum_rows(dy1)
+
 ``round_sum_first=False`` normalizes the unrounded sum instead (``u = float32(float(x) +
-float(r'))``; s is still returned rounded to sum_dtype): flash-attn's and quack's kernels
+float(r'))``, with the modes ``u = float(x) * keep * scale * rowscale + float(x1) + float(r')``, no
+intermediate rounding; s = round(sum_dtype, u) is still returned): flash-attn's and quack's kernels
 and vLLM's native RMSNorm do this; graphs that add in the model dtype round first.
 
 ``sum_dtype`` defaults to ``promote_types(x.dtype, residual.dtype)`` (``x.dtype``
@@ -50,7 +75,7 @@ from torch import Tensor
 
 from normfuse.vocabulary import KERNEL_DTYPES, KINDS
 
-__all__ = ["add_norm_ref", "norm_add_ref", "add_norm_bwd_ref", "KINDS", "SUPPORTED_DTYPES"]
+__all__ = ["add_norm_ref", "norm_add_ref", "add_norm_bwd_ref", "dropout_keep", "KINDS", "SUPPORTED_DTYPES"]
 
 # Activation, weight and rounding dtypes the fused ops take (normfuse/vocabulary.py). fp64
 # runs on CPU only, through the reference (gradcheck needs it).
@@ -66,9 +91,12 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # ---- default dtypes (resolved once per call, by the functional API and the *_ref functions) ----
 
 def add_norm_dtypes(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], sum_dtype, norm_round_dtype,
-                    out_dtype) -> tuple[torch.dtype, torch.dtype]:
+                    out_dtype, x1: Optional[Tensor] = None) -> tuple[torch.dtype, torch.dtype]:
     """(sum_dtype, out_dtype) of add-then-norm with their defaults filled in."""
-    sum_dtype = sum_dtype or (x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype))
+    if sum_dtype is None:
+        sum_dtype = x.dtype
+        for t in (x1, residual):
+            sum_dtype = sum_dtype if t is None else torch.promote_types(sum_dtype, t.dtype)
     return sum_dtype, out_dtype or _default_out_dtype(sum_dtype, weight, norm_round_dtype)
 
 
@@ -91,6 +119,47 @@ def _default_out_dtype(norm_in_dtype: torch.dtype, weight: Optional[Tensor],
 def _scale_residual(residual: Tensor, residual_scale: float) -> Tensor:
     # Eager computes alpha * r in r's dtype (in fp32 registers, rounded once).
     return residual if residual_scale == 1.0 else residual * residual_scale
+
+
+def dropout_keep(seed, n_rows: int, n_cols: int, p: float, device) -> Tensor:
+    """This backend's keep mask (True: kept) of dropout with probability p, (n_rows, n_cols) bool:
+    torch.rand on a torch.Generator of ``device`` seeded with ``seed`` (an int or a CPU int64
+    tensor of shape ()); element (row, col) is draw number row * n_cols + col."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int(seed))
+    return torch.rand(n_rows, n_cols, generator=generator, device=device) >= p
+
+
+def has_sum(residual: Optional[Tensor], x1: Optional[Tensor], rowscale: Optional[Tensor], dropout_p: float) -> bool:
+    """Whether add-then-norm forms a sum s other than x itself (else it is a plain norm)."""
+    return residual is not None or x1 is not None or rowscale is not None or dropout_p > 0
+
+
+def branch(x: Tensor, x1: Optional[Tensor], rowscale: Optional[Tensor], keep: Optional[Tensor], dropout_p: float,
+           acc: Optional[torch.dtype] = None) -> Tensor:
+    """b of the module docstring: x after dropout and rowscale, plus x1. Each step rounded as
+    eager's ops round it; with ``acc`` (fp32/fp64) accumulated in that dtype, unrounded."""
+    b = x if acc is None else x.to(acc)
+    if keep is not None:
+        b = b * keep.view(x.shape) * (1.0 / (1.0 - dropout_p))  # x * mask exact, then one rounding
+    if rowscale is not None:
+        b = b * (rowscale[..., None] if acc is None else rowscale[..., None].to(acc))
+        b = b.to(x.dtype) if acc is None else b
+    if x1 is not None:
+        b = b + (x1 if acc is None else x1.to(acc))
+    return b
+
+
+def norm_input(x: Tensor, residual: Optional[Tensor], residual_scale: float, sum_dtype: torch.dtype,
+               round_sum_first: bool, x1: Optional[Tensor] = None, rowscale: Optional[Tensor] = None,
+               keep: Optional[Tensor] = None, dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(s, u): the sum rounded to sum_dtype and the norm input (s, or the unrounded sum)."""
+    if round_sum_first:
+        s = pre_sum(branch(x, x1, rowscale, keep, dropout_p), residual, residual_scale, sum_dtype)
+        return s, s
+    u = unrounded_sum(branch(x, x1, rowscale, keep, dropout_p, acc_dtype(sum_dtype)), residual, residual_scale,
+                      sum_dtype)
+    return u.to(sum_dtype), u
 
 
 def pre_sum(x: Tensor, residual: Optional[Tensor], residual_scale: float, sum_dtype: torch.dtype) -> Tensor:
@@ -183,12 +252,17 @@ def normalize(u: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], kind:
 
 
 def add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype,
-                 out_dtype, store_sum, round_sum_first=True):
-    """(y, s, mean, rstd) of add-then-norm; s is None unless stored (and there is a residual)."""
-    s = pre_sum(x, residual, residual_scale, sum_dtype)
-    u = s if round_sum_first else unrounded_sum(x, residual, residual_scale, sum_dtype)
+                 out_dtype, store_sum, round_sum_first=True, x1=None, rowscale=None, weight1=None, bias1=None,
+                 dropout_p=0.0, seed=None):
+    """(y, s, mean, rstd, y1) of add-then-norm; s is None unless stored (and there is a sum), y1
+    None without weight1."""
+    keep = dropout_keep(seed, x.numel() // x.shape[-1], x.shape[-1], dropout_p, x.device) if dropout_p > 0 else None
+    s, u = norm_input(x, residual, residual_scale, sum_dtype, round_sum_first, x1, rowscale, keep, dropout_p)
     y, mean, rstd = normalize(u, weight, bias, kind, eps, weight_offset, norm_round_dtype, out_dtype)
-    return y, (s if store_sum and residual is not None else None), mean, rstd
+    # y1 normalizes the same u (same stats) with its own parameters
+    y1 = None if weight1 is None else normalize(u, weight1, bias1, kind, eps, weight_offset, norm_round_dtype,
+                                                out_dtype)[0]
+    return y, (s if store_sum and has_sum(residual, x1, rowscale, dropout_p) else None), mean, rstd, y1
 
 
 def norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, norm_round_dtype, out_dtype,
@@ -202,17 +276,20 @@ def norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_s
 
 def add_norm_ref(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offset=0.0,
                  residual_scale=1.0, sum_dtype=None, norm_round_dtype=None, out_dtype=None,
-                 return_sum=True, round_sum_first=True):
-    """Plain-PyTorch add-then-norm with the semantics of the module docstring: returns (y, s).
+                 return_sum=True, round_sum_first=True, x1=None, rowscale=None, weight1=None, bias1=None,
+                 dropout_p=0.0, seed=None):
+    """Plain-PyTorch add-then-norm with the semantics of the module docstring: returns (y, s),
+    or (y, y1, s) with weight1.
 
-    Same arguments as :func:`normfuse.add_norm`. A plain norm (``residual=None``) returns
-    s=None, as does ``return_sum=False``. For an fp64 reference, pass fp64 tensors and
-    fp64 rounding dtypes. Differentiable with plain autograd.
+    Same arguments as :func:`normfuse.add_norm` (dropout needs an explicit ``seed``). A plain
+    norm (no residual and no mode) returns s=None, as does ``return_sum=False``. For an fp64
+    reference, pass fp64 tensors and fp64 rounding dtypes. Differentiable with plain autograd.
     """
-    sum_dtype, out_dtype = add_norm_dtypes(x, residual, weight, sum_dtype, norm_round_dtype, out_dtype)
-    y, s, _, _ = add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
-                              norm_round_dtype, out_dtype, return_sum, round_sum_first)
-    return y, s
+    sum_dtype, out_dtype = add_norm_dtypes(x, residual, weight, sum_dtype, norm_round_dtype, out_dtype, x1)
+    y, s, _, _, y1 = add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
+                                  norm_round_dtype, out_dtype, return_sum, round_sum_first, x1, rowscale, weight1,
+                                  bias1, dropout_p, seed)
+    return (y, s) if weight1 is None else (y, y1, s)
 
 
 def norm_add_ref(x, residual, weight=None, bias=None, *, kind, eps, weight_offset=0.0, residual_scale=1.0,
@@ -241,10 +318,13 @@ def _eager_layer_norm_backward_ok(dn: Tensor, inp: Tensor, mean: Tensor, rstd: T
 
 
 def _norm_grads(dn: Tensor, inp: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor], kind: str,
-                weight_offset: float, bias_dtype):
-    """(du, dweight, dbias) of the norm alone, given dn, the gradient of its output.
+                weight_offset: float, bias_dtype, dn1: Optional[Tensor] = None, weight1: Optional[Tensor] = None,
+                bias1_dtype=None):
+    """(du, dweight, dbias, dweight1, dbias1) of the norm alone, given dn (and dn1, of the second
+    output y1 = n * w1' + b1), the gradients of its outputs.
 
-    du = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with g = dn * w' (no mean(g) for rms_norm).
+    du = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with g = dn * w' + dn1 * w1' (no mean(g)
+    for rms_norm; the formula is linear in g, so one pass serves both outputs).
     dweight = sum_rows(dn * x_hat) and dbias = sum_rows(dn) are reduced in fp32: eager's CPU
     LayerNorm backward reduces them in the 16-bit input dtype when the parameters are fp32, far
     less accurately (26x (fp16) and 48x (bf16) the error of an fp32 reduction at 4096 rows of
@@ -256,20 +336,23 @@ def _norm_grads(dn: Tensor, inp: Tensor, mean: Tensor, rstd: Tensor, weight: Opt
     w = _effective_weight(weight, weight_offset, acc)
     want_dw, want_db = weight is not None, bias_dtype is not None
     du = None
-    if kind == "layer_norm" and _eager_layer_norm_backward_ok(dn, inp, mean, rstd, w, bias_dtype):
+    if dn1 is None and kind == "layer_norm" and _eager_layer_norm_backward_ok(dn, inp, mean, rstd, w, bias_dtype):
         params_too = inp.dtype == acc
         du, dw, db = torch.ops.aten.native_layer_norm_backward(
             dn, inp, [inp.shape[-1]], mean.reshape(stat_shape), rstd.reshape(stat_shape), w,
             inp.new_zeros(inp.shape[-1], dtype=bias_dtype) if want_db else None,
             [True, params_too and want_dw, params_too and want_db])
         if params_too or not (want_dw or want_db):
-            return du, dw, db
+            return du, dw, db, None, None
     u = inp.to(acc)
     rstd = rstd.to(acc).reshape(stat_shape)
     xhat = (u - mean.to(acc).reshape(stat_shape)) * rstd if kind == "layer_norm" else u * rstd
     dn = dn.to(acc)
     if du is None:
         g = dn * w.to(acc) if w is not None else dn
+        if dn1 is not None:
+            w1 = _effective_weight(weight1, weight_offset, acc)
+            g = g + (dn1.to(acc) * w1.to(acc) if w1 is not None else dn1.to(acc))
         c1 = (g * xhat).mean(-1, keepdim=True)
         if kind == "layer_norm":
             du = (g - g.mean(-1, keepdim=True) - xhat * c1) * rstd
@@ -277,27 +360,44 @@ def _norm_grads(dn: Tensor, inp: Tensor, mean: Tensor, rstd: Tensor, weight: Opt
             du = (g - xhat * c1) * rstd
     dw = (dn * xhat).sum(rows) if want_dw else None
     db = dn.sum(rows) if want_db else None
-    return du, dw, db
+    if dn1 is None:
+        return du, dw, db, None, None
+    dn1 = dn1.to(acc)
+    dw1 = (dn1 * xhat).sum(rows) if weight1 is not None else None
+    db1 = dn1.sum(rows) if bias1_dtype is not None else None
+    return du, dw, db, dw1, db1
 
 
 def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add, x_dtype,
-                 residual_dtype, bias_dtype):
+                 residual_dtype, bias_dtype, dy1=None, weight1=None, bias1_dtype=None, x1_dtype=None, rowscale=None,
+                 dropout_p=0.0, seed=None):
     """Backend form (positional, as the op) of :func:`add_norm_bwd_ref`."""
     acc = acc_dtype(inp.dtype)
     dn = dy + dextra if (post_add and dextra is not None) else dy  # gradient into the norm's output
-    du, dw, db = _norm_grads(dn, inp, mean, rstd, weight, kind, weight_offset, bias_dtype)
+    du, dw, db, dw1, db1 = _norm_grads(dn, inp, mean, rstd, weight, kind, weight_offset, bias_dtype, dy1,
+                                       weight1, bias1_dtype)
     if not post_add and dextra is not None:
         du = du + dextra.to(du.dtype)
     dres = None
     if residual_dtype is not None:
         src = dy if post_add else du
         dres = (src if residual_scale == 1.0 else src.to(acc) * residual_scale).to(residual_dtype)
-    return (du.to(x_dtype), dres, None if dw is None else dw.to(weight.dtype),
-            None if db is None else db.to(bias_dtype))
+    dx1 = None if x1_dtype is None else du.to(x1_dtype)
+    dx = du
+    if dropout_p > 0:
+        n_cols = inp.shape[-1]
+        keep = dropout_keep(seed, inp.numel() // n_cols, n_cols, dropout_p, inp.device)
+        dx = dx.to(acc) * keep.view(inp.shape) * (1.0 / (1.0 - dropout_p))
+    if rowscale is not None:
+        dx = dx.to(acc) * rowscale[..., None].to(acc)
+    return (dx.to(x_dtype), dres, None if dw is None else dw.to(weight.dtype),
+            None if db is None else db.to(bias_dtype), dx1, None if dw1 is None else dw1.to(weight1.dtype),
+            None if db1 is None else db1.to(bias1_dtype))
 
 
 def add_norm_bwd_ref(dy, dextra, inp, mean, rstd, weight=None, *, kind, weight_offset=0.0,
-                     residual_scale=1.0, post_add=False, x_dtype, residual_dtype=None, bias_dtype=None):
+                     residual_scale=1.0, post_add=False, x_dtype, residual_dtype=None, bias_dtype=None, dy1=None,
+                     weight1=None, bias1_dtype=None, x1_dtype=None, rowscale=None, dropout_p=0.0, seed=None):
     """Backward of both orders; rounding steps are identities, math in fp32 (fp64 for fp64).
 
     ``inp`` is the norm input (s, or the unrounded sum, or x for norm_add), ``mean``
@@ -306,7 +406,10 @@ def add_norm_bwd_ref(dy, dextra, inp, mean, rstd, weight=None, *, kind, weight_o
         ds = norm_bwd(dy) + dextra; dx = ds; dresidual = residual_scale * ds.
     norm_add (post_add=True): dy = grad of out, dextra = grad of y (or None);
         dx = norm_bwd(dy + dextra); dresidual = residual_scale * dy.
-    Returns (dx, dresidual, dweight, dbias); None for inputs that do not exist.
+    The add_norm modes (module docstring): dy1 (grad of y1) with weight1 / bias1_dtype; x1_dtype
+    for dx1; rowscale, dropout_p and seed (the forward's mask, regenerated) scale dx.
+    Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1); None for inputs that do not exist.
     """
     return add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add,
-                        x_dtype, residual_dtype, bias_dtype)
+                        x_dtype, residual_dtype, bias_dtype, dy1, weight1, bias1_dtype, x1_dtype, rowscale,
+                        dropout_p, seed)

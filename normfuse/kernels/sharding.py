@@ -6,6 +6,10 @@ rows unchanged when:
   that is not the last one (``Shard(0)`` batch, ``Shard(1)`` sequence: torchtitan's
   ``SequenceParallel`` norms), or replicated;
 - weight and bias are replicated (``SequenceParallel`` makes them so).
+add_norm's modes shard like x: x1 takes x's placement, rowscale (x.shape[:-1]) its rows', weight1
+and bias1 are replicated (their gradients partial, like weight's), the dropout seed is a
+replicated scalar. (Each rank draws the dropout mask of its local rows from the seed and the
+local row index, so ranks holding different rows draw the same pattern.)
 Outputs shaped like x keep x's placement. The per-row statistics (mean, rstd) are flat
 ``(rows,)`` tensors: each rank holds its own rows' statistics, declared ``Shard(0)``.
 They are read only by the backward op, which is offered exactly the forward's sharding
@@ -75,38 +79,58 @@ def _strategies(spec: Any, op: str, arg: str, layout) -> list:
     return [layout(Replicate(), Replicate())] + [layout(Shard(d), Shard(0)) for d in rows]
 
 
+# add_norm_fwd's arguments after store_sum, with their defaults (a caller may omit them)
+_MODE_DEFAULTS = (True, None, None, None, None, 0.0, None)
+
+
 def _forward_rule(op: str):
-    """Sharding function of add_norm_fwd / norm_add_fwd: (y, s|y, mean, rstd) from
-    (x, residual, weight, bias, *scalars)."""
+    """Sharding function of add_norm_fwd / norm_add_fwd: (y, s|y, mean, rstd[, y1]) from
+    (x, residual, weight, bias, *scalars[, round_sum_first, x1, rowscale, weight1, bias1, dropout_p, seed])."""
     def rule(x, residual, weight, bias, kind, *rest):
         from torch.distributed.tensor import Replicate
-        if residual is not None:
-            _row_dims(residual, op, "residual")
-        # rest: eps, weight_offset, residual_scale, 3 dtypes, store_sum / store_norm (, round_sum_first)
-        store_extra = bool(rest[6]) and (residual is not None or op == "norm_add_fwd")
-        n_scalars = len(rest) + 1  # kind and the rest
+        scalars, modes = rest[:7], rest[7:]  # eps, weight_offset, residual_scale, 3 dtypes, store_*
+        round_sum_first, x1, rowscale, weight1, bias1, dropout_p, seed = (*modes, *_MODE_DEFAULTS[len(modes):])
+        for name, t in (("residual", residual), ("x1", x1)):
+            if t is not None:
+                _row_dims(t, op, name)
+        has_sum = residual is not None or x1 is not None or rowscale is not None or dropout_p > 0
+        store_extra = bool(scalars[6]) and (has_sum or op == "norm_add_fwd")
 
         def layout(act, stats):
+            def rep(t):
+                return None if t is None else Replicate()
             outs = [act, act if store_extra else Replicate(),
                     stats if kind == "layer_norm" else Replicate(), stats]
-            ins = [act, None if residual is None else act, None if weight is None else Replicate(),
-                   None if bias is None else Replicate()] + [None] * n_scalars
+            ins = [act, None if residual is None else act, rep(weight), rep(bias)] + [None] * (1 + len(scalars))
+            if op == "add_norm_fwd":
+                outs.append(Replicate() if weight1 is None else act)
+                # rowscale's dims are x's row dims: a row shard of x is the same shard of it
+                ins += [None, None if x1 is None else act, None if rowscale is None else act, rep(weight1),
+                        rep(bias1), None, rep(seed)][:len(modes)]
             return outs, ins
         return _strategies(x, op, "x", layout)
     return rule
 
 
 def _backward_rule(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add,
-                   x_dtype, residual_dtype, bias_dtype):
+                   x_dtype, residual_dtype, bias_dtype, *modes):
     from torch.distributed.tensor import Partial, Replicate
     op = "add_norm_bwd"
+    dy1, weight1, bias1_dtype, x1_dtype, rowscale, dropout_p, seed = (
+        *modes, *(None, None, None, None, None, 0.0, None)[len(modes):])
 
     def layout(act, stats):
         grad = Partial() if act != Replicate() else Replicate()
+        has_y1 = dy1 is not None
         outs = [act, act if residual_dtype is not None else Replicate(),
-                grad if weight is not None else Replicate(), grad if bias_dtype is not None else Replicate()]
+                grad if weight is not None else Replicate(), grad if bias_dtype is not None else Replicate(),
+                act if x1_dtype is not None else Replicate(),
+                grad if has_y1 and weight1 is not None else Replicate(),
+                grad if has_y1 and bias1_dtype is not None else Replicate()]
         ins = [act, None if dextra is None else act, act, stats if kind == "layer_norm" else Replicate(), stats,
                None if weight is None else Replicate()] + [None] * 7
+        ins += [None if dy1 is None else act, None if weight1 is None else Replicate(), None, None,
+                None if rowscale is None else act, None, None if seed is None else Replicate()][:len(modes)]
         return outs, ins
     # offered only the input's own sharding: the statistics hold exactly its rows
     return _strategies(inp, op, "the saved norm input", layout)

@@ -445,14 +445,20 @@ def _launch_fwd(x, residual, weight, bias, y, s, kind, eps, weight_offset, resid
 
 
 def add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype,
-                 out_dtype, store_sum, round_sum_first=True):
+                 out_dtype, store_sum, round_sum_first=True, x1=None, rowscale=None, weight1=None, bias1=None,
+                 dropout_p=0.0, seed=None):
+    if x1 is not None or rowscale is not None or weight1 is not None or dropout_p > 0:
+        from normfuse.kernels import reference  # the modes' kernels are not written yet
+        return reference.add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
+                                      norm_round_dtype, out_dtype, store_sum, round_sum_first, x1, rowscale,
+                                      weight1, bias1, dropout_p, seed)
     y = x.new_empty(x.shape, dtype=out_dtype)
     s = x.new_empty(x.shape, dtype=sum_dtype) if store_sum else None
     n_cols = x.shape[-1]
     mean, rstd = _launch_fwd(x, residual, weight, bias, y.view(-1, n_cols), None if s is None else s.view(-1, n_cols),
                              kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype, out_dtype,
                              store_sum, True, False, round_sum_first)
-    return y, s, mean, rstd
+    return y, s, mean, rstd, None
 
 
 def norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, norm_round_dtype, out_dtype,
@@ -467,7 +473,13 @@ def norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_s
 
 
 def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add, x_dtype,
-                 residual_dtype, bias_dtype):
+                 residual_dtype, bias_dtype, dy1=None, weight1=None, bias1_dtype=None, x1_dtype=None, rowscale=None,
+                 dropout_p=0.0, seed=None):
+    if dy1 is not None or x1_dtype is not None or rowscale is not None or dropout_p > 0:
+        from normfuse.kernels import reference
+        return reference.add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale,
+                                      post_add, x_dtype, residual_dtype, bias_dtype, dy1, weight1, bias1_dtype,
+                                      x1_dtype, rowscale, dropout_p, seed)
     n_cols = inp.shape[-1]
     inp2, dy2, de2 = _rows_2d(inp, n_cols), _rows_2d(dy, n_cols), _rows_2d(dextra, n_cols)
     n_rows = inp2.shape[0]
@@ -499,5 +511,10 @@ def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, resid
     # the [programs, N] fp32 partials are summed in fp32, rounded once to the parameter's dtype
     dw = None if weight is None else dw_part.sum(0).to(weight.dtype)
     db = None if bias_dtype is None else db_part.sum(0).to(bias_dtype)
-    return dx, dres, dw, db
+    return dx, dres, dw, db, None, None, None
+
+
+def dropout_keep(seed, n_rows, n_cols, p, device):
+    from normfuse.kernels import reference
+    return reference.dropout_keep(seed, n_rows, n_cols, p, device)
 
