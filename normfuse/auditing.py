@@ -147,8 +147,11 @@ def _is_free(index, node: fx.Node) -> bool:
     if node.op not in ("call_function", "call_method", "call_module") or node.target is operator.getitem:
         return True
     prim = index.prim(node)
-    if prim in ("view", "dropout"):
+    if prim == "view":
         return True
+    if prim == "dropout":  # identity in eval mode or at p = 0
+        c = index.canon(node)
+        return c["training"] is not True or not c["p"]
     if prim == "cast":
         src = index.canon(node)["input"]
         return node_dtype(src) == node_dtype(node)
@@ -175,6 +178,12 @@ def _eager(index, node: fx.Node) -> Traffic:
         # backward: reads dy, x, stats, weight; writes dx, dweight, dbias
         params = sum(_bytes(p) for p in (m["weight"], m["bias"]) if isinstance(p, fx.Node))
         t.add(bwd=2 * _bytes(x) + out + stats + 2 * params, bwd_kernels=1)
+        return t
+    if prim == "dropout":
+        # training-mode dropout also writes its keep mask (one byte an element), which the
+        # backward reads with the gradient (free in eval mode: _is_free)
+        t.add(fwd=reads + out + _numel(node), fwd_kernels=1)
+        t.add(bwd=out + _numel(node) + reads, bwd_kernels=1)
         return t
     t.add(fwd=reads + out, fwd_kernels=1)
     if prim in ("add", "sub"):
@@ -208,7 +217,8 @@ def _site_nodes(state, op: str | None) -> list[fx.Node]:
     nodes = list(m.nodes)
     if op == "add_norm" and state.in_add is not None:
         add = state.in_add
-        nodes = [add.node, *add.chain, *nodes]
+        folded = state.fold.nodes if state.fold is not None else []
+        nodes = [*reversed(folded), add.node, *add.chain, *nodes]
         if add.scaled is not None:  # alpha * x of DeepNorm, computed before the add
             scale = add.node.all_input_nodes[add.scaled] if len(add.node.all_input_nodes) > add.scaled else None
             if scale is not None and scale not in nodes:
@@ -220,6 +230,16 @@ def _site_nodes(state, op: str | None) -> list[fx.Node]:
         if n not in seen:
             seen.append(n)
     return seen
+
+
+def _kernel_operands(state) -> list:
+    """The tensors an add_norm kernel reads for the sum: the add's operands, or, with a folded
+    branch, its x, x1 and per-row scale in place of the branch value."""
+    fold = state.fold
+    if fold is None or not fold.folded:
+        return list(state.in_add.operands)
+    rest = [a for a in state.in_add.operands if a is not fold.nodes[0]]
+    return [fold.x, fold.x1, fold.rowscale, *rest]
 
 
 def _escapes(node: fx.Node, inside: set) -> bool:
@@ -244,6 +264,11 @@ def site_bytes(index, state, op: str | None) -> tuple[Traffic, Traffic, list[fx.
     if op is None:
         return eager, Traffic(eager.fwd, eager.bwd, eager.fwd_kernels, eager.bwd_kernels), nodes
     m = state.match
+    if state.lead is not None:
+        # computed by its lead norm's kernel, which reads the sum once: this norm adds its
+        # parameters and output (forward), dy1 and its parameter grads (backward), no kernel
+        params = sum(_bytes(p) for p in (m.weight, m.bias) if isinstance(p, fx.Node))
+        return eager, Traffic(fwd=params + _bytes(m.output), bwd=_bytes(m.output) + 2 * params), nodes
     n_cols = m.hidden_size or 1
     x_bytes = _bytes(m.input)
     rows = _numel(m.input) // n_cols
@@ -253,7 +278,7 @@ def site_bytes(index, state, op: str | None) -> tuple[Traffic, Traffic, list[fx.
     fused = Traffic(fwd_kernels=1, bwd_kernels=1)
     if op == "add_norm":
         add = state.in_add.node
-        operands = sum(_bytes(a) for a in state.in_add.operands if isinstance(a, fx.Node))
+        operands = sum(_bytes(a) for a in _kernel_operands(state) if isinstance(a, fx.Node))
         s_bytes = _bytes(add)
         sum_chain = [add, *state.in_add.chain]
         stored = any(_escapes(n, inside) for n in sum_chain)
@@ -370,6 +395,10 @@ class AuditReport:
             "fused": sum(s.would_fuse for s in self.sites),
             "fused_with_add": sum(s.would_fuse and s.site.op in ("add_norm", "norm_add") for s in self.sites),
             "by_op": dict(ops),
+            # fused kernels (two norms of one value share one) and what they take from the branch
+            "fused_calls": len({s.site.call or s.site.id for s in self.sites if s.would_fuse}),
+            **{key: sum(getattr(s.site, key) for s in self.sites if s.would_fuse)
+               for key in ("fused_x1", "fused_rowscale", "fused_dropout")},
             "by_placement": dict(Counter(placements)),
             "by_kind": dict(Counter(s.site.kind for s in self.sites)),
             "by_form": dict(Counter(s.site.form for s in self.sites)),

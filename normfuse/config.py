@@ -34,6 +34,14 @@ class FuseConfig:
                 that ends a block fuses with the norm that starts the next one even when each
                 block is a region of its own (checkpointing, FSDP2, per-block compile). Exact:
                 the same adds and norms, regrouped. Streams that do not fit stay as they were.
+    fuse_branch: fold what the branch does just before its residual add into the kernel: a
+                second add (``x + attn + mlp``) and a per-sample scale (timm's drop_path).
+                Exact (normfuse/passes/branch.py).
+    fuse_dropout: with fuse_branch, also draw the branch's training-mode dropout in the
+                kernel: the same distribution from another random stream (the checker
+                compares such sites given the kernel's mask).
+    pair_norms: two norms of the same value with the same modes (parallel blocks) become one
+                call that reads the value once and writes both outputs.
     """
 
     filter_fn: Callable[[Any], bool] | None = None
@@ -44,6 +52,9 @@ class FuseConfig:
     residual_dtype: Any = None
     recompute_norm_output: bool = False
     cross_block: bool = False
+    fuse_branch: bool = True
+    fuse_dropout: bool = True
+    pair_norms: bool = True
 
     def __post_init__(self):
         if self.filter_fn is not None and not callable(self.filter_fn):
@@ -54,7 +65,8 @@ class FuseConfig:
             raise InvalidOptionError(
                 f"residual_dtype must be None (the stream keeps the model's dtype) or torch.float32, got "
                 f"{self.residual_dtype!r}. Pass residual_dtype=torch.float32.")
-        for name in ("standalone", "fuse_output_add", "prenorm", "check", "recompute_norm_output", "cross_block"):
+        for name in ("standalone", "fuse_output_add", "prenorm", "check", "recompute_norm_output", "cross_block",
+                     "fuse_branch", "fuse_dropout", "pair_norms"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidOptionError(f"{name} must be True or False, got {value!r}.")

@@ -41,6 +41,11 @@ class Site:
     module_type: str | None = None
     residual_dtype: str | None = None  # the site writes (or reads) a residual stream kept in this dtype
     recomputed_linears: int = 0  # linears reading the norm output, which recompute it in backward
+    call: str | None = None     # the fused call computing it ("g0.c3"); sites computed together share it
+    # what the call takes from the add's branch (set on the first site of a shared call only):
+    fused_x1: bool = False      # a second branch (``x + attn + mlp``) summed in the kernel
+    fused_rowscale: bool = False  # a per-sample scale of the branch (drop_path) applied in the kernel
+    fused_dropout: bool = False   # the branch's dropout drawn in the kernel (another random stream)
     graph: int = 0              # the graph it was found in (nested subgraphs count as graphs)
     number: int = 0             # its place among that graph's sites, in graph order
 
@@ -102,13 +107,24 @@ class FusionReport:
             "by_kind": dict(Counter(s.kind for s in self.sites)),
             "by_form": dict(Counter(s.form for s in self.sites)),
             "converted": sum(s.converted for s in self.sites),
+            # kernels: fused calls (two norms of one value share one); what their branches folded
+            "fused_calls": len({s.call or s.id for s in self.fused}),
+            "fused_x1": sum(s.fused_x1 for s in self.fused),
+            "fused_rowscale": sum(s.fused_rowscale for s in self.fused),
+            "fused_dropout": sum(s.fused_dropout for s in self.fused),
         }
+
+    def call_members(self, site: Site) -> list[Site]:
+        """The sites computed by the same fused call as ``site`` (itself included)."""
+        return [s for s in self.sites if s is site or (site.call is not None and s.call == site.call)]
 
     def extend(self, other: "FusionReport") -> None:
         offset = self.graphs
         for site in other.sites:
             site.graph += offset
             site.id = f"g{site.graph}.s{site.number}"
+            if site.call is not None:
+                site.call = f"g{site.graph}.c{site.call.partition('.c')[2]}"
             self.sites.append(site)
         for region in other.regions:
             region.parent += offset
@@ -154,13 +170,23 @@ class FusionReport:
                 f"({c['fused_with_add']} with their residual add)")
         rows = [head]
         for s in self.sites:
-            what = f"fused as {s.op}" if s.fused else f"left: {s.reason}"
+            what = f"fused as {s.op}{_folded(s)}" if s.fused else f"left: {s.reason}"
+            others = [m.id for m in self.call_members(s) if m is not s] if s.fused else []
+            if others:
+                what += f" (one kernel with {', '.join(others)})"
             rows.append(f"  {s.id:8s} {s.placement:10s} {s.kind:10s} {s.form:22s} {s.fqn or '?':40s} {what}")
         for r in self.regions_not_analyzed:
             rows.append(f"  not analyzed: {r.name} of graph {r.parent} ({r.op}): {r.reason}")
         for w in self.warnings:
             rows.append(f"  warning: {w}")
         return "\n".join(rows)
+
+
+def _folded(site: Site) -> str:
+    """What the site's kernel took over from the add's branch, e.g. " + x1 + dropout"."""
+    steps = [name for name, on in (("x1", site.fused_x1), ("drop_path", site.fused_rowscale),
+                                   ("dropout", site.fused_dropout)) if on]
+    return "".join(f" + {step}" for step in steps)
 
 
 SITE_FIELDS = tuple(f.name for f in fields(Site))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["KINDS", "PLACEMENTS", "FORMS", "FUSED_OPS", "KERNEL_DTYPES", "CONVERTED_META", "FINAL_META",
-           "GRAPH_META", "LAYOUT_META"]
+           "GRAPH_META", "LAYOUT_META", "FOLDED_META", "ROWS_META"]
 
 # what a norm computes
 KINDS = ("layer_norm", "rms_norm")
@@ -35,3 +35,5 @@ FINAL_META = "normfuse_final_norm"        # on a final norm node: its fqn
 GRAPH_META = "normfuse_prenorm"           # on the graph module: the streams converted in it
 # node.meta key of the rewrite
 LAYOUT_META = "normfuse_layout"           # on a permute the rewrite inserted around a fused call: its dims
+FOLDED_META = "normfuse_folded"           # on a fused call: names of the branch nodes it computes (x1, drop path, dropout)
+ROWS_META = "normfuse_rows"               # on the view the rewrite made of a per-sample scale: the kernel's rowscale

@@ -27,7 +27,7 @@ import warnings
 import pytest
 import torch
 import torch.fx as fx
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.shape_prop import ShapeProp
@@ -141,8 +141,23 @@ def _fuzz_make_fx(cfg):
     return rep
 
 
+# Examples the long runs found, kept in the default run.
+# Two written-out LayerNorms (var form) of one value: the second took the first's mean and
+# x - mean (equal values after CSE), which the first had claimed, and was not found.
+_TWO_VAR_NORMS = dict(placement="parallel", kind="layer_norm", spelling="manual_var", dtype=torch.float32,
+                      eps=1e-06, hidden=2, add_order="x+f", depth=1, embed_norm=False, final_norm=None, seq=1,
+                      seed=0, dropout=0.0)
+# bf16 T5-style RMSNorms of one value with eps = 0: as two kernels, a bias gradient's error was
+# 12x eager's (0.047 against 0.004, over the rule's bound 0.038); as one kernel for the pair
+# (the default, pair_norms=True), within the rule. With pair_norms=False it still exceeds it.
+_TWO_T5_NORMS = dict(placement="parallel", kind="rms_norm", spelling="t5", dtype=torch.bfloat16, eps=0.0,
+                     hidden=6, add_order="x+f", depth=2, embed_norm=False, final_norm=None, seq=2, seed=2,
+                     dropout=0.0)
+
+
 @_profile(70)
 @given(stacks())
+@example(_TWO_VAR_NORMS)
 def test_fuzz_fuse_graph_on_aten_graphs(cfg):
     _fuzz_make_fx(cfg)
 
@@ -264,6 +279,7 @@ def _two_column_noise(grads) -> float:
 
 @_profile(10)
 @given(stacks())
+@example(_TWO_T5_NORMS)
 def test_fuzz_optimize_forward_backward(cfg):
     _fuzz_optimize(cfg)
 

@@ -25,7 +25,9 @@ from helpers import assert_close
 #   sandwich: 2 x 2 pre norms + final (pre) and 2 x 2 inner norms (sandwich); the add after
 #             each inner norm is folded into the next pre norm, so inner norms run alone.
 #   parallel: two norms read the same x in each block (4 parallel) + the final norm; all read
-#             an add (tok + pos, then x + attn + mlp); each add is folded into one of its two norms.
+#             an add (tok + pos, then x + attn + mlp). The two norms of a block are one kernel
+#             (3 calls for 5 sites): block 0's reads the broadcast tok + pos, so it is a norm
+#             alone; block 1's and the final norm's take the three-operand sum (x1).
 #   deepnorm: norm(alpha * x + F(x)), 2 x 2.
 EXPECTED = {
     "pre": dict(placements={"pre": 5}, fused_add=4, input_is_add=5, ops={"add_norm": 4, "norm": 1}),
@@ -34,8 +36,8 @@ EXPECTED = {
     "res_post": dict(placements={"res_post": 4}, fused_add=4, input_is_add=0, ops={"norm_add": 4}),
     "sandwich": dict(placements={"pre": 5, "sandwich": 4}, fused_add=4, input_is_add=5,
                      ops={"add_norm": 4, "norm": 5}),
-    "parallel": dict(placements={"parallel": 4, "pre": 1}, fused_add=2, input_is_add=5,
-                     ops={"add_norm": 2, "norm": 3}),
+    "parallel": dict(placements={"parallel": 4, "pre": 1}, fused_add=3, input_is_add=5,
+                     ops={"add_norm": 3, "norm": 2}, calls=3, x1=2),
     "deepnorm": dict(placements={"deepnorm": 4}, fused_add=4, input_is_add=4, ops={"add_norm": 4}),
 }
 
@@ -71,6 +73,8 @@ def test_placements(placement, kind, spelling):
     assert c["fused_with_add"] == want["fused_add"]
     assert c["input_is_add"] == want["input_is_add"]
     assert _ops(rep) == want["ops"]
+    assert c["fused_calls"] == want.get("calls", c["fused"])
+    assert c["fused_x1"] == want.get("x1", 0)
     assert all(s.kind == kind for s in rep.sites)
     assert_close(out, ref)
 

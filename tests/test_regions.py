@@ -17,8 +17,8 @@ from torch.utils.checkpoint import checkpoint
 
 import normfuse
 from normfuse.passes.pipeline import NormFusionPass
-from normfuse.tolerances import within_tolerance
 from normfuse.zoo import ToyTransformer, example_inputs, hf_model
+from tests.helpers import assert_within
 
 IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 
@@ -89,7 +89,7 @@ def test_checkpointed_blocks_are_entered_and_fused(wrap, cross_block):
     # bit-identical on CPU, gradients within the tolerance rule against fp64
     assert torch.equal(out, ref_out)
     for name, g in ref_grads.items():
-        assert within_tolerance(grads[name], g, grads64[name]), name
+        assert_within(grads[name], g, grads64[name], name)
 
 
 _NO_DROPOUT = {"bert": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
@@ -132,7 +132,7 @@ def test_hf_gradient_checkpointing(family, cross_block):
                                          ref64.named_parameters()):
         assert (p.grad is None) == (q.grad is None), name
         if p.grad is not None:
-            assert within_tolerance(p.grad, q.grad, r.grad), name
+            assert_within(p.grad, q.grad, r.grad, name)
 
 
 def test_check_verifies_sites_inside_checkpointed_regions():
@@ -194,7 +194,7 @@ def test_inductor_custom_post_grad_pass(kind):
         ref64 = copy.deepcopy(model).double()(IDS)
     counts = fusion.report.counts()
     assert counts["sites"] == 5 and counts["fused"] == 5 and counts["fused_with_add"] == 4, str(fusion.report)
-    assert within_tolerance(out, ref, ref64)
+    assert_within(out, ref, ref64)
 
 
 def test_pass_on_a_bare_graph_rewrites_it_in_place():

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-__all__ = ["real_users", "is_check_only", "Canon", "canonicalize", "canonical", "common_subexpressions", "SPELLINGS", "PARAMS", "tensor_meta", "node_dtype",
+__all__ = ["real_users", "mutates", "is_check_only", "Canon", "canonicalize", "canonical", "common_subexpressions", "SPELLINGS", "PARAMS", "tensor_meta", "node_dtype",
            "node_shape", "dim_value", "same_dim", "same_shape", "last_dim", "LOW_PRECISION", "is_exact_upcast"]
 
 aten = torch.ops.aten
@@ -247,7 +247,7 @@ def canonicalize(graph: fx.Graph) -> dict[fx.Node, Canon]:
 _IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
 
 
-def _mutates(node: fx.Node) -> bool:
+def mutates(node: fx.Node) -> bool:
     if node.op == "call_method":
         return node.target.endswith("_") and not node.target.endswith("__")
     if node.op != "call_function":
@@ -291,10 +291,10 @@ def common_subexpressions(graph: fx.Graph, view: dict[fx.Node, Canon]) -> dict[f
             key: Any = ("get_attr", node.target)
         else:
             c = view.get(node)
-            if c is None or c.multi_output or _mutates(node) or (c.prim == "dropout" and not (
+            if c is None or c.multi_output or mutates(node) or (c.prim == "dropout" and not (
                     c["training"] is False or c["p"] == 0)):
                 continue
-            if any(_mutates(u) for p in node.all_input_nodes for u in p.users):
+            if any(mutates(u) for p in node.all_input_nodes for u in p.users):
                 continue
             shape = node_shape(node)
             key = (c.prim, _frozen(c.args, rep), node_dtype(node), None if shape is None else repr(shape))

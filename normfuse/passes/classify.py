@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.fx as fx
 
@@ -40,6 +41,10 @@ class SiteState:
     output_chain: list[fx.Node] = field(default_factory=list)
     placement: str = "standalone"
     group: list["SiteState"] = field(default_factory=list)  # states reading the same value
+    # set by the rewrite's plan: what the kernel takes from the add's branch (a BranchFold),
+    # and, for a norm computed by another norm's call (two norms of one value), that norm
+    fold: Any = None
+    lead: "SiteState | None" = None
 
     @property
     def input_is_add(self) -> bool:

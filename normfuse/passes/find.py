@@ -291,8 +291,10 @@ def _match_decomposed(index: GraphIndex, mean: fx.Node, c: Canon) -> NormMatch |
     return None
 
 
-def _match_var_layer_norm(index: GraphIndex, var: fx.Node, c: Canon) -> NormMatch | None:
-    """``(u - mean(u)) * rsqrt(var(u, unbiased=False) + eps)``."""
+def _match_var_layer_norm(index: GraphIndex, var: fx.Node, c: Canon, claimed: set) -> NormMatch | None:
+    """``(u - mean(u)) * rsqrt(var(u, unbiased=False) + eps)``. ``claimed``: nodes of norms found
+    before; two norms of one value (parallel blocks) each have their own ``mean`` and ``u - mean``,
+    equal to the other's, and each takes its own."""
     u = c["input"]
     shape = node_shape(u)
     if shape is None or not _last_dim_only(c["dim"], len(shape)) or not c["keepdim"] or c["unbiased"]:
@@ -301,13 +303,13 @@ def _match_var_layer_norm(index: GraphIndex, var: fx.Node, c: Canon) -> NormMatc
     siblings = [g for t in {var.args[0]} if isinstance(var.args[0], fx.Node) and var.target is operator.getitem
                 for g in t.users]
     for mean in (x for x in [*(getattr(u, "users", None) or ()), *siblings]
-                 if index.prim(x) == "mean" and index.canon(x)["input"] is u):
+                 if index.prim(x) == "mean" and index.canon(x)["input"] is u and x not in claimed):
         cm = index.canon(mean)
         if not _last_dim_only(cm["dim"], len(shape)) or not cm["keepdim"]:
             continue
         for d in mean.users:
             cd = index.canon(d)
-            if cd is None or cd.prim != "sub" or not index.same(cd["other"], mean):
+            if cd is None or cd.prim != "sub" or not index.same(cd["other"], mean) or d in claimed:
                 continue
             m = _finish_decomposed(index, "layer_norm", u, var, d, [mean, d, var], last_dim(u), var)
             if m is not None:
@@ -426,7 +428,7 @@ def find_norms(index: GraphIndex) -> list[NormMatch]:
         elif c.prim == "mean":
             m = _match_decomposed(index, node, c)
         elif c.prim == "var":
-            m = _match_var_layer_norm(index, node, c)
+            m = _match_var_layer_norm(index, node, c, claimed)
         if m is None or any(x in claimed for x in m.nodes):
             continue
         if m.reason is None and m.weight is not None and not _vector_of(m.weight, m.hidden_size):

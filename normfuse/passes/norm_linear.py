@@ -57,8 +57,8 @@ def recompute_for_linears(graph: fx.Graph, calls: dict[fx.Node, object]) -> int:
     order = {n: i for i, n in enumerate(graph.nodes)}
     changed = 0
     for call, site in calls.items():
-        if call.target is not add_norm or call.kwargs.get("sum_dtype") is None:
-            continue  # norm_add (its y is not the stream's) or a graph calling the custom ops
+        if call.target is not add_norm or call.kwargs.get("sum_dtype") is None or "weight1" in call.kwargs:
+            continue  # norm_add (its y is not the stream's), a graph calling the custom ops, two norms
         y = _norm_output(call)
         if y is None:
             continue

@@ -316,33 +316,55 @@ class NormFusionPass(CustomGraphPass):
         calls = {}
         claimed: set = set()
         reserved = {s.in_add.node for s in states if s.in_add is not None and s.in_add.reason is None}
+        site_of = {id(state): site for state, site in zip(states, sites)}
+        taken: set = set()  # states already computed by another norm's call (its partner)
+        planned = 0         # calls planned so far: their ids
         for state, site in zip(states, sites):
+            if id(state) in taken:
+                continue
             if config.filter_fn is not None and not config.filter_fn(site):
                 site.reason = "excluded by filter_fn"
+                taken.add(id(state))
                 continue
-            plan, reason = rewrite.plan(index, state, claimed, reserved, config.fuse_output_add)
+            plan, reason = rewrite.plan(index, state, claimed, reserved, config, self._as_op, taken)
             if plan is None:
                 site.reason = reason
                 continue
             if plan.op == "norm" and not config.standalone:
                 site.reason = "standalone norms not rewritten (standalone=False)"
                 continue
-            site.add_reason = rewrite.add_reason(state, plan, claimed, reserved, config.fuse_output_add)
+            site.add_reason = rewrite.add_reason(state, plan, claimed, reserved, config)
             # an add folded into one kernel is not folded into another, in analysis mode too
-            for node in (state.in_add.node if plan.op == "add_norm" else None, plan.output_add):
+            for node in (state.in_add.node if plan.op == "add_norm" else None, plan.output_add, *plan.branch.nodes):
                 if node is not None:
                     claimed.add(node)
+            group = [site]
+            state.fold = plan.branch
+            if plan.partner is not None:
+                taken.add(id(plan.partner))
+                plan.partner.lead = state
+                partner_site = site_of[id(plan.partner)]
+                partner_site.add_reason = site.add_reason
+                group.append(partner_site)
+            call_id = f"g{site.graph}.c{planned}"
+            planned += 1
+            for member in group:  # what the call will compute (the audit reports it too)
+                member.call, member.op = call_id, plan.op
+            site.fused_dropout = bool(plan.branch.dropout_p)
+            site.fused_rowscale = plan.branch.rowscale is not None
+            site.fused_x1 = plan.branch.x1 is not None
             if not self.apply:
-                site.reason = "not applied (analysis only)"
-                site.op = plan.op
+                for member in group:
+                    member.reason = "not applied (analysis only)"
                 continue
             calls[rewrite.apply(index, plan, as_op=self._as_op)[0]] = site
-            site.fused, site.op = True, plan.op
-            site.fused_add = plan.op in ("add_norm", "norm_add")
-            site.residual_scale = plan.residual_scale
-            site.sum_dtype = str(plan.sum_dtype) if plan.sum_dtype is not None else None
-            if plan.op == "add_norm" and not site.input_is_add:
-                site.input_is_add = True
+            for member in group:
+                member.fused = True
+                member.fused_add = plan.op in ("add_norm", "norm_add")
+                member.residual_scale = plan.residual_scale
+                member.sum_dtype = str(plan.sum_dtype) if plan.sum_dtype is not None else None
+                if plan.op == "add_norm" and not member.input_is_add:
+                    member.input_is_add = True
         for site in sites:
             if not site.fused and site.reason is None:
                 site.reason = "not rewritten"

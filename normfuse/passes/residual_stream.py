@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from normfuse.kernels.add_norm import add_norm, norm_add
 from normfuse.passes.canonical import node_dtype
+from normfuse.passes.rewrite import output_index
 
 __all__ = ["widen_stream", "WIDENED_DTYPES"]
 
@@ -60,7 +61,7 @@ def widen_stream(graph: fx.Graph, calls: dict[fx.Node, object], dtype: torch.dty
     changed = []
     for call, site in calls.items():
         if call.target is add_norm and call.args[1] is not None:
-            key, out_index = "sum_dtype", 1
+            key, out_index = "sum_dtype", output_index(False, "weight1" in call.kwargs)["s"]
         elif call.target is norm_add:
             key, out_index = "add_dtype", 0
         else:

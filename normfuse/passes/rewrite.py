@@ -4,6 +4,9 @@
                      anything else still reads it.
 - norm -> add      : ``norm_add(f, stream, w, b, ...)`` for ``x + norm(f)`` (res-post, sandwich).
 - a norm alone     : ``add_norm(x, None, w, b, ...)``, one kernel instead of HF's ~8.
+- two norms of one value (parallel blocks): one call, the second norm as ``weight1``/``bias1``.
+- the add's branch: a second add, a per-sample scale or live dropout just before the add
+  become the kernel's ``x1``, ``rowscale``, ``dropout_p`` (``normfuse/passes/branch.py``).
 
 A state that fails a precondition is left exactly as it was, with a reason. Each add is
 folded into at most one kernel (the first norm that claims it).
@@ -19,11 +22,12 @@ import torch
 import torch.fx as fx
 
 from normfuse.kernels.add_norm import add_norm, norm_add
+from normfuse.passes.branch import BranchFold, fold_branch
 from normfuse.passes.canonical import node_dtype, node_shape, real_users, same_shape, tensor_meta
 from normfuse.passes.classify import SiteState, stream_operand
 from normfuse.passes.find import as_add
 from normfuse.passes.graph import GraphIndex
-from normfuse.vocabulary import KERNEL_DTYPES, LAYOUT_META
+from normfuse.vocabulary import FOLDED_META, KERNEL_DTYPES, LAYOUT_META, ROWS_META
 
 __all__ = ["plan", "apply", "add_reason", "Plan", "is_fused_call", "fused_op_name"]
 
@@ -58,7 +62,8 @@ class Plan:
 
     def __init__(self, state: SiteState, op: str, x: Any, residual: Any = None, output_add: fx.Node | None = None,
                  residual_scale: float = 1.0, sum_dtype: torch.dtype | None = None,
-                 permute: tuple[int, ...] | None = None):
+                 permute: tuple[int, ...] | None = None, branch: BranchFold | None = None,
+                 partner: SiteState | None = None):
         self.state = state
         self.op = op                    # "add_norm" | "norm_add" | "norm"
         self.x = x
@@ -67,6 +72,36 @@ class Plan:
         self.residual_scale = residual_scale
         self.sum_dtype = sum_dtype
         self.permute = permute          # the kernel reads x and residual permuted by these dims
+        self.branch = branch or BranchFold(x)  # x1 / rowscale / dropout taken from the add's branch (x is branch.x)
+        self.partner = partner          # a second norm of the same value, computed by the same call
+
+
+def _same_modes(a: SiteState, b: SiteState) -> bool:
+    """Two norms one kernel can compute from one set of row statistics (weights may differ)."""
+    m, n = a.match, b.match
+    return (m.kind, m.eps, m.weight_offset, m.norm_round_dtype, m.out_dtype, m.hidden_size) == (
+        n.kind, n.eps, n.weight_offset, n.norm_round_dtype, n.out_dtype, n.hidden_size)
+
+
+def _partner(index: GraphIndex, state: SiteState, taken: set) -> SiteState | None:
+    """Another norm reading the very value this one reads, with the same modes (parallel blocks:
+    GPT-NeoX, GPT-J, timm's parallel ViT); both need a weight, since the kernel's second output
+    exists when it has one."""
+    m = state.match
+    if m.weight is None:
+        return None
+    for other in state.group:
+        o = other.match
+        if other is state or id(other) in taken or o.weight is None or _refusal(other) is not None:
+            continue
+        if index.order[o.output] < index.order[m.output] or not index.same(o.input, m.input):
+            continue
+        if (state.in_add is None) != (other.in_add is None) or (
+                state.in_add is not None and state.in_add.node is not other.in_add.node):
+            continue
+        if _same_modes(state, other) and node_dtype(o.weight) is not None:
+            return other
+    return None
 
 
 def _refusal(state: SiteState) -> str | None:
@@ -90,12 +125,22 @@ def _refusal(state: SiteState) -> str | None:
                             if isinstance(n, fx.Node)])
 
 
-def plan(index: GraphIndex, state: SiteState, claimed: set, reserved: set, fuse_output_add: bool
-         ) -> tuple[Plan | None, str | None]:
+def plan(index: GraphIndex, state: SiteState, claimed: set, reserved: set, config, as_op: bool = False,
+         taken: set = frozenset()) -> tuple[Plan | None, str | None]:
     """Choose the op for one state; returns (plan, None) or (None, reason).
 
     ``claimed``: adds already folded into a kernel. ``reserved``: adds that some norm reads;
-    those go to that norm (add -> norm) rather than to a norm -> add before it."""
+    those go to that norm (add -> norm) rather than to a norm -> add before it. ``config``:
+    the FuseConfig; ``as_op``: the graph is ATen (Inductor's post-grad passes), where the
+    rewrite calls the custom op and no seed can be drawn for a folded dropout. ``taken``:
+    ids of states already rewritten (as another norm's partner)."""
+    chosen, reason = _plan(index, state, claimed, reserved, config, as_op)
+    if chosen is not None and config.pair_norms and chosen.op in ("add_norm", "norm") and chosen.permute is None:
+        chosen.partner = _partner(index, state, taken)
+    return chosen, reason
+
+
+def _plan(index: GraphIndex, state: SiteState, claimed: set, reserved: set, config, as_op: bool):
     reason = _refusal(state)
     if reason:
         return None, reason
@@ -119,9 +164,19 @@ def plan(index: GraphIndex, state: SiteState, claimed: set, reserved: set, fuse_
         else:
             stream = stream_operand(index, add)
             x, residual = (b, a) if stream == 0 else (a, b)
-        return Plan(state, "add_norm", x, residual, residual_scale=add.residual_scale,
-                    sum_dtype=node_dtype(add.node), permute=add.permute), None
-    if fuse_output_add and out is not None and out.reason is None and out.node not in claimed \
+        branch = None
+        if add.permute is None and config.fuse_branch:
+            modes = dict(second=True, rowscale=True, dropout=config.fuse_dropout and not as_op)
+            branch = fold_branch(index, add.node, x, **modes)
+            if not branch.folded and add.scaled is None:
+                # the stream may be unknown (an operand is an earlier site's fresh output): the
+                # other operand may be the branch; x and residual play the same part in the sum
+                other = fold_branch(index, add.node, residual, **modes)
+                if other.folded:
+                    branch, residual = other, x
+        return Plan(state, "add_norm", branch.x if branch else x, residual, residual_scale=add.residual_scale,
+                    sum_dtype=node_dtype(add.node), permute=add.permute, branch=branch), None
+    if config.fuse_output_add and out is not None and out.reason is None and out.node not in claimed \
             and out.node not in reserved and add is None and state.placement in ("res_post", "sandwich") \
             and not state.output_chain:
         stream = stream_operand(index, out)
@@ -134,7 +189,7 @@ def plan(index: GraphIndex, state: SiteState, claimed: set, reserved: set, fuse_
     return Plan(state, "norm", m.input, None, sum_dtype=node_dtype(m.input)), None
 
 
-def add_reason(state: SiteState, p: Plan, claimed: set, reserved: set, fuse_output_add: bool) -> str | None:
+def add_reason(state: SiteState, p: Plan, claimed: set, reserved: set, config) -> str | None:
     """Why the add next to a state is not in the state's kernel (None when the kernel holds an add,
     or no add is next to it). Call before the state's own adds are claimed."""
     if p.op in ("add_norm", "norm_add"):
@@ -149,7 +204,7 @@ def add_reason(state: SiteState, p: Plan, claimed: set, reserved: set, fuse_outp
         return out.reason
     if out.node in claimed or out.node in reserved:
         return "the add after the norm is folded into the kernel of the norm that reads its sum"
-    if not fuse_output_add:
+    if not config.fuse_output_add:
         return "adds after a norm are not folded (fuse_output_add=False)"
     if state.output_chain:
         return "views or dropout sit between the norm and the add after it"
@@ -173,8 +228,12 @@ def _insertion_point(index: GraphIndex, p: Plan) -> fx.Node:
         candidates += [p.state.in_add.node, *p.state.in_add.chain]
     if p.output_add is not None:
         candidates.append(p.output_add)
+    if p.partner is not None:
+        candidates += [*p.partner.match.nodes, p.partner.match.output]
     first = min(candidates, key=index.order.__getitem__)
-    for operand in (p.x, p.residual, m.weight, m.bias):
+    extra = (p.branch.x1, p.branch.rowscale) + (
+        (p.partner.match.weight, p.partner.match.bias) if p.partner is not None else ())
+    for operand in (p.x, p.residual, m.weight, m.bias, *extra):
         if isinstance(operand, fx.Node) and index.order[operand] >= index.order[first]:
             if operand.op == "get_attr":  # get_attr has no inputs: safe to move up
                 first.prepend(operand)
@@ -207,7 +266,8 @@ def _fused_call(graph: fx.Graph, family: str, args: tuple, options: dict, as_op:
     if family == "add_norm":
         target = torch.ops.normfuse.add_norm_fwd.default
         op_args = (*args, o["kind"], o["eps"], o["weight_offset"], o["residual_scale"], o["sum_dtype"],
-                   o["norm_round_dtype"], o["out_dtype"], o["return_sum"])
+                   o["norm_round_dtype"], o["out_dtype"], o["return_sum"], True, o.get("x1"), o.get("rowscale"),
+                   o.get("weight1"), o.get("bias1"))
     else:
         target = torch.ops.normfuse.norm_add_fwd.default
         op_args = (*args, o["kind"], o["eps"], o["weight_offset"], o["residual_scale"], o["norm_round_dtype"],
@@ -221,12 +281,57 @@ def _fused_call(graph: fx.Graph, family: str, args: tuple, options: dict, as_op:
     return call
 
 
+def output_index(as_op: bool, paired: bool) -> dict[str, int]:
+    """Where y, y1 and s are among the outputs of a rewritten call: the functional API returns
+    (y, s), or (y, y1, s) with a second norm; the custom op (y, s, mean, rstd, y1)."""
+    if as_op:
+        return {"y": 0, "s": 1, "y1": 4}
+    return {"y": 0, "y1": 1, "s": 2} if paired else {"y": 0, "s": 1}
+
+
+def _per_row(graph: fx.Graph, scale: fx.Node, shape: tuple, as_op: bool) -> list[fx.Node]:
+    """A (B, 1, ..., 1) scale as the kernel's one number per row: reshaped and expanded to
+    shape[:-1] (a view; the op reads it as rows)."""
+    flat_shape, rows_shape = list(node_shape(scale)[:-1]), list(shape[:-1])
+    if as_op:
+        flat = graph.call_function(torch.ops.aten.view.default, (scale, flat_shape))
+        rows = graph.call_function(torch.ops.aten.expand.default, (flat, rows_shape))
+    else:
+        flat = graph.call_method("reshape", (scale, *flat_shape))
+        rows = graph.call_method("expand", (flat, *rows_shape))
+    for key in ("val", "example_value"):
+        val = scale.meta.get(key)
+        if isinstance(val, torch.Tensor):
+            flat.meta[key] = val.reshape(flat_shape)
+            rows.meta[key] = flat.meta[key].expand(rows_shape)
+    rows.meta[ROWS_META] = True
+    return [flat, rows]
+
+
+def _branch_and_partner_options(graph: fx.Graph, p: Plan, as_op: bool) -> tuple[dict, list[fx.Node]]:
+    """The fused call's x1 / rowscale / dropout_p / weight1 / bias1 options (only those in use,
+    so a plain site's call reads as before), and the nodes inserted for them."""
+    options, inserted = {}, []
+    fold = p.branch
+    if fold.x1 is not None:
+        options["x1"] = fold.x1
+    if fold.rowscale is not None:
+        inserted = _per_row(graph, fold.rowscale, node_shape(p.state.in_add.node), as_op)
+        options["rowscale"] = inserted[-1]
+    if fold.dropout_p:
+        options["dropout_p"] = fold.dropout_p
+    if p.partner is not None:
+        options["weight1"], options["bias1"] = p.partner.match.weight, p.partner.match.bias
+    return options, inserted
+
+
 def apply(index: GraphIndex, p: Plan, as_op: bool = False) -> list[fx.Node]:
     """Insert the fused call and reroute users; returns the inserted nodes. ``as_op``: call
     the custom op itself (graphs already lowered to ATen)."""
     graph = index.graph
     m = p.state.match
     p.x, p.residual = index.resolve(p.x), index.resolve(p.residual)
+    p.branch.x1 = index.resolve(p.branch.x1)
     first = _insertion_point(index, p)
     modes = dict(kind=m.kind, eps=m.eps, weight_offset=m.weight_offset, residual_scale=p.residual_scale,
                  norm_round_dtype=m.norm_round_dtype, out_dtype=m.out_dtype)
@@ -258,11 +363,22 @@ def apply(index: GraphIndex, p: Plan, as_op: bool = False) -> list[fx.Node]:
             if p.permute is not None:  # the add moves through the permute: sum(a, b).permute == a.permute + b.permute
                 x, residual = (None if v is None else _permuted(graph, v, p.permute, as_op) for v in (x, residual))
                 inserted += [v for v in (x, residual) if v is not None]
+            extra, rows = _branch_and_partner_options(graph, p, as_op)
+            inserted += rows
             call = _fused_call(graph, "add_norm", (x, residual, m.weight, m.bias),
-                               dict(modes, sum_dtype=p.sum_dtype, return_sum=s_used), as_op)
-            y = graph.call_function(operator.getitem, (call, 0))
+                               dict(modes, sum_dtype=p.sum_dtype, return_sum=s_used, **extra), as_op)
+            where = output_index(as_op, p.partner is not None)
+            y = graph.call_function(operator.getitem, (call, where["y"]))
             _copy_meta(y, m.output)
             inserted += [call, y]
+            if p.partner is not None:
+                partner = p.partner.match
+                y1 = graph.call_function(operator.getitem, (call, where["y1"]))
+                _copy_meta(y1, partner.output)
+                inserted.append(y1)
+                partner.output.replace_all_uses_with(y1)
+                index.replaced[partner.output] = y1
+                old_nodes += partner.nodes
             result = y
             if add is not None and not same_shape(node_shape(add.node), node_shape(m.output)):
                 # the add and the norm see the rows in different shapes (a view between them)
@@ -272,7 +388,7 @@ def apply(index: GraphIndex, p: Plan, as_op: bool = False) -> list[fx.Node]:
             m.output.replace_all_uses_with(result)
             index.replaced[m.output] = result
             if s_used:
-                s = graph.call_function(operator.getitem, (call, 1))
+                s = graph.call_function(operator.getitem, (call, where["s"]))
                 _copy_meta(s, add.node)
                 inserted.append(s)
                 if p.permute is not None:  # hand the sum back in the add's layout
@@ -285,13 +401,16 @@ def apply(index: GraphIndex, p: Plan, as_op: bool = False) -> list[fx.Node]:
                 add.node.replace_all_uses_with(s)
                 index.replaced[add.node] = s
             if add is not None:
-                old_nodes += [add.node, *add.chain]
+                old_nodes += [add.node, *add.chain, *p.branch.nodes]
                 # the operands' scaling / upcasts that the kernel now does itself
                 old_nodes += [n for n in add.node.all_input_nodes]
+                old_nodes += [n for b in p.branch.nodes for n in b.all_input_nodes]
     for i, node in enumerate(inserted):  # keep graph order known for later ancestor queries
         index.order[node] = index.order[first] - 0.5 + i * 1e-3
         for user in node.users:  # their arguments changed: refresh their canonical view
             index.refresh(user)
+    if p.branch.nodes:
+        call.meta[FOLDED_META] = [n.name for n in p.branch.nodes]
     call.meta["stack_trace"] = m.output.meta.get("stack_trace")
     call.meta["nn_module_stack"] = m.output.meta.get("nn_module_stack")
     _erase_dead(graph, old_nodes, index)

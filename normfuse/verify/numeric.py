@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
+from normfuse.passes.canonical import canonical, mutates
 from normfuse.passes.pipeline import copy_graph_module  # noqa: F401  (one graph copy for the project)
 from normfuse.tolerances import rounding_budget, within_tolerance
 from normfuse.verify.sites import SitePair
@@ -281,8 +282,20 @@ def run_graph(gm: fx.GraphModule, args: list[Any], fp64: bool = False) -> tuple[
             elif node.op == "output":
                 return fx.node.map_arg(node.args[0], load), env
             else:
+                kept = _kept_before_mutation(node, env)
                 env[node] = _run_node(gm, node, load)
+                env.update(kept)
     return None, env
+
+
+def _kept_before_mutation(node: fx.Node, env: dict[fx.Node, Any]) -> dict[fx.Node, Any]:
+    """Inputs an in-place node overwrites that nothing else reads (``a += b`` where ``a`` is read
+    only there): their values from before, for a fused call that reads ``a`` and ``b`` in place
+    of the sum. Inputs with other readers keep the mutated value they have for those readers."""
+    if not mutates(node):
+        return {}
+    return {a: env[a].clone() for a in node.all_input_nodes[:1]
+            if isinstance(env.get(a), torch.Tensor) and list(a.users) == [node]}
 
 
 # --------------------------------------------------------------------------- per site
@@ -294,13 +307,19 @@ class SiteNumeric:
     outputs: list[OutputCheck] = field(default_factory=list)
     passed: bool = True
     reason: str | None = None
+    given_mask: bool = False   # compared with the kernel's dropout mask replayed through the original
 
     def to_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "reason": self.reason, "outputs": [o.to_dict() for o in self.outputs]}
+        return {"passed": self.passed, "reason": self.reason, "given_mask": self.given_mask,
+                "outputs": [o.to_dict() for o in self.outputs]}
 
 
-def _subgraph_values(gm: fx.GraphModule, pair: SitePair, env: dict[fx.Node, Any], fp64: bool) -> dict:
+def _subgraph_values(gm: fx.GraphModule, pair: SitePair, env: dict[fx.Node, Any], fp64: bool,
+                     replay: dict[fx.Node, Callable] | None = None) -> dict:
+    """Every node of the pair's original subgraph evaluated on ``env``; ``replay`` computes
+    some nodes another way (a dropout with a given mask)."""
     values: dict[fx.Node, Any] = {}
+    replay = replay or {}
 
     def load(node):
         if node in values:
@@ -311,30 +330,74 @@ def _subgraph_values(gm: fx.GraphModule, pair: SitePair, env: dict[fx.Node, Any]
     mode = Fp64Mode() if fp64 else contextlib.nullcontext()
     with torch.no_grad(), mode:
         for node in pair.nodes:
-            values[node] = _run_node(gm, node, load)
+            values[node] = replay[node](load) if node in replay else _run_node(gm, node, load)
     return values
 
 
+# The seed the per-site check hands a fused dropout (any fixed seed: the mask is replayed).
+_CHECK_SEED = 20240607
+
+
+def _call_arguments(pair: SitePair, env: dict[fx.Node, Any]) -> tuple[list, dict]:
+    """The fused call's positional arguments and options, with the original run's values."""
+    def value(a):
+        return env.get(a, a) if isinstance(a, fx.Node) else a
+
+    roles = list(pair.args)
+    args = [value(pair.args[r]) for r in roles[:4]]
+    if pair.layout is not None:  # the call reads x and residual permuted; its sum goes back permuted
+        args[:2] = [a if a is None else a.permute(pair.layout) for a in args[:2]]
+    kwargs = dict(pair.call.kwargs)
+    for role in roles[4:]:
+        kwargs[role] = value(pair.args[role])
+    if kwargs.get("rowscale") is not None:  # one number per sample, as the kernel's per-row view
+        scale, x = kwargs["rowscale"], args[0]
+        kwargs["rowscale"] = scale.reshape(scale.shape[:-1]).expand(x.shape[:-1])
+    if kwargs.get("dropout_p"):
+        kwargs["seed"] = torch.tensor(_CHECK_SEED)
+    return args, kwargs
+
+
+def _mask_replay(pair: SitePair, x: torch.Tensor, p: float) -> dict[fx.Node, Callable]:
+    """The folded dropout computed as eager's dropout does (``input * mask * (1 / (1 - p))``)
+    with the mask the kernel drew from the check's seed."""
+    from normfuse.kernels import dropout_keep_mask
+
+    keep = dropout_keep_mask(x, p, torch.tensor(_CHECK_SEED))
+    node = pair.dropout
+
+    def replay(load):
+        inp = load(canonical(node)["input"])
+        return inp * keep.to(inp.dtype) * (1.0 / (1.0 - p))
+
+    return {node: replay}
+
+
 def check_site(gm: fx.GraphModule, pair: SitePair, env: dict[fx.Node, Any]) -> SiteNumeric:
-    """Hold one fused call to its original subgraph; ``env``: values of a run of the original graph."""
+    """Hold one fused call to its original subgraph; ``env``: values of a run of the original graph.
+    A call that draws dropout is held to the original subgraph given the kernel's mask."""
     result = SiteNumeric()
     if pair.problem:
         result.passed, result.reason = False, pair.problem
         return result
-    args = [env.get(a, a) if isinstance(a, fx.Node) else a for a in pair.args.values()]
-    if pair.layout is not None:  # the call reads x and residual permuted; its sum goes back permuted
-        args[:2] = [a if a is None else a.permute(pair.layout) for a in args[:2]]
+    args, kwargs = _call_arguments(pair, env)
     with torch.no_grad():
-        got = pair.call.target(*args, **pair.call.kwargs)
-    if pair.layout is not None and got[1] is not None:
+        got = pair.call.target(*args, **kwargs)
+    s_index = 2 if pair.partners else 1
+    if pair.layout is not None and got[s_index] is not None:
         inverse = sorted(range(len(pair.layout)), key=pair.layout.__getitem__)
-        got = (got[0], got[1].permute(inverse), *got[2:])
-    ref = _subgraph_values(gm, pair, env, fp64=True)
+        got = tuple(g.permute(inverse) if i == s_index else g for i, g in enumerate(got))
+    replay = {}
+    if pair.dropout is not None:
+        replay = _mask_replay(pair, args[0], kwargs["dropout_p"])
+        result.given_mask = True
+    ref = _subgraph_values(gm, pair, env, fp64=True, replay=replay)
+    base = _subgraph_values(gm, pair, env, fp64=False, replay=replay) if replay else env
     for k, orig in pair.outputs:
         if got[k] is None:
             result.outputs.append(failed_output(orig.name, f"the fused call returned no value for {orig.name}"))
             continue
-        result.outputs.append(compare(orig.name, got[k], env[orig], ref[orig], fidelity=True))
+        result.outputs.append(compare(orig.name, got[k], base[orig], ref[orig], fidelity=True))
     failed = [o for o in result.outputs if not o.passed]
     if failed:
         result.passed = False

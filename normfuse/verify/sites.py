@@ -14,6 +14,10 @@ A ``SitePair`` says, for one fused call:
 - ``args``: the original node each tensor argument of the call carries (None for None);
 - ``layout``: the dims the rewrite permuted x and residual by (a channel norm's add moved
   through its permute), or None.
+
+One call may stand for two sites (two norms of one value: ``site`` and ``partners``) and
+for branch nodes folded into it (a second add, a drop-path scale, dropout: the call's
+``FOLDED_META``).
 """
 
 from __future__ import annotations
@@ -24,14 +28,16 @@ from typing import Any
 
 import torch.fx as fx
 
+from normfuse.passes.canonical import canonical
 from normfuse.passes.pipeline import analyze
-from normfuse.passes.rewrite import fused_op_name, is_fused_call
+from normfuse.passes.rewrite import fused_op_name, is_fused_call, output_index
 from normfuse.reporting import Site
-from normfuse.vocabulary import LAYOUT_META
+from normfuse.vocabulary import FOLDED_META, LAYOUT_META, ROWS_META
 
 __all__ = ["SitePair", "pair_sites", "fused_calls", "site_order"]
 
-_ARG_ROLES = ("x", "residual", "weight", "bias")
+_ARG_ROLES = ("x", "residual", "weight", "bias")       # positional arguments of the fused call
+_OPTION_ROLES = ("x1", "rowscale", "weight1", "bias1")  # tensors it takes as keyword options
 
 
 @dataclass
@@ -45,6 +51,16 @@ class SitePair:
     eps: float | None = None                     # the eps the original subgraph uses
     layout: tuple[int, ...] | None = None        # the call reads args["x"/"residual"].permute(*layout)
     problem: str | None = None                   # why the pair could not be formed
+    partners: list[Site] = field(default_factory=list)  # other sites the same call computes
+    folded: list[fx.Node] = field(default_factory=list)  # original branch nodes the call computes
+
+    @property
+    def dropout(self) -> fx.Node | None:
+        """The folded live dropout, whose mask the kernel draws (None when there is none)."""
+        if not (self.call is not None and self.call.kwargs.get("dropout_p")):
+            return None
+        return next((n for n in self.folded if getattr(canonical(n), "prim", None) == "dropout"
+                     and canonical(n)["training"] is True and canonical(n)["p"]), None)
 
 
 def fused_calls(graph: fx.Graph) -> list[fx.Node]:
@@ -76,23 +92,32 @@ def _operand_prep(index, add, operands) -> list[fx.Node]:
     return prep
 
 
-def _subgraph(index, state, op: str, reads: set) -> tuple[list[fx.Node], list[tuple[int, fx.Node]]]:
+def _subgraph(index, state, op: str, reads: set, folded: list[fx.Node], partners: list
+              ) -> tuple[list[fx.Node], list[tuple[int, fx.Node]]]:
     """Original nodes a fused call of ``op`` stands for, and which output replaced which node.
 
     ``reads``: the original values the call's arguments carry; the walk from an add to
-    its operands stops there (an operand may be another site's output, casts included)."""
+    its operands stops there (an operand may be another site's output, casts included).
+    ``folded``: branch nodes folded into the call; ``partners``: states of the other norms
+    it computes."""
     m = state.match
     nodes = list(m.nodes)
+    where = output_index(False, bool(partners))
+    for partner in partners:
+        nodes += partner.match.nodes
     if op == "add_norm":
         add = state.in_add
         nodes += [add.node, *add.chain, *_operand_prep(index, add.node, set(add.operands) | reads)]
-        outputs = [(0, m.output), (1, add.node)]
+        for node in folded:
+            nodes += [node, *_operand_prep(index, node, reads)]
+        outputs = [(where["y"], m.output), (where["s"], add.node)]
     elif op == "norm_add":
         out = state.output_add
         nodes += [out.node, *_operand_prep(index, out.node, set(out.operands) | {m.output} | reads)]
         outputs = [(0, out.node), (1, m.output)]
     else:
         outputs = [(0, m.output)]
+    outputs += [(where["y1"], partner.match.output) for partner in partners]
     unique = sorted(set(nodes), key=index.order.__getitem__)
     return unique, outputs
 
@@ -137,12 +162,15 @@ def pair_sites(original: fx.GraphModule, rewritten: fx.GraphModule, sites: list[
             return produced[value]
         return by_name.get(value.name, _Unmapped(value.name))
 
-    if len(calls) != len(fused):
-        message = (f"the rewritten graph has {len(calls)} fused calls but the report lists {len(fused)} fused "
-                   "sites; the graphs do not belong together")
-        return [SitePair(site=s, problem=message) for s in fused]
-    for site, call in zip(fused, calls):
-        pair = SitePair(site=site, call=call)
+    groups: dict[str, list[Site]] = {}  # the sites each call computes, in site order
+    for s in fused:
+        groups.setdefault(s.call or s.id, []).append(s)
+    if len(calls) != len(groups):
+        message = (f"the rewritten graph has {len(calls)} fused calls but the report lists {len(groups)} fused "
+                   "calls; the graphs do not belong together")
+        return [SitePair(site=s[0], partners=s[1:], problem=message) for s in groups.values()]
+    for (site, *partners), call in zip(groups.values(), calls):
+        pair = SitePair(site=site, call=call, partners=partners)
         pairs.append(pair)
         number = site.number
         kind = call.kwargs.get("kind")
@@ -159,9 +187,19 @@ def pair_sites(original: fx.GraphModule, rewritten: fx.GraphModule, sites: list[
                 pair.layout = arg.meta[LAYOUT_META]
                 arg = arg.all_input_nodes[0]
             pair.args[role] = original_of(arg)
+        for role in _OPTION_ROLES:
+            arg = call.kwargs.get(role)
+            if isinstance(arg, fx.Node) and ROWS_META in arg.meta:  # the rewrite's per-row view of a scale
+                arg = arg.all_input_nodes[0].all_input_nodes[0]
+            if role in call.kwargs:
+                pair.args[role] = original_of(arg)
         reads = {a for a in pair.args.values() if isinstance(a, fx.Node)}
+        pair.folded = [by_name[name] for name in call.meta.get(FOLDED_META, ()) if name in by_name]
+        if len(pair.folded) != len(call.meta.get(FOLDED_META, ())):
+            pair.problem = pair.problem or "branch nodes folded into the call are missing from the original graph"
+        others = [states[p.number] for p in partners if p.number < len(states)]
         try:
-            pair.nodes, outputs = _subgraph(index, state, site.op or op, reads)
+            pair.nodes, outputs = _subgraph(index, state, site.op or op, reads, pair.folded, others)
         except AttributeError as error:  # the analysis found no add where the report says one was fused
             pair.problem = f"the original subgraph of {site.id} cannot be rebuilt ({error})"
             continue

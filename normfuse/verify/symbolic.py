@@ -111,6 +111,18 @@ def _norm(kind: str, s: list, weight, bias, eps_expr, offset=0) -> list:
 
 # --------------------------------------------------------------------------- the original subgraph
 
+# A live dropout's keep mask, one symbol per element of the row: the original's dropout and
+# the kernel's are compared given the same mask.
+_MASK = _row("m", ROW)
+
+
+def _live_dropout_scale(c) -> Any:
+    """1 / (1 - p) of a training-mode dropout with a constant 0 < p < 1 (None otherwise)."""
+    p = c["p"]
+    if c["training"] is not True or isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p < 1:
+        return None
+    return sympy.Rational(1.0 / (1.0 - p))
+
 def _eval_node(node: fx.Node, load, eps: float | None, eps_sym) -> Any:
     def val(a):
         return load(a) if isinstance(a, fx.Node) else _const(a, eps, eps_sym)
@@ -125,6 +137,9 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym) -> Any:
     if c is None:
         raise _Unsupported(f"no symbolic rule for node {node.name} ({node.op} {getattr(node.target, '__name__', node.target)})")
     p = c.prim
+    if p == "dropout" and _live_dropout_scale(c) is not None:  # given the mask: input * m * 1/(1-p)
+        scale = _live_dropout_scale(c)
+        return _elementwise(lambda a, m: a * m * scale, val(c["input"]), _MASK)
     if p in ("cast", "view", "permute", "dropout"):  # a row keeps its values (a permute moves it whole)
         return val(c["input"])
     if p in ("add", "sub"):
@@ -172,6 +187,8 @@ def _leaf(node: fx.Node, name: str, hidden: int | None, layout: tuple[int, ...] 
 # --------------------------------------------------------------------------- the fused formula
 
 def _fused(pair: SitePair, rows: dict[str, Any], eps_sym, eps: float | None) -> list:
+    """The fused call's outputs by the defining formula (normfuse/kernels/reference.py), in the
+    order the functional API returns them."""
     kw = pair.call.kwargs
     kind = kw.get("kind")
     x, r, w, b = (rows[k] for k in ("x", "residual", "weight", "bias"))
@@ -181,8 +198,19 @@ def _fused(pair: SitePair, rows: dict[str, Any], eps_sym, eps: float | None) -> 
     if fused_op_name(pair.call) == "norm_add":
         y = _norm(kind, x, w, b, e, offset)
         return [_elementwise(lambda rv, yv: scale * rv + yv, r, y), y]
+    p = float(kw.get("dropout_p") or 0.0)
+    if p:  # the branch: dropout (given the mask), the per-row scale, the second branch
+        keep_scale = sympy.Rational(1.0 / (1.0 - p))
+        x = _elementwise(lambda xv, m: xv * m * keep_scale, x, _MASK)
+    if rows.get("rowscale") is not None:
+        x = _elementwise(operator.mul, x, rows["rowscale"])
+    if rows.get("x1") is not None:
+        x = _elementwise(operator.add, x, rows["x1"])
     s = x if r is None else _elementwise(lambda xv, rv: xv + scale * rv, x, r)
-    return [_norm(kind, s, w, b, e, offset), s]
+    y = _norm(kind, s, w, b, e, offset)
+    if rows.get("weight1") is None:
+        return [y, s]
+    return [y, _norm(kind, s, rows["weight1"], rows.get("bias1"), e, offset), s]
 
 
 # --------------------------------------------------------------------------- equality
@@ -243,6 +271,11 @@ def _decide(lhs, rhs, rng: random.Random) -> tuple[str, str, str | None]:
     return "proved", "random rational points", "simplify could not decide; equal at random rational points"
 
 
+# the symbols of each argument of the fused call: x0..x3, r0..r3, ...
+_SYMBOL_PREFIX = {"x": "x", "residual": "r", "weight": "w", "bias": "b", "x1": "xb", "rowscale": "k",
+                  "weight1": "wb", "bias1": "bb"}
+
+
 def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
     """Prove (or refute) that the fused call computes what its original subgraph computed."""
     if pair.site.converted:
@@ -260,7 +293,7 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
                 rows[role] = None
             elif isinstance(node, fx.Node):
                 if node not in leaves:
-                    leaves[node] = _leaf(node, role[0] if role != "residual" else "r", hidden, pair.layout)
+                    leaves[node] = _leaf(node, _SYMBOL_PREFIX[role], hidden, pair.layout)
                 rows[role] = leaves[node]
             else:
                 raise _Unsupported(f"the fused call's {role} is a constant {node!r}")
