@@ -235,15 +235,10 @@ EXPECTED = {
     "hf:falcon_h1": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     "hf:mamba": dict(norms=3, fused=3, fused_with_add=2, input_is_add=2, placements={"pre": 2, "standalone": 1},
-        eager_norms=3, eager_input_is_add=2, check="FAILS", checked_sites=3, bitwise=False,
-        note=(
-        "open: check's symbolic proof refutes the two Llama-style MambaRMSNorm sites (layers.N.norm) although "
-        "their numeric check passes; outputs pass the tolerance rule but are not bit-identical")),
+        eager_norms=3, eager_input_is_add=2, check="ok", checked_sites=3, bitwise=False,
+        note=ASSOCIATIVE_SCAN),
     "hf:mamba2": dict(norms=5, fused=5, fused_with_add=2, input_is_add=2, placements={"pre": 2, "standalone": 3},
-        eager_norms=5, eager_input_is_add=2, check="FAILS", checked_sites=5, bitwise=True,
-        note=(
-        "open: check's symbolic proof refutes the two Llama-style Mamba2RMSNorm sites (layers.N.norm) although "
-        "their numeric check passes and the outputs are bit-identical")),
+        eager_norms=5, eager_input_is_add=2, check="ok", checked_sites=5, bitwise=True),
     "hf:recurrent_gemma": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     "hf:lfm2": dict(norms=7, fused=7, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 3},
