@@ -506,3 +506,61 @@ def test_check_on_scalars_made_from_the_dtype_minimum():
     assert res.ok, str(res)
     assert len(res.sites) == 2 and all(s.symbolic.status == "proved" for s in res.sites)
     assert torch.get_default_dtype() == torch.float32  # the fp64 reference run put the default back
+
+
+# --------------------------------------------------------------------------- 11. an operand computed inside the site
+
+class LayerNorm1P(nn.LayerNorm):
+    """Nemotron's LayerNorm1P: the weight is stored minus 1; ``weight + 1`` is computed when the
+    norm is called, after the residual add the site starts with."""
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class InPlaceWeightNorm(nn.LayerNorm):
+    """The weight copied and then written in place after the add: the copy cannot move up
+    before the add without reading the weight before the write."""
+
+    def forward(self, x):
+        weight = self.weight.clone()
+        weight.mul_(2)
+        return F.layer_norm(x, self.normalized_shape, weight, self.bias, self.eps)
+
+
+def test_operands_computed_after_the_add_move_up():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = PreNormStack(LayerNorm1P).eval()
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad():
+        want = model(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "rewrite failed, running eager" warning
+            got = normfuse.optimize(copy.deepcopy(model))(x)
+    assert torch.equal(got, want)
+    torch._dynamo.reset()
+    optimized = normfuse.optimize(copy.deepcopy(model))
+    with torch.no_grad():
+        optimized(x)
+    c = _counts(optimized)
+    assert (c["sites"], c["fused"], c["fused_with_add"]) == (3, 3, 2), c
+    torch._dynamo.reset()
+    res = normfuse.check(model, x, backward=False)
+    assert res.ok and len(res.sites) == 3, str(res)
+    assert all(o.mismatch == 0 for o in res.outputs)
+
+
+def test_an_operand_written_in_place_does_not_move_up():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = PreNormStack(InPlaceWeightNorm).eval()
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad():
+        want = model(x)
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            optimized = normfuse.optimize(copy.deepcopy(model))
+            got = optimized(x)
+    assert torch.equal(got, want)  # the model is never broken: those sites stay as they were
+    assert _counts(optimized)["fused_with_add"] == 0

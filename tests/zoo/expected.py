@@ -171,11 +171,8 @@ EXPECTED = {
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     "hf:glm4": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "sandwich": 4, "standalone": 1},
         eager_norms=9, eager_input_is_add=4, check="ok", checked_sites=9, bitwise=True),
-    "hf:nemotron": dict(norms=5, fused=0, fused_with_add=0, input_is_add=4, placements={"pre": 4, "standalone": 1},
-        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=0, bitwise=True,
-        note=(
-        "open: the rewrite stage fails (RuntimeError: operand add_7 is computed after the site starts); the pass "
-        "leaves the whole graph unchanged, so 0 of 5 are fused")),
+    "hf:nemotron": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     "hf:smollm3": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     "hf:exaone4": dict(norms=9, fused=9, fused_with_add=4, input_is_add=1, placements={"pre": 1, "res_post": 3, "sandwich": 1, "standalone": 4},
