@@ -211,10 +211,12 @@ EXPECTED = {
     "hf:jetmoe": dict(norms=3, fused=3, fused_with_add=1, input_is_add=1, placements={"pre": 1, "standalone": 2},
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=3, bitwise=True,
         note=(
-        "open: a graph break in every block (JetMoE's expert dispatch) makes dynamo capture one graph per block's "
-        "code, reused by both layers: normfuse reports the sites of each captured graph once (3 sites for 5 norm "
-        "calls), the adds that end one graph cannot fold into the norm that starts the next, and site fqns lose "
-        "the block prefix (input_layernorm)")),
+        "open: a graph break in every block: JetMoeTopKGating calls expert_size.tolist() (data-dependent Python "
+        "ints), which dynamo does not trace by default (capture_scalar_outputs=False); dynamo captures one graph per "
+        "block's code, reused by both layers: normfuse reports the sites of each captured graph once (3 sites for 5 "
+        "norm calls), the adds that end one graph cannot fold into the norm that starts the next, and site fqns lose "
+        "the block prefix (input_layernorm). Under torch._dynamo.config.patch(capture_scalar_outputs=True) the model "
+        "is one graph and normfuse fuses 5/5, 4 with their add, bit-identical")),
     "hf:phimoe": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     "hf:ernie4_5_moe": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
@@ -264,10 +266,12 @@ EXPECTED = {
     "hf:longt5": dict(norms=11, fused=11, fused_with_add=6, input_is_add=6, placements={"pre": 6, "standalone": 5},
         eager_norms=12, eager_input_is_add=10, check="ok", checked_sites=11, bitwise=True,
         note=(
-        "open: a graph break in every block (LongT5's local attention) makes dynamo capture one graph per block's "
-        "code, reused by both layers: normfuse reports the sites of each captured graph once (11 sites for 12 "
-        "norm calls), the adds that end one graph cannot fold into the norm that starts the next, and site fqns "
-        "lose the block prefix (layer.0.layer_norm)")),
+        "open: transformers' LongT5Stack builds the all-ones attention mask only outside dynamo (`if attention_mask "
+        "is None and not is_torchdynamo_compiling()`), then _split_into_blocks reads None.shape: dynamo cannot "
+        "trace the stack's forward, runs it eagerly and captures each block (one graph per block's code, reused by "
+        "both layers) and the final norm on its own: normfuse reports the sites of each captured graph once (11 "
+        "sites for 12 norm calls), the adds that end one graph cannot fold into the norm that starts the next, and "
+        "site fqns lose the block prefix (layer.0.layer_norm). Passing attention_mask gives one graph")),
     "hf:plbart": dict(norms=12, fused=12, fused_with_add=11, input_is_add=12, placements={"deepnorm": 1, "embedding": 1, "post": 10},
         eager_norms=12, eager_input_is_add=12, check="ok", checked_sites=12, bitwise=True),
     "hf:m2m_100": dict(norms=12, fused=12, fused_with_add=12, input_is_add=12, placements={"deepnorm": 2, "post": 2, "pre": 8},
@@ -277,10 +281,12 @@ EXPECTED = {
     "hf:switch_transformers": dict(norms=10, fused=10, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 6},
         eager_norms=12, eager_input_is_add=10, check="ok", checked_sites=10, bitwise=True,
         note=(
-        "open: a graph break in every block (the router's data-dependent expert dispatch) makes dynamo capture "
-        "one graph per block's code, reused by both layers: normfuse reports the sites of each captured graph "
-        "once (10 sites for 12 norm calls), the adds that end one graph cannot fold into the norm that starts the "
-        "next, and site fqns lose the block prefix (layer.0.layer_norm)")),
+        "open: a graph break in each block with experts: SwitchTransformersExperts loops over "
+        "greater(...).nonzero() (a Python loop over a data-dependent number of experts, which dynamo cannot "
+        "capture even with capture_dynamic_output_shape_ops); dynamo captures one graph per block's code, reused "
+        "by both layers: normfuse reports the sites of each captured graph once (10 sites for 12 norm calls), the "
+        "adds that end one graph cannot fold into the norm that starts the next, and site fqns lose the block "
+        "prefix (layer.0.layer_norm)")),
     "hf:fsmt": dict(norms=10, fused=10, fused_with_add=10, input_is_add=10, placements={"post": 10},
         eager_norms=10, eager_input_is_add=10, check="ok", checked_sites=10, bitwise=True),
     "hf:whisper": dict(norms=12, fused=12, fused_with_add=11, input_is_add=12, placements={"pre": 12},
