@@ -210,10 +210,12 @@ def test_fp64_mode_redirects_casts():
     x = torch.randn(3, dtype=torch.float64)
     with Fp64Mode():
         got = [x.to(torch.bfloat16), x.float(), x.half(), x.type(torch.float16), x.type_as(torch.ones(1)),
-               x.to(torch.ones(1, dtype=torch.bfloat16)), torch.zeros(2, dtype=torch.float32)]
+               x.to(torch.ones(1, dtype=torch.bfloat16)), torch.zeros(2, dtype=torch.float32),
+               torch.full((), torch.finfo(x.dtype).min), torch.tensor(0.5)]  # no dtype: the default, fp64
         ints = x.to(torch.int64)
     assert [t.dtype for t in got] == [torch.float64] * len(got)
     assert ints.dtype == torch.int64
+    assert torch.get_default_dtype() == torch.float32
 
 
 def test_ulp_diff():

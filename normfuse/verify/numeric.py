@@ -90,12 +90,12 @@ class Fp64Mode(TorchFunctionMode):
     _GROUPED_MM = {torch._grouped_mm, torch.ops.aten._grouped_mm, torch.ops.aten._grouped_mm.default}
 
     def __enter__(self):
-        self._default_dtype = torch.get_default_dtype()
+        self.__dict__.setdefault("_defaults", []).append(torch.get_default_dtype())  # one per entry
         torch.set_default_dtype(F64)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.set_default_dtype(self._default_dtype)
+        torch.set_default_dtype(self._defaults.pop())
         return super().__exit__(*exc)
 
     @staticmethod
