@@ -155,16 +155,67 @@ def test_symbolic_proofs_for_every_site_kind(placement, kind, spelling, ops):
     assert [s.symbolic.status for s in res.sites] == ["proved"] * len(res.sites)
 
 
+# --------------------------------------------------------------------------- casts outside the subgraph
+
+class CastOutsideRMSNorm(torch.nn.Module):
+    """Llama's RMSNorm: upcast, normalize, cast back, scale."""
+
+    def __init__(self, n, eps=1e-5):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, h):
+        dtype = h.dtype
+        h = h.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class CastOutsideStack(torch.nn.Module):
+    """Mamba's block: the norm reads ``h.to(norm.weight.dtype)``, a cast outside its subgraph,
+    and the residual is upcast before the add; the fused call reads the uncast values."""
+
+    def __init__(self, n=32, depth=2):
+        super().__init__()
+        self.norms = torch.nn.ModuleList([CastOutsideRMSNorm(n) for _ in range(depth)])
+        self.mixers = torch.nn.ModuleList([torch.nn.Linear(n, n) for _ in range(depth)])
+        self.norm_f = CastOutsideRMSNorm(n)
+
+    def forward(self, h):
+        for norm, mixer in zip(self.norms, self.mixers):
+            residual = h
+            h = mixer(norm(h.to(dtype=norm.weight.dtype)))
+            h = residual.to(torch.float32) + h
+        return self.norm_f(h.to(dtype=self.norm_f.weight.dtype))
+
+
+def test_casts_outside_the_subgraph_are_proved_and_a_wrong_eps_refuted():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = perturb_vectors(CastOutsideStack().eval())
+    x = torch.randn(2, 8, 32)
+    res = normfuse.check(model, x, backward=False)
+    assert res.ok, str(res)
+    assert [s.symbolic.status for s in res.sites] == ["proved"] * 3, [s.symbolic for s in res.sites]
+    # the same sites with a wrong eps: refuted, and only that site
+    res = normfuse.check(model, x, optimized=faulty_copy(model, 1, "eps"), backward=False)
+    assert [s.symbolic.status for s in res.sites] == ["proved", "refuted", "proved"]
+    assert not res.ok and res.first_divergence.id == "g0.s1"
+
+
 # --------------------------------------------------------------------------- pieces
 
 def test_fp64_mode_redirects_casts():
     x = torch.randn(3, dtype=torch.float64)
     with Fp64Mode():
         got = [x.to(torch.bfloat16), x.float(), x.half(), x.type(torch.float16), x.type_as(torch.ones(1)),
-               x.to(torch.ones(1, dtype=torch.bfloat16)), torch.zeros(2, dtype=torch.float32)]
+               x.to(torch.ones(1, dtype=torch.bfloat16)), torch.zeros(2, dtype=torch.float32),
+               torch.full((), torch.finfo(x.dtype).min), torch.tensor(0.5)]  # no dtype: the default, fp64
         ints = x.to(torch.int64)
     assert [t.dtype for t in got] == [torch.float64] * len(got)
     assert ints.dtype == torch.int64
+    assert torch.get_default_dtype() == torch.float32
 
 
 def test_ulp_diff():

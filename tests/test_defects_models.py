@@ -436,3 +436,131 @@ def test_every_add_left_outside_a_kernel_has_a_reason(batch):
     unexplained = [s.fqn for s in sites.values()
                    if (s.input_is_add or s.output_feeds_add) and not s.fused_add and not s.add_reason]
     assert not unexplained, sites
+
+
+# --------------------------------------------------------------------------- 9. check on MoE models: grouped mm in fp64
+
+GROUPED_MM_LAYOUTS = {  # (mat_a, mat_b, offs): what torch._grouped_mm takes; the kernel wants 16-byte strides
+    "2d x 3d": ((10, 4), (3, 4, 8), [2, 5, 8]),     # tokens sorted by expert (MoE forward)
+    "3d x 2d": ((3, 6, 4), (4, 12), [4, 8, 12]),
+    "2d x 2d": ((6, 12), (12, 8), [4, 8, 12]),      # a weight gradient: one product per group
+    "3d x 3d": ((3, 6, 4), (3, 4, 8), None),
+}
+
+
+@pytest.mark.parametrize("layout", list(GROUPED_MM_LAYOUTS))
+def test_fp64_mode_computes_grouped_mm(layout):
+    from normfuse.verify.numeric import Fp64Mode
+
+    shape_a, shape_b, ends = GROUPED_MM_LAYOUTS[layout]
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(shape_a, generator=g), torch.randn(shape_b, generator=g)
+    offs = None if ends is None else torch.tensor(ends, dtype=torch.int32)
+    want = torch._grouped_mm(a, b, offs=offs)
+    with Fp64Mode():
+        got = F.grouped_mm(a.double(), b.double(), offs=offs)
+    assert got.dtype == torch.float64 and got.shape == want.shape
+    if layout == "2d x 3d":  # rows past offs[-1]: left unwritten by the kernel, zeros in fp64
+        want, got, rest = want[:8], got[:8], got[8:]
+        assert rest.eq(0).all()
+    assert_close(want, got.float())
+
+
+def test_check_on_a_mixture_of_experts_model():
+    """transformers' MoE experts call torch._grouped_mm, which has no fp64 kernel: the fp64
+    reference computes it group by group, forward and backward, and check passes."""
+    from normfuse.verify.numeric import perturb_vectors
+    from normfuse.zoo import hf_model
+
+    torch._dynamo.reset()
+    model = perturb_vectors(hf_model("mixtral", num_local_experts=4, num_experts_per_tok=2))
+    res = normfuse.check(model)
+    assert res.ok, str(res)
+    assert len(res.sites) == 5 and all(s.symbolic.status == "proved" for s in res.sites)
+    expert_grads = [o for o in res.outputs if o.name.startswith("grad:") and ".experts." in o.name]
+    assert expert_grads and all(o.passed for o in expert_grads)
+
+
+# --------------------------------------------------------------------------- 10. check on XGLM: scalars made from finfo
+
+class MaskedBlock(nn.Module):
+    """XGLM's attention clamps its scores with ``torch.full((), finfo(dtype).min)``: no dtype given,
+    so the tensor takes the default dtype while the value is the scores' dtype's minimum."""
+
+    def __init__(self, n=32):
+        super().__init__()
+        self.score = nn.Linear(n, n)
+        self.norm = nn.LayerNorm(n)
+        self.final = nn.LayerNorm(n)
+
+    def forward(self, x):
+        scores = self.score(self.norm(x))
+        scores = torch.max(scores, torch.full((), torch.finfo(scores.dtype).min))
+        return self.final(x + scores)
+
+
+def test_check_on_scalars_made_from_the_dtype_minimum():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    res = normfuse.check(MaskedBlock().eval(), torch.randn(2, 8, 32))
+    assert res.ok, str(res)
+    assert len(res.sites) == 2 and all(s.symbolic.status == "proved" for s in res.sites)
+    assert torch.get_default_dtype() == torch.float32  # the fp64 reference run put the default back
+
+
+# --------------------------------------------------------------------------- 11. an operand computed inside the site
+
+class LayerNorm1P(nn.LayerNorm):
+    """Nemotron's LayerNorm1P: the weight is stored minus 1; ``weight + 1`` is computed when the
+    norm is called, after the residual add the site starts with."""
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class InPlaceWeightNorm(nn.LayerNorm):
+    """The weight copied and then written in place after the add: the copy cannot move up
+    before the add without reading the weight before the write."""
+
+    def forward(self, x):
+        weight = self.weight.clone()
+        weight.mul_(2)
+        return F.layer_norm(x, self.normalized_shape, weight, self.bias, self.eps)
+
+
+def test_operands_computed_after_the_add_move_up():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = PreNormStack(LayerNorm1P).eval()
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad():
+        want = model(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "rewrite failed, running eager" warning
+            got = normfuse.optimize(copy.deepcopy(model))(x)
+    assert torch.equal(got, want)
+    torch._dynamo.reset()
+    optimized = normfuse.optimize(copy.deepcopy(model))
+    with torch.no_grad():
+        optimized(x)
+    c = _counts(optimized)
+    assert (c["sites"], c["fused"], c["fused_with_add"]) == (3, 3, 2), c
+    torch._dynamo.reset()
+    res = normfuse.check(model, x, backward=False)
+    assert res.ok and len(res.sites) == 3, str(res)
+    assert all(o.mismatch == 0 for o in res.outputs)
+
+
+def test_an_operand_written_in_place_does_not_move_up():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = PreNormStack(InPlaceWeightNorm).eval()
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad():
+        want = model(x)
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            optimized = normfuse.optimize(copy.deepcopy(model))
+            got = optimized(x)
+    assert torch.equal(got, want)  # the model is never broken: those sites stay as they were
+    assert _counts(optimized)["fused_with_add"] == 0

@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from normfuse.kernels.add_norm import add_norm, norm_add
 from normfuse.passes.branch import BranchFold, fold_branch
-from normfuse.passes.canonical import node_dtype, node_shape, real_users, same_shape, tensor_meta
+from normfuse.passes.canonical import mutates, node_dtype, node_shape, real_users, same_shape, tensor_meta
 from normfuse.passes.classify import SiteState, stream_operand
 from normfuse.passes.find import as_add
 from normfuse.passes.graph import GraphIndex
@@ -221,7 +221,11 @@ def _copy_meta(dst: fx.Node, src: fx.Node) -> None:
 
 
 def _insertion_point(index: GraphIndex, p: Plan) -> fx.Node:
-    """The first node that may read the op's outputs; all operands must come before it."""
+    """The first node that may read the op's outputs; all operands must come before it.
+
+    An operand computed later (Nemotron's LayerNorm1P computes ``weight + 1`` after the
+    residual add) moves up before it, together with what it is computed from, when that is
+    pure and reads only values computed before it."""
     m = p.state.match
     candidates = list(m.nodes) + [m.output]
     if p.op == "add_norm":
@@ -235,12 +239,41 @@ def _insertion_point(index: GraphIndex, p: Plan) -> fx.Node:
         (p.partner.match.weight, p.partner.match.bias) if p.partner is not None else ())
     for operand in (p.x, p.residual, m.weight, m.bias, *extra):
         if isinstance(operand, fx.Node) and index.order[operand] >= index.order[first]:
-            if operand.op == "get_attr":  # get_attr has no inputs: safe to move up
-                first.prepend(operand)
-                index.order[operand] = index.order[first] - 0.5
-            else:
-                raise RuntimeError(f"operand {operand.name} is computed after the state starts")
+            moved = _movable_up(index, operand, first, set(candidates))
+            if moved is None:
+                raise RuntimeError(f"operand {operand.name} is computed after the site starts and cannot move "
+                                   "before it (it reads a value of the site, is not a pure primitive, or a value "
+                                   "it reads is written in place)")
+            for i, node in enumerate(moved):  # in graph order: each after what it reads
+                first.prepend(node)
+                index.order[node] = index.order[first] - 0.9 + i * 1e-4
     return first
+
+
+def _movable_up(index: GraphIndex, operand: fx.Node, first: fx.Node, site: set) -> list[fx.Node] | None:
+    """``operand`` and the nodes it is computed from that come at or after ``first``, in graph
+    order, when moving them all before ``first`` keeps every value: each is a get_attr or a
+    pure primitive (no in-place write, no random dropout), none is part of the site, and
+    nothing writes in place into them or into what they read before the site has read them
+    (the fused call reads them at ``first``). None otherwise."""
+    start, end = index.order[first], max(index.order[n] for n in site)
+    later, stack = set(), [operand]
+    while stack:
+        node = stack.pop()
+        if node in later or index.order[node] < start:
+            continue
+        if node in site or node.op not in ("get_attr", "call_function", "call_method"):
+            return None
+        if node.op != "get_attr":
+            c = index.view.get(node)
+            if c is None or c.multi_output or mutates(node) or c.prim == "dropout":
+                return None
+        later.add(node)
+        stack.extend(node.all_input_nodes)
+    values = later | {a for n in later for a in n.all_input_nodes}
+    if any(mutates(u) and start <= index.order.get(u, -1) <= end for a in values for u in a.users):
+        return None
+    return sorted(later, key=index.order.__getitem__)
 
 
 def _permuted(graph: fx.Graph, value: fx.Node, dims: tuple[int, ...], as_op: bool) -> fx.Node:

@@ -31,7 +31,7 @@ from normfuse.passes.pipeline import copy_graph_module  # noqa: F401  (one graph
 from normfuse.tolerances import rounding_budget, within_tolerance
 from normfuse.verify.sites import SitePair
 
-__all__ = ["Fp64Mode", "fp64_copy", "model_copy", "tensors_with_history", "perturb_vectors", "to_fp64", "flatten", "OutputCheck", "failed_output", "compare", "ulp_diff",
+__all__ = ["Fp64Mode", "grouped_mm_fp64", "fp64_copy", "model_copy", "tensors_with_history", "perturb_vectors", "to_fp64", "flatten", "OutputCheck", "failed_output", "compare", "ulp_diff",
            "run_graph", "copy_graph_module", "SiteNumeric", "check_site"]
 
 F64 = torch.float64
@@ -45,15 +45,59 @@ def _widen(value: Any) -> Any:
     return value
 
 
+def _group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+    ends = [int(e) for e in offs.tolist()]
+    return list(zip([0] + ends[:-1], ends))
+
+
+def grouped_mm_fp64(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch._grouped_mm`` for fp64 operands, which its kernels do not take (MoE experts):
+    the same products, group by group, each one fp64 matmul; differentiable, so the
+    reference's backward runs through it too.
+
+    The layouts of ``torch._grouped_mm``: 3D x 3D is a batch of products; with ``offs`` the
+    2D operand is cut into groups along its rows (2D x 3D), columns (3D x 2D) or the
+    shared dim (2D x 2D, one output per group). Rows and columns past ``offs[-1]``, which
+    the kernel leaves unwritten, are zeros here."""
+    if offs is None:
+        return torch.matmul(mat_a, mat_b)
+    bounds = _group_bounds(offs)
+    if mat_a.dim() == 2 and mat_b.dim() == 3:
+        rows = [mat_a[s:e] @ mat_b[g] for g, (s, e) in enumerate(bounds)]
+        rows.append(mat_a.new_zeros(mat_a.shape[0] - bounds[-1][1], mat_b.shape[-1]))
+        return torch.cat(rows, dim=0)
+    if mat_a.dim() == 3 and mat_b.dim() == 2:
+        cols = [mat_a[g] @ mat_b[:, s:e] for g, (s, e) in enumerate(bounds)]
+        cols.append(mat_a.new_zeros(mat_a.shape[1], mat_b.shape[1] - bounds[-1][1]))
+        return torch.cat(cols, dim=1)
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        return torch.stack([mat_a[:, s:e] @ mat_b[s:e] for s, e in bounds])
+    raise ValueError(f"grouped mm of a {mat_a.dim()}D and a {mat_b.dim()}D operand with offs")
+
+
 class Fp64Mode(TorchFunctionMode):
     """Redirects every cast to a floating dtype (and every ``dtype=`` of a float) to fp64.
 
     ``.to(bf16)``, ``.float()``, ``.half()``, ``.type(...)``, ``.type_as(t)`` and
     ``torch.zeros(..., dtype=torch.float32)`` all produce fp64, so a model copied to
     fp64 computes in fp64 everywhere, including where its code rounds on purpose.
+    Inside the mode the default dtype is fp64 too: a tensor made from a Python float
+    without a dtype (``torch.full((), torch.finfo(x.dtype).min)``, ``torch.tensor(0.5)``)
+    is fp64, as it is fp32 next to fp32 tensors in the original run.
     """
 
     _TO_DOUBLE = {torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16}
+    # ops with no fp64 kernel, computed in fp64 another way (exactly the same math)
+    _GROUPED_MM = {torch._grouped_mm, torch.ops.aten._grouped_mm, torch.ops.aten._grouped_mm.default}
+
+    def __enter__(self):
+        self.__dict__.setdefault("_defaults", []).append(torch.get_default_dtype())  # one per entry
+        torch.set_default_dtype(F64)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.set_default_dtype(self._defaults.pop())
+        return super().__exit__(*exc)
 
     @staticmethod
     def grad(outputs: list, inputs: list, grad_outputs: list) -> tuple:
@@ -86,6 +130,8 @@ class Fp64Mode(TorchFunctionMode):
         if "dtype" in kwargs:
             kwargs["dtype"] = _widen(kwargs["dtype"])
         args = tuple(_widen(a) for a in args)
+        if func in self._GROUPED_MM and args[0].dtype == F64 and kwargs.get("bias") is None:
+            return grouped_mm_fp64(args[0], args[1], args[2] if args[2:] else kwargs.get("offs"))
         return func(*args, **kwargs)
 
 

@@ -184,6 +184,22 @@ def _leaf(node: fx.Node, name: str, hidden: int | None, layout: tuple[int, ...] 
     raise _Unsupported(f"input {node.name} of shape {shape} is neither a row of the hidden size nor a scalar")
 
 
+def _source(node: fx.Node, inside: set) -> fx.Node:
+    """The value ``node`` holds in exact arithmetic: through the casts, identity dropouts and
+    row-keeping views between it and the node they read, stopping at the subgraph. A model
+    may cast outside a norm's subgraph (Mamba: ``norm(h.to(norm.weight.dtype))``) while the
+    fused call reads the uncast value; both are one row of symbols (the rounding of the
+    cast is the numeric check's business)."""
+    while node not in inside:
+        c = canonical(node)
+        if c is None or c.prim not in ("cast", "dropout", "view") or not isinstance(c["input"], fx.Node):
+            return node
+        if c.prim == "view" and (node_shape(node) or (None,))[-1:] != (node_shape(c["input"]) or (None,))[-1:]:
+            return node  # a view that changes the row is not the same row
+        node = c["input"]
+    return node
+
+
 # --------------------------------------------------------------------------- the fused formula
 
 def _fused(pair: SitePair, rows: dict[str, Any], eps_sym, eps: float | None) -> list:
@@ -285,28 +301,34 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
         return SymbolicResult("unsupported", detail=pair.problem)
     hidden = pair.site.hidden_size
     eps_sym = sympy.Symbol("eps", positive=True)
+    inside = set(pair.nodes)
     try:
-        leaves: dict[fx.Node, Any] = {}
+        leaves: dict[fx.Node, Any] = {}   # keyed by source (see _source): a value and its casts share symbols
         rows: dict[str, Any] = {}
         for role, node in pair.args.items():
             if node is None:
                 rows[role] = None
             elif isinstance(node, fx.Node):
-                if node not in leaves:
-                    leaves[node] = _leaf(node, _SYMBOL_PREFIX[role], hidden, pair.layout)
-                rows[role] = leaves[node]
+                source = _source(node, inside)
+                if source not in leaves:
+                    leaves[source] = _leaf(source, _SYMBOL_PREFIX[role], hidden, pair.layout)
+                rows[role] = leaves[source]
             else:
                 raise _Unsupported(f"the fused call's {role} is a constant {node!r}")
         for i, node in enumerate(pair.inputs):  # values the original reads that the call does not
-            if node not in leaves:
-                leaves[node] = _leaf(node, f"z{i}_", hidden, pair.layout)
+            source = _source(node, inside)
+            if source not in leaves and source not in inside:
+                leaves[source] = _leaf(source, f"z{i}_", hidden, pair.layout)
         values: dict[fx.Node, Any] = {}
 
         def load(n):
             if n in values:
                 return values[n]
-            if n in leaves:
-                return leaves[n]
+            source = _source(n, inside)
+            if source in values:
+                return values[source]
+            if source in leaves:
+                return leaves[source]
             raise _Unsupported(f"{n.name} is read by the subgraph but is outside it")
 
         for node in pair.nodes:

@@ -20,10 +20,9 @@ COHERE_LAYER_NORM = (
     "CohereLayerNorm computes (x - mean) twice, seen as one value; the fused op's LayerNorm reduces the r"
     'ow in another order than the written-out mean and variance: within the tolerance rule'
 )
-MOE_CHECK_RAISES = (
-    "open: normfuse.check raises: its fp64 reference runs torch._grouped_mm (transformers' MoE experts) i"
-    'n float64, which it does not take (Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Dou'
-    'ble)'
+ASSOCIATIVE_SCAN = (
+    "outputs within tolerance, not bit-identical: under dynamo transformers' Mamba mixer takes its associative"
+    " scan (another summation order), eager its sequential loop; every site is 0 ulp from its original"
 )
 CHANNEL_NORMS = (
     'channel norms (permute -> layer_norm -> permute): the eager count does not follow an add through the'
@@ -158,10 +157,7 @@ EXPECTED = {
     "hf:biogpt": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
         eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
     "hf:xglm": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
-        eager_norms=5, eager_input_is_add=5, check="raises RuntimeError",
-        note=(
-        "open: normfuse.check raises in its fp64 reference run (RuntimeError: value cannot be converted to type "
-        "float without overflow), like defect 3: check must not fail on a model that runs")),
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
     "hf:ctrl": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True,
         note=(
@@ -175,11 +171,8 @@ EXPECTED = {
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     "hf:glm4": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "sandwich": 4, "standalone": 1},
         eager_norms=9, eager_input_is_add=4, check="ok", checked_sites=9, bitwise=True),
-    "hf:nemotron": dict(norms=5, fused=0, fused_with_add=0, input_is_add=4, placements={"pre": 4, "standalone": 1},
-        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=0, bitwise=True,
-        note=(
-        "open: the rewrite stage fails (RuntimeError: operand add_7 is computed after the site starts); the pass "
-        "leaves the whole graph unchanged, so 0 of 5 are fused")),
+    "hf:nemotron": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     "hf:smollm3": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     "hf:exaone4": dict(norms=9, fused=9, fused_with_add=4, input_is_add=1, placements={"pre": 1, "res_post": 3, "sandwich": 1, "standalone": 4},
@@ -206,57 +199,45 @@ EXPECTED = {
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     # --- moe
     "hf:mixtral": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
-        eager_norms=5, eager_input_is_add=4, check="raises RuntimeError",
-        note=MOE_CHECK_RAISES),
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     "hf:qwen2_moe": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
-        eager_norms=5, eager_input_is_add=4, check="raises RuntimeError",
-        note=MOE_CHECK_RAISES),
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     "hf:qwen3_moe": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 5},
-        eager_norms=9, eager_input_is_add=4, check="raises RuntimeError",
-        note=MOE_CHECK_RAISES),
+        eager_norms=9, eager_input_is_add=4, check="ok", checked_sites=9, bitwise=True),
     "hf:olmoe": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 5},
-        eager_norms=9, eager_input_is_add=4, check="raises RuntimeError",
-        note=MOE_CHECK_RAISES),
+        eager_norms=9, eager_input_is_add=4, check="ok", checked_sites=9, bitwise=True),
     "hf:granitemoe": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
-        eager_norms=5, eager_input_is_add=4, check="raises RuntimeError",
-        note=MOE_CHECK_RAISES),
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     "hf:jetmoe": dict(norms=3, fused=3, fused_with_add=1, input_is_add=1, placements={"pre": 1, "standalone": 2},
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=3, bitwise=True,
         note=(
-        "open: a graph break in every block (JetMoE's expert dispatch) makes dynamo capture one graph per block's "
-        "code, reused by both layers: normfuse reports the sites of each captured graph once (3 sites for 5 norm "
-        "calls), the adds that end one graph cannot fold into the norm that starts the next, and site fqns lose "
-        "the block prefix (input_layernorm)")),
+        "open: a graph break in every block: JetMoeTopKGating calls expert_size.tolist() (data-dependent Python "
+        "ints), which dynamo does not trace by default (capture_scalar_outputs=False); dynamo captures one graph per "
+        "block's code, reused by both layers: normfuse reports the sites of each captured graph once (3 sites for 5 "
+        "norm calls), the adds that end one graph cannot fold into the norm that starts the next, and site fqns lose "
+        "the block prefix (input_layernorm). Under torch._dynamo.config.patch(capture_scalar_outputs=True) the model "
+        "is one graph and normfuse fuses 5/5, 4 with their add, bit-identical")),
     "hf:phimoe": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
-        eager_norms=5, eager_input_is_add=4, check="raises RuntimeError",
-        note=MOE_CHECK_RAISES),
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     "hf:ernie4_5_moe": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
-        eager_norms=5, eager_input_is_add=4, check="raises RuntimeError",
-        note=MOE_CHECK_RAISES),
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     "hf:gpt_oss": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
-        eager_norms=5, eager_input_is_add=4, check="raises RuntimeError",
-        note=MOE_CHECK_RAISES),
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     "hf:dots1": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 5},
-        eager_norms=9, eager_input_is_add=4, check="raises RuntimeError",
-        note=MOE_CHECK_RAISES),
+        eager_norms=9, eager_input_is_add=4, check="ok", checked_sites=9, bitwise=True),
     # --- hybrid
     "hf:jamba": dict(norms=8, fused=8, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 4},
-        eager_norms=8, eager_input_is_add=4, check="raises RuntimeError",
-        note=MOE_CHECK_RAISES),
+        eager_norms=8, eager_input_is_add=4, check="ok", checked_sites=8, bitwise=False,
+        note=ASSOCIATIVE_SCAN),
     "hf:bamba": dict(norms=6, fused=6, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 2},
         eager_norms=6, eager_input_is_add=4, check="ok", checked_sites=6, bitwise=True),
     "hf:falcon_h1": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     "hf:mamba": dict(norms=3, fused=3, fused_with_add=2, input_is_add=2, placements={"pre": 2, "standalone": 1},
-        eager_norms=3, eager_input_is_add=2, check="FAILS", checked_sites=3, bitwise=False,
-        note=(
-        "open: check's symbolic proof refutes the two Llama-style MambaRMSNorm sites (layers.N.norm) although "
-        "their numeric check passes; outputs pass the tolerance rule but are not bit-identical")),
+        eager_norms=3, eager_input_is_add=2, check="ok", checked_sites=3, bitwise=False,
+        note=ASSOCIATIVE_SCAN),
     "hf:mamba2": dict(norms=5, fused=5, fused_with_add=2, input_is_add=2, placements={"pre": 2, "standalone": 3},
-        eager_norms=5, eager_input_is_add=2, check="FAILS", checked_sites=5, bitwise=True,
-        note=(
-        "open: check's symbolic proof refutes the two Llama-style Mamba2RMSNorm sites (layers.N.norm) although "
-        "their numeric check passes and the outputs are bit-identical")),
+        eager_norms=5, eager_input_is_add=2, check="ok", checked_sites=5, bitwise=True),
     "hf:recurrent_gemma": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     "hf:lfm2": dict(norms=7, fused=7, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 3},
@@ -285,10 +266,12 @@ EXPECTED = {
     "hf:longt5": dict(norms=11, fused=11, fused_with_add=6, input_is_add=6, placements={"pre": 6, "standalone": 5},
         eager_norms=12, eager_input_is_add=10, check="ok", checked_sites=11, bitwise=True,
         note=(
-        "open: a graph break in every block (LongT5's local attention) makes dynamo capture one graph per block's "
-        "code, reused by both layers: normfuse reports the sites of each captured graph once (11 sites for 12 "
-        "norm calls), the adds that end one graph cannot fold into the norm that starts the next, and site fqns "
-        "lose the block prefix (layer.0.layer_norm)")),
+        "open: transformers' LongT5Stack builds the all-ones attention mask only outside dynamo (`if attention_mask "
+        "is None and not is_torchdynamo_compiling()`), then _split_into_blocks reads None.shape: dynamo cannot "
+        "trace the stack's forward, runs it eagerly and captures each block (one graph per block's code, reused by "
+        "both layers) and the final norm on its own: normfuse reports the sites of each captured graph once (11 "
+        "sites for 12 norm calls), the adds that end one graph cannot fold into the norm that starts the next, and "
+        "site fqns lose the block prefix (layer.0.layer_norm). Passing attention_mask gives one graph")),
     "hf:plbart": dict(norms=12, fused=12, fused_with_add=11, input_is_add=12, placements={"deepnorm": 1, "embedding": 1, "post": 10},
         eager_norms=12, eager_input_is_add=12, check="ok", checked_sites=12, bitwise=True),
     "hf:m2m_100": dict(norms=12, fused=12, fused_with_add=12, input_is_add=12, placements={"deepnorm": 2, "post": 2, "pre": 8},
@@ -298,10 +281,12 @@ EXPECTED = {
     "hf:switch_transformers": dict(norms=10, fused=10, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 6},
         eager_norms=12, eager_input_is_add=10, check="ok", checked_sites=10, bitwise=True,
         note=(
-        "open: a graph break in every block (the router's data-dependent expert dispatch) makes dynamo capture "
-        "one graph per block's code, reused by both layers: normfuse reports the sites of each captured graph "
-        "once (10 sites for 12 norm calls), the adds that end one graph cannot fold into the norm that starts the "
-        "next, and site fqns lose the block prefix (layer.0.layer_norm)")),
+        "open: a graph break in each block with experts: SwitchTransformersExperts loops over "
+        "greater(...).nonzero() (a Python loop over a data-dependent number of experts, which dynamo cannot "
+        "capture even with capture_dynamic_output_shape_ops); dynamo captures one graph per block's code, reused "
+        "by both layers: normfuse reports the sites of each captured graph once (10 sites for 12 norm calls), the "
+        "adds that end one graph cannot fold into the norm that starts the next, and site fqns lose the block "
+        "prefix (layer.0.layer_norm)")),
     "hf:fsmt": dict(norms=10, fused=10, fused_with_add=10, input_is_add=10, placements={"post": 10},
         eager_norms=10, eager_input_is_add=10, check="ok", checked_sites=10, bitwise=True),
     "hf:whisper": dict(norms=12, fused=12, fused_with_add=11, input_is_add=12, placements={"pre": 12},
