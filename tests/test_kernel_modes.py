@@ -21,7 +21,7 @@ from normfuse.kernels import dropout_keep_mask
 from normfuse.tolerances import within_tolerance
 
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
-PATHS = ("reference",)
+PATHS = ("reference", "triton")
 MODES = {
     "x1": dict(x1=True),
     "rowscale": dict(rowscale=True),
@@ -141,6 +141,20 @@ def test_mode_vs_fp64(path, mode, kind, dtype, round_sum_first):
     check_modes(t, kind, round_sum_first)
 
 
+@pytest.mark.parametrize("mode,round_sum_first", [(m, i % 2 == 0) for i, m in enumerate(MODES)])
+def test_mode_wide_rows(path, mode, round_sum_first):
+    """Rows wider than one block: the looped forward (fp32 rows past 64 KiB) and backward
+    kernels, a ragged last block, the mask regenerated in each pass."""
+    kind = "layer_norm" if round_sum_first else "rms_norm"
+    check_modes(make(2, 16400, FP32, kind, **MODES[mode]), kind, round_sum_first)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_mode_bf16_looped_backward(path, mode):
+    """bf16 rows of 8200: one forward block, the looped backward (rows past 16 KiB)."""
+    check_modes(make(2, 8200, BF16, "layer_norm", **MODES[mode]), "layer_norm", True)
+
+
 @pytest.mark.parametrize("mode", ("x1", "rowscale", "dropout", "all"))
 def test_mode_without_residual(path, mode):
     """A mode alone forms the sum: s is returned (flash-attn returns it as its residual_out)."""
@@ -165,6 +179,17 @@ def test_round_sum_first_equals_eager_bit_for_bit(mode, dtype):
         y, _, _ = ours(dict(t, rowscale=rs), "layer_norm", 1e-5, True, None)
         assert torch.equal(y, F.layer_norm((x * rs[..., None]).to(dtype) + x1 + r, (96,), t["weight"], t["bias"],
                                            1e-5))
+
+
+@pytest.mark.parametrize("round_sum_first", (True, False), ids=("roundfirst", "fp32sum"))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_sum_bit_exact(path, mode, round_sum_first):
+    """s is the same arithmetic on both paths: each rounded step, or the one fp32 sum rounded
+    once, equals the plain-torch composition bit for bit (given the path's mask)."""
+    t = make(5, 80, BF16, "rms_norm", **MODES[mode])
+    keep = keep_mask(t, 31)
+    s = ours(t, "rms_norm", 1e-6, round_sum_first, 31)[2]
+    assert torch.equal(s, composed(t, keep, "rms_norm", 1e-6, round_sum_first)[2])
 
 
 def test_fp32_dropout_forward_bit_exact_both_sum_modes():
