@@ -77,13 +77,13 @@ if triton is not None:
         return v * keep.to(tl.float32) * dropout_scale
 
     @triton.jit
-    def _row_scale(RS, row, cols, mask):
-        """rowscale[row], as a block (every lane reads the one value)."""
-        return tl.load(RS + row + cols * 0, mask=mask, other=0.0).to(tl.float32)
+    def _row_scale(RS, row, row_ok):
+        """rowscale[row] (one scalar load per row)."""
+        return tl.load(RS + row, mask=row_ok, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _load_norm_input(X, R, X1, RS, row, x_off, r_off, x1_off, cols, mask, N, residual_scale, seed, dropout_p,
-                         dropout_scale, HAS_RESIDUAL: tl.constexpr, SCALE_RESIDUAL: tl.constexpr,
+    def _load_norm_input(X, R, X1, RS, row, row_ok, x_off, r_off, x1_off, cols, mask, N, residual_scale, seed,
+                         dropout_p, dropout_scale, HAS_RESIDUAL: tl.constexpr, SCALE_RESIDUAL: tl.constexpr,
                          SUM_DTYPE: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, HAS_X1: tl.constexpr,
                          HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BRANCH_DTYPE: tl.constexpr):
         """(s, u): s = round(SUM_DTYPE, float(b) + float(round(r.dtype, scale * r))) with b the branch
@@ -95,7 +95,7 @@ if triton is not None:
             if ROUND_SUM_FIRST:
                 u = _round(u, X.dtype.element_ty).to(tl.float32)
         if HAS_ROWSCALE:
-            u = u * _row_scale(RS, row, cols, mask)
+            u = u * _row_scale(RS, row, row_ok)
             if ROUND_SUM_FIRST:
                 u = _round(u, X.dtype.element_ty).to(tl.float32)
         if HAS_X1:
@@ -178,10 +178,11 @@ if triton is not None:
             w1, b1 = _load_params(W1, B1, cols, cols < N, weight_offset, HAS_W1, HAS_B1)
         for i in range(rows_per_program):
             row = tl.program_id(0) * rows_per_program + i
-            mask = (cols < N) & (row < n_rows)
+            row_ok = row < n_rows
+            mask = (cols < N) & row_ok
             row = row.to(tl.int64)
-            s, u = _load_norm_input(X, R, X1, RS, row, row * stride_x, row * stride_r, row * stride_x1, cols, mask,
-                                    N, residual_scale, seed, dropout_p, dropout_scale,
+            s, u = _load_norm_input(X, R, X1, RS, row, row_ok, row * stride_x, row * stride_r, row * stride_x1, cols,
+                                    mask, N, residual_scale, seed, dropout_p, dropout_scale,
                                     HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL, SUM_DTYPE, ROUND_SUM_FIRST,
                                     HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BRANCH_DTYPE)
             if STORE_SUM and not POST_ADD:
@@ -232,8 +233,8 @@ if triton is not None:
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
                 mask = (cols < N) & row_ok
-                s, u = _load_norm_input(X, R, X1, RS, row, row * stride_x, row * stride_r, row * stride_x1, cols,
-                                        mask, N, residual_scale, seed, dropout_p, dropout_scale,
+                s, u = _load_norm_input(X, R, X1, RS, row, row_ok, row * stride_x, row * stride_r, row * stride_x1,
+                                        cols, mask, N, residual_scale, seed, dropout_p, dropout_scale,
                                         HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL, SUM_DTYPE, ROUND_SUM_FIRST,
                                         HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BRANCH_DTYPE)
                 if STORE_SUM and not POST_ADD:
@@ -259,10 +260,10 @@ if triton is not None:
                 if STORE_SUM and not POST_ADD and ROUND_SUM_FIRST:
                     u = tl.load(S + row * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
                 else:
-                    _, u = _load_norm_input(X, R, X1, RS, row, row * stride_x, row * stride_r, row * stride_x1, cols,
-                                            mask, N, residual_scale, seed, dropout_p, dropout_scale,
-                                            HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL, SUM_DTYPE,
-                                            ROUND_SUM_FIRST, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BRANCH_DTYPE)
+                    _, u = _load_norm_input(X, R, X1, RS, row, row_ok, row * stride_x, row * stride_r,
+                                            row * stride_x1, cols, mask, N, residual_scale, seed, dropout_p,
+                                            dropout_scale, HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL,
+                                            SUM_DTYPE, ROUND_SUM_FIRST, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BRANCH_DTYPE)
                 w, b = _load_params(W, B, cols, mask, weight_offset, HAS_WEIGHT, HAS_BIAS)
                 w1, b1 = _load_params(W1, B1, cols, mask, weight_offset, HAS_W1, HAS_B1)
                 _normalize_and_store(u, mean, rstd, w, b, w1, b1, Y, Y1, S, R, row * stride_y, row * stride_y1,
@@ -309,8 +310,8 @@ if triton is not None:
         return cols, mask, xhat, dy, dn, g, dn1
 
     @triton.jit
-    def _store_input_grads(DE, DX, DRES, DX1, RS, row, stride_de, stride_dx, stride_dres, stride_dx1, cols, mask,
-                           N, xhat, dy, g, c1, c2, rstd, residual_scale, seed, dropout_p, dropout_scale,
+    def _store_input_grads(DE, DX, DRES, DX1, RS, row, row_ok, stride_de, stride_dx, stride_dres, stride_dx1, cols,
+                           mask, N, xhat, dy, g, c1, c2, rstd, residual_scale, seed, dropout_p, dropout_scale,
                            HAS_DEXTRA: tl.constexpr, HAS_DRES: tl.constexpr, IS_RMS: tl.constexpr,
                            POST_ADD: tl.constexpr, HAS_DX1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
                            HAS_DROPOUT: tl.constexpr):
@@ -326,7 +327,7 @@ if triton is not None:
         if HAS_DROPOUT:
             dx = _keep_scale(dx, row, cols, N, seed, dropout_p, dropout_scale)
         if HAS_ROWSCALE:
-            dx = dx * _row_scale(RS, row, cols, mask)
+            dx = dx * _row_scale(RS, row, row_ok)
         tl.store(DX + row * stride_dx + cols, _round(dx, DX.dtype.element_ty), mask=mask)
         if HAS_DRES:
             dres = dy if POST_ADD else du
@@ -367,8 +368,8 @@ if triton is not None:
                                               POST_ADD, HAS_DY1)
             c1 = tl.sum(g * xhat, axis=0) / N
             c2 = 0.0 if IS_RMS else tl.sum(g, axis=0) / N
-            _store_input_grads(DE, DX, DRES, DX1, RS, row, stride_de, stride_dx, stride_dres, stride_dx1, cols, mask,
-                               N, xhat, dy, g, c1, c2, rstd, residual_scale, seed, dropout_p, dropout_scale,
+            _store_input_grads(DE, DX, DRES, DX1, RS, row, row_ok, stride_de, stride_dx, stride_dres, stride_dx1, cols,
+                               mask, N, xhat, dy, g, c1, c2, rstd, residual_scale, seed, dropout_p, dropout_scale,
                                HAS_DEXTRA, HAS_DRES, IS_RMS, POST_ADD, HAS_DX1, HAS_ROWSCALE, HAS_DROPOUT)
             dw += dn * xhat
             db += dn
@@ -421,8 +422,8 @@ if triton is not None:
                 cols, mask, xhat, dy, dn, g, dn1 = _block_grads(
                     DY, DE, INP, DY1, W, W1, row, row_ok, start, cols0, N, stride_dy, stride_de, stride_inp,
                     stride_dy1, mean, rstd, weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD, HAS_DY1)
-                _store_input_grads(DE, DX, DRES, DX1, RS, row, stride_de, stride_dx, stride_dres, stride_dx1, cols,
-                                   mask, N, xhat, dy, g, c1, c2, rstd, residual_scale, seed, dropout_p,
+                _store_input_grads(DE, DX, DRES, DX1, RS, row, row_ok, stride_de, stride_dx, stride_dres, stride_dx1,
+                                   cols, mask, N, xhat, dy, g, c1, c2, rstd, residual_scale, seed, dropout_p,
                                    dropout_scale, HAS_DEXTRA, HAS_DRES, IS_RMS, POST_ADD, HAS_DX1, HAS_ROWSCALE,
                                    HAS_DROPOUT)
                 part = pid.to(tl.int64) * N + cols
