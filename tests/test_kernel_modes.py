@@ -347,3 +347,47 @@ def test_rowscale_requiring_grad_is_fine_without_grad():
     with torch.no_grad():
         y, s = normfuse.add_rms_norm(torch.randn(4, 8), torch.randn(4, 8), None, rowscale=rs)
     assert y.shape == (4, 8)
+
+
+# ---- DTensor: the modes shard like x ------------------------------------------------------
+
+def _dtensor_modes_worker(rank):
+    """x1 takes x's placement, rowscale its rows', weight1/bias1 are replicated: the outputs
+    and grads equal the local tensors' run, and y1 keeps x's placement."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    from normfuse.kernels.sharding import register
+    assert register()
+    mesh = init_device_mesh("cpu", (2,))
+    t = make(12, 16, FP32, "layer_norm", x1=True, rowscale=True, weight1=True, bias1=True)
+    shape = (2, 6, 16)
+    names = ("x", "residual", "x1", "weight", "bias", "weight1", "bias1")
+    results = {}
+    for placement in (Shard(0), Shard(1), Replicate()):
+        def run(dist):
+            leaves = [t[k].reshape(shape if t[k].dim() == 2 else -1).clone().requires_grad_() for k in names]
+            rs = t["rowscale"].reshape(shape[:-1])
+            if dist:
+                acts = (placement,) * 3
+                leaves = [distribute_tensor(v.detach(), mesh, [p]).requires_grad_()
+                          for v, p in zip(leaves, acts + (Replicate(),) * 4)]
+                rs = distribute_tensor(rs, mesh, [placement])
+            x, r, x1, w, b, w1, b1 = leaves
+            y, y1, s = normfuse.add_layer_norm(x, r, w, b, x1=x1, rowscale=rs, weight1=w1, bias1=b1)
+            (y.square().sum() + y1.sin().sum() + s.cos().sum()).backward()
+            outs = [y, y1, s] + [v.grad for v in leaves]
+            return [o.full_tensor() if hasattr(o, "full_tensor") else o for o in outs], y1
+        got, y1 = run(True)
+        want, _ = run(False)
+        results[str(placement)] = (tuple(y1.placements) == (placement,),
+                                   max((a - e).abs().max().item() for a, e in zip(got, want)))
+    return results
+
+
+def test_modes_on_dtensors_match_local_tensors():
+    from helpers import run_on_ranks
+    for rank, results in enumerate(run_on_ranks(_dtensor_modes_worker)):
+        assert len(results) == 3
+        for case, (placement_kept, max_err) in results.items():
+            assert placement_kept, (rank, case)
+            assert max_err < 1e-5, (rank, case, max_err)
