@@ -342,6 +342,13 @@ def test_bad_mode_arguments(kwargs, error, words):
     assert words in str(info.value)
 
 
+def test_op_with_dropout_needs_a_seed():
+    x = torch.randn(4, 8)
+    with pytest.raises(InvalidOptionError, match="without a seed; pass seed"):
+        torch.ops.normfuse.add_norm_fwd(x, None, None, None, "rms_norm", 1e-6, 0.0, 1.0, FP32, None, FP32, True, True,
+                                        None, None, None, None, 0.5, None)
+
+
 def test_rowscale_requiring_grad_is_fine_without_grad():
     rs = torch.ones(4, requires_grad=True)
     with torch.no_grad():
