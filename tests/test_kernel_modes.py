@@ -163,6 +163,28 @@ def test_mode_without_residual(path, mode):
     assert s is not None and s.shape == t["x"].shape
 
 
+def test_strided_inputs(path):
+    """Rows with a stride (slices of wider tensors) and a strided rowscale: the same results as
+    contiguous copies."""
+    wide = make(6, 160, BF16, "layer_norm", **MODES["all"], seed=3)
+    t = dict(wide, x=wide["x"][:, :96], residual=wide["residual"][:, 8:104], x1=wide["x1"][:, 64:],
+             rowscale=torch.stack([wide["rowscale"], wide["rowscale"]], 1)[:, 0],
+             weight=wide["weight"][:96], bias=wide["bias"][:96], weight1=wide["weight1"][:96],
+             bias1=wide["bias1"][:96])
+    assert not t["x"].is_contiguous() and not t["rowscale"].is_contiguous()
+    dense = {k: (v.contiguous() if isinstance(v, torch.Tensor) else v) for k, v in t.items()}
+    for got, want in zip(ours(t, "layer_norm", 1e-5, False, 8), ours(dense, "layer_norm", 1e-5, False, 8)):
+        assert torch.equal(got, want)
+
+
+def test_zero_rows(path):
+    t = make(0, 32, BF16, "layer_norm", **MODES["all"])
+    (y, y1, s), grads = run_with_grads(lambda a: ours(a, "layer_norm", 1e-5, True, 3), t,
+                                       [torch.zeros(0, 32, dtype=FP64)] * 3)
+    assert y.shape == y1.shape == s.shape == (0, 32)
+    assert grads["weight1"].shape == (32,) and not grads["weight1"].any() and grads["x1"].shape == (0, 32)
+
+
 @pytest.mark.parametrize("dtype", (BF16, FP32), ids=("bf16", "fp32"))
 @pytest.mark.parametrize("mode", list(MODES))
 def test_round_sum_first_equals_eager_bit_for_bit(mode, dtype):
