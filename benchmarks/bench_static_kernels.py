@@ -263,7 +263,8 @@ def configurations(ns: list[int], dtypes: list[str]):
         for dtype in dtypes:
             size = DTYPES[dtype][0].itemsize
             for n in ns:
-                block, warps, looped = K._blocking(n, size, backward=op.backward)
+                two_norms = op.flags.get("HAS_W1", False) or op.flags.get("HAS_DY1", False)
+                block, warps, looped = K._blocking(n, size, backward=op.backward, two_norms=two_norms)
                 key = (op.name, dtype, block, warps, looped)
                 yield op, dtype, n, block, warps, looped, key in seen
                 seen.add(key)

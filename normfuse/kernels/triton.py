@@ -59,6 +59,7 @@ _PARAMS_AFTER_STATS_BYTES = 65536
 if triton is not None:
     _RNE_BY_HAND = tl.constexpr(INTERPRETED)
     _PARAMS_AFTER_STATS_BYTES_C = tl.constexpr(_PARAMS_AFTER_STATS_BYTES)
+    _MULTI_ROW_MAX_BLOCK_C = tl.constexpr(_MULTI_ROW_MAX_BLOCK)
 
     @triton.jit
     def _round(v, DTYPE: tl.constexpr):
@@ -124,13 +125,12 @@ if triton is not None:
         return w, b
 
     @triton.jit
-    def _normalize_and_store(u, mean, rstd, w, b, w1, b1, Y, Y1, S, R, y_off, y1_off, s_off, r_off, cols, mask,
-                             residual_scale, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr,
-                             HAS_B1: tl.constexpr, IS_RMS: tl.constexpr, ROUND_FIRST: tl.constexpr,
-                             NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, STORE_Y: tl.constexpr,
-                             POST_ADD: tl.constexpr, SCALE_RESIDUAL: tl.constexpr):
-        """y = round(OUT_DTYPE, n * w' + b) (n rounded first when ROUND_FIRST), y1 likewise with
-        w1', b1; then the post-add."""
+    def _normalize_and_store(u, mean, rstd, w, b, Y, S, R, y_off, s_off, r_off, cols, mask, residual_scale,
+                             HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
+                             ROUND_FIRST: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                             STORE_Y: tl.constexpr, POST_ADD: tl.constexpr, SCALE_RESIDUAL: tl.constexpr):
+        """y = round(OUT_DTYPE, n * w' + b) (n rounded first when ROUND_FIRST); then the post-add.
+        Returns n, for the second norm output."""
         if IS_RMS:
             n = u * rstd
         else:
@@ -145,16 +145,20 @@ if triton is not None:
         y = _round(y, OUT_DTYPE)
         if STORE_Y:
             tl.store(Y + y_off + cols, y, mask=mask)
-        if HAS_W1:
-            y1 = n * w1
-            if HAS_B1:
-                y1 = y1 + b1
-            tl.store(Y1 + y1_off + cols, _round(y1, OUT_DTYPE), mask=mask)
         if POST_ADD:
             r = tl.load(R + r_off + cols, mask=mask, other=0.0)
             if SCALE_RESIDUAL:
                 r = _round(r.to(tl.float32) * residual_scale, R.dtype.element_ty)
             tl.store(S + s_off + cols, _round(r.to(tl.float32) + y.to(tl.float32), S.dtype.element_ty), mask=mask)
+        return n
+
+    @triton.jit
+    def _store_second_norm(n, w1, b1, Y1, y1_off, cols, mask, HAS_B1: tl.constexpr, OUT_DTYPE: tl.constexpr):
+        """y1 = round(OUT_DTYPE, n * w1' + b1): the same normalized n with the second parameters."""
+        y1 = n * w1
+        if HAS_B1:
+            y1 = y1 + b1
+        tl.store(Y1 + y1_off + cols, _round(y1, OUT_DTYPE), mask=mask)
 
     @triton.jit
     def _add_norm_fwd_kernel(
@@ -171,8 +175,11 @@ if triton is not None:
     ):
         """A row fits one block: one read of each input and one write of each output per row."""
         cols = tl.arange(0, BLOCK_N)
-        PARAMS_AFTER_STATS: tl.constexpr = (BLOCK_N * X.dtype.element_ty.primitive_bitwidth // 8
-                                            >= _PARAMS_AFTER_STATS_BYTES_C)
+        # Also with a second weight set in blocks that take one row per program anyway: its four
+        # parameter blocks held across the row's reductions spilled (sm90, bf16 N = 16384).
+        PARAMS_AFTER_STATS: tl.constexpr = ((BLOCK_N * X.dtype.element_ty.primitive_bitwidth // 8
+                                             >= _PARAMS_AFTER_STATS_BYTES_C)
+                                            or (HAS_W1 and BLOCK_N > _MULTI_ROW_MAX_BLOCK_C))
         if not PARAMS_AFTER_STATS:  # once per program
             w, b = _load_params(W, B, cols, cols < N, weight_offset, HAS_WEIGHT, HAS_BIAS)
             w1, b1 = _load_params(W1, B1, cols, cols < N, weight_offset, HAS_W1, HAS_B1)
@@ -199,11 +206,13 @@ if triton is not None:
             tl.store(RSTD + row, rstd, mask=row < n_rows)
             if PARAMS_AFTER_STATS:
                 w, b = _load_params(W, B, cols, cols < N, weight_offset, HAS_WEIGHT, HAS_BIAS)
-                w1, b1 = _load_params(W1, B1, cols, cols < N, weight_offset, HAS_W1, HAS_B1)
-            _normalize_and_store(u, mean, rstd, w, b, w1, b1, Y, Y1, S, R, row * stride_y, row * stride_y1,
-                                 row * stride_s, row * stride_r, cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS,
-                                 HAS_W1, HAS_B1, IS_RMS, ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD,
-                                 SCALE_RESIDUAL)
+            n = _normalize_and_store(u, mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s, row * stride_r,
+                                     cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS, ROUND_FIRST,
+                                     NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD, SCALE_RESIDUAL)
+            if HAS_W1:
+                if PARAMS_AFTER_STATS:  # once y is written: four parameter blocks of these rows spill
+                    w1, b1 = _load_params(W1, B1, cols, cols < N, weight_offset, HAS_W1, HAS_B1)
+                _store_second_norm(n, w1, b1, Y1, row * stride_y1, cols, mask, HAS_B1, OUT_DTYPE)
 
     @triton.jit
     def _add_norm_fwd_looped_kernel(
@@ -265,11 +274,12 @@ if triton is not None:
                                             dropout_scale, HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL,
                                             SUM_DTYPE, ROUND_SUM_FIRST, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BRANCH_DTYPE)
                 w, b = _load_params(W, B, cols, mask, weight_offset, HAS_WEIGHT, HAS_BIAS)
-                w1, b1 = _load_params(W1, B1, cols, mask, weight_offset, HAS_W1, HAS_B1)
-                _normalize_and_store(u, mean, rstd, w, b, w1, b1, Y, Y1, S, R, row * stride_y, row * stride_y1,
-                                     row * stride_s, row * stride_r, cols, mask, residual_scale, HAS_WEIGHT,
-                                     HAS_BIAS, HAS_W1, HAS_B1, IS_RMS, ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE,
-                                     STORE_Y, POST_ADD, SCALE_RESIDUAL)
+                n = _normalize_and_store(u, mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s,
+                                         row * stride_r, cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS,
+                                         ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD, SCALE_RESIDUAL)
+                if HAS_W1:
+                    w1, b1 = _load_params(W1, B1, cols, mask, weight_offset, HAS_W1, HAS_B1)
+                    _store_second_norm(n, w1, b1, Y1, row * stride_y1, cols, mask, HAS_B1, OUT_DTYPE)
 
     @triton.jit
     def _row_grads(DY, DE, INP, DY1, w, w1, row, stride_dy, stride_de, stride_inp, stride_dy1, cols, mask, mean,
@@ -485,10 +495,14 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNTS[index]
 
 
-def _blocking(n_cols: int, element_size: int, backward: bool = False):
-    """(BLOCK_N, num_warps, looped) for a row of n_cols elements, forward or backward."""
+def _blocking(n_cols: int, element_size: int, backward: bool = False, two_norms: bool = False):
+    """(BLOCK_N, num_warps, looped) for a row of n_cols elements, forward or backward.
+    two_norms (a second weight set, y1): single pass up to half as many bytes, as the second
+    parameter blocks (and their gradient accumulators) spilled at the top sizes (sm90, bf16:
+    forward N = 32768, backward N = 8192)."""
     block = triton.next_power_of_2(n_cols)
-    looped = block * element_size > (_MAX_FUSED_BYTES_BWD if backward else _MAX_FUSED_BYTES)
+    limit = _MAX_FUSED_BYTES_BWD if backward else _MAX_FUSED_BYTES
+    looped = block * element_size > (limit // 2 if two_norms else limit)
     if looped:
         block = _LOOP_BLOCK_BYTES // element_size
     return block, min(max(block // 256, 1), 16), looped
@@ -523,7 +537,7 @@ def _launch_fwd(x, residual, weight, bias, y, s, kind, eps, weight_offset, resid
     if n_rows == 0:
         return mean, rstd
     widest = max(t.element_size() for t in (x, s, x1) if t is not None)
-    block, num_warps, looped = _blocking(n_cols, widest)
+    block, num_warps, looped = _blocking(n_cols, widest, two_norms=weight1 is not None)
     rows_per_program = min(max(triton.cdiv(n_rows, 8 * _sm_count(x.device)), 1),
                            max(1, _MULTI_ROW_MAX_BLOCK // block))
     grid = (triton.cdiv(n_rows, rows_per_program),)
@@ -591,7 +605,8 @@ def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, resid
     dres = inp.new_empty(inp.shape, dtype=residual_dtype) if residual_dtype is not None else None
     dx1 = inp.new_empty(inp.shape, dtype=x1_dtype) if x1_dtype is not None else None
     has_y1 = dy1 is not None and weight1 is not None
-    block, num_warps, looped = _blocking(n_cols, max(inp.element_size(), dy.element_size()), backward=True)
+    block, num_warps, looped = _blocking(n_cols, max(inp.element_size(), dy.element_size()), backward=True,
+                                         two_norms=has_y1)
     k = 4 if block <= 1024 else 2 if block <= 4096 else 1
     programs = max(1, min(n_rows, k * _sm_count(inp.device)))
     rows_per_program = triton.cdiv(n_rows, programs) if n_rows else 0
