@@ -320,6 +320,31 @@ def test_opcheck(path, name, args):
     torch.library.opcheck(getattr(torch.ops.normfuse, name).default, args)
 
 
+@pytest.mark.parametrize("round_sum_first,store_sum", [(False, True), (True, False)])
+def test_op_autograd_equals_functional(path, round_sum_first, store_sum):
+    """The custom op's own autograd (what traced graphs run) gives the functional path's grads,
+    also where the backward rebuilds the norm input with the forward backend's mask (the fp32
+    sum normalized, or s not stored)."""
+    t = make(4, 48, BF16, "layer_norm", **MODES["all"])
+    names = ("x", "residual", "weight", "bias", "x1", "weight1", "bias1")
+    seed = torch.tensor(77)
+    runs = []
+    for direct in (False, True):
+        x, r, w, b, x1, w1, b1 = (t[k].clone().requires_grad_() for k in names)
+        if direct:
+            y, s, _, _, y1 = torch.ops.normfuse.add_norm_fwd(
+                x, r, w, b, "layer_norm", 1e-5, 0.0, 1.0, BF16, None, BF16, store_sum, round_sum_first, x1,
+                t["rowscale"], w1, b1, 0.37, seed)
+        else:
+            y, y1, s = normfuse.add_layer_norm(x, r, w, b, x1=x1, rowscale=t["rowscale"], weight1=w1, bias1=b1,
+                                               dropout_p=0.37, seed=seed, round_sum_first=round_sum_first)
+        loss = (y.float() * 3).sum() + y1.float().square().sum() + (s.float().sum() if store_sum else 0)
+        loss.backward()
+        runs.append([y, y1] + [v.grad for v in (x, r, w, b, x1, w1, b1)])
+    for name, functional, direct in zip(("y", "y1") + names, *runs):
+        assert torch.allclose(functional.float(), direct.float(), rtol=0, atol=1e-6), name
+
+
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_compile_fullgraph_with_modes():
     t = make(4, 64, BF16, "layer_norm", x1=True, rowscale=True, weight1=True, bias1=True, dropout=0.25)
