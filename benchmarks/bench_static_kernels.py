@@ -53,9 +53,10 @@ TARGETS = {"cuda90": GPUTarget("cuda", 90, 32), "cuda80": GPUTarget("cuda", 80, 
 NS = [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
 DTYPES = {"fp32": (torch.float32, tl.float32), "fp16": (torch.float16, tl.float16),
           "bf16": (torch.bfloat16, tl.bfloat16)}
-FLOAT_ARGS = {"eps", "weight_offset", "residual_scale"}
+FLOAT_ARGS = {"eps", "weight_offset", "residual_scale", "dropout_p", "dropout_scale"}
+INT64_ARGS = {"seed"}  # the dropout seed: up to 2**62
 INT_ARGS = {"N"}  # the kernels name pointers in capitals; N is the one capital integer
-STAT_PTRS = {"MEAN", "RSTD", "DW_PART", "DB_PART"}  # fp32 buffers: per-row stats, dw/db partials
+STAT_PTRS = {"MEAN", "RSTD", "DW_PART", "DB_PART", "DW1_PART", "DB1_PART"}  # fp32: per-row stats, dw/db partials
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
@@ -75,29 +76,46 @@ class Op:
     dtype_args: tuple = field(default=())  # constexpr dtype arguments, set to the op's dtype
 
 
+# add_norm's modes (x1, rowscale, weight1/bias1, dropout), off unless an op turns them on
+NO_MODES = dict(HAS_X1=False, HAS_ROWSCALE=False, HAS_W1=False, HAS_B1=False, HAS_DROPOUT=False)
+NO_MODES_BWD = dict(HAS_DY1=False, HAS_B1=False, HAS_DX1=False, HAS_ROWSCALE=False, HAS_DROPOUT=False)
+FWD_DTYPES = ("SUM_DTYPE", "NORM_ROUND_DTYPE", "OUT_DTYPE", "BRANCH_DTYPE")
+
 OPS = [
     Op("add_rms_norm (HF llama: round, then * w)", False,
        dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=False, IS_RMS=True, ROUND_FIRST=True, STORE_SUM=True,
-            STORE_Y=True, POST_ADD=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True), ("X", "R"), ("Y", "S"),
-       ("SUM_DTYPE", "NORM_ROUND_DTYPE", "OUT_DTYPE")),
+            STORE_Y=True, POST_ADD=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, **NO_MODES), ("X", "R"),
+       ("Y", "S"), FWD_DTYPES),
     Op("add_layer_norm (w, b; BERT, GPT-2)", False,
        dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=True, IS_RMS=False, ROUND_FIRST=False, STORE_SUM=True,
-            STORE_Y=True, POST_ADD=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True), ("X", "R"), ("Y", "S"),
-       ("SUM_DTYPE", "NORM_ROUND_DTYPE", "OUT_DTYPE")),
+            STORE_Y=True, POST_ADD=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, **NO_MODES), ("X", "R"),
+       ("Y", "S"), FWD_DTYPES),
     Op("rms_norm (standalone)", False,
        dict(HAS_RESIDUAL=False, HAS_WEIGHT=True, HAS_BIAS=False, IS_RMS=True, ROUND_FIRST=True, STORE_SUM=False,
-            STORE_Y=True, POST_ADD=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True), ("X",), ("Y",),
-       ("SUM_DTYPE", "NORM_ROUND_DTYPE", "OUT_DTYPE")),
+            STORE_Y=True, POST_ADD=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, **NO_MODES), ("X",), ("Y",),
+       FWD_DTYPES),
     Op("rms_norm_add (res-post, sandwich)", False,
        dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=False, IS_RMS=True, ROUND_FIRST=False, STORE_SUM=True,
-            STORE_Y=False, POST_ADD=True, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True), ("X", "R"), ("S",),
-       ("SUM_DTYPE", "NORM_ROUND_DTYPE", "OUT_DTYPE")),
+            STORE_Y=False, POST_ADD=True, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, **NO_MODES), ("X", "R"),
+       ("S",), FWD_DTYPES),
     Op("add_rms_norm backward", True,
-       dict(HAS_DEXTRA=True, HAS_WEIGHT=True, HAS_BIAS=False, HAS_DRES=True, IS_RMS=True, POST_ADD=False),
+       dict(HAS_DEXTRA=True, HAS_WEIGHT=True, HAS_BIAS=False, HAS_DRES=True, IS_RMS=True, POST_ADD=False,
+            **NO_MODES_BWD),
        ("DY", "DE", "INP"), ("DX", "DRES")),
     Op("add_layer_norm backward", True,
-       dict(HAS_DEXTRA=True, HAS_WEIGHT=True, HAS_BIAS=True, HAS_DRES=True, IS_RMS=False, POST_ADD=False),
+       dict(HAS_DEXTRA=True, HAS_WEIGHT=True, HAS_BIAS=True, HAS_DRES=True, IS_RMS=False, POST_ADD=False,
+            **NO_MODES_BWD),
        ("DY", "DE", "INP"), ("DX", "DRES")),
+    # flash-attn's modes: a parallel block's two branches, drop path, dropout and a second norm
+    Op("add_layer_norm + x1, rowscale, dropout, weight1/bias1", False,
+       dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=True, IS_RMS=False, ROUND_FIRST=False, STORE_SUM=True,
+            STORE_Y=True, POST_ADD=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, HAS_X1=True,
+            HAS_ROWSCALE=True, HAS_W1=True, HAS_B1=True, HAS_DROPOUT=True), ("X", "R", "X1"), ("Y", "S", "Y1"),
+       FWD_DTYPES),
+    Op("add_layer_norm + modes backward", True,
+       dict(HAS_DEXTRA=True, HAS_WEIGHT=True, HAS_BIAS=True, HAS_DRES=True, IS_RMS=False, POST_ADD=False,
+            HAS_DY1=True, HAS_B1=True, HAS_DX1=True, HAS_ROWSCALE=True, HAS_DROPOUT=True),
+       ("DY", "DE", "INP", "DY1"), ("DX", "DRES", "DX1")),
 ]
 
 
@@ -127,6 +145,8 @@ def source(op: Op, dtype: str, block: int, looped: bool) -> ASTSource:
                                         f"set; add it to that op's flags in benchmarks/bench_static_kernels.py.")
         elif name in FLOAT_ARGS:
             signature[name] = "fp32"
+        elif name in INT64_ARGS:
+            signature[name] = "i64"
         elif _is_pointer(name):
             signature[name] = "*fp32" if name in STAT_PTRS else f"*{_ptr_type(tl_dtype)}"
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -243,7 +263,8 @@ def configurations(ns: list[int], dtypes: list[str]):
         for dtype in dtypes:
             size = DTYPES[dtype][0].itemsize
             for n in ns:
-                block, warps, looped = K._blocking(n, size, backward=op.backward)
+                two_norms = op.flags.get("HAS_W1", False) or op.flags.get("HAS_DY1", False)
+                block, warps, looped = K._blocking(n, size, backward=op.backward, two_norms=two_norms)
                 key = (op.name, dtype, block, warps, looped)
                 yield op, dtype, n, block, warps, looped, key in seen
                 seen.add(key)

@@ -21,7 +21,7 @@ from normfuse.kernels import dropout_keep_mask
 from normfuse.tolerances import within_tolerance
 
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
-PATHS = ("reference",)
+PATHS = ("reference", "triton")
 MODES = {
     "x1": dict(x1=True),
     "rowscale": dict(rowscale=True),
@@ -141,12 +141,48 @@ def test_mode_vs_fp64(path, mode, kind, dtype, round_sum_first):
     check_modes(t, kind, round_sum_first)
 
 
+@pytest.mark.parametrize("mode,round_sum_first", [(m, i % 2 == 0) for i, m in enumerate(MODES)])
+def test_mode_wide_rows(path, mode, round_sum_first):
+    """Rows wider than one block: the looped forward (fp32 rows past 64 KiB) and backward
+    kernels, a ragged last block, the mask regenerated in each pass."""
+    kind = "layer_norm" if round_sum_first else "rms_norm"
+    check_modes(make(2, 16400, FP32, kind, **MODES[mode]), kind, round_sum_first)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_mode_bf16_looped_backward(path, mode):
+    """bf16 rows of 8200: one forward block, the looped backward (rows past 16 KiB)."""
+    check_modes(make(2, 8200, BF16, "layer_norm", **MODES[mode]), "layer_norm", True)
+
+
 @pytest.mark.parametrize("mode", ("x1", "rowscale", "dropout", "all"))
 def test_mode_without_residual(path, mode):
     """A mode alone forms the sum: s is returned (flash-attn returns it as its residual_out)."""
     t = make(5, 64, BF16, "layer_norm", residual=False, **MODES[mode])
     (y, _, s), _ = check_modes(t, "layer_norm", True)[0]
     assert s is not None and s.shape == t["x"].shape
+
+
+def test_strided_inputs(path):
+    """Rows with a stride (slices of wider tensors) and a strided rowscale: the same results as
+    contiguous copies."""
+    wide = make(6, 160, BF16, "layer_norm", **MODES["all"], seed=3)
+    t = dict(wide, x=wide["x"][:, :96], residual=wide["residual"][:, 8:104], x1=wide["x1"][:, 64:],
+             rowscale=torch.stack([wide["rowscale"], wide["rowscale"]], 1)[:, 0],
+             weight=wide["weight"][:96], bias=wide["bias"][:96], weight1=wide["weight1"][:96],
+             bias1=wide["bias1"][:96])
+    assert not t["x"].is_contiguous() and not t["rowscale"].is_contiguous()
+    dense = {k: (v.contiguous() if isinstance(v, torch.Tensor) else v) for k, v in t.items()}
+    for got, want in zip(ours(t, "layer_norm", 1e-5, False, 8), ours(dense, "layer_norm", 1e-5, False, 8)):
+        assert torch.equal(got, want)
+
+
+def test_zero_rows(path):
+    t = make(0, 32, BF16, "layer_norm", **MODES["all"])
+    (y, y1, s), grads = run_with_grads(lambda a: ours(a, "layer_norm", 1e-5, True, 3), t,
+                                       [torch.zeros(0, 32, dtype=FP64)] * 3)
+    assert y.shape == y1.shape == s.shape == (0, 32)
+    assert grads["weight1"].shape == (32,) and not grads["weight1"].any() and grads["x1"].shape == (0, 32)
 
 
 @pytest.mark.parametrize("dtype", (BF16, FP32), ids=("bf16", "fp32"))
@@ -165,6 +201,17 @@ def test_round_sum_first_equals_eager_bit_for_bit(mode, dtype):
         y, _, _ = ours(dict(t, rowscale=rs), "layer_norm", 1e-5, True, None)
         assert torch.equal(y, F.layer_norm((x * rs[..., None]).to(dtype) + x1 + r, (96,), t["weight"], t["bias"],
                                            1e-5))
+
+
+@pytest.mark.parametrize("round_sum_first", (True, False), ids=("roundfirst", "fp32sum"))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_sum_bit_exact(path, mode, round_sum_first):
+    """s is the same arithmetic on both paths: each rounded step, or the one fp32 sum rounded
+    once, equals the plain-torch composition bit for bit (given the path's mask)."""
+    t = make(5, 80, BF16, "rms_norm", **MODES[mode])
+    keep = keep_mask(t, 31)
+    s = ours(t, "rms_norm", 1e-6, round_sum_first, 31)[2]
+    assert torch.equal(s, composed(t, keep, "rms_norm", 1e-6, round_sum_first)[2])
 
 
 def test_fp32_dropout_forward_bit_exact_both_sum_modes():
@@ -273,6 +320,31 @@ def test_opcheck(path, name, args):
     torch.library.opcheck(getattr(torch.ops.normfuse, name).default, args)
 
 
+@pytest.mark.parametrize("round_sum_first,store_sum", [(False, True), (True, False)])
+def test_op_autograd_equals_functional(path, round_sum_first, store_sum):
+    """The custom op's own autograd (what traced graphs run) gives the functional path's grads,
+    also where the backward rebuilds the norm input with the forward backend's mask (the fp32
+    sum normalized, or s not stored)."""
+    t = make(4, 48, BF16, "layer_norm", **MODES["all"])
+    names = ("x", "residual", "weight", "bias", "x1", "weight1", "bias1")
+    seed = torch.tensor(77)
+    runs = []
+    for direct in (False, True):
+        x, r, w, b, x1, w1, b1 = (t[k].clone().requires_grad_() for k in names)
+        if direct:
+            y, s, _, _, y1 = torch.ops.normfuse.add_norm_fwd(
+                x, r, w, b, "layer_norm", 1e-5, 0.0, 1.0, BF16, None, BF16, store_sum, round_sum_first, x1,
+                t["rowscale"], w1, b1, 0.37, seed)
+        else:
+            y, y1, s = normfuse.add_layer_norm(x, r, w, b, x1=x1, rowscale=t["rowscale"], weight1=w1, bias1=b1,
+                                               dropout_p=0.37, seed=seed, round_sum_first=round_sum_first)
+        loss = (y.float() * 3).sum() + y1.float().square().sum() + (s.float().sum() if store_sum else 0)
+        loss.backward()
+        runs.append([y, y1] + [v.grad for v in (x, r, w, b, x1, w1, b1)])
+    for name, functional, direct in zip(("y", "y1") + names, *runs):
+        assert torch.allclose(functional.float(), direct.float(), rtol=0, atol=1e-6), name
+
+
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_compile_fullgraph_with_modes():
     t = make(4, 64, BF16, "layer_norm", x1=True, rowscale=True, weight1=True, bias1=True, dropout=0.25)
@@ -317,8 +389,59 @@ def test_bad_mode_arguments(kwargs, error, words):
     assert words in str(info.value)
 
 
+def test_op_with_dropout_needs_a_seed():
+    x = torch.randn(4, 8)
+    with pytest.raises(InvalidOptionError, match="without a seed; pass seed"):
+        torch.ops.normfuse.add_norm_fwd(x, None, None, None, "rms_norm", 1e-6, 0.0, 1.0, FP32, None, FP32, True, True,
+                                        None, None, None, None, 0.5, None)
+
+
 def test_rowscale_requiring_grad_is_fine_without_grad():
     rs = torch.ones(4, requires_grad=True)
     with torch.no_grad():
         y, s = normfuse.add_rms_norm(torch.randn(4, 8), torch.randn(4, 8), None, rowscale=rs)
     assert y.shape == (4, 8)
+
+
+# ---- DTensor: the modes shard like x ------------------------------------------------------
+
+def _dtensor_modes_worker(rank):
+    """x1 takes x's placement, rowscale its rows', weight1/bias1 are replicated: the outputs
+    and grads equal the local tensors' run, and y1 keeps x's placement."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    from normfuse.kernels.sharding import register
+    assert register()
+    mesh = init_device_mesh("cpu", (2,))
+    t = make(12, 16, FP32, "layer_norm", x1=True, rowscale=True, weight1=True, bias1=True)
+    shape = (2, 6, 16)
+    names = ("x", "residual", "x1", "weight", "bias", "weight1", "bias1")
+    results = {}
+    for placement in (Shard(0), Shard(1), Replicate()):
+        def run(dist):
+            leaves = [t[k].reshape(shape if t[k].dim() == 2 else -1).clone().requires_grad_() for k in names]
+            rs = t["rowscale"].reshape(shape[:-1])
+            if dist:
+                acts = (placement,) * 3
+                leaves = [distribute_tensor(v.detach(), mesh, [p]).requires_grad_()
+                          for v, p in zip(leaves, acts + (Replicate(),) * 4)]
+                rs = distribute_tensor(rs, mesh, [placement])
+            x, r, x1, w, b, w1, b1 = leaves
+            y, y1, s = normfuse.add_layer_norm(x, r, w, b, x1=x1, rowscale=rs, weight1=w1, bias1=b1)
+            (y.square().sum() + y1.sin().sum() + s.cos().sum()).backward()
+            outs = [y, y1, s] + [v.grad for v in leaves]
+            return [o.full_tensor() if hasattr(o, "full_tensor") else o for o in outs], y1
+        got, y1 = run(True)
+        want, _ = run(False)
+        results[str(placement)] = (tuple(y1.placements) == (placement,),
+                                   max((a - e).abs().max().item() for a, e in zip(got, want)))
+    return results
+
+
+def test_modes_on_dtensors_match_local_tensors():
+    from helpers import run_on_ranks
+    for rank, results in enumerate(run_on_ranks(_dtensor_modes_worker)):
+        assert len(results) == 3
+        for case, (placement_kept, max_err) in results.items():
+            assert placement_kept, (rank, case)
+            assert max_err < 1e-5, (rank, case, max_err)

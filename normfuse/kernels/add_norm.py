@@ -98,9 +98,9 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
         seed = None  # p = 0 draws nothing
     sum_dtype, out_dtype = add_norm_dtypes(x, residual, weight, sum_dtype, norm_round_dtype, out_dtype, x1)
     has_sum = has_sum_of(residual, x1, rowscale, dropout_p)
-    tensors = (x, residual, weight, bias, x1, rowscale, weight1, bias1)
-    store_sum = has_sum and (return_sum or _grad_needed(*tensors))
-    forward = forward_for("add_norm_fwd", *tensors, seed)
+    modes = tuple(t for t in (x1, rowscale, weight1, bias1, seed) if t is not None)
+    store_sum = has_sum and (return_sum or _grad_needed(x, residual, weight, bias, *modes))
+    forward = forward_for("add_norm_fwd", x, residual, weight, bias, *modes)
     y, s, _, _, y1 = forward(x, residual, weight, bias, kind, float(eps), float(weight_offset),
                              float(residual_scale), sum_dtype, norm_round_dtype, out_dtype, store_sum,
                              bool(round_sum_first), x1, rowscale, weight1, bias1, dropout_p, seed)

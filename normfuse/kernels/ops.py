@@ -115,6 +115,9 @@ def validate(x, residual, weight, bias, kind, eps, rounding: dict):
 def validate_modes(x, x1, rowscale, weight1, bias1, dropout_p, seed, generator) -> None:
     """The checks of add_norm's modes (x1, rowscale, weight1/bias1, dropout); shapes are
     checked by check_shapes."""
+    if (x1 is None and rowscale is None and weight1 is None and bias1 is None and seed is None and generator is None
+            and type(dropout_p) in (float, int) and dropout_p == 0):
+        return  # no mode: the common call pays nothing more
     ok = _dtypes_on(x.device)
     for name, t in (("x1", x1), ("rowscale", rowscale), ("weight1", weight1), ("bias1", bias1)):
         if t is None:
@@ -249,6 +252,13 @@ def _add_norm_backend(x, residual, weight, bias, sum_dtype, norm_round_dtype, ou
                                weight1, bias1))
 
 
+def _check_seed(dropout_p: float, seed: Optional[Tensor]) -> None:
+    """A direct call of the op skips the functional API, which draws the seed."""
+    if dropout_p > 0 and seed is None:
+        raise InvalidOptionError(f"add_norm_fwd got dropout_p={dropout_p} without a seed; pass seed as an int64 CPU "
+                                 f"tensor of shape () (normfuse.add_norm draws one when it is not given).")
+
+
 @torch.library.custom_op("normfuse::add_norm_fwd", mutates_args=())
 def add_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
                  kind: str, eps: float, weight_offset: float, residual_scale: float, sum_dtype: torch.dtype,
@@ -262,6 +272,7 @@ def add_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor]
     round_sum_first=False normalizes the sum before its rounding to sum_dtype. The modes x1,
     rowscale, weight1/bias1, dropout_p/seed are those of reference.py; seed (an int64 CPU tensor
     of shape ()) is read once when dropout_p > 0."""
+    _check_seed(dropout_p, seed)
     backend = _add_norm_backend(x, residual, weight, bias, sum_dtype, norm_round_dtype, out_dtype, x1, rowscale,
                                 weight1, bias1)
     store_sum = store_sum and reference.has_sum(residual, x1, rowscale, dropout_p)
@@ -277,6 +288,7 @@ def _add_norm_fwd_fake(x, residual, weight, bias, kind, eps, weight_offset, resi
                        norm_round_dtype, out_dtype, store_sum, round_sum_first=True, x1=None, rowscale=None,
                        weight1=None, bias1=None, dropout_p=0.0, seed=None):
     check_shapes(x, residual, weight, bias, x1, rowscale, weight1, bias1)
+    _check_seed(dropout_p, seed)
     stored = store_sum and reference.has_sum(residual, x1, rowscale, dropout_p)
     s = x.new_empty(x.shape, dtype=sum_dtype) if stored else _empty(x, sum_dtype)
     y1 = _empty(x, out_dtype) if weight1 is None else x.new_empty(x.shape, dtype=out_dtype)

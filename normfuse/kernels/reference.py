@@ -19,7 +19,7 @@ Optional modes of add-then-norm (each off by default; flash-attn's ``layer_norm_
 same ones). They change how the norm input is formed and add a second output::
 
     b = x
-    dropout:  b = round(x.dtype, float(b) * keep * scale)       # keep in {0, 1}, scale = 1 / (1 - p)
+    dropout:  b = round(x.dtype, float(b) * keep * scale)       # keep in {0, 1}, scale = fp32(1 / (1 - p))
                                                                 # (eager's native_dropout: input * mask * scale)
     rowscale: b = round(x.dtype, float(b) * float(rowscale[row]))        # per-row scale (stochastic depth)
     x1:       b = round(promote(b.dtype, x1.dtype), float(b) + float(x1))  # a second branch
@@ -38,6 +38,7 @@ Backward of the modes (fp32, rounding steps straight-through)::
     ds  = norm_bwd(g = dn * w' + dy1 * w1') + dextra     # the input-grad formula is linear in g
     dx  = round(x.dtype, ds * keep * scale * rowscale[row])
     dx1 = round(x1.dtype, ds);  dweight1 = sum_rows(dy1 * x_hat);  dbias1 = sum_rows(dy1)
+    dresidual = round(residual.dtype, residual_scale * ds)                        # as without the modes
 
 ``round_sum_first=False`` normalizes the unrounded sum instead (``u = float32(float(x) +
 float(r'))``, with the modes ``u = float(x) * keep * scale * rowscale + float(x1) + float(r')``, no
@@ -61,7 +62,7 @@ weight and bias gradients are always reduced over the rows in fp32 (or fp64).
 
 Backend interface (shared with ``triton.py``; positional arguments as in the custom
 ops, None for an output that does not exist): ``add_norm_fwd``, ``norm_add_fwd``,
-``add_norm_bwd``. Where one of eager's fused CPU kernels computes exactly the
+``add_norm_bwd``, and ``dropout_keep``. Where one of eager's fused CPU kernels computes exactly the
 function above, it is used: default modes then equal ``F.layer_norm`` /
 ``F.rms_norm`` bit for bit, forward and input gradients.
 """

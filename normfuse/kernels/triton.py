@@ -59,6 +59,7 @@ _PARAMS_AFTER_STATS_BYTES = 65536
 if triton is not None:
     _RNE_BY_HAND = tl.constexpr(INTERPRETED)
     _PARAMS_AFTER_STATS_BYTES_C = tl.constexpr(_PARAMS_AFTER_STATS_BYTES)
+    _MULTI_ROW_MAX_BLOCK_C = tl.constexpr(_MULTI_ROW_MAX_BLOCK)
 
     @triton.jit
     def _round(v, DTYPE: tl.constexpr):
@@ -71,11 +72,37 @@ if triton is not None:
         return v.to(DTYPE)
 
     @triton.jit
-    def _load_norm_input(X, R, x_off, r_off, cols, mask, residual_scale, HAS_RESIDUAL: tl.constexpr,
-                         SCALE_RESIDUAL: tl.constexpr, SUM_DTYPE: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr):
-        """(s, u): s = round(SUM_DTYPE, float(x) + float(round(r.dtype, scale * r))), and the norm
-        input u in fp32: s, or the sum before that rounding (ROUND_SUM_FIRST off)."""
+    def _keep_scale(v, row, cols, N, seed, dropout_p, dropout_scale):
+        """v * keep * scale: dropout's mask regenerated from (seed, row * N + col) (Philox)."""
+        keep = tl.rand(seed, row * N + cols) >= dropout_p
+        return v * keep.to(tl.float32) * dropout_scale
+
+    @triton.jit
+    def _row_scale(RS, row, row_ok):
+        """rowscale[row] (one scalar load per row)."""
+        return tl.load(RS + row, mask=row_ok, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _load_norm_input(X, R, X1, RS, row, row_ok, x_off, r_off, x1_off, cols, mask, N, residual_scale, seed,
+                         dropout_p, dropout_scale, HAS_RESIDUAL: tl.constexpr, SCALE_RESIDUAL: tl.constexpr,
+                         SUM_DTYPE: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, HAS_X1: tl.constexpr,
+                         HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BRANCH_DTYPE: tl.constexpr):
+        """(s, u): s = round(SUM_DTYPE, float(b) + float(round(r.dtype, scale * r))) with b the branch
+        (x after dropout and rowscale, plus x1: each step rounded when ROUND_SUM_FIRST), and the
+        norm input u in fp32: s, or the sum before any rounding (ROUND_SUM_FIRST off)."""
         u = tl.load(X + x_off + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DROPOUT:
+            u = _keep_scale(u, row, cols, N, seed, dropout_p, dropout_scale)
+            if ROUND_SUM_FIRST:
+                u = _round(u, X.dtype.element_ty).to(tl.float32)
+        if HAS_ROWSCALE:
+            u = u * _row_scale(RS, row, row_ok)
+            if ROUND_SUM_FIRST:
+                u = _round(u, X.dtype.element_ty).to(tl.float32)
+        if HAS_X1:
+            u = u + tl.load(X1 + x1_off + cols, mask=mask, other=0.0).to(tl.float32)
+            if ROUND_SUM_FIRST:
+                u = _round(u, BRANCH_DTYPE).to(tl.float32)
         if HAS_RESIDUAL:
             r = tl.load(R + r_off + cols, mask=mask, other=0.0)
             if SCALE_RESIDUAL:
@@ -102,18 +129,20 @@ if triton is not None:
                              HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
                              ROUND_FIRST: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
                              STORE_Y: tl.constexpr, POST_ADD: tl.constexpr, SCALE_RESIDUAL: tl.constexpr):
-        """y = round(OUT_DTYPE, n * w' + b) (n rounded first when ROUND_FIRST); then the post-add."""
+        """y = round(OUT_DTYPE, n * w' + b) (n rounded first when ROUND_FIRST); then the post-add.
+        Returns n, for the second norm output."""
         if IS_RMS:
             n = u * rstd
         else:
             n = (u - mean) * rstd
         if ROUND_FIRST:
             n = _round(n, NORM_ROUND_DTYPE).to(tl.float32)
+        y = n
         if HAS_WEIGHT:
-            n = n * w
+            y = y * w
         if HAS_BIAS:
-            n = n + b
-        y = _round(n, OUT_DTYPE)
+            y = y + b
+        y = _round(y, OUT_DTYPE)
         if STORE_Y:
             tl.store(Y + y_off + cols, y, mask=mask)
         if POST_ADD:
@@ -121,29 +150,48 @@ if triton is not None:
             if SCALE_RESIDUAL:
                 r = _round(r.to(tl.float32) * residual_scale, R.dtype.element_ty)
             tl.store(S + s_off + cols, _round(r.to(tl.float32) + y.to(tl.float32), S.dtype.element_ty), mask=mask)
+        return n
+
+    @triton.jit
+    def _store_second_norm(n, w1, b1, Y1, y1_off, cols, mask, HAS_B1: tl.constexpr, OUT_DTYPE: tl.constexpr):
+        """y1 = round(OUT_DTYPE, n * w1' + b1): the same normalized n with the second parameters."""
+        y1 = n * w1
+        if HAS_B1:
+            y1 = y1 + b1
+        tl.store(Y1 + y1_off + cols, _round(y1, OUT_DTYPE), mask=mask)
 
     @triton.jit
     def _add_norm_fwd_kernel(
         X, R, W, B, Y, S, MEAN, RSTD,                        # S: the sum (pre: s; POST_ADD: out)
-        stride_x, stride_r, stride_y, stride_s,              # row strides, in elements
-        n_rows, N, eps, weight_offset, residual_scale, rows_per_program,
+        X1, RS, W1, B1, Y1,                                  # add_norm's modes (dummies when off)
+        stride_x, stride_r, stride_y, stride_s, stride_x1, stride_y1,   # row strides, in elements
+        n_rows, N, eps, weight_offset, residual_scale, rows_per_program, seed, dropout_p, dropout_scale,
         SUM_DTYPE: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
         ROUND_FIRST: tl.constexpr, STORE_SUM: tl.constexpr, STORE_Y: tl.constexpr, POST_ADD: tl.constexpr,
-        SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, BLOCK_N: tl.constexpr,
+        SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, HAS_X1: tl.constexpr,
+        HAS_ROWSCALE: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+        BRANCH_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         """A row fits one block: one read of each input and one write of each output per row."""
         cols = tl.arange(0, BLOCK_N)
-        PARAMS_AFTER_STATS: tl.constexpr = (BLOCK_N * X.dtype.element_ty.primitive_bitwidth // 8
-                                            >= _PARAMS_AFTER_STATS_BYTES_C)
-        if not PARAMS_AFTER_STATS:
-            w, b = _load_params(W, B, cols, cols < N, weight_offset, HAS_WEIGHT, HAS_BIAS)  # once per program
+        # Also with a second weight set in blocks that take one row per program anyway: its four
+        # parameter blocks held across the row's reductions spilled (sm90, bf16 N = 16384).
+        PARAMS_AFTER_STATS: tl.constexpr = ((BLOCK_N * X.dtype.element_ty.primitive_bitwidth // 8
+                                             >= _PARAMS_AFTER_STATS_BYTES_C)
+                                            or (HAS_W1 and BLOCK_N > _MULTI_ROW_MAX_BLOCK_C))
+        if not PARAMS_AFTER_STATS:  # once per program
+            w, b = _load_params(W, B, cols, cols < N, weight_offset, HAS_WEIGHT, HAS_BIAS)
+            w1, b1 = _load_params(W1, B1, cols, cols < N, weight_offset, HAS_W1, HAS_B1)
         for i in range(rows_per_program):
             row = tl.program_id(0) * rows_per_program + i
-            mask = (cols < N) & (row < n_rows)
+            row_ok = row < n_rows
+            mask = (cols < N) & row_ok
             row = row.to(tl.int64)
-            s, u = _load_norm_input(X, R, row * stride_x, row * stride_r, cols, mask, residual_scale,
-                                    HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL, SUM_DTYPE, ROUND_SUM_FIRST)
+            s, u = _load_norm_input(X, R, X1, RS, row, row_ok, row * stride_x, row * stride_r, row * stride_x1, cols,
+                                    mask, N, residual_scale, seed, dropout_p, dropout_scale,
+                                    HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL, SUM_DTYPE, ROUND_SUM_FIRST,
+                                    HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BRANCH_DTYPE)
             if STORE_SUM and not POST_ADD:
                 tl.store(S + row * stride_s + cols, s, mask=mask)
             if IS_RMS:
@@ -158,22 +206,30 @@ if triton is not None:
             tl.store(RSTD + row, rstd, mask=row < n_rows)
             if PARAMS_AFTER_STATS:
                 w, b = _load_params(W, B, cols, cols < N, weight_offset, HAS_WEIGHT, HAS_BIAS)
-            _normalize_and_store(u, mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s, row * stride_r,
-                                 cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS, ROUND_FIRST,
-                                 NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD, SCALE_RESIDUAL)
+            n = _normalize_and_store(u, mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s, row * stride_r,
+                                     cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS, ROUND_FIRST,
+                                     NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD, SCALE_RESIDUAL)
+            if HAS_W1:
+                if PARAMS_AFTER_STATS:  # once y is written: four parameter blocks of these rows spill
+                    w1, b1 = _load_params(W1, B1, cols, cols < N, weight_offset, HAS_W1, HAS_B1)
+                _store_second_norm(n, w1, b1, Y1, row * stride_y1, cols, mask, HAS_B1, OUT_DTYPE)
 
     @triton.jit
     def _add_norm_fwd_looped_kernel(
         X, R, W, B, Y, S, MEAN, RSTD,
-        stride_x, stride_r, stride_y, stride_s,
-        n_rows, N, eps, weight_offset, residual_scale, rows_per_program,
+        X1, RS, W1, B1, Y1,
+        stride_x, stride_r, stride_y, stride_s, stride_x1, stride_y1,
+        n_rows, N, eps, weight_offset, residual_scale, rows_per_program, seed, dropout_p, dropout_scale,
         SUM_DTYPE: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
         ROUND_FIRST: tl.constexpr, STORE_SUM: tl.constexpr, STORE_Y: tl.constexpr, POST_ADD: tl.constexpr,
-        SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, BLOCK_N: tl.constexpr,
+        SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, HAS_X1: tl.constexpr,
+        HAS_ROWSCALE: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+        BRANCH_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         """Rows wider than one block: pass 1 accumulates the stats block by block (Chan's
-        parallel mean/M2 update for layer_norm), pass 2 re-reads the row and writes."""
+        parallel mean/M2 update for layer_norm), pass 2 re-reads the row and writes (the
+        dropout mask is regenerated, not stored)."""
         cols0 = tl.arange(0, BLOCK_N)
         zero = tl.sum(tl.zeros([BLOCK_N], dtype=tl.float32), axis=0)
         for i in range(rows_per_program):
@@ -186,8 +242,10 @@ if triton is not None:
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
                 mask = (cols < N) & row_ok
-                s, u = _load_norm_input(X, R, row * stride_x, row * stride_r, cols, mask, residual_scale,
-                                        HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL, SUM_DTYPE, ROUND_SUM_FIRST)
+                s, u = _load_norm_input(X, R, X1, RS, row, row_ok, row * stride_x, row * stride_r, row * stride_x1,
+                                        cols, mask, N, residual_scale, seed, dropout_p, dropout_scale,
+                                        HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL, SUM_DTYPE, ROUND_SUM_FIRST,
+                                        HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BRANCH_DTYPE)
                 if STORE_SUM and not POST_ADD:
                     tl.store(S + row * stride_s + cols, s, mask=mask)
                 if IS_RMS:
@@ -211,19 +269,24 @@ if triton is not None:
                 if STORE_SUM and not POST_ADD and ROUND_SUM_FIRST:
                     u = tl.load(S + row * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
                 else:
-                    _, u = _load_norm_input(X, R, row * stride_x, row * stride_r, cols, mask, residual_scale,
-                                            HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL, SUM_DTYPE,
-                                            ROUND_SUM_FIRST)
+                    _, u = _load_norm_input(X, R, X1, RS, row, row_ok, row * stride_x, row * stride_r,
+                                            row * stride_x1, cols, mask, N, residual_scale, seed, dropout_p,
+                                            dropout_scale, HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL,
+                                            SUM_DTYPE, ROUND_SUM_FIRST, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BRANCH_DTYPE)
                 w, b = _load_params(W, B, cols, mask, weight_offset, HAS_WEIGHT, HAS_BIAS)
-                _normalize_and_store(u, mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s,
-                                     row * stride_r, cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS,
-                                     ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD, SCALE_RESIDUAL)
+                n = _normalize_and_store(u, mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s,
+                                         row * stride_r, cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS,
+                                         ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD, SCALE_RESIDUAL)
+                if HAS_W1:
+                    w1, b1 = _load_params(W1, B1, cols, mask, weight_offset, HAS_W1, HAS_B1)
+                    _store_second_norm(n, w1, b1, Y1, row * stride_y1, cols, mask, HAS_B1, OUT_DTYPE)
 
     @triton.jit
-    def _row_grads(DY, DE, INP, w, row, stride_dy, stride_de, stride_inp, cols, mask, mean, rstd,
-                   HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr,
-                   POST_ADD: tl.constexpr):
-        """x_hat, the gradient into the norm output (dn) and g = dn * w' of one block of a row."""
+    def _row_grads(DY, DE, INP, DY1, w, w1, row, stride_dy, stride_de, stride_inp, stride_dy1, cols, mask, mean,
+                   rstd, HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr,
+                   POST_ADD: tl.constexpr, HAS_DY1: tl.constexpr):
+        """x_hat, the gradients into the norm outputs (dn, dn1) and g = dn * w' + dn1 * w1' of one
+        block of a row."""
         u = tl.load(INP + row * stride_inp + cols, mask=mask, other=0.0).to(tl.float32)
         if IS_RMS:
             xhat = u * rstd
@@ -237,52 +300,72 @@ if triton is not None:
         g = dn
         if HAS_WEIGHT:
             g = dn * w
-        return xhat, dy, dn, g
+        dn1 = 0.0
+        if HAS_DY1:
+            dn1 = tl.load(DY1 + row * stride_dy1 + cols, mask=mask, other=0.0).to(tl.float32)
+            g = g + dn1 * w1
+        return xhat, dy, dn, g, dn1
 
     @triton.jit
-    def _block_grads(DY, DE, INP, W, row, row_ok, start, cols0, N, stride_dy, stride_de, stride_inp, mean, rstd,
-                     weight_offset, HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr,
-                     POST_ADD: tl.constexpr):
+    def _block_grads(DY, DE, INP, DY1, W, W1, row, row_ok, start, cols0, N, stride_dy, stride_de, stride_inp,
+                     stride_dy1, mean, rstd, weight_offset, HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                     IS_RMS: tl.constexpr, POST_ADD: tl.constexpr, HAS_DY1: tl.constexpr):
         """One block of a wide row (looped backward): its columns, mask, and _row_grads."""
         cols = start + cols0
         mask = (cols < N) & row_ok
         w, _ = _load_params(W, W, cols, mask, weight_offset, HAS_WEIGHT, False)
-        xhat, dy, dn, g = _row_grads(DY, DE, INP, w, row, stride_dy, stride_de, stride_inp, cols, mask,
-                                     mean, rstd, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD)
-        return cols, mask, xhat, dy, dn, g
+        w1, _ = _load_params(W1, W1, cols, mask, weight_offset, HAS_DY1, False)
+        xhat, dy, dn, g, dn1 = _row_grads(DY, DE, INP, DY1, w, w1, row, stride_dy, stride_de, stride_inp, stride_dy1,
+                                          cols, mask, mean, rstd, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD, HAS_DY1)
+        return cols, mask, xhat, dy, dn, g, dn1
 
     @triton.jit
-    def _store_input_grads(DE, DX, DRES, row, stride_de, stride_dx, stride_dres, cols, mask, xhat, dy, g, c1, c2,
-                           rstd, residual_scale, HAS_DEXTRA: tl.constexpr, HAS_DRES: tl.constexpr,
-                           IS_RMS: tl.constexpr, POST_ADD: tl.constexpr):
-        """du = rstd * (g - mean(g) - x_hat * mean(g * x_hat)); dx, dresidual from it."""
+    def _store_input_grads(DE, DX, DRES, DX1, RS, row, row_ok, stride_de, stride_dx, stride_dres, stride_dx1, cols,
+                           mask, N, xhat, dy, g, c1, c2, rstd, residual_scale, seed, dropout_p, dropout_scale,
+                           HAS_DEXTRA: tl.constexpr, HAS_DRES: tl.constexpr, IS_RMS: tl.constexpr,
+                           POST_ADD: tl.constexpr, HAS_DX1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
+                           HAS_DROPOUT: tl.constexpr):
+        """du = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) (+ dextra); dx = du * keep * scale *
+        rowscale, dresidual, dx1 from it."""
         if IS_RMS:
             du = (g - xhat * c1) * rstd
         else:
             du = (g - c2 - xhat * c1) * rstd
         if HAS_DEXTRA and not POST_ADD:
             du += tl.load(DE + row * stride_de + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + row * stride_dx + cols, _round(du, DX.dtype.element_ty), mask=mask)
+        dx = du
+        if HAS_DROPOUT:
+            dx = _keep_scale(dx, row, cols, N, seed, dropout_p, dropout_scale)
+        if HAS_ROWSCALE:
+            dx = dx * _row_scale(RS, row, row_ok)
+        tl.store(DX + row * stride_dx + cols, _round(dx, DX.dtype.element_ty), mask=mask)
         if HAS_DRES:
             dres = dy if POST_ADD else du
             tl.store(DRES + row * stride_dres + cols, _round(dres * residual_scale, DRES.dtype.element_ty),
                      mask=mask)
+        if HAS_DX1:
+            tl.store(DX1 + row * stride_dx1 + cols, _round(du, DX1.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _add_norm_bwd_kernel(
         DY, DE, INP, MEAN, RSTD, W, DX, DRES, DW_PART, DB_PART,   # DE: grad of s (pre) / of y (POST_ADD)
-        stride_dy, stride_de, stride_inp, stride_dx, stride_dres,
-        n_rows, N, weight_offset, residual_scale, rows_per_program,
+        DY1, W1, RS, DX1, DW1_PART, DB1_PART,                     # add_norm's modes (dummies when off)
+        stride_dy, stride_de, stride_inp, stride_dx, stride_dres, stride_dy1, stride_dx1,
+        n_rows, N, weight_offset, residual_scale, rows_per_program, seed, dropout_p, dropout_scale,
         HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr,
-        IS_RMS: tl.constexpr, POST_ADD: tl.constexpr, BLOCK_N: tl.constexpr,
+        IS_RMS: tl.constexpr, POST_ADD: tl.constexpr, HAS_DY1: tl.constexpr, HAS_B1: tl.constexpr,
+        HAS_DX1: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        """Each program takes a contiguous chunk of rows and writes fp32 dw/db partials
+        """Each program takes a contiguous chunk of rows and writes fp32 dw/db (dw1/db1) partials
         to row `pid` of [programs, N] buffers, summed on the host."""
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
         w, _ = _load_params(W, W, cols, cols < N, weight_offset, HAS_WEIGHT, False)  # once per program
+        w1, _ = _load_params(W1, W1, cols, cols < N, weight_offset, HAS_DY1, False)
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
         db = tl.zeros([BLOCK_N], dtype=tl.float32)
+        dw1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db1 = tl.zeros([BLOCK_N], dtype=tl.float32)
         for i in range(rows_per_program):
             row = pid * rows_per_program + i
             row_ok = row < n_rows
@@ -290,27 +373,38 @@ if triton is not None:
             row = row.to(tl.int64)
             rstd = tl.load(RSTD + row, mask=row_ok, other=0.0)
             mean = 0.0 if IS_RMS else tl.load(MEAN + row, mask=row_ok, other=0.0)
-            xhat, dy, dn, g = _row_grads(DY, DE, INP, w, row, stride_dy, stride_de, stride_inp, cols, mask, mean,
-                                         rstd, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD)
+            xhat, dy, dn, g, dn1 = _row_grads(DY, DE, INP, DY1, w, w1, row, stride_dy, stride_de, stride_inp,
+                                              stride_dy1, cols, mask, mean, rstd, HAS_DEXTRA, HAS_WEIGHT, IS_RMS,
+                                              POST_ADD, HAS_DY1)
             c1 = tl.sum(g * xhat, axis=0) / N
             c2 = 0.0 if IS_RMS else tl.sum(g, axis=0) / N
-            _store_input_grads(DE, DX, DRES, row, stride_de, stride_dx, stride_dres, cols, mask, xhat, dy, g, c1,
-                               c2, rstd, residual_scale, HAS_DEXTRA, HAS_DRES, IS_RMS, POST_ADD)
+            _store_input_grads(DE, DX, DRES, DX1, RS, row, row_ok, stride_de, stride_dx, stride_dres, stride_dx1, cols,
+                               mask, N, xhat, dy, g, c1, c2, rstd, residual_scale, seed, dropout_p, dropout_scale,
+                               HAS_DEXTRA, HAS_DRES, IS_RMS, POST_ADD, HAS_DX1, HAS_ROWSCALE, HAS_DROPOUT)
             dw += dn * xhat
             db += dn
+            if HAS_DY1:
+                dw1 += dn1 * xhat
+                db1 += dn1
         part = pid.to(tl.int64) * N + cols
         if HAS_WEIGHT:
             tl.store(DW_PART + part, dw, mask=cols < N)
         if HAS_BIAS:
             tl.store(DB_PART + part, db, mask=cols < N)
+        if HAS_DY1:
+            tl.store(DW1_PART + part, dw1, mask=cols < N)
+            if HAS_B1:
+                tl.store(DB1_PART + part, db1, mask=cols < N)
 
     @triton.jit
     def _add_norm_bwd_looped_kernel(
         DY, DE, INP, MEAN, RSTD, W, DX, DRES, DW_PART, DB_PART,
-        stride_dy, stride_de, stride_inp, stride_dx, stride_dres,
-        n_rows, N, weight_offset, residual_scale, rows_per_program,
+        DY1, W1, RS, DX1, DW1_PART, DB1_PART,
+        stride_dy, stride_de, stride_inp, stride_dx, stride_dres, stride_dy1, stride_dx1,
+        n_rows, N, weight_offset, residual_scale, rows_per_program, seed, dropout_p, dropout_scale,
         HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr,
-        IS_RMS: tl.constexpr, POST_ADD: tl.constexpr, BLOCK_N: tl.constexpr,
+        IS_RMS: tl.constexpr, POST_ADD: tl.constexpr, HAS_DY1: tl.constexpr, HAS_B1: tl.constexpr,
+        HAS_DX1: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         """Rows wider than one block: pass 1 reduces mean(g * x_hat) and mean(g), pass 2
         writes the input grads and adds into this program's own partial row (zeroed
@@ -327,24 +421,38 @@ if triton is not None:
             c1 = zero
             c2 = zero
             for start in range(0, N, BLOCK_N):
-                cols, mask, xhat, dy, dn, g = _block_grads(
-                    DY, DE, INP, W, row, row_ok, start, cols0, N, stride_dy, stride_de, stride_inp, mean, rstd,
-                    weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD)
+                cols, mask, xhat, dy, dn, g, dn1 = _block_grads(
+                    DY, DE, INP, DY1, W, W1, row, row_ok, start, cols0, N, stride_dy, stride_de, stride_inp,
+                    stride_dy1, mean, rstd, weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD, HAS_DY1)
                 c1 += tl.sum(g * xhat, axis=0)
                 c2 += tl.sum(g, axis=0)
             c1 = c1 / N
             c2 = c2 / N
             for start in range(0, N, BLOCK_N):
-                cols, mask, xhat, dy, dn, g = _block_grads(
-                    DY, DE, INP, W, row, row_ok, start, cols0, N, stride_dy, stride_de, stride_inp, mean, rstd,
-                    weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD)
-                _store_input_grads(DE, DX, DRES, row, stride_de, stride_dx, stride_dres, cols, mask, xhat, dy, g,
-                                   c1, c2, rstd, residual_scale, HAS_DEXTRA, HAS_DRES, IS_RMS, POST_ADD)
+                cols, mask, xhat, dy, dn, g, dn1 = _block_grads(
+                    DY, DE, INP, DY1, W, W1, row, row_ok, start, cols0, N, stride_dy, stride_de, stride_inp,
+                    stride_dy1, mean, rstd, weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD, HAS_DY1)
+                _store_input_grads(DE, DX, DRES, DX1, RS, row, row_ok, stride_de, stride_dx, stride_dres, stride_dx1,
+                                   cols, mask, N, xhat, dy, g, c1, c2, rstd, residual_scale, seed, dropout_p,
+                                   dropout_scale, HAS_DEXTRA, HAS_DRES, IS_RMS, POST_ADD, HAS_DX1, HAS_ROWSCALE,
+                                   HAS_DROPOUT)
                 part = pid.to(tl.int64) * N + cols
                 if HAS_WEIGHT:
                     tl.store(DW_PART + part, tl.load(DW_PART + part, mask=mask, other=0.0) + dn * xhat, mask=mask)
                 if HAS_BIAS:
                     tl.store(DB_PART + part, tl.load(DB_PART + part, mask=mask, other=0.0) + dn, mask=mask)
+                if HAS_DY1:
+                    tl.store(DW1_PART + part, tl.load(DW1_PART + part, mask=mask, other=0.0) + dn1 * xhat,
+                             mask=mask)
+                    if HAS_B1:
+                        tl.store(DB1_PART + part, tl.load(DB1_PART + part, mask=mask, other=0.0) + dn1, mask=mask)
+
+    @triton.jit
+    def _dropout_keep_kernel(KEEP, seed, dropout_p, numel, BLOCK: tl.constexpr):
+        """The keep mask the kernels above draw: element i (= row * N + col) of tl.rand(seed, i)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        keep = tl.rand(seed, offs) >= dropout_p
+        tl.store(KEEP + offs, keep.to(tl.int8), mask=offs < numel)
 
 
 # --------------------------------------------------------------------------------------
@@ -387,10 +495,14 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNTS[index]
 
 
-def _blocking(n_cols: int, element_size: int, backward: bool = False):
-    """(BLOCK_N, num_warps, looped) for a row of n_cols elements, forward or backward."""
+def _blocking(n_cols: int, element_size: int, backward: bool = False, two_norms: bool = False):
+    """(BLOCK_N, num_warps, looped) for a row of n_cols elements, forward or backward.
+    two_norms (a second weight set, y1): single pass up to half as many bytes, as the second
+    parameter blocks (and their gradient accumulators) spilled at the top sizes (sm90, bf16:
+    forward N = 32768, backward N = 8192)."""
     block = triton.next_power_of_2(n_cols)
-    looped = block * element_size > (_MAX_FUSED_BYTES_BWD if backward else _MAX_FUSED_BYTES)
+    limit = _MAX_FUSED_BYTES_BWD if backward else _MAX_FUSED_BYTES
+    looped = block * element_size > (limit // 2 if two_norms else limit)
     if looped:
         block = _LOOP_BLOCK_BYTES // element_size
     return block, min(max(block // 256, 1), 16), looped
@@ -413,52 +525,63 @@ def _param(t: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def _launch_fwd(x, residual, weight, bias, y, s, kind, eps, weight_offset, residual_scale, sum_dtype,
-                norm_round_dtype, out_dtype, store_sum, store_y, post_add, round_sum_first=True):
-    """Shared by both orders; y and s are (M, N) outputs or None when not stored."""
+                norm_round_dtype, out_dtype, store_sum, store_y, post_add, round_sum_first=True, x1=None,
+                rowscale=None, weight1=None, bias1=None, y1=None, dropout_p=0.0, seed=None):
+    """Shared by both orders; y, s and y1 are (M, N) outputs or None when not stored."""
     n_cols = x.shape[-1]
-    x2, r2 = _rows_2d(x, n_cols), _rows_2d(residual, n_cols)
+    x2, r2, x12 = _rows_2d(x, n_cols), _rows_2d(residual, n_cols), _rows_2d(x1, n_cols)
     n_rows = x2.shape[0]
     acc = torch.float32
     mean = x.new_empty((n_rows,) if kind == "layer_norm" else (0,), dtype=acc)
     rstd = x.new_empty((n_rows,), dtype=acc)
     if n_rows == 0:
         return mean, rstd
-    block, num_warps, looped = _blocking(n_cols, max(x.element_size(), s.element_size() if s is not None else 0))
+    widest = max(t.element_size() for t in (x, s, x1) if t is not None)
+    block, num_warps, looped = _blocking(n_cols, widest, two_norms=weight1 is not None)
     rows_per_program = min(max(triton.cdiv(n_rows, 8 * _sm_count(x.device)), 1),
                            max(1, _MULTI_ROW_MAX_BLOCK // block))
     grid = (triton.cdiv(n_rows, rows_per_program),)
     kernel = _add_norm_fwd_looped_kernel if looped else _add_norm_fwd_kernel
     dummy = rstd  # stands in for absent pointers; never read or written
+
+    def ptr(t):
+        return dummy if t is None else t
+
+    def stride(t):
+        return 0 if t is None else t.stride(0)
+    branch_dtype = x.dtype if x1 is None else torch.promote_types(x.dtype, x1.dtype)
+    has_dropout = dropout_p > 0
     kernel[grid](
-        x2, dummy if r2 is None else r2, _param(weight) if weight is not None else dummy,
-        _param(bias) if bias is not None else dummy, dummy if y is None else y, dummy if s is None else s,
-        mean if kind == "layer_norm" else dummy, rstd,
-        x2.stride(0), 0 if r2 is None else r2.stride(0), 0 if y is None else y.stride(0),
-        0 if s is None else s.stride(0),
+        x2, ptr(r2), ptr(_param(weight)), ptr(_param(bias)), ptr(y), ptr(s), mean if kind == "layer_norm" else dummy,
+        rstd, ptr(x12), ptr(None if rowscale is None else rowscale.reshape(-1).contiguous()), ptr(_param(weight1)),
+        ptr(_param(bias1)), ptr(y1),
+        x2.stride(0), stride(r2), stride(y), stride(s), stride(x12), stride(y1),
         n_rows, n_cols, eps, weight_offset, residual_scale, rows_per_program,
+        int(seed) if has_dropout else 0, dropout_p, 1.0 / (1.0 - dropout_p),
         SUM_DTYPE=TL_DTYPES[sum_dtype], NORM_ROUND_DTYPE=TL_DTYPES[norm_round_dtype or out_dtype],
         OUT_DTYPE=TL_DTYPES[out_dtype], HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, IS_RMS=kind == "rms_norm", ROUND_FIRST=norm_round_dtype is not None,
         STORE_SUM=store_sum, STORE_Y=store_y, POST_ADD=post_add, SCALE_RESIDUAL=residual_scale != 1.0,
-        ROUND_SUM_FIRST=round_sum_first, BLOCK_N=block, num_warps=num_warps)
+        ROUND_SUM_FIRST=round_sum_first, HAS_X1=x1 is not None, HAS_ROWSCALE=rowscale is not None,
+        HAS_W1=weight1 is not None, HAS_B1=bias1 is not None, HAS_DROPOUT=has_dropout,
+        BRANCH_DTYPE=TL_DTYPES[branch_dtype], BLOCK_N=block, num_warps=num_warps)
     return mean, rstd
 
 
 def add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype,
                  out_dtype, store_sum, round_sum_first=True, x1=None, rowscale=None, weight1=None, bias1=None,
                  dropout_p=0.0, seed=None):
-    if x1 is not None or rowscale is not None or weight1 is not None or dropout_p > 0:
-        from normfuse.kernels import reference  # the modes' kernels are not written yet
-        return reference.add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
-                                      norm_round_dtype, out_dtype, store_sum, round_sum_first, x1, rowscale,
-                                      weight1, bias1, dropout_p, seed)
     y = x.new_empty(x.shape, dtype=out_dtype)
     s = x.new_empty(x.shape, dtype=sum_dtype) if store_sum else None
+    y1 = x.new_empty(x.shape, dtype=out_dtype) if weight1 is not None else None
     n_cols = x.shape[-1]
-    mean, rstd = _launch_fwd(x, residual, weight, bias, y.view(-1, n_cols), None if s is None else s.view(-1, n_cols),
-                             kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype, out_dtype,
-                             store_sum, True, False, round_sum_first)
-    return y, s, mean, rstd, None
+
+    def rows(t):
+        return None if t is None else t.view(-1, n_cols)
+    mean, rstd = _launch_fwd(x, residual, weight, bias, rows(y), rows(s), kind, eps, weight_offset, residual_scale,
+                             sum_dtype, norm_round_dtype, out_dtype, store_sum, True, False, round_sum_first, x1,
+                             rowscale, weight1, bias1, rows(y1), dropout_p, seed)
+    return y, s, mean, rstd, y1
 
 
 def norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, norm_round_dtype, out_dtype,
@@ -475,46 +598,61 @@ def norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_s
 def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add, x_dtype,
                  residual_dtype, bias_dtype, dy1=None, weight1=None, bias1_dtype=None, x1_dtype=None, rowscale=None,
                  dropout_p=0.0, seed=None):
-    if dy1 is not None or x1_dtype is not None or rowscale is not None or dropout_p > 0:
-        from normfuse.kernels import reference
-        return reference.add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale,
-                                      post_add, x_dtype, residual_dtype, bias_dtype, dy1, weight1, bias1_dtype,
-                                      x1_dtype, rowscale, dropout_p, seed)
     n_cols = inp.shape[-1]
-    inp2, dy2, de2 = _rows_2d(inp, n_cols), _rows_2d(dy, n_cols), _rows_2d(dextra, n_cols)
+    inp2, dy2, de2, dy12 = (_rows_2d(t, n_cols) for t in (inp, dy, dextra, dy1))
     n_rows = inp2.shape[0]
     dx = inp.new_empty(inp.shape, dtype=x_dtype)
     dres = inp.new_empty(inp.shape, dtype=residual_dtype) if residual_dtype is not None else None
-    block, num_warps, looped = _blocking(n_cols, max(inp.element_size(), dy.element_size()), backward=True)
+    dx1 = inp.new_empty(inp.shape, dtype=x1_dtype) if x1_dtype is not None else None
+    has_y1 = dy1 is not None and weight1 is not None
+    block, num_warps, looped = _blocking(n_cols, max(inp.element_size(), dy.element_size()), backward=True,
+                                         two_norms=has_y1)
     k = 4 if block <= 1024 else 2 if block <= 4096 else 1
     programs = max(1, min(n_rows, k * _sm_count(inp.device)))
     rows_per_program = triton.cdiv(n_rows, programs) if n_rows else 0
-    alloc = torch.zeros if looped else torch.empty
-    dw_part = alloc((programs, n_cols), dtype=torch.float32, device=inp.device) if weight is not None else None
-    db_part = alloc((programs, n_cols), dtype=torch.float32, device=inp.device) if bias_dtype is not None else None
+    alloc = torch.zeros if looped or not n_rows else torch.empty  # zero rows: the sums below must be zero
+
+    def partials(exists):
+        return alloc((programs, n_cols), dtype=torch.float32, device=inp.device) if exists else None
+    dw_part, db_part = partials(weight is not None), partials(bias_dtype is not None)
+    dw1_part, db1_part = partials(has_y1), partials(has_y1 and bias1_dtype is not None)
     if n_rows:
         dummy = rstd
+
+        def ptr(t):
+            return dummy if t is None else t
+
+        def rows(t):
+            return None if t is None else t.view(-1, n_cols)
         kernel = _add_norm_bwd_looped_kernel if looped else _add_norm_bwd_kernel
+        has_dropout = dropout_p > 0
         kernel[(programs,)](
-            dy2, dummy if de2 is None else de2, inp2, mean if kind == "layer_norm" else dummy, rstd,
-            _param(weight) if weight is not None else dummy, dx.view(-1, n_cols),
-            dummy if dres is None else dres.view(-1, n_cols), dummy if dw_part is None else dw_part,
-            dummy if db_part is None else db_part,
+            dy2, ptr(de2), inp2, mean if kind == "layer_norm" else dummy, rstd, ptr(_param(weight)), rows(dx),
+            ptr(rows(dres)), ptr(dw_part), ptr(db_part),
+            ptr(dy12), ptr(_param(weight1) if has_y1 else None),
+            ptr(None if rowscale is None else rowscale.reshape(-1).contiguous()), ptr(rows(dx1)), ptr(dw1_part),
+            ptr(db1_part),
             dy2.stride(0), 0 if de2 is None else de2.stride(0), inp2.stride(0), n_cols, n_cols,
+            0 if dy12 is None else dy12.stride(0), n_cols,
             n_rows, n_cols, weight_offset, residual_scale, rows_per_program,
+            int(seed) if has_dropout else 0, dropout_p, 1.0 / (1.0 - dropout_p),
             HAS_DEXTRA=dextra is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias_dtype is not None,
-            HAS_DRES=dres is not None, IS_RMS=kind == "rms_norm", POST_ADD=post_add, BLOCK_N=block,
-            num_warps=num_warps)
-    elif dw_part is not None or db_part is not None:  # zero rows: the sums below must be zero
-        dw_part = None if dw_part is None else dw_part.zero_()
-        db_part = None if db_part is None else db_part.zero_()
+            HAS_DRES=dres is not None, IS_RMS=kind == "rms_norm", POST_ADD=post_add, HAS_DY1=has_y1,
+            HAS_B1=bias1_dtype is not None, HAS_DX1=dx1 is not None, HAS_ROWSCALE=rowscale is not None,
+            HAS_DROPOUT=has_dropout, BLOCK_N=block, num_warps=num_warps)
     # the [programs, N] fp32 partials are summed in fp32, rounded once to the parameter's dtype
-    dw = None if weight is None else dw_part.sum(0).to(weight.dtype)
-    db = None if bias_dtype is None else db_part.sum(0).to(bias_dtype)
-    return dx, dres, dw, db, None, None, None
+
+    def reduced(part, dtype):
+        return None if part is None else part.sum(0).to(dtype)
+    return (dx, dres, reduced(dw_part, None if weight is None else weight.dtype), reduced(db_part, bias_dtype), dx1,
+            reduced(dw1_part, None if weight1 is None else weight1.dtype), reduced(db1_part, bias1_dtype))
 
 
-def dropout_keep(seed, n_rows, n_cols, p, device):
-    from normfuse.kernels import reference
-    return reference.dropout_keep(seed, n_rows, n_cols, p, device)
-
+def dropout_keep(seed, n_rows: int, n_cols: int, p: float, device) -> Tensor:
+    """This backend's keep mask (bool, (n_rows, n_cols)): element (row, col) is
+    tl.rand(seed, row * n_cols + col) >= p, the draw the kernels make (Philox)."""
+    keep = torch.empty((n_rows, n_cols), dtype=torch.bool, device=device)
+    numel, block = keep.numel(), 1024
+    if numel:
+        _dropout_keep_kernel[(triton.cdiv(numel, block),)](keep.view(torch.int8), int(seed), p, numel, BLOCK=block)
+    return keep
