@@ -215,7 +215,7 @@ def _site_nodes(state, op: str | None) -> list[fx.Node]:
     """The graph nodes the fused op would replace (for an unfused site: the norm alone)."""
     m = state.match
     nodes = list(m.nodes)
-    if op == "add_norm" and state.in_add is not None:
+    if op == "add_norm" and state.in_add is not None and state.lead is None:  # the lead prices the add
         add = state.in_add
         folded = state.fold.nodes if state.fold is not None else []
         nodes = [*reversed(folded), add.node, *add.chain, *nodes]
@@ -230,6 +230,13 @@ def _site_nodes(state, op: str | None) -> list[fx.Node]:
         if n not in seen:
             seen.append(n)
     return seen
+
+
+def _widening(dtype: torch.dtype | None, residual_dtype: torch.dtype | None) -> float:
+    """The extra bytes per byte of a 16-bit stream tensor kept in ``residual_dtype`` (0: none)."""
+    if residual_dtype is None or dtype not in (torch.float16, torch.bfloat16):
+        return 0.0
+    return residual_dtype.itemsize / dtype.itemsize - 1.0
 
 
 def _kernel_operands(state) -> list:
@@ -247,9 +254,11 @@ def _escapes(node: fx.Node, inside: set) -> bool:
     return any(u not in inside for u in real_users(node))
 
 
-def site_bytes(index, state, op: str | None) -> tuple[Traffic, Traffic, list[fx.Node]]:
+def site_bytes(index, state, op: str | None, residual_dtype: torch.dtype | None = None
+               ) -> tuple[Traffic, Traffic, list[fx.Node]]:
     """(eager, fused, nodes): HBM traffic of a site as the graph computes it and as the fused op
-    ``op`` would ("add_norm" | "norm_add" | "norm"; None: not fused, so the same as eager)."""
+    ``op`` would ("add_norm" | "norm_add" | "norm"; None: not fused, so the same as eager).
+    ``residual_dtype``: the stream's sums kept in this dtype (``optimize(residual_dtype=)``)."""
     from normfuse.passes.canonical import node_dtype
     nodes = _site_nodes(state, op)
     inside = set(nodes)
@@ -294,6 +303,9 @@ def site_bytes(index, state, op: str | None) -> tuple[Traffic, Traffic, list[fx.
         shared = state.in_add.residual_scale == 1.0 and len(dtypes) == 1
         grads = operands // 2 if shared else operands
         fused.add(bwd=y_bytes + rebuild + stats + 2 * params + grads)
+        wide = _widening(node_dtype(add), residual_dtype)
+        if wide:  # the stream in fp32: the sum written, the residual read, s re-read, dresidual wider
+            fused.add(fwd=int(wide * s_bytes) * (2 if stored else 1), bwd=int(wide * s_bytes) * 3)
     elif op == "norm_add":
         out = state.output_add.node
         residual = [a for a in state.output_add.operands if isinstance(a, fx.Node) and a is not m.output]
@@ -305,6 +317,9 @@ def site_bytes(index, state, op: str | None) -> tuple[Traffic, Traffic, list[fx.
         shared = state.output_add.residual_scale == 1.0 and all(node_dtype(a) == node_dtype(out) for a in residual)
         fused.add(bwd=_bytes(out) + (y_bytes if stored else 0) + x_bytes + stats + 2 * params + x_bytes
                   + (0 if shared else res))
+        wide = _widening(node_dtype(out), residual_dtype)
+        if wide:  # the stream in fp32: out written and the residual read wider, their grads too
+            fused.add(fwd=int(wide * (_bytes(out) + res)), bwd=int(wide * (_bytes(out) + res)))
     else:  # "norm"
         fused.add(fwd=x_bytes + params + y_bytes + stats)
         fused.add(bwd=y_bytes + x_bytes + stats + 2 * params + x_bytes)
@@ -463,13 +478,13 @@ def _status(site: Site) -> tuple[bool, str]:
     return False, site.reason or "not rewritten"
 
 
-def _audit_graph(analysis, sites: list[Site]) -> list[SiteAudit]:
+def _audit_graph(analysis, sites: list[Site], residual_dtype: torch.dtype | None = None) -> list[SiteAudit]:
     """Price each site of one analyzed graph: bytes moved eagerly and by the fused op."""
     index, states = analysis
     out = []
     for state, site in zip(states, sites):
         would, status = _status(site)
-        eager, fused, _ = site_bytes(index, state, site.op if would else None)
+        eager, fused, _ = site_bytes(index, state, site.op if would else None, residual_dtype)
         rows = _numel(state.match.input) // state.match.hidden_size if state.match.hidden_size else 0
         out.append(SiteAudit(site, would, status, eager, fused, _block_of(site.fqn), rows))
     return out
@@ -582,7 +597,7 @@ def audit(model: nn.Module, *args: Any, config=None, bandwidth: Any = None, name
             sites = [g for s, g in zip(result.report.sites, numbered) if s.graph == number]
             if analysis is None:  # the pass failed on this graph: its warning says why
                 continue
-            rep.sites += _audit_graph(analysis, sites)
+            rep.sites += _audit_graph(analysis, sites, cfg.residual_dtype)
         rep.warnings += result.report.warnings
     rep.graphs = fusion.report.graphs
     first = next((s for s in rep.sites if s.rows), None)

@@ -260,3 +260,13 @@ def test_checkpointed_dropout_recomputes_the_same_mask(fuse_dropout):
         assert torch.equal(out, ref_out)
         for name, g in ref_grads.items():
             assert_close(grads[name], g)
+
+
+def test_audit_prices_an_fp32_residual_stream():
+    model = hf_model("llama", torch.bfloat16)
+    inputs = example_inputs(model)
+    plain = normfuse.audit(model, **inputs).totals()["fused"]
+    wide = normfuse.audit(model, config=normfuse.FuseConfig(residual_dtype=torch.float32), **inputs).totals()["fused"]
+    # the add_norm sites write their bf16 sums and read their residuals in fp32: more bytes, no kernel
+    assert wide["fwd"] > plain["fwd"] and wide["bwd"] > plain["bwd"]
+    assert wide["fwd_kernels"] == plain["fwd_kernels"]

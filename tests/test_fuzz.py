@@ -235,7 +235,9 @@ def _fuzz_optimize(cfg):
     ref_model = copy.deepcopy(model).double()
     model.to(cfg["dtype"])
     eager_model = copy.deepcopy(model)
-    normfuse.optimize(model)
+    # eager's dropout masks (the fuzz compares with eager run for run); the kernel's own
+    # dropout is checked given its mask in tests/test_branch_fold.py
+    normfuse.optimize(model, fuse_dropout=False)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         out = _seeded(model, ids, cfg["seed"])

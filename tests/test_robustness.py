@@ -243,7 +243,8 @@ def test_train_eval_switch_never_fuses_through_live_dropout():
 
 
 def test_training_mode_dropout_in_branch_matches_eager():
-    model, ref = _optimized(ToyTransformer(dropout=0.2).train())
+    # fuse_dropout=False: eager's dropout before the fused add, the same masks as eager
+    model, ref = _optimized(ToyTransformer(dropout=0.2).train(), fuse_dropout=False)
     ref.train()
     torch.manual_seed(7)
     out = model(IDS)
@@ -251,6 +252,21 @@ def test_training_mode_dropout_in_branch_matches_eager():
     expected = ref(IDS)
     assert torch.equal(out, expected)
     assert normfuse.report(model).counts()["fused_with_add"] == 4
+    assert normfuse.report(model).counts()["fused_dropout"] == 0
+
+
+def test_training_mode_dropout_folded_into_the_kernel():
+    # by default the kernel draws the branch's dropout: another stream, so not eager's numbers,
+    # but the same seed gives the same output, and each site is equal given the kernel's mask
+    model, ref = _optimized(ToyTransformer(dropout=0.2).train())
+    outs = []
+    for seed in (7, 7, 8):
+        torch.manual_seed(seed)
+        outs.append(model(IDS))
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+    assert normfuse.report(model).counts()["fused_dropout"] == 4
+    result = normfuse.check(ref, IDS)
+    assert all(s.passed and s.numeric.given_mask for s in result.sites if s.op == "add_norm"), str(result)
 
 
 @pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])

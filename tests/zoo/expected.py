@@ -103,7 +103,7 @@ EXPECTED = {
         eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
     "hf:gptj": dict(norms=3, fused=3, fused_with_add=2, input_is_add=2, placements={"pre": 2, "standalone": 1},
         eager_norms=3, eager_input_is_add=2, check="ok", checked_sites=3, bitwise=True),
-    "hf:gpt_neox": dict(norms=5, fused=5, fused_with_add=2, input_is_add=3, placements={"parallel": 4, "pre": 1},
+    "hf:gpt_neox": dict(norms=5, fused=5, fused_with_add=3, input_is_add=3, placements={"parallel": 4, "pre": 1},
         eager_norms=5, eager_input_is_add=3, check="ok", checked_sites=5, bitwise=True),
     "hf:llama": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
