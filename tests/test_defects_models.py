@@ -558,9 +558,13 @@ def test_an_operand_written_in_place_does_not_move_up():
     x = torch.randn(2, 8, 32)
     with torch.no_grad():
         want = model(x)
-        with warnings.catch_warnings(record=True):
+        with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
             optimized = normfuse.optimize(copy.deepcopy(model))
             got = optimized(x)
     assert torch.equal(got, want)  # the model is never broken: those sites stay as they were
     assert _counts(optimized)["fused_with_add"] == 0
+    # each such site is left with its reason; the rest of the graph is still rewritten
+    assert not [w for w in record if "left this graph unchanged" in str(w.message)]
+    late = [s for s in normfuse.report(optimized).sites if s.reason and "cannot move before it" in s.reason]
+    assert late and all(not s.fused for s in late)

@@ -135,9 +135,14 @@ def plan(index: GraphIndex, state: SiteState, claimed: set, reserved: set, confi
     rewrite calls the custom op and no seed can be drawn for a folded dropout. ``taken``:
     ids of states already rewritten (as another norm's partner)."""
     chosen, reason = _plan(index, state, claimed, reserved, config, as_op)
-    if chosen is not None and config.pair_norms and chosen.op in ("add_norm", "norm") and chosen.permute is None:
+    if chosen is None:
+        return None, reason
+    if config.pair_norms and chosen.op in ("add_norm", "norm") and chosen.permute is None:
         chosen.partner = _partner(index, state, taken)
-    return chosen, reason
+        if chosen.partner is not None and _unplaceable(index, chosen):
+            chosen.partner = None  # the second norm's parameters come too late: each its own call
+    reason = _unplaceable(index, chosen)
+    return (None, reason) if reason else (chosen, None)
 
 
 def _plan(index: GraphIndex, state: SiteState, claimed: set, reserved: set, config, as_op: bool):
@@ -220,12 +225,13 @@ def _copy_meta(dst: fx.Node, src: fx.Node) -> None:
             dst.meta[key] = src.meta[key]
 
 
-def _insertion_point(index: GraphIndex, p: Plan) -> fx.Node:
-    """The first node that may read the op's outputs; all operands must come before it.
+def _placement(index: GraphIndex, p: Plan) -> tuple[fx.Node, list[tuple[fx.Node, list[fx.Node] | None]]]:
+    """(first, moves): the first node that may read the op's outputs, and for each operand
+    computed at or after it, the nodes to move up before it with it (None: they cannot move).
 
     An operand computed later (Nemotron's LayerNorm1P computes ``weight + 1`` after the
-    residual add) moves up before it, together with what it is computed from, when that is
-    pure and reads only values computed before it."""
+    residual add) moves up together with what it is computed from, when that is pure and
+    reads only values computed before it."""
     m = p.state.match
     candidates = list(m.nodes) + [m.output]
     if p.op == "add_norm":
@@ -237,16 +243,32 @@ def _insertion_point(index: GraphIndex, p: Plan) -> fx.Node:
     first = min(candidates, key=index.order.__getitem__)
     extra = (p.branch.x1, p.branch.rowscale) + (
         (p.partner.match.weight, p.partner.match.bias) if p.partner is not None else ())
+    moves = []
     for operand in (p.x, p.residual, m.weight, m.bias, *extra):
         if isinstance(operand, fx.Node) and index.order[operand] >= index.order[first]:
-            moved = _movable_up(index, operand, first, set(candidates))
-            if moved is None:
-                raise RuntimeError(f"operand {operand.name} is computed after the site starts and cannot move "
-                                   "before it (it reads a value of the site, is not a pure primitive, or a value "
-                                   "it reads is written in place)")
-            for i, node in enumerate(moved):  # in graph order: each after what it reads
-                first.prepend(node)
-                index.order[node] = index.order[first] - 0.9 + i * 1e-4
+            moves.append((operand, _movable_up(index, operand, first, set(candidates))))
+    return first, moves
+
+
+def _unplaceable(index: GraphIndex, p: Plan) -> str | None:
+    """Why the call cannot go where the site starts (None when it can)."""
+    _, moves = _placement(index, p)
+    stuck = [operand.name for operand, moved in moves if moved is None]
+    if not stuck:
+        return None
+    return (f"operand {stuck[0]} is computed after the site starts and cannot move before it (it reads a "
+            "value of the site, is not a pure primitive, or a value it reads is written in place)")
+
+
+def _insertion_point(index: GraphIndex, p: Plan) -> fx.Node:
+    """The first node that may read the op's outputs, with late operands moved up before it."""
+    first, moves = _placement(index, p)
+    for operand, moved in moves:
+        if moved is None:  # plan() refuses such sites; reaching here is a bug
+            raise RuntimeError(_unplaceable(index, p))
+        for i, node in enumerate(moved):  # in graph order: each after what it reads
+            first.prepend(node)
+            index.order[node] = index.order[first] - 0.9 + i * 1e-4
     return first
 
 
