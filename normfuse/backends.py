@@ -47,14 +47,14 @@ def make_backend(config: FuseConfig | None = None, report: FusionReport | None =
             if inductor:
                 from torch._inductor.compile_fx import compile_fx
                 return compile_fx(gm, example_inputs)
-            return keep_rng_in_checkpoints(gm).forward
+            return eager_checkpoints(gm).forward
         except Exception as error:  # noqa: BLE001 - the user's model must never break
             message = (f"normfuse left this graph unchanged and runs it eagerly: {type(error).__name__}: {error}. "
                        "Please report it with the model that triggers it.")
             warnings.warn(message, RuntimeWarning, stacklevel=2)
             fusion.report.warnings.append(message)
             log.debug("normfuse backend failure", exc_info=True)
-            return keep_rng_in_checkpoints(original).forward
+            return eager_checkpoints(original).forward
 
     backend.normfuse_report = fusion.report  # type: ignore[attr-defined]
     backend.normfuse_pass = fusion  # type: ignore[attr-defined]
@@ -65,31 +65,20 @@ def make_backend(config: FuseConfig | None = None, report: FusionReport | None =
 # Running checkpointed regions eagerly
 # --------------------------------------------------------------------------------------
 # Dynamo captures torch.utils.checkpoint as a ``tag_activation_checkpoint`` region, written
-# to be traced by AOTAutograd: run eagerly (as the plain backend runs graphs) it recomputes
-# with preserve_rng_state=False, so a dropout inside draws another mask in the backward than
-# in the forward and the gradients are wrong (torch.compile(backend="eager") does the same:
-# HF BERT in training with gradient checkpointing, max |grad difference| 9.4 against the
-# model run without checkpointing). Regions that draw random numbers run through
-# torch.utils.checkpoint with the RNG state restored for the recompute, as eager does.
-
-_RANDOM_NAMES = ("dropout", "rand", "bernoulli", "normal", "uniform", "multinomial", "poisson", "exponential",
-                 "geometric", "cauchy")
-
-
-def _draws_random(node: fx.Node, module: torch.nn.Module) -> bool:
-    if node.op == "get_attr":
-        body = getattr(module, node.target, None)
-        return isinstance(body, fx.GraphModule) and any(_draws_random(n, body) for n in body.graph.nodes)
-    if node.op not in ("call_function", "call_method", "call_module"):
-        return False
-    if node.kwargs.get("dropout_p"):  # a fused add_norm drawing its dropout mask
-        return True
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    return any(word in name.lower() for word in _RANDOM_NAMES)
+# to be traced by AOTAutograd. Run eagerly (as the plain backend runs graphs, and as
+# torch.compile(backend="eager") does), that op
+# * recomputes with preserve_rng_state=False, so a dropout inside draws another mask in the
+#   backward than in the forward and the gradients are wrong (HF BERT in training with
+#   gradient checkpointing: max |grad difference| 9.4 against the model run without it);
+# * interprets the region node by node under a selective-checkpointing dispatch mode: a
+#   checkpointed HF llama (hidden 256, 4 layers, CPU) stepped at 0.54-0.64x of eager, and at
+#   1.08-1.38x with the region called directly (benchmarks/bench_checkpoint.py, same run).
+# So the regions run through torch.utils.checkpoint itself, as the model's own code did:
+# non-reentrant, RNG state kept for the recompute, a selective-checkpointing policy kept.
 
 
-def _checkpoint_keeping_rng(body: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
-    """``tag_activation_checkpoint`` run eagerly with the RNG state kept for the recompute."""
+def _checkpoint_as_eager(body: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+    """``tag_activation_checkpoint`` run as eager runs ``torch.utils.checkpoint``."""
     from torch.utils.checkpoint import checkpoint
 
     kwargs = {**kwargs, "use_reentrant": False, "preserve_rng_state": True}
@@ -98,18 +87,17 @@ def _checkpoint_keeping_rng(body: fx.GraphModule, *args: Any, **kwargs: Any) -> 
     return checkpoint(body, *args, **kwargs)
 
 
-def keep_rng_in_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
-    """Make the checkpointed regions of ``gm`` that draw random numbers recompute with the forward's
-    random numbers when ``gm`` runs eagerly; returns ``gm``."""
+def eager_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
+    """Make the checkpointed regions of ``gm`` (nested ones too) run as eager checkpointing runs
+    when ``gm`` runs eagerly; returns ``gm``."""
     region = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
     changed = False
     for node in gm.graph.nodes:
-        if region is not None and node.op == "call_function" and node.target is region \
-                and _draws_random(node.args[0], gm):
-            node.target = _checkpoint_keeping_rng
+        if region is not None and node.op == "call_function" and node.target is region:
+            node.target = _checkpoint_as_eager
             changed = True
-        elif node.op == "get_attr" and isinstance(getattr(gm, node.target, None), fx.GraphModule):
-            keep_rng_in_checkpoints(getattr(gm, node.target))
+        if node.op == "get_attr" and isinstance(getattr(gm, node.target, None), fx.GraphModule):
+            eager_checkpoints(getattr(gm, node.target))
     if changed:
         gm.recompile()
     return gm

@@ -270,3 +270,20 @@ def test_audit_prices_an_fp32_residual_stream():
     # the add_norm sites write their bf16 sums and read their residuals in fp32: more bytes, no kernel
     assert wide["fwd"] > plain["fwd"] and wide["bwd"] > plain["bwd"]
     assert wide["fwd_kernels"] == plain["fwd_kernels"]
+
+
+def test_inductor_post_grad_graphs_pair_norms_and_fold_x1():
+    """As Inductor's custom post-grad pass: the ATen graph's decomposed norms are paired and the
+    three-operand sum folded, calling the custom op itself."""
+    torch.manual_seed(0)
+    fusion = normfuse.NormFusionPass()
+    model = ToyTransformer(placement="parallel").eval()
+    ids = torch.randint(0, 64, (2, 8))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref = model(ids)
+        with torch._inductor.config.patch(post_grad_custom_post_pass=fusion, fx_graph_cache=False):
+            out = torch.compile(model)(ids)
+    c = fusion.report.counts()
+    assert (c["fused"], c["fused_calls"], c["fused_x1"], c["fused_with_add"]) == (5, 3, 2, 3), str(fusion.report)
+    assert_close(out, ref)
