@@ -28,7 +28,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from normfuse.errors import InvalidModelError, InvalidOptionError, NormfuseError, closest
-from normfuse.reporting import Site
+from normfuse.reporting import Site, folded_steps
 
 __all__ = ["audit", "AuditReport", "SiteAudit", "register_cli", "BANDWIDTHS", "DEFAULT_BANDWIDTH",
            "parse_bandwidth", "site_bytes", "verdict"]
@@ -474,7 +474,7 @@ def _block_of(fqn: str | None) -> int | None:
 
 def _status(site: Site) -> tuple[bool, str]:
     if site.op is not None and site.reason in (None, "not applied (analysis only)"):
-        return True, f"would fuse as {site.op}"
+        return True, f"would fuse as {site.op}{folded_steps(site)}"
     return False, site.reason or "not rewritten"
 
 
@@ -484,6 +484,9 @@ def _audit_graph(analysis, sites: list[Site], residual_dtype: torch.dtype | None
     out = []
     for state, site in zip(states, sites):
         would, status = _status(site)
+        lead = next((s for s in sites if s.call is not None and s.call == site.call), site)
+        if would and lead is not site:
+            status += f" (in {lead.id}'s kernel)"
         eager, fused, _ = site_bytes(index, state, site.op if would else None, residual_dtype)
         rows = _numel(state.match.input) // state.match.hidden_size if state.match.hidden_size else 0
         out.append(SiteAudit(site, would, status, eager, fused, _block_of(site.fqn), rows))

@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["Site", "Region", "FusionReport", "PLACEMENTS", "KINDS"]
+__all__ = ["Site", "Region", "FusionReport", "PLACEMENTS", "KINDS", "folded_steps"]
 
 from normfuse.vocabulary import KINDS, PLACEMENTS  # noqa: F401  (re-exported)
 
@@ -170,7 +170,7 @@ class FusionReport:
                 f"({c['fused_with_add']} with their residual add)")
         rows = [head]
         for s in self.sites:
-            what = f"fused as {s.op}{_folded(s)}" if s.fused else f"left: {s.reason}"
+            what = f"fused as {s.op}{folded_steps(s)}" if s.fused else f"left: {s.reason}"
             others = [m.id for m in self.call_members(s) if m is not s] if s.fused else []
             if others:
                 what += f" (one kernel with {', '.join(others)})"
@@ -182,7 +182,7 @@ class FusionReport:
         return "\n".join(rows)
 
 
-def _folded(site: Site) -> str:
+def folded_steps(site: Site) -> str:
     """What the site's kernel took over from the add's branch, e.g. " + x1 + dropout"."""
     steps = [name for name, on in (("x1", site.fused_x1), ("drop_path", site.fused_rowscale),
                                    ("dropout", site.fused_dropout)) if on]
