@@ -377,6 +377,7 @@ def test_compile_fullgraph_with_modes():
     (dict(dropout_p=0.1, seed=torch.tensor(1.5)), InvalidOptionError, "int64 CPU tensor"),
     (dict(dropout_p=0.1, seed=torch.tensor([1, 2])), InvalidOptionError, "int64 CPU tensor"),
     (dict(dropout_p=0.1, seed=1, generator=torch.Generator()), InvalidOptionError, "not both"),
+    (dict(dropout_p=0.1, generator=1234), InvalidOptionError, "a CPU torch.Generator"),
     (dict(x1=torch.zeros(4, 7)), ShapeMismatchError, "reshape x1"),
     (dict(rowscale=torch.ones(8)), ShapeMismatchError, "x.shape[:-1]"),
     (dict(weight1=torch.ones(7)), ShapeMismatchError, "weight1 must have shape (8,)"),

@@ -138,6 +138,10 @@ def validate_modes(x, x1, rowscale, weight1, bias1, dropout_p, seed, generator) 
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise InvalidOptionError(f"dropout_p={dropout_p!r} must be a number in [0, 1) (0 disables dropout; "
                                  f"p = 1 would drop every element).")
+    if generator is not None and not (isinstance(generator, torch.Generator) and generator.device.type == "cpu"):
+        raise InvalidOptionError(f"generator must be a CPU torch.Generator (the seed is drawn on the CPU, so the "
+                                 f"kernels need no device sync); got {_describe(generator)}. Pass "
+                                 f"torch.Generator().manual_seed(...) or a seed.")
     if seed is not None and generator is not None:
         raise InvalidOptionError("pass either seed (a reproducible mask) or generator (a seed drawn from it), "
                                  "not both.")
@@ -153,6 +157,8 @@ def validate_modes(x, x1, rowscale, weight1, bias1, dropout_p, seed, generator) 
 def _describe(value) -> str:
     if isinstance(value, Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+    if isinstance(value, torch.Generator):
+        return f"a torch.Generator on {value.device}"
     return type(value).__name__
 
 
