@@ -287,3 +287,17 @@ def test_inductor_post_grad_graphs_pair_norms_and_fold_x1():
     c = fusion.report.counts()
     assert (c["fused"], c["fused_calls"], c["fused_x1"], c["fused_with_add"]) == (5, 3, 2, 3), str(fusion.report)
     assert_close(out, ref)
+
+
+def test_dropout_on_dtensor_rows_stays_eager(monkeypatch):
+    """On DTensors each rank would draw its mask from its local row index (the same pattern on
+    every rank): the branch's dropout is left to eager there."""
+    import normfuse.kernels.sharding as sharding
+    monkeypatch.setattr(sharding, "is_dtensor", lambda value: True)
+    torch.manual_seed(0)
+    model = ToyTransformer(dropout=0.2).train()
+    torch._dynamo.reset()
+    normfuse.optimize(model)
+    model(torch.randint(0, 64, (2, 8)))
+    c = normfuse.report(model).counts()
+    assert (c["fused_with_add"], c["fused_dropout"]) == (4, 0)

@@ -155,6 +155,14 @@ def register() -> bool:
     return True
 
 
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor (without importing DTensor when nothing has)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return False
+    api = _dtensor_api()
+    return api is not None and isinstance(value, api[0])
+
+
 def refusal(values: list[Any]) -> str | None:
     """Why a site whose tensors are ``values`` (example values of its graph nodes) cannot run
     a fused op on DTensors; None when it can (registering the rules then)."""

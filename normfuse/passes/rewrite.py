@@ -171,7 +171,11 @@ def _plan(index: GraphIndex, state: SiteState, claimed: set, reserved: set, conf
             x, residual = (b, a) if stream == 0 else (a, b)
         branch = None
         if add.permute is None and config.fuse_branch:
-            modes = dict(second=True, rowscale=True, dropout=config.fuse_dropout and not as_op)
+            # the kernel draws a rank's mask from its local row index: on DTensors, ranks holding
+            # different rows would draw the same pattern, so their dropout stays eager's
+            from normfuse.kernels.sharding import is_dtensor
+            local_rows = is_dtensor(tensor_meta(add.node))
+            modes = dict(second=True, rowscale=True, dropout=config.fuse_dropout and not as_op and not local_rows)
             branch = fold_branch(index, add.node, x, **modes)
             if not branch.folded and add.scaled is None:
                 # the stream may be unknown (an operand is an earlier site's fresh output): the
