@@ -8,7 +8,8 @@ Forward and backward of each fused op against its peers, on M x N rows:
 * Liger-Kernel's and flash-attn's Triton norms, where they import;
 * normfuse: ``add_norm`` (``F.rms_norm`` semantics, and HF Llama's "round, then * w").
 
-M in {4096, 16384, 65536} tokens, N in {768, ..., 16384}, bf16 and fp32. Each time is the
+M in {4096, 16384, 65536} tokens, N in {768, ..., 16384}, bf16 and fp32. Then the kernel
+modes (x1, rowscale, dropout, a second norm) against the eager ops they replace. Each time is the
 median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``; plain ``do_bench``
 where capture fails), so Python overhead is not counted; GB/s counts the bytes a fused
 kernel must move (forward: read x, r, write y, s; backward: read dy, ds, s, write dx),
@@ -211,6 +212,70 @@ def measure(op: str, name: str, factory, m: int, n: int, dtype, device, toy: boo
     return row
 
 
+def _mode_inputs(mode: str, m: int, n: int, dtype, device) -> dict:
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=g)
+    t = {"x": randn(m, n).requires_grad_(), "r": randn(m, n).requires_grad_(), "w": randn(n).requires_grad_()}
+    if mode == "x1":
+        t["x1"] = randn(m, n).requires_grad_()
+    if mode == "rowscale":
+        t["rs"] = (torch.rand(m, device=device, generator=g) > 0.1).to(dtype) / 0.9
+    if mode == "two_norms":
+        t["w1"] = randn(n).requires_grad_()
+    return t
+
+
+def _mode_eager(mode: str, t: dict, p: float):
+    """What a model computes without fusion: the branch step, the add, the norm (or two)."""
+    x = t["x"]
+    if mode == "x1":
+        x = x + t["x1"]
+    elif mode == "rowscale":
+        x = x * t["rs"][:, None]
+    elif mode == "dropout":
+        x = F.dropout(x, p)
+    s = x + t["r"]
+    n = s.shape[-1]
+    ys = [F.rms_norm(s, (n,), t["w"], EPS)]
+    if mode == "two_norms":
+        ys.append(F.rms_norm(s, (n,), t["w1"], EPS))
+    return (*ys, s)
+
+
+def _mode_fused(mode: str, t: dict, p: float):
+    options = {"x1": dict(x1=t.get("x1")), "rowscale": dict(rowscale=t.get("rs")), "dropout": dict(dropout_p=p),
+               "two_norms": dict(weight1=t.get("w1"))}[mode]
+    return add_norm(t["x"], t["r"], t["w"], kind="rms_norm", eps=EPS, **options)
+
+
+def modes(toy: bool) -> list[dict]:
+    """The kernel modes (x1, rowscale, dropout, a second norm) against the eager ops they
+    replace, bf16, forward and backward."""
+    device = "cuda" if CUDA else "cpu"
+    shapes = [(8, 64)] if toy else [(16384, 2048), (16384, 4096), (65536, 4096)]
+    rows = []
+    for mode in ("x1", "rowscale", "dropout", "two_norms"):
+        for m, n in shapes:
+            t = _mode_inputs(mode, m, n, torch.bfloat16, device)
+            leaves = [v for v in t.values() if v.requires_grad]
+            row = {"mode": mode, "M": m, "N": n}
+            for name, fn in (("eager", _mode_eager), ("normfuse", _mode_fused)):
+                with torch.no_grad():
+                    row[f"{name}_fwd_ms"], _ = _time_ms(lambda: fn(mode, t, 0.1), toy)
+                outs = [o for o in fn(mode, t, 0.1) if o is not None]
+                cots = [torch.randn_like(o) for o in outs]
+                row[f"{name}_bwd_ms"], _ = _time_ms(
+                    lambda: torch.autograd.grad(outs, leaves, cots, retain_graph=True), toy)
+            row["fwd_speedup"] = row["eager_fwd_ms"] / row["normfuse_fwd_ms"]
+            row["bwd_speedup"] = row["eager_bwd_ms"] / row["normfuse_bwd_ms"]
+            rows.append(row)
+            print(f"  mode {mode} M={m} N={n}: fwd {row['fwd_speedup']:.2f}x, bwd {row['bwd_speedup']:.2f}x",
+                  flush=True)
+    return rows
+
+
 def llama_block(toy: bool) -> list[dict]:
     """One HF llama decoder block (inside LlamaModel, 1 layer) forward+backward."""
     import copy
@@ -296,9 +361,11 @@ def main(argv=None) -> dict:
             for p in peers:
                 r[f"fwd_x_vs_{p['provider']}"] = p["fwd_ms"] / r["fwd_ms"]
                 r[f"bwd_x_vs_{p['provider']}"] = p["bwd_ms"] / r["bwd_ms"]
-    block = []
+    block, mode_rows = [], []
     if time.perf_counter() - t_start < args.budget_s + 60:
         block = llama_block(args.toy)
+    if time.perf_counter() - t_start < args.budget_s + 120:
+        mode_rows = modes(args.toy)
     ours = [r for r in rows if r["provider"] == "normfuse" and "fwd_ms" in r]
     big = [r for r in ours if r["N"] >= 1024 and r["M"] >= 16384]
     verdict = {
@@ -314,7 +381,10 @@ def main(argv=None) -> dict:
     write_csv(out / "gpu_ops.csv", rows)
     if block:
         write_csv(out / "gpu_llama_block.csv", block)
-    write_json(out / "gpu.json", {"machine": machine(), "verdict": verdict, "rows": rows, "llama_block": block})
+    if mode_rows:
+        write_csv(out / "gpu_modes.csv", mode_rows)
+    write_json(out / "gpu.json", {"machine": machine(), "verdict": verdict, "rows": rows, "llama_block": block,
+                                  "modes": mode_rows})
 
     def draw(ax):
         for prov in sorted({r["provider"] for r in rows if r["op"] == "rms" and r["dtype"] == "bfloat16"}):

@@ -111,7 +111,7 @@ def keep_mask(t, seed):
 def check_modes(t, kind, round_sum_first, seed=1234, eps=1e-5):
     keep = keep_mask(t, seed)
     gen = torch.Generator().manual_seed(7)
-    cot = [torch.randn(t["x"].shape, generator=gen, dtype=FP64) for _ in range(3)]
+    cot = [torch.randn(t["x"].shape, generator=gen, dtype=FP64).to(t["x"].device) for _ in range(3)]
     fp64 = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in t.items()}
     got = run_with_grads(lambda a: ours(a, kind, eps, round_sum_first, seed), t, cot)
     base = run_with_grads(lambda a: composed(a, keep, kind, eps, round_sum_first), t, cot)
@@ -139,6 +139,16 @@ def check_modes(t, kind, round_sum_first, seed=1234, eps=1e-5):
 def test_mode_vs_fp64(path, mode, kind, dtype, round_sum_first):
     t = make(6, 96, dtype, kind, **MODES[mode])
     check_modes(t, kind, round_sum_first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", (4096, 16384, 32768))
+@pytest.mark.parametrize("kind", ("layer_norm", "rms_norm"))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_gpu_modes(mode, kind, n):
+    """Each mode on a CUDA/ROCm device (compiled kernels), bf16, one-block and looped rows."""
+    t = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in make(64, n, BF16, kind, **MODES[mode]).items()}
+    check_modes(t, kind, round_sum_first=True)
 
 
 @pytest.mark.parametrize("mode,round_sum_first", [(m, i % 2 == 0) for i, m in enumerate(MODES)])
