@@ -10,7 +10,7 @@ Measured, per configuration:
 - ``recompute saved``: bytes one layer's re-run keeps for that layer's backward (the layer
   run under autograd on its input, eager vs its rewritten graph) — the transient peak
   checkpointing trades for;
-- CPU step time (forward + backward), best of N, side by side in one run.
+- CPU step time (forward + backward), best of 10, the two models' steps interleaved.
 
     python benchmarks/bench_checkpoint.py [--toy]
 """
@@ -34,14 +34,18 @@ def _step(model, inputs):
     out.float().square().mean().backward()
 
 
-def _timed(model, inputs, repeats: int) -> float:
-    _step(model, inputs)  # warm-up (capture)
-    best = float("inf")
+def _timed(models, inputs, repeats: int) -> list[float]:
+    """Best step time of each model, the models' steps interleaved (so that load on the
+    machine falls on all of them alike)."""
+    for model in models:
+        _step(model, inputs)  # warm-up (capture)
+    best = [float("inf")] * len(models)
     for _ in range(repeats):
-        model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        _step(model, inputs)
-        best = min(best, time.perf_counter() - start)
+        for i, model in enumerate(models):
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            _step(model, inputs)
+            best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 
@@ -69,7 +73,7 @@ def _layer_recompute_saved(model, eager_model, inputs) -> tuple[int, int]:
 def main(argv=None) -> dict:
     args = parse_args(__doc__.splitlines()[0], argv)
     configs = [("fp32", torch.float32), ("bf16", torch.bfloat16)]
-    hidden, layers, batch, seq, repeats = (64, 2, 1, 32, 1) if args.toy else (256, 4, 2, 256, 5)
+    hidden, layers, batch, seq, repeats = (64, 2, 1, 32, 1) if args.toy else (256, 4, 2, 256, 10)
     rows = []
     for name, dtype in configs:
         reset_dynamo()
@@ -78,7 +82,7 @@ def main(argv=None) -> dict:
         eager.train()
         inputs = zoo.example_inputs(eager, batch=batch, seq=seq)
         optimized = normfuse.optimize(copy.deepcopy(eager))
-        eager_s, opt_s = _timed(eager, inputs, repeats), _timed(optimized, inputs, repeats)
+        eager_s, opt_s = _timed([eager, optimized], inputs, repeats)
         counts = normfuse.report(optimized).counts()
         # what one layer's re-run keeps: the layer itself, eager and optimized, outside any
         # checkpoint (a checkpointed call would keep only its inputs)

@@ -70,9 +70,8 @@ def make_backend(config: FuseConfig | None = None, report: FusionReport | None =
 # * recomputes with preserve_rng_state=False, so a dropout inside draws another mask in the
 #   backward than in the forward and the gradients are wrong (HF BERT in training with
 #   gradient checkpointing: max |grad difference| 9.4 against the model run without it);
-# * interprets the region node by node under a selective-checkpointing dispatch mode: a
-#   checkpointed HF llama (hidden 256, 4 layers, CPU) stepped at 0.54-0.64x of eager, and at
-#   1.08-1.38x with the region called directly (benchmarks/bench_checkpoint.py, same run).
+# * interprets the region node by node (torch.fx.Interpreter) under a selective-checkpointing
+#   dispatch mode, where the model's own code called the block directly.
 # So the regions run through torch.utils.checkpoint itself, as the model's own code did:
 # non-reentrant, RNG state kept for the recompute, a selective-checkpointing policy kept.
 
