@@ -301,3 +301,16 @@ def test_dropout_on_dtensor_rows_stays_eager(monkeypatch):
     model(torch.randint(0, 64, (2, 8)))
     c = normfuse.report(model).counts()
     assert (c["fused_with_add"], c["fused_dropout"]) == (4, 0)
+
+
+def test_filter_fn_keeps_an_excluded_norm_out_of_its_pair():
+    torch.manual_seed(0)
+    model = ToyTransformer(placement="parallel").eval()
+    ids = torch.randint(0, 64, (2, 8))
+    ref = model(ids)
+    out, rep = _optimized_counts(model, ids, options=dict(filter_fn=lambda site: site.fqn != "blocks.1.norm2"))
+    excluded = next(s for s in rep.sites if s.fqn == "blocks.1.norm2")
+    assert not excluded.fused and excluded.reason == "excluded by filter_fn"
+    c = rep.counts()
+    assert (c["fused"], c["fused_calls"]) == (4, 3)  # block 1's first norm is a call of its own
+    assert_close(out, ref)

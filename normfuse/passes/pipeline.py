@@ -321,16 +321,17 @@ class NormFusionPass(CustomGraphPass):
         claimed: set = set()
         reserved = {s.in_add.node for s in states if s.in_add is not None and s.in_add.reason is None}
         site_of = {id(state): site for state, site in zip(states, sites)}
-        taken: set = set()  # states already computed by another norm's call (its partner)
-        planned = 0         # calls planned so far: their ids
+        # states no norm's call may take as its second norm: excluded by filter_fn, or taken already
+        unavailable: set = set()
         for state, site in zip(states, sites):
-            if id(state) in taken:
-                continue
             if config.filter_fn is not None and not config.filter_fn(site):
                 site.reason = "excluded by filter_fn"
-                taken.add(id(state))
+                unavailable.add(id(state))
+        planned = 0         # calls planned so far: their ids
+        for state, site in zip(states, sites):
+            if id(state) in unavailable:
                 continue
-            plan, reason = rewrite.plan(index, state, claimed, reserved, config, self._as_op, taken)
+            plan, reason = rewrite.plan(index, state, claimed, reserved, config, self._as_op, unavailable)
             if plan is None:
                 site.reason = reason
                 continue
@@ -345,7 +346,7 @@ class NormFusionPass(CustomGraphPass):
             group = [site]
             state.fold = plan.branch
             if plan.partner is not None:
-                taken.add(id(plan.partner))
+                unavailable.add(id(plan.partner))
                 plan.partner.lead = state
                 partner_site = site_of[id(plan.partner)]
                 partner_site.add_reason = site.add_reason

@@ -83,7 +83,7 @@ def _same_modes(a: SiteState, b: SiteState) -> bool:
         n.kind, n.eps, n.weight_offset, n.norm_round_dtype, n.out_dtype, n.hidden_size)
 
 
-def _partner(index: GraphIndex, state: SiteState, taken: set) -> SiteState | None:
+def _partner(index: GraphIndex, state: SiteState, unavailable: set) -> SiteState | None:
     """Another norm reading the very value this one reads, with the same modes (parallel blocks:
     GPT-NeoX, GPT-J, timm's parallel ViT); both need a weight, since the kernel's second output
     exists when it has one."""
@@ -92,7 +92,7 @@ def _partner(index: GraphIndex, state: SiteState, taken: set) -> SiteState | Non
         return None
     for other in state.group:
         o = other.match
-        if other is state or id(other) in taken or o.weight is None or _refusal(other) is not None:
+        if other is state or id(other) in unavailable or o.weight is None or _refusal(other) is not None:
             continue
         if index.order[o.output] < index.order[m.output] or not index.same(o.input, m.input):
             continue
@@ -126,19 +126,19 @@ def _refusal(state: SiteState) -> str | None:
 
 
 def plan(index: GraphIndex, state: SiteState, claimed: set, reserved: set, config, as_op: bool = False,
-         taken: set = frozenset()) -> tuple[Plan | None, str | None]:
+         unavailable: set = frozenset()) -> tuple[Plan | None, str | None]:
     """Choose the op for one state; returns (plan, None) or (None, reason).
 
     ``claimed``: adds already folded into a kernel. ``reserved``: adds that some norm reads;
     those go to that norm (add -> norm) rather than to a norm -> add before it. ``config``:
     the FuseConfig; ``as_op``: the graph is ATen (Inductor's post-grad passes), where the
-    rewrite calls the custom op and no seed can be drawn for a folded dropout. ``taken``:
-    ids of states already rewritten (as another norm's partner)."""
+    rewrite calls the custom op and no seed can be drawn for a folded dropout. ``unavailable``:
+    ids of states no call may take as its second norm (excluded, or taken already)."""
     chosen, reason = _plan(index, state, claimed, reserved, config, as_op)
     if chosen is None:
         return None, reason
     if config.pair_norms and chosen.op in ("add_norm", "norm") and chosen.permute is None:
-        chosen.partner = _partner(index, state, taken)
+        chosen.partner = _partner(index, state, unavailable)
         if chosen.partner is not None and _unplaceable(index, chosen):
             chosen.partner = None  # the second norm's parameters come too late: each its own call
     reason = _unplaceable(index, chosen)
