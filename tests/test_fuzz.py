@@ -155,6 +155,12 @@ _TWO_T5_NORMS = dict(placement="parallel", kind="rms_norm", spelling="t5", dtype
                      dropout=0.0)
 
 
+# bf16, 2 rows of 4: see _few_rows_16bit.
+_LUCKY_EAGER_BF16 = dict(placement="deepnorm", kind="layer_norm", spelling="manual", dtype=torch.bfloat16,
+                         eps=0.0964232241154464, hidden=4, add_order="x+f", depth=1, embed_norm=True,
+                         final_norm=None, seq=1, seed=1, dropout=0.0)
+
+
 @_profile(70)
 @given(stacks())
 @example(_TWO_VAR_NORMS)
@@ -254,9 +260,18 @@ def _fuzz_optimize(cfg):
         (y * proj.to(y.dtype)).sum().backward()
     grads = [(name, p.grad, q.grad, r.grad) for (name, p), q, r in
              zip(model.named_parameters(), eager_model.parameters(), ref_model.parameters()) if r.grad is not None]
-    floor = _two_column_noise(grads) if cfg["hidden"] == 2 else 0.0
+    floor = _two_column_noise(grads) if cfg["hidden"] == 2 or _few_rows_16bit(cfg) else 0.0
     for name, got, base, ref in grads:
         _check_outputs(got, base, ref, cfg["dtype"], cfg, what=f"grad of {name}", noise=floor)
+
+
+def _few_rows_16bit(cfg) -> bool:
+    """fp16/bf16 with at most 4 rows: a weight gradient is a sum of at most 4 products, each
+    behind a chain of 16-bit roundings, so one tensor's eager error is a few roundings and may
+    happen to be small. Found: eager at 0.0022 on one bf16 norm weight (2 rows of 4) whose
+    model's other gradients it got to 0.0026-0.025, and the fused ops at 0.0226 there (3 bf16
+    ulps; deepnorm, manual LayerNorm, eps 0.096) while within 1-2x of eager elsewhere."""
+    return cfg["dtype"] in (torch.float16, torch.bfloat16) and 2 * cfg["seq"] <= 4
 
 
 def _two_column_noise(grads) -> float:
@@ -282,6 +297,7 @@ def _two_column_noise(grads) -> float:
 @_profile(10)
 @given(stacks())
 @example(_TWO_T5_NORMS)
+@example(_LUCKY_EAGER_BF16)
 def test_fuzz_optimize_forward_backward(cfg):
     _fuzz_optimize(cfg)
 
