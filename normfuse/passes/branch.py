@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from normfuse.passes.canonical import mutates, node_dtype, node_shape, real_users, same_dim, same_shape, tensor_meta
-from normfuse.passes.find import _const, as_add
+from normfuse.passes.find import _identity_dropout, as_add, live_dropout_p
 from normfuse.passes.graph import GraphIndex
 
 __all__ = ["BranchFold", "fold_branch"]
@@ -54,13 +54,8 @@ def _only_reader(node: Any, reader: fx.Node) -> bool:
 
 def _live_dropout(index: GraphIndex, node: Any, shape) -> float | None:
     """p of a training-mode dropout of a tensor of ``shape`` (None if ``node`` is not one)."""
-    c = index.canon(node)
-    if c is None or c.prim != "dropout" or c.multi_output:
-        return None
-    p = _const(c["p"])
-    if c["training"] is not True or p is None or not 0.0 < p < 1.0:
-        return None
-    return p if same_shape(node_shape(c["input"]), shape) else None
+    p = live_dropout_p(index.canon(node))
+    return p if p is not None and same_shape(node_shape(index.canon(node)["input"]), shape) else None
 
 
 def _row_scale(index: GraphIndex, node: Any, shape) -> tuple[Any, fx.Node] | None:
@@ -146,13 +141,9 @@ def fold_branch(index: GraphIndex, add: fx.Node, branch: Any, *, second: bool, r
 def _through_identity(index: GraphIndex, fold: BranchFold, value: Any, reader: fx.Node) -> tuple[Any, fx.Node]:
     """Past dropouts that are identities (eval mode, p = 0) read only by ``reader``: Falcon's
     ``dropout_add`` keeps one between its sum and the residual add."""
-    while _only_reader(value, reader) and index.prim(value) == "dropout" and _live_dropout(
-            index, value, node_shape(value)) is None:
-        c = index.canon(value)
-        if c["training"] is True and c["p"]:
-            break  # a live dropout the caller did not ask to fold
+    while _only_reader(value, reader) and index.prim(value) == "dropout" and _identity_dropout(index.canon(value)):
         fold.nodes.append(value)
-        reader, value = value, c["input"]
+        reader, value = value, index.canon(value)["input"]
     return value, reader
 
 

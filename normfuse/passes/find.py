@@ -26,7 +26,7 @@ from normfuse.passes.canonical import (Canon, dim_value, is_exact_upcast, last_d
 from normfuse.passes.graph import GraphIndex
 from normfuse.vocabulary import KERNEL_DTYPES
 
-__all__ = ["NormMatch", "AddMatch", "find_norms", "find_input_add", "find_output_add", "as_add"]
+__all__ = ["NormMatch", "AddMatch", "find_norms", "find_input_add", "find_output_add", "as_add", "live_dropout_p"]
 
 F32 = torch.float32
 
@@ -109,6 +109,15 @@ def _other(c: Canon, node: Any) -> Any:
 def _single_user(node: fx.Node) -> fx.Node | None:
     users = real_users(node)
     return users[0] if len(users) == 1 else None
+
+
+def live_dropout_p(c: Canon | None) -> float | None:
+    """p of a dropout that draws a mask: training mode and a constant 0 < p < 1 (None for any
+    other node, an identity dropout, or a p the graph computes)."""
+    if c is None or c.prim != "dropout" or c.multi_output or c["training"] is not True:
+        return None
+    p = _const(c["p"])
+    return p if p is not None and 0.0 < p < 1.0 else None
 
 
 def _identity_dropout(c: Canon) -> bool:

@@ -74,6 +74,7 @@ class Plan:
         self.permute = permute          # the kernel reads x and residual permuted by these dims
         self.branch = branch or BranchFold(x)  # x1 / rowscale / dropout taken from the add's branch (x is branch.x)
         self.partner = partner          # a second norm of the same value, computed by the same call
+        self.placement = None           # (first node, late operands' moves), found by plan()
 
 
 def _same_modes(a: SiteState, b: SiteState) -> bool:
@@ -139,9 +140,10 @@ def plan(index: GraphIndex, state: SiteState, claimed: set, reserved: set, confi
         return None, reason
     if config.pair_norms and chosen.op in ("add_norm", "norm") and chosen.permute is None:
         chosen.partner = _partner(index, state, unavailable)
-        if chosen.partner is not None and _unplaceable(index, chosen):
-            chosen.partner = None  # the second norm's parameters come too late: each its own call
     reason = _unplaceable(index, chosen)
+    if reason and chosen.partner is not None:
+        chosen.partner = None  # the second norm's parameters come too late: each its own call
+        reason = _unplaceable(index, chosen)
     return (None, reason) if reason else (chosen, None)
 
 
@@ -255,8 +257,10 @@ def _placement(index: GraphIndex, p: Plan) -> tuple[fx.Node, list[tuple[fx.Node,
 
 
 def _unplaceable(index: GraphIndex, p: Plan) -> str | None:
-    """Why the call cannot go where the site starts (None when it can)."""
-    _, moves = _placement(index, p)
+    """Why the call cannot go where the site starts (None when it can). Keeps the placement
+    on the plan: apply, which follows the plan at once, moves what it found."""
+    p.placement = _placement(index, p)
+    _, moves = p.placement
     stuck = [operand.name for operand, moved in moves if moved is None]
     if not stuck:
         return None
@@ -266,7 +270,7 @@ def _unplaceable(index: GraphIndex, p: Plan) -> str | None:
 
 def _insertion_point(index: GraphIndex, p: Plan) -> fx.Node:
     """The first node that may read the op's outputs, with late operands moved up before it."""
-    first, moves = _placement(index, p)
+    first, moves = p.placement or _placement(index, p)
     for operand, moved in moves:
         if moved is None:  # plan() refuses such sites; reaching here is a bug
             raise RuntimeError(_unplaceable(index, p))

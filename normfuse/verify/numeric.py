@@ -404,13 +404,12 @@ def _call_arguments(pair: SitePair, env: dict[fx.Node, Any]) -> tuple[list, dict
     return args, kwargs
 
 
-def _mask_replay(pair: SitePair, x: torch.Tensor, p: float) -> dict[fx.Node, Callable]:
+def _mask_replay(node: fx.Node, x: torch.Tensor, p: float) -> dict[fx.Node, Callable]:
     """The folded dropout computed as eager's dropout does (``input * mask * (1 / (1 - p))``)
     with the mask the kernel drew from the check's seed."""
     from normfuse.kernels import dropout_keep_mask
 
     keep = dropout_keep_mask(x, p, torch.tensor(_CHECK_SEED))
-    node = pair.dropout
 
     def replay(load):
         inp = load(canonical(node)["input"])
@@ -434,8 +433,9 @@ def check_site(gm: fx.GraphModule, pair: SitePair, env: dict[fx.Node, Any]) -> S
         inverse = sorted(range(len(pair.layout)), key=pair.layout.__getitem__)
         got = tuple(g.permute(inverse) if i == s_index else g for i, g in enumerate(got))
     replay = {}
-    if pair.dropout is not None:
-        replay = _mask_replay(pair, args[0], kwargs["dropout_p"])
+    dropout = pair.dropout
+    if dropout is not None:
+        replay = _mask_replay(dropout, args[0], kwargs["dropout_p"])
         result.given_mask = True
     ref = _subgraph_values(gm, pair, env, fp64=True, replay=replay)
     base = _subgraph_values(gm, pair, env, fp64=False, replay=replay) if replay else env

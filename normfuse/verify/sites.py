@@ -29,6 +29,7 @@ from typing import Any
 import torch.fx as fx
 
 from normfuse.passes.canonical import canonical
+from normfuse.passes.find import live_dropout_p
 from normfuse.passes.pipeline import analyze
 from normfuse.passes.rewrite import fused_op_name, is_fused_call, output_index
 from normfuse.reporting import Site
@@ -59,8 +60,7 @@ class SitePair:
         """The folded live dropout, whose mask the kernel draws (None when there is none)."""
         if not (self.call is not None and self.call.kwargs.get("dropout_p")):
             return None
-        return next((n for n in self.folded if getattr(canonical(n), "prim", None) == "dropout"
-                     and canonical(n)["training"] is True and canonical(n)["p"]), None)
+        return next((n for n in self.folded if live_dropout_p(canonical(n)) is not None), None)
 
 
 def fused_calls(graph: fx.Graph) -> list[fx.Node]:

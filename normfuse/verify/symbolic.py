@@ -25,6 +25,7 @@ import sympy
 import torch.fx as fx
 
 from normfuse.passes.canonical import canonical, node_shape
+from normfuse.passes.find import live_dropout_p
 from normfuse.passes.rewrite import fused_op_name
 from normfuse.verify.sites import SitePair
 
@@ -117,11 +118,10 @@ _MASK = _row("m", ROW)
 
 
 def _live_dropout_scale(c) -> Any:
-    """1 / (1 - p) of a training-mode dropout with a constant 0 < p < 1 (None otherwise)."""
-    p = c["p"]
-    if c["training"] is not True or isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p < 1:
-        return None
-    return sympy.Rational(1.0 / (1.0 - p))
+    """1 / (1 - p) of a dropout that draws a mask (None otherwise)."""
+    p = live_dropout_p(c)
+    return None if p is None else sympy.Rational(1.0 / (1.0 - p))
+
 
 def _eval_node(node: fx.Node, load, eps: float | None, eps_sym) -> Any:
     def val(a):
@@ -137,8 +137,8 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym) -> Any:
     if c is None:
         raise _Unsupported(f"no symbolic rule for node {node.name} ({node.op} {getattr(node.target, '__name__', node.target)})")
     p = c.prim
-    if p == "dropout" and _live_dropout_scale(c) is not None:  # given the mask: input * m * 1/(1-p)
-        scale = _live_dropout_scale(c)
+    scale = _live_dropout_scale(c) if p == "dropout" else None
+    if scale is not None:  # given the mask: input * m * 1/(1-p)
         return _elementwise(lambda a, m: a * m * scale, val(c["input"]), _MASK)
     if p in ("cast", "view", "permute", "dropout"):  # a row keeps its values (a permute moves it whole)
         return val(c["input"])
