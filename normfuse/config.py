@@ -51,7 +51,7 @@ class FuseConfig:
     check: bool = False
     residual_dtype: Any = None
     recompute_norm_output: bool = False
-    cross_block: bool = False
+    cross_block: bool = True
     fuse_branch: bool = True
     fuse_dropout: bool = True
     pair_norms: bool = True

@@ -43,7 +43,8 @@ def _assert_identical(a, b):
     assert torch.equal(out_a, out_b)
     assert grads_a.keys() == grads_b.keys()
     for name in grads_a:
-        assert torch.equal(grads_a[name], grads_b[name]), name
+        a_grad, b_grad = grads_a[name], grads_b[name]
+        assert (a_grad is None and b_grad is None) or torch.equal(a_grad, b_grad), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -56,14 +57,40 @@ def test_rewrite_is_bit_identical_to_eager(dtype, spelling, kind, order):
     [result] = rewrite_streams(model)
     assert result.applied and result.blocks == 3 and result.final_norm == "final_norm"
     assert list(model.state_dict()) == list(original.state_dict())
-    # a block returns the un-added pair; the final norm takes it
-    pair = model.blocks[0](original.tok(IDS))
+    x = original.tok(IDS)
+    # in the stream a block returns the un-added pair; the final norm takes it
+    def first():  # a fresh pair each time: an in-place add moved into block 1 consumes it
+        return model.blocks[0](ResidualPair(x, None, None))
+
+    pair = first()
     assert isinstance(pair, ResidualPair) and pair.residual is not None
-    by_name = model.blocks[1](x=model.blocks[0](original.tok(IDS)))  # the stream passed by its name
-    assert torch.equal(by_name.hidden, model.blocks[1](model.blocks[0](original.tok(IDS))).hidden)
+    by_name = model.blocks[1](x=first())  # the stream passed by its name
+    assert torch.equal(by_name.hidden, model.blocks[1](first()).hidden)
+    # called by other code, a block returns the sum, as before
+    assert torch.equal(model.blocks[0](x), original.blocks[0](x))
+    assert torch.equal(model.blocks[1](x=model.blocks[0](x)), original.blocks[1](original.blocks[0](x)))
     _assert_identical(_run(original, IDS), _run(model, IDS))
     undo_streams(model)
-    assert isinstance(model.blocks[0](original.tok(IDS)), torch.Tensor)
+    assert type(model.blocks[0]) is type(original.blocks[0]) and "_normfuse_stream" not in model.__dict__
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_the_owners_loop_hands_pairs_from_block_to_block():
+    model = _toy()
+    rewrite_streams(model)
+    seen = []  # what each block is called with, as (residual given, sum asked for)
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda module, args: seen.append((args[1] is not None, args[3])))
+    model(IDS)
+    assert seen == [(False, False), (True, False), (True, False)]
+    seen.clear()
+    model.blocks[2](model.tok(IDS))  # not from the loop: the block adds, as before
+    assert seen == [(False, True)]
+    with pytest.raises(RuntimeError):  # the owner's forward failed: its blocks are outside a loop again
+        model(IDS.float())
+    seen.clear()
+    model.blocks[0](model.tok(IDS))
+    assert seen == [(False, True)]
 
 
 class _CheckpointedStack(nn.Module):
@@ -172,12 +199,13 @@ def test_per_block_compile_fuses_the_add_that_crosses_each_boundary():
     assert_close(out_plain, out_crossed)
 
 
-def test_optimize_applies_it_when_asked_and_says_so():
-    model = normfuse.optimize(_toy(), cross_block=True)
-    assert isinstance(model.blocks[0](model.tok(IDS)), ResidualPair)
+def test_optimize_applies_it_by_default_and_says_so():
+    model = normfuse.optimize(_toy())
+    assert isinstance(model.blocks[0](ResidualPair(model.tok(IDS), None, None)), ResidualPair)
     assert any("3 blocks hand the residual pair" in note for note in normfuse.report(model).notes)
-    off = normfuse.optimize(_toy())  # off by default
-    assert isinstance(off.blocks[0](off.tok(IDS)), torch.Tensor)
+    assert isinstance(model.blocks[0](model.tok(IDS)), torch.Tensor)  # called by other code: as before
+    off = normfuse.optimize(_toy(), cross_block=False)
+    assert "forward" not in type(off.blocks[0]).__dict__ and not normfuse.report(off).notes
 
 
 def test_rewritten_model_pickles_and_deep_copies():
@@ -189,15 +217,16 @@ def test_rewritten_model_pickles_and_deep_copies():
     torch.save(model, buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
-    assert isinstance(loaded.blocks[1](original.tok(IDS)), ResidualPair)
+    assert isinstance(loaded.blocks[1](ResidualPair(original.tok(IDS), None, None)), ResidualPair)
     _assert_identical(_run(original, IDS), _run(loaded, IDS))
     _assert_identical(_run(copy.deepcopy(original), IDS), _run(copy.deepcopy(model), IDS))
 
 
+@pytest.mark.parametrize("family", ["llama", "opt"])
 @pytest.mark.parametrize("optimized", [False, True])
-def test_hf_output_hidden_states_are_the_added_stream(optimized):
+def test_hf_output_hidden_states_are_the_added_stream(optimized, family):
     # transformers records each layer's output in a hook: the layers then return it added
-    original = hf_model("llama", num_hidden_layers=3)
+    original = hf_model(family, num_hidden_layers=3)
     model = copy.deepcopy(original)
     if optimized:
         normfuse.optimize(model, cross_block=True)
@@ -225,3 +254,50 @@ def test_blocks_with_output_hooks_are_left_with_the_reason():
     assert not result.applied and "forward hook" in result.reason and "un-added pair" in result.reason
     model(IDS)
     assert isinstance(seen[0], torch.Tensor)
+
+
+class _SwitchedBlock(nn.Module):
+    """OPT's shape: the sum reshaped, then a config switch that may norm it (Post-Norm)."""
+
+    def __init__(self, n=16, post=False):
+        super().__init__()
+        self.norm1, self.fc, self.norm2 = nn.LayerNorm(n), nn.Linear(n, n), nn.LayerNorm(n)
+        self.post = post
+
+    def forward(self, x):
+        shape = x.shape
+        residual = x.reshape(-1, x.shape[-1])
+        h = self.fc(self.norm1(residual))
+        x = (residual + h).view(shape)
+        if self.post:
+            x = self.norm2(x)
+        return x
+
+
+class _SwitchedStack(nn.Module):
+    def __init__(self, post):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(_SwitchedBlock(post=post) for _ in range(3))
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+        return self.norm(x)
+
+
+@pytest.mark.parametrize("post", [False, True])
+def test_reshaped_add_and_config_switch_before_the_return(post):
+    original = _SwitchedStack(post)
+    model = copy.deepcopy(original)
+    [result] = rewrite_streams(model)
+    assert result.applied, result.reason
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    seen = []
+    model.layers[1].register_forward_pre_hook(lambda module, args: seen.append(args[1] is not None))
+    _assert_identical(_run(original, x), _run(model, x))
+    # switch off: the reshaped operands cross the boundary; on: the normed sum does
+    assert seen == [not post]
+    out = normfuse.optimize(copy.deepcopy(original))(x)
+    assert_close(out, original(x))

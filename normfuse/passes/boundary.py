@@ -26,10 +26,13 @@ How, generically:
 - each block's forward (read from its source) must end by returning a two-operand add:
   ``return a + b``, ``return torch.add(a, b)``, ``h = a + b; return h``, or a call of a
   local two-argument function ``return add(a, b)``. Its copy returns the pair instead,
-  and takes ``(hidden, residual, combine)`` in place of its first argument;
+  and takes ``(hidden, residual, combine, sum_out)`` in place of its first argument;
 - the list's elements (the block itself, or the checkpoint/FSDP/compile wrapper in the
   list) unpack a pair into those three positional arguments in their ``__call__``, so
-  the pair crosses every wrapper (reentrant checkpoint included) as two tensors.
+  the pair crosses every wrapper (reentrant checkpoint included) as two tensors;
+- only the owner's loop gets pairs: a block called by other code (``model.layers[3](x)``,
+  while the owner is not running) returns the sum, as before; so do transformers layers
+  while transformers records their outputs (``output_hidden_states=True``).
 No module, parameter or buffer is added: ``state_dict`` keys are unchanged.
 """
 
@@ -50,11 +53,12 @@ import torch.nn as nn
 
 from normfuse.passes.prenorm_model import block_lists, is_norm_module
 
-__all__ = ["ResidualPair", "StreamRewrite", "rewrite_streams", "undo_streams"]
+__all__ = ["ResidualPair", "StreamRewrite", "rewrite_streams", "rewritten_streams", "undo_streams"]
 
-_MARK = "_normfuse_stream"
+_MARK = "_normfuse_stream"            # on the owner of a rewritten stream
+_ELEMENT = "_normfuse_stream_element"  # on each of its list elements
 _RECOMPUTED = "_normfuse_recomputed"  # on a block whose forward a checkpoint may run twice
-_HIDDEN, _RESIDUAL, _COMBINE = "nf_hidden", "nf_residual", "nf_combine"
+_HIDDEN, _RESIDUAL, _COMBINE, _SUM_OUT = "nf_hidden", "nf_residual", "nf_combine", "nf_sum_out"
 
 
 class ResidualPair(NamedTuple):
@@ -66,27 +70,58 @@ class ResidualPair(NamedTuple):
 
 
 def _outputs_recorded() -> bool:
-    """True while a transformers model records its layers' outputs (``output_hidden_states``):
-    its hooks read each layer's output as the hidden state, so the layers return it added.
-
-    Dynamo reads this context variable only through a graph break (one per block), which is
-    why FuseConfig.cross_block is off by default; the value cannot be taken at trace time,
-    since transformers sets it while the traced forward runs."""
+    """True while a transformers model records layer outputs (``output_hidden_states``,
+    ``output_attentions``, ...): its hooks read each layer's output, so the layers return
+    it added. transformers sets its collector on every call, to an empty dict when nothing
+    is asked for; that case records nothing."""
     capturing = sys.modules.get("transformers.utils.output_capturing")
     collector = getattr(capturing, "_active_collector", None)
-    return collector is not None and collector.get() is not None
+    collected = collector.get() if collector is not None else None
+    return bool(collected) and any(key != "_hidden_states_layers" for key in collected)
 
 
-def _pair(hidden: torch.Tensor, residual: torch.Tensor, combine: Callable) -> Any:
-    """What a rewritten block of any other library returns in place of ``combine(hidden, residual)``."""
-    return ResidualPair(hidden, residual, combine)
-
-
-def _pair_or_sum(hidden: torch.Tensor, residual: torch.Tensor, combine: Callable) -> Any:
-    """What a rewritten transformers block returns in place of ``combine(hidden, residual)``."""
-    if _outputs_recorded():
+def _pair(hidden: torch.Tensor, residual: torch.Tensor, combine: Callable, sum_out: bool) -> Any:
+    """What a rewritten block returns in place of ``combine(hidden, residual)``."""
+    if sum_out:
         return combine(hidden, residual)
     return ResidualPair(hidden, residual, combine)
+
+
+def _pair_reshaped(hidden: torch.Tensor, residual: torch.Tensor, combine: Callable, sum_out: bool,
+                   method: str, *shape: Any) -> Any:
+    """What a rewritten block returns in place of ``combine(hidden, residual).view(*shape)``:
+    the operands reshaped (the same elements, added in the next block), when they have one shape."""
+    if sum_out or hidden.shape != residual.shape:
+        return getattr(combine(hidden, residual), method)(*shape)
+    return ResidualPair(hidden.reshape(*shape), residual.reshape(*shape), combine)
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One rewritten stream; its owner and its list elements hold the same object."""
+
+    final_norm: str
+    hooks: tuple = ()            # ids of the owner's two hooks and the final norm's pre-hook
+    checkpointed: bool = False   # the owner's loop calls the blocks through checkpoint(...)
+    transformers: bool = False   # the blocks are transformers layers (see _outputs_recorded)
+    running: int = 0             # > 0 while the owner's forward runs
+
+
+def _enter_owner(owner: nn.Module, args: tuple) -> None:
+    owner.__dict__[_MARK].running += 1
+
+
+def _leave_owner(owner: nn.Module, args: tuple, output: Any) -> None:
+    owner.__dict__[_MARK].running -= 1
+
+
+def _in_stream(stream: _Stream, first_arg: Any) -> bool:
+    """Whether a block was called by its owner's loop (it hands a pair on) or by other code
+    (``model.layers[3](x)``: it returns the tensor, as before the rewrite)."""
+    if isinstance(first_arg, tuple) or stream.running:
+        return True
+    # a checkpoint in the owner's loop recomputes block 0 in backward, after the owner returned
+    return stream.checkpointed and torch._C._current_graph_task_id() != -1
 
 
 def _as_pair(value: Any) -> ResidualPair:
@@ -116,15 +151,20 @@ def _combine(hidden: torch.Tensor, residual: Optional[torch.Tensor], combine: Op
 
 
 class _StreamElement:
-    """Mixin of the stream's list elements: a pair enters as three positional arguments."""
+    """Mixin of the stream's list elements: a pair enters as three positional arguments, and
+    a fourth says whether the block returns the sum (see _in_stream, _outputs_recorded)."""
 
     def __call__(self, *args, **kwargs):
         if args:
             hidden, args = args[0], args[1:]
         else:  # the stream passed by its name, e.g. block(hidden_states=x)
             hidden = kwargs.pop(type(_inner_block(self)).forward.nf_stream_arg)
+        stream = self.__dict__[_ELEMENT]
+        in_stream = _in_stream(stream, hidden)
+        sum_out = not in_stream or (stream.transformers and _outputs_recorded())
         pair = _as_pair(hidden)
-        return _as_pair(super().__call__(pair.hidden, pair.residual, pair.combine, *args, **kwargs))
+        out = super().__call__(pair.hidden, pair.residual, pair.combine, sum_out, *args, **kwargs)
+        return _as_pair(out) if in_stream else out
 
 
 def _add_pair_first(module: nn.Module, args: tuple):
@@ -237,18 +277,30 @@ class _Loop:
     checkpointed: bool   # the loop calls the blocks through checkpoint(...)
 
 
+def _loop_block(loop: ast.For, list_attr: str) -> str | None:
+    """The block variable of ``for block in self.<list_attr>`` (or a slice of it), or of
+    ``for i, block in enumerate(...)`` over the same; else None."""
+    def over_list(node):
+        return _is_self_attr(node) == list_attr or (isinstance(node, ast.Subscript)
+                                                   and _is_self_attr(node.value) == list_attr)
+
+    target, iterable = loop.target, loop.iter
+    if isinstance(iterable, ast.Call) and _is_name(iterable.func, "enumerate") and len(iterable.args) == 1 \
+            and isinstance(target, ast.Tuple) and len(target.elts) == 2:
+        target, iterable = target.elts[1], iterable.args[0]
+    return target.id if isinstance(target, ast.Name) and over_list(iterable) else None
+
+
 def _analyze_owner(owner: nn.Module, list_attr: str) -> _Loop:
     """Check that the owner's forward passes the stream value only from block to block,
     then into a norm module."""
     fn_node, raw = _function_ast(type(owner).forward)
-    loops = [n for n in _own_nodes(fn_node) if isinstance(n, ast.For)
-             and (_is_self_attr(n.iter) == list_attr
-                  or (isinstance(n.iter, ast.Subscript) and _is_self_attr(n.iter.value) == list_attr))]
-    if len(loops) != 1 or not isinstance(loops[0].target, ast.Name):
+    loops = [n for n in _own_nodes(fn_node) if isinstance(n, ast.For) and _loop_block(n, list_attr)]
+    if len(loops) != 1:
         raise NotFit(f"{type(owner).__name__}.forward does not loop once over self.{list_attr} "
                      f"({len(loops)} loops found)")
     loop = loops[0]
-    block_var = loop.target.id
+    block_var = _loop_block(loop, list_attr)
     calls = [s for s in loop.body if isinstance(s, ast.Assign) and len(s.targets) == 1
              and isinstance(s.targets[0], ast.Name) and isinstance(s.value, ast.Call)]
     stream, checkpointed = None, False
@@ -294,43 +346,90 @@ def _bodies(fn_node: ast.FunctionDef):
 
 
 def _split_add(fn_node: ast.FunctionDef, value: ast.expr):
-    """(a, b, combine expression) when ``value`` is a two-operand add, else None."""
+    """(a, b, combine expression, reshape call or None) when ``value`` is a two-operand add,
+    or such an add reshaped (``(a + b).view(shape)``, OPT), else None."""
+    reshape = None
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) \
+            and value.func.attr in ("view", "reshape") and not value.keywords:
+        reshape, value = value, value.func.value
     add = ast.Attribute(value=ast.Name(id="_nf_operator", ctx=ast.Load()), attr="add", ctx=ast.Load())
     if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add):
-        return value.left, value.right, add
+        return value.left, value.right, add, reshape
     if isinstance(value, ast.Call) and len(value.args) == 2 and not value.keywords \
             and not any(isinstance(a, ast.Starred) for a in value.args):
         func = value.func
         if isinstance(func, ast.Attribute) and _is_name(func.value, "torch") and func.attr == "add":
-            return value.args[0], value.args[1], add
+            return value.args[0], value.args[1], add, reshape
         # a local two-argument function (``add = lambda a, b: ...``): the next block calls it
         if isinstance(func, ast.Name) and any(isinstance(n, ast.Name) and n.id == func.id
                                               and isinstance(n.ctx, ast.Store) for n in _own_nodes(fn_node)):
-            return value.args[0], value.args[1], func
+            return value.args[0], value.args[1], func, reshape
     return None
+
+
+def _reads_only_self(node: ast.expr) -> bool:
+    """A condition that reads nothing but attributes of ``self`` and constants (a config
+    switch such as OPT's ``not self.do_layer_norm_before``): evaluating it again is harmless."""
+    allowed = (ast.Attribute, ast.Name, ast.Constant, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.Load,
+               ast.Not, ast.And, ast.Or, ast.Is, ast.IsNot, ast.Eq, ast.NotEq)
+    return all(isinstance(n, allowed) for n in ast.walk(node)) and \
+        all(n.id == "self" for n in ast.walk(node) if isinstance(n, ast.Name))
+
+
+def _switches_before(stmts: list, i: int) -> int:
+    """How many ``if <config switch>: ...`` statements (no else, no return) end right before
+    statement ``i``."""
+    k = 0
+    while i - k - 1 >= 0:
+        stmt = stmts[i - k - 1]
+        if not (isinstance(stmt, ast.If) and not stmt.orelse and _reads_only_self(stmt.test)
+                and not any(isinstance(n, ast.Return) for n in ast.walk(stmt))):
+            break
+        k += 1
+    return k
 
 
 def _defer_final_adds(fn_node: ast.FunctionDef, raw: Callable) -> int:
     """Make every ``return a + b`` (or ``h = a + b; return h``) return ``ResidualPair(a, b, add)``;
-    other returns stay (their value travels as a pair with no residual). Returns how many."""
+    other returns stay (their value travels as a pair with no residual). Returns how many.
+
+    Config switches between the add and ``return h`` (OPT: ``if not self.do_layer_norm_before:
+    h = norm(h)``) keep their code on the path where one of them is on; the pair is
+    returned where all are off."""
     rewritten = 0
     for stmts in list(_bodies(fn_node)):
         for i in range(len(stmts) - 1, -1, -1):
             ret = stmts[i]
             if not isinstance(ret, ast.Return) or ret.value is None:
                 continue
-            value, drop = ret.value, False
-            if isinstance(value, ast.Name) and i >= 1:
-                before = stmts[i - 1]
+            value, first = ret.value, i
+            if isinstance(ret.value, ast.Name):
+                switches = _switches_before(stmts, i)
+                before = stmts[i - switches - 1] if i - switches >= 1 else None
                 if isinstance(before, ast.Assign) and len(before.targets) == 1 \
-                        and _is_name(before.targets[0], value.id):
-                    value, drop = before.value, True
+                        and _is_name(before.targets[0], ret.value.id):
+                    value, first = before.value, i - switches - 1
             split = _split_add(fn_node, value)
             if split is None:
                 continue
-            ret.value = ast.Call(func=ast.Name(id="_nf_pair", ctx=ast.Load()), args=list(split), keywords=[])
-            if drop:  # the add is not computed here any more
-                del stmts[i - 1]
+            a, b, combine, reshape = split
+            sum_out = ast.Name(id=_SUM_OUT, ctx=ast.Load())
+            if reshape is None:
+                pair = ast.Call(func=ast.Name(id="_nf_pair", ctx=ast.Load()), args=[a, b, combine, sum_out], keywords=[])
+            else:
+                pair = ast.Call(func=ast.Name(id="_nf_pair_reshaped", ctx=ast.Load()),
+                                args=[a, b, combine, sum_out, ast.Constant(reshape.func.attr), *reshape.args],
+                                keywords=[])
+            tail = stmts[first:i + 1]
+            switches = [stmt.test for stmt in tail[1:-1]]
+            new = [ast.Return(value=pair)]
+            if switches:  # the original tail where a switch is on
+                test = switches[0] if len(switches) == 1 else ast.BoolOp(op=ast.Or(), values=switches)
+                new.insert(0, ast.If(test=test, body=tail, orelse=[]))
+            for stmt in new:
+                ast.copy_location(stmt, ret)
+                ast.fix_missing_locations(stmt)
+            stmts[first:i + 1] = new
             rewritten += 1
     if not rewritten:
         raise NotFit(f"{raw.__qualname__} does not return a two-operand add (`return a + b`, "
@@ -353,8 +452,9 @@ def _new_forward(cls: type, kind: str) -> Callable:
 
 
 def _build_pair_forward(cls: type) -> Callable:
-    """A copy of the block's forward that takes (hidden, residual, combine) for its first
-    argument and returns the final add's operands as a ResidualPair."""
+    """A copy of the block's forward that takes (hidden, residual, combine, sum_out) for its
+    first argument and returns the final add's operands as a ResidualPair (their sum when
+    sum_out)."""
     fn_node, raw = _function_ast(cls.forward)
     if raw.__code__.co_freevars:  # (super() needs __class__, ...)
         raise NotFit(f"{raw.__qualname__} uses enclosing variables {raw.__code__.co_freevars}")
@@ -363,16 +463,14 @@ def _build_pair_forward(cls: type) -> Callable:
         raise NotFit(f"{raw.__qualname__} takes no positional stream argument")
     stream = args.args[1].arg
     _defer_final_adds(fn_node, raw)
-    args.args[1:2] = [ast.arg(arg=n) for n in (_HIDDEN, _RESIDUAL, _COMBINE)]
+    args.args[1:2] = [ast.arg(arg=n) for n in (_HIDDEN, _RESIDUAL, _COMBINE, _SUM_OUT)]
     # x = combine(hidden, residual): the moved add, right at the start of the block
     entry = ast.parse(f"{stream} = _nf_combine({_HIDDEN}, {_RESIDUAL}, {_COMBINE}, {args.args[0].arg})").body[0]
     ast.copy_location(entry, fn_node.body[0])
     ast.fix_missing_locations(entry)
     fn_node.body.insert(0, entry)
-    # only transformers' blocks consult its output recorder (dynamo reads it through a graph break)
-    pair = _pair_or_sum if cls.__module__.startswith("transformers.") else _pair
-    forward = _compile_function(fn_node, raw, {"_nf_pair": pair, "_nf_operator": operator,
-                                                       "_nf_combine": _combine})
+    forward = _compile_function(fn_node, raw, {"_nf_pair": _pair, "_nf_pair_reshaped": _pair_reshaped,
+                                               "_nf_operator": operator, "_nf_combine": _combine})
     forward.nf_stream_arg = stream
     return forward
 
@@ -479,7 +577,7 @@ def rewrite_streams(model: nn.Module) -> list[StreamRewrite]:
         parent_fqn, _, attr = fqn.rpartition(".")
         owner = owner_of.get(parent_fqn, model) if fqn else model
         if getattr(owner, _MARK, None):
-            result.blocks, result.final_norm = len(owner.get_submodule(attr)), owner.__dict__[_MARK][0]
+            result.blocks, result.final_norm = len(owner.get_submodule(attr)), owner.__dict__[_MARK].final_norm
             continue
         try:
             if not fqn:
@@ -495,22 +593,32 @@ def rewrite_streams(model: nn.Module) -> list[StreamRewrite]:
         except Exception as error:  # noqa: BLE001 - reading unusual source must not break the model
             result.reason = f"not analysed ({type(error).__name__}: {error})"
             continue
+        stream = _Stream(loop.final_norm, checkpointed=loop.checkpointed,
+                         transformers=_base_class(_inner_block(elements[0])).__module__.startswith("transformers."))
         for element in elements:
             inner = _inner_block(element)
             _swap_class(inner, forward="pair")
             if loop.checkpointed or hasattr(element, "_checkpoint_wrapped_module"):
                 inner.__dict__[_RECOMPUTED] = True
             _swap_class(element, _StreamElement)
+            element.__dict__[_ELEMENT] = stream
         norm = getattr(owner, loop.final_norm)
         try:
             _swap_class(norm, forward="entry_add")
         except NotFit:
             pass  # the pre-hook adds the pair
         # first of its pre-hooks: a SequenceParallel (or other) input hook then sees a tensor
-        handle = norm.register_forward_pre_hook(_add_pair_first, prepend=True)
-        object.__setattr__(owner, _MARK, (loop.final_norm, handle.id))
+        stream.hooks = (norm.register_forward_pre_hook(_add_pair_first, prepend=True).id,
+                        owner.register_forward_pre_hook(_enter_owner, prepend=True).id,
+                        owner.register_forward_hook(_leave_owner, always_call=True).id)
+        object.__setattr__(owner, _MARK, stream)
         result.blocks, result.final_norm = len(elements), f"{parent_fqn + '.' if parent_fqn else ''}{loop.final_norm}"
     return results
+
+
+def rewritten_streams(model: nn.Module) -> list[str]:
+    """The owners of ``model``'s rewritten streams, by module path."""
+    return [fqn for fqn, module in model.named_modules() if _MARK in module.__dict__]
 
 
 def undo_streams(model: nn.Module) -> None:
@@ -518,13 +626,17 @@ def undo_streams(model: nn.Module) -> None:
     for fqn in block_lists(model):
         parent_fqn, _, attr = fqn.rpartition(".")
         owner = model.get_submodule(parent_fqn) if parent_fqn else model
-        mark = owner.__dict__.pop(_MARK, None)
-        if mark is None:
+        stream = owner.__dict__.pop(_MARK, None)
+        if stream is None:
             continue
-        norm = getattr(owner, mark[0])
-        norm._forward_pre_hooks.pop(mark[1], None)
+        norm = getattr(owner, stream.final_norm)
+        for hooks in (norm._forward_pre_hooks, owner._forward_pre_hooks, owner._forward_hooks):
+            for hook_id in stream.hooks:
+                hooks.pop(hook_id, None)
+        owner._forward_hooks_always_called.pop(stream.hooks[2], None)
         _unswap_class(norm)
         for element in owner.get_submodule(attr):
+            element.__dict__.pop(_ELEMENT, None)
             _inner_block(element).__dict__.pop(_RECOMPUTED, None)
             _unswap_class(_inner_block(element))
             _unswap_class(element)

@@ -267,8 +267,17 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, grad: bool, like_optim
     path without grad: another graph)."""
     recorder = _Recorder()
     with torch.set_grad_enabled(grad):
-        if like_optimize:
-            _recording_forward(model, recorder)(*args, **kwargs)
+        if like_optimize:  # installed as optimize installs it: the model's own hooks run around it
+            had = "forward" in model.__dict__
+            before = model.__dict__.get("forward")
+            model.forward = _recording_forward(model, recorder)
+            try:
+                model(*args, **kwargs)
+            finally:
+                if had:
+                    model.forward = before
+                else:
+                    del model.forward
         else:
             torch.compile(model, backend=recorder)(*args, **kwargs)
     return [(gm, inputs) for gm, inputs in recorder.graphs if inputs is not None]
@@ -418,12 +427,20 @@ def check(model: nn.Module, *example_args: Any, optimized: nn.Module | None = No
         _progress(progress, "optimizing a deep copy")
         optimized = normfuse.optimize(model_copy(model))
     model64 = fp64_copy(model)  # before the first run: the copies start from the model's state as given
+    regrouped = _regrouped_copy(model, optimized)
     # capture first too, so that the original's graphs come from the state the copies start
-    # from (a model filling a cache on its first call traces another graph once it is filled)
+    # from (a model filling a cache on its first call traces another graph once it is filled).
+    # Sites of a regrouped stream are held to the regrouped model's graphs, which have the
+    # same cut between blocks; the regrouping itself is compared with the original below.
     _progress(progress, "capturing the original graph to localize")
-    originals = _capture(model, args, kwargs, backward)
+    originals = _capture(regrouped or model, args, kwargs, backward)
     _progress(progress, "running the original, the optimized model and the fp64 reference")
+    rng = _rng_states()
     out_orig, grad_orig = _run(model, args, kwargs, backward, seed)
+    if regrouped is not None:
+        with _replaying(rng):  # the same dropout masks as the original's run
+            got = _run(regrouped, args, kwargs, backward, seed)
+        notes.append(_regrouping_note(regrouped, got, (out_orig, grad_orig)))
     out_new, grad_new = _run(optimized, args, kwargs, backward, seed)
     out_ref, grad_ref = _run(model64, to_fp64(args), to_fp64(kwargs), backward, seed, fp64=True)
     report = normfuse.report(optimized)
@@ -453,6 +470,57 @@ def check(model: nn.Module, *example_args: Any, optimized: nn.Module | None = No
     return _result(outputs, sites, report, notes, unverified_why)
 
 
+def _regrouped_copy(model: nn.Module, optimized: nn.Module) -> nn.Module | None:
+    """A copy of ``model`` with the streams that ``optimized`` carries across blocks regrouped
+    the same way (normfuse.passes.boundary), or None when it carries none."""
+    from normfuse.passes.boundary import rewrite_streams, rewritten_streams
+
+    if not rewritten_streams(optimized):
+        return None
+    regrouped = model_copy(model)
+    rewrite_streams(regrouped)
+    return regrouped
+
+
+def _rng_states() -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+
+
+@contextlib.contextmanager
+def _replaying(states: tuple):
+    """Run with the random states ``states``, then go on from the states before."""
+    cpu, cuda = states
+    with torch.random.fork_rng(devices=range(len(cuda))):
+        torch.set_rng_state(cpu)
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda)
+        yield
+
+
+_REGROUPING_FAILED = "cross-block: the regrouped model differs from the original"
+
+
+def _regrouping_note(regrouped: nn.Module, got: tuple[dict, dict], want: tuple[dict, dict]) -> str:
+    """The regrouping moves adds across block boundaries and changes no operand: its outputs
+    and gradients must equal the original's bit for bit."""
+    from normfuse.passes.boundary import rewritten_streams
+
+    streams = ", ".join(fqn or type(regrouped).__name__ for fqn in rewritten_streams(regrouped))
+    (out, grad), (out_want, grad_want) = got, want
+    values, wanted = {**out, **grad}, {**out_want, **grad_want}
+    differ = [name for name in wanted if not _same(values.get(name), wanted[name])]
+    if differ:
+        return f"{_REGROUPING_FAILED} ({streams}) in {len(differ)} values: {', '.join(differ[:4])}"
+    return (f"cross-block: the residual pairs carried across the blocks of {streams}: the regrouped model "
+            f"equals the original bit for bit in all {len(wanted)} outputs and gradients")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    return a is None and b is None
+
+
 def _compare_all(orig: dict, new: dict, ref: dict) -> list[OutputCheck]:
     checks = []
     for name, base in orig.items():
@@ -476,6 +544,7 @@ def _result(outputs: list[OutputCheck], sites: list[SiteCheck], report: FusionRe
     widened = any(s.residual_dtype for s in report.sites)
     by_design = widened or any(s.converted for s in report.sites)
     failing = [s for s in sites if not s.passed]
+    regrouping_failed = any(n.startswith(_REGROUPING_FAILED) for n in notes)
     res = CheckResult(ok=False, outputs=outputs, sites=sites, first_divergence=failing[0] if failing else None,
                       by_design=by_design, notes=notes, report=report)
     checked = {s.id for s in sites}
@@ -487,7 +556,7 @@ def _result(outputs: list[OutputCheck], sites: list[SiteCheck], report: FusionRe
     if widened and not any(s.converted for s in report.sites):
         # a wider stream must not be less accurate than the original: the usual rule holds
         notes.append(_widened_note(report, outputs))
-        res.ok = all(o.passed for o in outputs) and not failing
+        res.ok = all(o.passed for o in outputs) and not failing and not regrouping_failed
     elif by_design:
         res.structure_ok = _structure(report, notes)
         worst = max((o.ratio for o in outputs), default=0.0)
@@ -495,7 +564,7 @@ def _result(outputs: list[OutputCheck], sites: list[SiteCheck], report: FusionRe
                      f"by up to {worst:.3g}x the original's own error; the structure is what is checked")
         res.ok = res.structure_ok is True
     else:
-        res.ok = all(o.passed for o in outputs) and not failing
+        res.ok = all(o.passed for o in outputs) and not failing and not regrouping_failed
     return res
 
 
