@@ -379,6 +379,7 @@ class AuditReport:
     seconds: float = 0.0
     regions: list = field(default_factory=list)   # nested subgraphs (normfuse.reporting.Region)
     capture: str = ""               # how the graphs were captured: one of CAPTURE_PATHS
+    notes: list[str] = field(default_factory=list)  # streams regrouped across blocks, as optimize would
 
     # --- totals
     def totals(self) -> dict[str, Any]:
@@ -426,7 +427,8 @@ class AuditReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"sites": [s.to_dict() for s in self.sites], "summary": self.summary(),
-                "regions": [r.to_dict() for r in self.regions], "warnings": list(self.warnings)}
+                "regions": [r.to_dict() for r in self.regions], "notes": list(self.notes),
+                "warnings": list(self.warnings)}
 
     @property
     def regions_not_analyzed(self) -> list:
@@ -541,6 +543,15 @@ def _capture_graphs(model: nn.Module, args: tuple, kwargs: dict, allow_constants
     return graphs
 
 
+def _regroup_streams(model: nn.Module, rep: AuditReport) -> list[str]:
+    """Rewrite the model's streams as optimize would; the owners rewritten here, to undo."""
+    from normfuse.passes.boundary import rewrite_streams, rewritten_streams
+
+    before = set(rewritten_streams(model))
+    rep.notes += [s.describe() for s in rewrite_streams(model)]
+    return [fqn for fqn in rewritten_streams(model) if fqn not in before]
+
+
 def _caused_by(error: BaseException, text: str) -> bool:
     while error is not None:
         if text in str(error):
@@ -568,6 +579,9 @@ def audit(model: nn.Module, *args: Any, config=None, bandwidth: Any = None, name
     start = time.perf_counter()
     rep = AuditReport(model=name or type(model).__name__, bandwidth=label, bandwidth_bytes_per_s=bw)
     was_training = model.training
+    # optimize carries the residual pair across block boundaries (normfuse.passes.boundary):
+    # audit the graphs it would see, then put the model back as it was
+    regrouped = _regroup_streams(model, rep) if cfg.cross_block else []
     try:
         try:
             rep.capture = CAPTURE_PATHS[0]
@@ -585,6 +599,9 @@ def audit(model: nn.Module, *args: Any, config=None, bandwidth: Any = None, name
                                 "the model.") from error
     finally:
         model.train(was_training)
+        if regrouped:
+            from normfuse.passes.boundary import undo_streams
+            undo_streams(model, regrouped)
     if not graphs:
         raise NormfuseError(f"dynamo captured no graph of {rep.model}: the forward ran eagerly (dynamo's "
                             "recompile limit may have been reached in this process; call "

@@ -99,6 +99,7 @@ def text_report(rep) -> str:
     out.append("")
     out += _summary_lines(rep)
     out += [f"not analyzed: {r.name} ({r.op}): {r.reason}" for r in rep.regions_not_analyzed]
+    out += list(rep.notes)
     out += [f"warning: {w}" for w in rep.warnings]
     return "\n".join(out)
 
@@ -114,6 +115,7 @@ def markdown_report(rep) -> str:
     for r in _rows(rep):
         out.append("| " + " | ".join(_md_cell(c) for c in r) + " |")
     out += [f"\n> not analyzed: {r.name} ({r.op}): {r.reason}" for r in rep.regions_not_analyzed]
+    out += [f"\n> {note}" for note in rep.notes]
     out += [f"\n> warning: {w}" for w in rep.warnings]
     return "\n".join(out) + "\n"
 
@@ -132,6 +134,7 @@ def html_report(rep) -> str:
              f"<style>{_CSS}</style></head><body>", f"<h1>normfuse audit: {e(rep.model)}</h1>", "<h2>Summary</h2><ul>"]
     parts += [f"<li>{e(line)}</li>" for line in _summary_lines(rep)]
     parts += [f"<li><b>not analyzed:</b> {e(f'{r.name} ({r.op}): {r.reason}')}</li>" for r in rep.regions_not_analyzed]
+    parts += [f"<li>{e(note)}</li>" for note in rep.notes]
     parts += [f"<li><b>warning:</b> {e(w)}</li>" for w in rep.warnings]
     parts.append("</ul><h2>Residual stream</h2><div class='svg'>")
     parts.append(stream_svg(rep))

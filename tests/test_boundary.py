@@ -301,3 +301,17 @@ def test_reshaped_add_and_config_switch_before_the_return(post):
     assert seen == [not post]
     out = normfuse.optimize(copy.deepcopy(original))(x)
     assert_close(out, original(x))
+
+
+def test_audit_regroups_as_optimize_would_and_puts_the_model_back():
+    model = _toy()
+    classes = [type(m) for m in model.modules()]
+    rep = normfuse.audit(model, IDS)
+    assert any("3 blocks hand the residual pair" in note for note in rep.notes)
+    assert "3 blocks hand the residual pair" in str(rep.to_dict()["notes"])
+    assert [type(m) for m in model.modules()] == classes
+    assert not model._forward_pre_hooks and not model._forward_hooks and "_normfuse_stream" not in model.__dict__
+    assert not normfuse.audit(model, IDS, config=normfuse.FuseConfig(cross_block=False)).notes
+    rewrite_streams(model)  # a stream the user rewrote stays rewritten
+    normfuse.audit(model, IDS)
+    assert "_normfuse_stream" in model.__dict__

@@ -621,10 +621,13 @@ def rewritten_streams(model: nn.Module) -> list[str]:
     return [fqn for fqn, module in model.named_modules() if _MARK in module.__dict__]
 
 
-def undo_streams(model: nn.Module) -> None:
-    """Put every rewritten stream of ``model`` back as it was."""
+def undo_streams(model: nn.Module, owners: Optional[list[str]] = None) -> None:
+    """Put every rewritten stream of ``model`` back as it was (or those of ``owners``, module
+    paths as ``rewritten_streams`` gives them)."""
     for fqn in block_lists(model):
         parent_fqn, _, attr = fqn.rpartition(".")
+        if owners is not None and parent_fqn not in owners:
+            continue
         owner = model.get_submodule(parent_fqn) if parent_fqn else model
         stream = owner.__dict__.pop(_MARK, None)
         if stream is None:

@@ -1,0 +1,119 @@
+"""Coverage: norm sites fused under the ways large models wrap their blocks (one process).
+
+For each setting, with the residual pair carried across block boundaries (``cross_block``,
+the default) and without: the norms the model runs, the sites the pass found and fused,
+and the add-fed norms fused with their add. Each optimized model's output is compared
+with the unoptimized copy's (the largest absolute difference is in the table). FSDP2 and
+tensor/sequence parallel need 2 processes: tests/test_fsdp2.py, tests/test_dtensor.py.
+
+    python benchmarks/bench_wrapped.py [--toy]
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+from common import machine, markdown_table, parse_args, reset_dynamo, write_csv, write_json
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import normfuse
+from normfuse import zoo
+from normfuse.passes.prenorm_model import is_norm_module
+
+
+class _Stack(nn.Module):
+    """``ToyTransformer``'s Pre-Norm blocks run by a loop of this class, one way per subclass."""
+
+    def __init__(self, depth: int):
+        super().__init__()
+        torch.manual_seed(0)
+        toy = zoo.ToyTransformer(placement="pre", kind="rms_norm", spelling="llama", hidden=32, depth=depth)
+        self.tok, self.blocks, self.final_norm, self.head = toy.tok, toy.blocks, toy.final_norm, toy.head
+
+    def inputs(self) -> dict:
+        return {"ids": torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))}
+
+
+class NonReentrant(_Stack):
+    def forward(self, ids):
+        x = self.tok(ids)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(self.final_norm(x))
+
+
+class Reentrant(_Stack):
+    def forward(self, ids):
+        x = self.tok(ids)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=True)
+        return self.head(self.final_norm(x))
+
+
+class Wrapped(_Stack):
+    def __init__(self, depth: int):
+        super().__init__(depth)
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        self.blocks = nn.ModuleList(checkpoint_wrapper(b) for b in self.blocks)
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.final_norm(x))
+
+
+def _hf(family: str, layers: int):
+    no_dropout = {"bert": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+                  "opt": {"dropout": 0.0, "attention_dropout": 0.0}}.get(family, {})
+    model = zoo.hf_model(family, num_hidden_layers=layers, **no_dropout)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_enable's new name
+        model.gradient_checkpointing_enable()
+    model.inputs = lambda: zoo.example_inputs(model)
+    return model
+
+
+def _output(out) -> torch.Tensor:
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out
+
+
+def _row(setting: str, make, cross_block: bool) -> dict:
+    reset_dynamo()
+    model = make().train()
+    inputs = model.inputs()
+    reference = copy.deepcopy(model)
+    normfuse.optimize(model, cross_block=cross_block)
+    out = _output(model(**inputs))
+    out.float().square().mean().backward()
+    diff = (out - _output(reference(**inputs))).abs().max().item()
+    counts = normfuse.report(model).counts()
+    norms = sum(is_norm_module(m) for m in model.modules())
+    return {"setting": setting, "cross_block": cross_block, "norms": norms, "sites": counts["sites"],
+            "fused": counts["fused"], "fused_with_add": counts["fused_with_add"],
+            "add_fed": counts["input_is_add"], "max_abs_diff": diff}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(__doc__.splitlines()[0], argv)
+    depth = 2 if args.toy else 4
+    settings = [
+        ("torch.utils.checkpoint(use_reentrant=False) in the loop", lambda: NonReentrant(depth)),
+        ("torch.utils.checkpoint(use_reentrant=True) in the loop", lambda: Reentrant(depth)),
+        ("checkpoint_wrapper per block", lambda: Wrapped(depth)),
+    ]
+    families = ["llama"] if args.toy else ["llama", "gemma", "opt", "bert"]
+    settings += [(f"HF {f}, gradient_checkpointing_enable()", lambda f=f: _hf(f, depth)) for f in families]
+    rows = [_row(name, make, cross_block) for name, make in settings for cross_block in (False, True)]
+    write_csv(args.out / "wrapped.csv", rows)
+    write_json(args.out / "wrapped.json", {"machine": machine(), "rows": rows})
+    print(markdown_table(rows))
+    return {"rows": rows}
+
+
+if __name__ == "__main__":
+    main()
