@@ -315,3 +315,18 @@ def test_audit_regroups_as_optimize_would_and_puts_the_model_back():
     rewrite_streams(model)  # a stream the user rewrote stays rewritten
     normfuse.audit(model, IDS)
     assert "_normfuse_stream" in model.__dict__
+
+
+def test_hf_owner_with_a_graph_break_before_the_loop_keeps_the_loop_in_one_graph():
+    # CTRL sets a buffer in its forward (a graph break before the layer loop): transformers'
+    # output collector is then set outside the traced frame, where dynamo can read it only
+    # through a graph break per layer. It is not read while no recorder hook is installed.
+    model = hf_model("ctrl").eval()
+    inputs = {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))}
+    want = copy.deepcopy(model)(**inputs).last_hidden_state
+    normfuse.optimize(model)
+    assert torch.equal(model(**inputs).last_hidden_state, want)
+    rep = normfuse.report(model)
+    counts = rep.counts()
+    assert counts["sites"] == 5 and counts["fused_with_add"] == 4, str(rep)
+    assert {s.graph for s in rep.sites} == {1}  # the loop and the final norm: one graph

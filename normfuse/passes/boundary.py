@@ -80,6 +80,15 @@ def _outputs_recorded() -> bool:
     return bool(collected) and any(key != "_hidden_states_layers" for key in collected)
 
 
+def _recorder_hooked(element: nn.Module) -> bool:
+    """Whether transformers' output recorder hooks the block: it installs its hooks the first
+    time outputs are asked for. Until then no output can be recorded, and the context variable
+    (which dynamo can only read through a graph break, when transformers set it outside the
+    traced frame) is not read."""
+    return any(_RECORDER_HOOK in getattr(hook, "__qualname__", "")
+               for module in (element, _inner_block(element)) for hook in module._forward_hooks.values())
+
+
 def _pair(hidden: torch.Tensor, residual: torch.Tensor, combine: Callable, sum_out: bool) -> Any:
     """What a rewritten block returns in place of ``combine(hidden, residual)``."""
     if sum_out:
@@ -161,7 +170,7 @@ class _StreamElement:
             hidden = kwargs.pop(type(_inner_block(self)).forward.nf_stream_arg)
         stream = self.__dict__[_ELEMENT]
         in_stream = _in_stream(stream, hidden)
-        sum_out = not in_stream or (stream.transformers and _outputs_recorded())
+        sum_out = not in_stream or (stream.transformers and _recorder_hooked(self) and _outputs_recorded())
         pair = _as_pair(hidden)
         out = super().__call__(pair.hidden, pair.residual, pair.combine, sum_out, *args, **kwargs)
         return _as_pair(out) if in_stream else out
@@ -377,13 +386,14 @@ def _reads_only_self(node: ast.expr) -> bool:
 
 
 def _switches_before(stmts: list, i: int) -> int:
-    """How many ``if <config switch>: ...`` statements (no else, no return) end right before
-    statement ``i``."""
+    """How many ``if <config switch>: ...`` statements (no else, no return, no attribute
+    set, so no switch changes another) end right before statement ``i``."""
     k = 0
     while i - k - 1 >= 0:
         stmt = stmts[i - k - 1]
         if not (isinstance(stmt, ast.If) and not stmt.orelse and _reads_only_self(stmt.test)
-                and not any(isinstance(n, ast.Return) for n in ast.walk(stmt))):
+                and not any(isinstance(n, ast.Return) or (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store))
+                            for n in ast.walk(stmt))):
             break
         k += 1
     return k
@@ -553,7 +563,8 @@ def _inner_block(element: nn.Module) -> nn.Module:
 # Forward hooks known to take a pair as the block's output: FSDP2's post-forward (it only
 # registers backward hooks on the output's tensors) and transformers' output recorder
 # (the blocks return the added stream while it records, see _outputs_recorded).
-_PAIR_SAFE_HOOKS = ("FSDPState._post_forward", "output_capturing_hook")
+_RECORDER_HOOK = "output_capturing_hook"
+_PAIR_SAFE_HOOKS = ("FSDPState._post_forward", _RECORDER_HOOK)
 
 
 def _check_output_hooks(element: nn.Module, fqn: str) -> None:

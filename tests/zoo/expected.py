@@ -208,15 +208,18 @@ EXPECTED = {
         eager_norms=9, eager_input_is_add=4, check="ok", checked_sites=9, bitwise=True),
     "hf:granitemoe": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
-    "hf:jetmoe": dict(norms=3, fused=3, fused_with_add=1, input_is_add=1, placements={"pre": 1, "standalone": 2},
-        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=3, bitwise=True,
+    "hf:jetmoe": dict(norms=4, fused=4, fused_with_add=3, input_is_add=3,
+        placements={"embedding": 1, "pre": 2, "standalone": 1},
+        eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=4, bitwise=True,
         note=(
         "open: a graph break in every block: JetMoeTopKGating calls expert_size.tolist() (data-dependent Python "
-        "ints), which dynamo does not trace by default (capture_scalar_outputs=False); dynamo captures one graph per "
-        "block's code, reused by both layers: normfuse reports the sites of each captured graph once (3 sites for 5 "
-        "norm calls), the adds that end one graph cannot fold into the norm that starts the next, and site fqns lose "
-        "the block prefix (input_layernorm). Under torch._dynamo.config.patch(capture_scalar_outputs=True) the model "
-        "is one graph and normfuse fuses 5/5, 4 with their add, bit-identical")),
+        "ints), which dynamo does not trace by default (capture_scalar_outputs=False); dynamo captures graphs per "
+        "block's code, reused by both layers: normfuse reports the sites of each captured graph once (4 sites for 5 "
+        "norm calls) and site fqns lose the block prefix (input_layernorm). The residual pair carried across the "
+        "blocks (cross_block) brings the add that ends a block into the next block's graph (block 1's "
+        "input_layernorm) and into the final norm's graph (that add reads two graph inputs, so it is classified "
+        "'embedding'). Under torch._dynamo.config.patch(capture_scalar_outputs=True) the model is one graph and "
+        "normfuse fuses 5/5, 4 with their add, bit-identical")),
     "hf:phimoe": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     "hf:ernie4_5_moe": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
