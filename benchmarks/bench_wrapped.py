@@ -1,8 +1,9 @@
 """Coverage: norm sites fused under the ways large models wrap their blocks (one process).
 
 For each setting, with the residual pair carried across block boundaries (``cross_block``,
-the default) and without: the norms the model runs, the sites the pass found and fused,
-and the add-fed norms fused with their add. Each optimized model's output is compared
+the default) and without: the norm calls of one eager forward and how many of them read an
+add (tests/zoo/count.py, which knows nothing of normfuse), the sites the pass found and
+fused, and how many it fused with their add. Each optimized model's output is compared
 with the unoptimized copy's (the largest absolute difference is in the table). FSDP2 and
 tensor/sequence parallel need 2 processes: tests/test_fsdp2.py, tests/test_dtensor.py.
 
@@ -22,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 import normfuse
 from normfuse import zoo
-from normfuse.passes.prenorm_model import is_norm_module
+from tests.zoo.count import count_eager
 
 
 class _Stack(nn.Module):
@@ -92,10 +93,10 @@ def _row(setting: str, make, cross_block: bool) -> dict:
     out.float().square().mean().backward()
     diff = (out - _output(reference(**inputs))).abs().max().item()
     counts = normfuse.report(model).counts()
-    norms = sum(is_norm_module(m) for m in model.modules())
-    return {"setting": setting, "cross_block": cross_block, "norms": norms, "sites": counts["sites"],
-            "fused": counts["fused"], "fused_with_add": counts["fused_with_add"],
-            "add_fed": counts["input_is_add"], "max_abs_diff": diff}
+    eager = count_eager(reference, (), inputs)
+    return {"setting": setting, "cross_block": cross_block, "norm_calls": eager.norms,
+            "add_fed_calls": eager.input_is_add, "sites": counts["sites"], "fused": counts["fused"],
+            "fused_with_add": counts["fused_with_add"], "max_abs_diff": diff}
 
 
 def main(argv=None) -> dict:
