@@ -3,6 +3,9 @@
 With ``gradient_checkpointing_enable()`` every decoder layer is a checkpointed region: the
 forward keeps only each layer's input, and backward re-runs the layer to rebuild what
 its own backward needs. normfuse enters those regions, so the re-run is the fused graph.
+Three models: eager, ``optimize`` (the default: the last layer's residual pair goes to the
+final norm, the others hand on the sum) and ``optimize(cross_checkpoints=True)`` ("crossing":
+the pair goes into every checkpointed layer, which keeps two tensors instead of one).
 Measured, per configuration:
 
 - ``forward saved``: bytes autograd keeps through the forward (distinct storages,
@@ -82,8 +85,12 @@ def main(argv=None) -> dict:
         eager.train()
         inputs = zoo.example_inputs(eager, batch=batch, seq=seq)
         optimized = normfuse.optimize(copy.deepcopy(eager))
-        eager_s, opt_s = _timed([eager, optimized], inputs, repeats)
+        # the residual pair handed into the checkpointed layers too (every add fused; each
+        # checkpoint then keeps the pair, two tensors, where it kept the sum)
+        crossing = normfuse.optimize(copy.deepcopy(eager), cross_checkpoints=True)
+        eager_s, opt_s, cross_s = _timed([eager, optimized, crossing], inputs, repeats)
         counts = normfuse.report(optimized).counts()
+        cross_counts = normfuse.report(crossing).counts()
         # what one layer's re-run keeps: the layer itself, eager and optimized, outside any
         # checkpoint (a checkpointed call would keep only its inputs)
         plain = copy.deepcopy(eager)
@@ -94,12 +101,15 @@ def main(argv=None) -> dict:
         rows.append({
             "dtype": name, "hidden": hidden, "layers": layers, "tokens": batch * seq,
             "sites": counts["sites"], "fused": counts["fused"], "fused_with_add": counts["fused_with_add"],
+            "fused_with_add_crossing": cross_counts["fused_with_add"],
             "forward_saved_eager": _forward_saved(eager, inputs),
             "forward_saved_optimized": _forward_saved(optimized, inputs),
+            "forward_saved_crossing": _forward_saved(crossing, inputs),
             "recompute_saved_eager": eager_layer, "recompute_saved_optimized": fused_layer,
             "recompute_ratio": round(fused_layer / eager_layer, 3),
             "step_s_eager": round(eager_s, 4), "step_s_optimized": round(opt_s, 4),
             "step_speedup": round(eager_s / opt_s, 3),
+            "step_s_crossing": round(cross_s, 4), "step_speedup_crossing": round(eager_s / cross_s, 3),
         })
     out = args.out
     write_csv(out / "checkpoint.csv", rows)

@@ -175,7 +175,7 @@ def optimize(model: nn.Module, config: FuseConfig | None = None, **options: Any)
         prepare_module(model)
     if cfg.cross_block:  # normfuse.passes.boundary: carry the residual pair across block boundaries
         from normfuse.passes.boundary import rewrite_streams
-        rep.notes += [s.describe() for s in rewrite_streams(model)]
+        rep.notes += [s.describe() for s in rewrite_streams(model, cfg.cross_checkpoints)]
     model.forward = OptimizedForward(model, model.forward, cfg, rep)
     return model
 

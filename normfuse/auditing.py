@@ -543,12 +543,12 @@ def _capture_graphs(model: nn.Module, args: tuple, kwargs: dict, allow_constants
     return graphs
 
 
-def _regroup_streams(model: nn.Module, rep: AuditReport) -> list[str]:
+def _regroup_streams(model: nn.Module, rep: AuditReport, cross_checkpoints: bool) -> list[str]:
     """Rewrite the model's streams as optimize would; the owners rewritten here, to undo."""
     from normfuse.passes.boundary import rewrite_streams, rewritten_streams
 
     before = set(rewritten_streams(model))
-    rep.notes += [s.describe() for s in rewrite_streams(model)]
+    rep.notes += [s.describe() for s in rewrite_streams(model, cross_checkpoints)]
     return [fqn for fqn in rewritten_streams(model) if fqn not in before]
 
 
@@ -581,7 +581,7 @@ def audit(model: nn.Module, *args: Any, config=None, bandwidth: Any = None, name
     was_training = model.training
     # optimize carries the residual pair across block boundaries (normfuse.passes.boundary):
     # audit the graphs it would see, then put the model back as it was
-    regrouped = _regroup_streams(model, rep) if cfg.cross_block else []
+    regrouped = _regroup_streams(model, rep, cfg.cross_checkpoints) if cfg.cross_block else []
     try:
         try:
             rep.capture = CAPTURE_PATHS[0]

@@ -32,8 +32,14 @@ class FuseConfig:
                 (see normfuse/passes/norm_linear.py).
     cross_block: carry the residual pair across the blocks of a Pre-Norm stream, so the add
                 that ends a block fuses with the norm that starts the next one even when each
-                block is a region of its own (checkpointing, FSDP2, per-block compile). Exact:
-                the same adds and norms, regrouped. Streams that do not fit stay as they were.
+                block is a region of its own (FSDP2, per-block compile, a graph break).
+                Exact: the same adds and norms, regrouped. Streams that do not fit stay as
+                they were. A checkpointed block would keep the pair (two tensors) instead of
+                the sum for its recompute, so pairs go into one only with cross_checkpoints;
+                the last block's pair always goes to the final norm.
+    cross_checkpoints: with cross_block, hand the pair into checkpointed blocks too: every
+                add between blocks fused, for one more activation per block held by the
+                checkpoints (normfuse/passes/boundary.py).
     fuse_branch: fold what the branch does just before its residual add into the kernel: a
                 second add (``x + attn + mlp``) and a per-sample scale (timm's drop_path).
                 Exact (normfuse/passes/branch.py).
@@ -52,6 +58,7 @@ class FuseConfig:
     residual_dtype: Any = None
     recompute_norm_output: bool = False
     cross_block: bool = True
+    cross_checkpoints: bool = False
     fuse_branch: bool = True
     fuse_dropout: bool = True
     pair_norms: bool = True
@@ -66,6 +73,7 @@ class FuseConfig:
                 f"residual_dtype must be None (the stream keeps the model's dtype) or torch.float32, got "
                 f"{self.residual_dtype!r}. Pass residual_dtype=torch.float32.")
         for name in ("standalone", "fuse_output_add", "prenorm", "check", "recompute_norm_output", "cross_block",
+                     "cross_checkpoints",
                      "fuse_branch", "fuse_dropout", "pair_norms"):
             value = getattr(self, name)
             if not isinstance(value, bool):

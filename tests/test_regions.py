@@ -79,20 +79,25 @@ def _train_step(model, ids):
     return out, {n: p.grad for n, p in model.named_parameters()}
 
 
-# add-fed sites fused with their add: inside each block the add before norm2; with the
-# residual pair carried across the boundaries (cross_block) also each block's first norm and
-# the final norm. A reentrant checkpoint in the owner's loop would hide a pair from autograd:
-# that stream stays as it was, with the reason.
-WITH_ADD = {("non_reentrant", False): 2, ("reentrant", False): 2, ("checkpoint_wrapper", False): 2,
-            ("non_reentrant", True): 4, ("reentrant", True): 2, ("checkpoint_wrapper", True): 4}
+# optimize's options for: no cross-block pairs; the default (a checkpointed block gets the
+# sum, the final norm the last block's pair); pairs into checkpointed blocks too
+MODES = {"off": {"cross_block": False}, "default": {}, "cross_checkpoints": {"cross_checkpoints": True}}
+
+# add-fed sites fused with their add: inside each block the add before norm2; by default also
+# the final norm (the last block's pair), with cross_checkpoints also each block's first norm.
+# A reentrant checkpoint in the owner's loop would hide a pair from autograd: that stream
+# stays as it was, with the reason.
+WITH_ADD = {"non_reentrant": {"off": 2, "default": 3, "cross_checkpoints": 4},
+            "reentrant": {"off": 2, "default": 2, "cross_checkpoints": 2},
+            "checkpoint_wrapper": {"off": 2, "default": 3, "cross_checkpoints": 4}}
 
 
-@pytest.mark.parametrize("cross_block", [False, True])
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("wrap", ["non_reentrant", "reentrant", "checkpoint_wrapper"])
-def test_checkpointed_blocks_are_entered_and_fused(wrap, cross_block):
+def test_checkpointed_blocks_are_entered_and_fused(wrap, mode):
     model = checkpointed_stack(wrap)
     ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
-    normfuse.optimize(model, cross_block=cross_block)
+    normfuse.optimize(model, **MODES[mode])
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no fallback anywhere
         out, grads = _train_step(model, IDS)
@@ -102,8 +107,8 @@ def test_checkpointed_blocks_are_entered_and_fused(wrap, cross_block):
     counts = rep.counts()
     # 2 norms per block and the final norm: all found and fused
     assert counts["sites"] == 5 and counts["fused"] == 5
-    assert counts["fused_with_add"] == WITH_ADD[wrap, cross_block], str(rep)
-    if cross_block:
+    assert counts["fused_with_add"] == WITH_ADD[wrap][mode], str(rep)
+    if mode != "off":
         [note] = [n for n in rep.notes if n.startswith("cross-block")]
         assert ("left as it was" in note) == (wrap == "reentrant"), note
     assert [r.op for r in rep.regions] == ["tag_activation_checkpoint"] * 2
@@ -124,15 +129,15 @@ _NO_DROPOUT = {"bert": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_pro
 # llama-, Gemma- (decomposed ``1 + w`` RMSNorm), OPT- (Pre-Norm LayerNorm modules) and
 # BERT-style (Post-Norm) families
 @pytest.mark.parametrize("family", ["llama", "gemma", "opt", "bert"])
-@pytest.mark.parametrize("cross_block", [False, True])
-def test_hf_gradient_checkpointing(family, cross_block):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_hf_gradient_checkpointing(family, mode):
     no_dropout = _NO_DROPOUT.get(family, {})
     model = hf_model(family, **no_dropout)
     model.gradient_checkpointing_enable()
     model.train()  # HF checkpoints only in training mode
     inputs = example_inputs(model)
     ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
-    normfuse.optimize(model, cross_block=cross_block)
+    normfuse.optimize(model, **MODES[mode])
     out = model(**inputs).last_hidden_state
     ref_out = ref(**inputs).last_hidden_state
     out.sum().backward()
@@ -143,10 +148,11 @@ def test_hf_gradient_checkpointing(family, cross_block):
     assert len(rep.regions) == 2 and all(r.op == "tag_activation_checkpoint" for r in rep.regions)
     if family != "bert":
         # every norm of the 2 layers and the final norm, each fed by an add but the first; the
-        # add inside each layer fused, and with cross_block also the adds between the layers
-        # (their pair crosses each checkpointed layer as two tensors)
+        # add inside each layer fused, by default also the last layer's add into the final
+        # norm, and with cross_checkpoints the add between the layers (its pair crosses the
+        # checkpointed layer as two tensors)
         assert counts["sites"] == 5 and counts["fused"] == 5
-        assert counts["fused_with_add"] == (4 if cross_block else 2), str(rep)
+        assert counts["fused_with_add"] == {"off": 2, "default": 3, "cross_checkpoints": 4}[mode], str(rep)
     else:
         # 2 Post-Norm sites per layer, each with its add, as without checkpointing; the
         # embedding norm is fused alone (its position add broadcasts over the batch)
@@ -233,14 +239,43 @@ def test_pass_on_a_bare_graph_rewrites_it_in_place():
         NormFusionPass()(functools.partial(print))
 
 
+@pytest.mark.parametrize("cross_checkpoints", [False, True])
 @pytest.mark.parametrize("family", ["llama", "opt"])
-def test_check_proves_hf_checkpointed_layers_with_the_pairs_between_them(family):
+def test_check_proves_hf_checkpointed_layers_with_the_pairs_between_them(family, cross_checkpoints):
     model = hf_model(family, **_NO_DROPOUT.get(family, {}))
     model.gradient_checkpointing_enable()
     model.train()
-    result = normfuse.check(model, **example_inputs(model))
+    optimized = normfuse.optimize(copy.deepcopy(model), cross_checkpoints=cross_checkpoints)
+    result = normfuse.check(model, optimized=optimized, **example_inputs(model))
     assert result.ok, str(result)
-    # the 5 sites, the 2 whose add came in from the layer before included, each proved
+    # the 5 sites, those whose add came in from the layer before included, each proved
     assert len(result.sites) == 5 and all(s.symbolic.status == "proved" for s in result.sites)
-    assert sum(s.op == "add_norm" for s in result.sites) == 4
+    assert sum(s.op == "add_norm" for s in result.sites) == (4 if cross_checkpoints else 3)
     assert any("equals the original bit for bit" in note for note in result.notes), result.notes
+
+
+def test_checkpoints_keep_the_sum_unless_pairs_are_asked_into_them():
+    """A checkpoint keeps its block's inputs for the recompute: by default the checkpointed
+    layers get the sum (one tensor, as in eager), so the forward keeps no more than eager's."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_memory import SavedBytes  # the meter benchmarks/bench_checkpoint.py reports with
+
+    def saved(model, inputs):
+        with SavedBytes(exclude=list(model.parameters())) as meter:
+            out = model(**inputs).last_hidden_state
+        out.sum().backward()
+        return meter.bytes
+
+    eager = hf_model("llama", num_hidden_layers=4)
+    eager.gradient_checkpointing_enable()
+    eager.train()
+    inputs = example_inputs(eager, seq=32)
+    default = normfuse.optimize(copy.deepcopy(eager))
+    crossing = normfuse.optimize(copy.deepcopy(eager), cross_checkpoints=True)
+    sizes = {name: saved(m, inputs) for name, m in [("eager", eager), ("default", default), ("crossing", crossing)]}
+    one = 2 * 32 * eager.config.hidden_size * 4  # one hidden-sized fp32 activation
+    assert sizes["default"] <= sizes["eager"], sizes
+    # pairs into the 3 checkpointed layers after the first: one more activation kept by each
+    assert sizes["crossing"] - sizes["default"] >= 3 * one, sizes

@@ -45,7 +45,7 @@ import json
 import operator
 import sys
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -53,10 +53,12 @@ import torch.nn as nn
 
 from normfuse.passes.prenorm_model import block_lists, is_norm_module
 
-__all__ = ["ResidualPair", "StreamRewrite", "rewrite_streams", "rewritten_streams", "undo_streams"]
+__all__ = ["ResidualPair", "StreamRewrite", "crosses_checkpoints", "rewrite_streams", "rewritten_streams",
+           "undo_streams"]
 
 _MARK = "_normfuse_stream"            # on the owner of a rewritten stream
 _ELEMENT = "_normfuse_stream_element"  # on each of its list elements
+_INDEX = "_normfuse_stream_index"      # and its place in the list
 _RECOMPUTED = "_normfuse_recomputed"  # on a block whose forward a checkpoint may run twice
 _HIDDEN, _RESIDUAL, _COMBINE, _SUM_OUT = "nf_hidden", "nf_residual", "nf_combine", "nf_sum_out"
 
@@ -110,9 +112,11 @@ class _Stream:
     """One rewritten stream; its owner and its list elements hold the same object."""
 
     final_norm: str
+    elements: list = field(default_factory=list)  # the list's elements, in order
     hooks: tuple = ()            # ids of the owner's two hooks and the final norm's pre-hook
     checkpointed: bool = False   # the owner's loop calls the blocks through checkpoint(...)
     transformers: bool = False   # the blocks are transformers layers (see _outputs_recorded)
+    cross_checkpoints: bool = False  # hand pairs into checkpointed blocks too
     running: int = 0             # > 0 while the owner's forward runs
 
 
@@ -159,6 +163,36 @@ def _combine(hidden: torch.Tensor, residual: Optional[torch.Tensor], combine: Op
     return combine(hidden, residual)
 
 
+def _keeps_inputs(element: nn.Module, stream: _Stream) -> bool:
+    """Whether the element runs its block under a checkpoint now, which keeps the block's
+    inputs for the recompute: a pair would be kept as two tensors where the sum is one."""
+    return torch.is_grad_enabled() and _checkpoints_block(element, stream, now=True)
+
+
+def _checkpoints_block(element: nn.Module, stream: _Stream, now: bool = False) -> bool:
+    """Whether the element runs its block under a checkpoint when grad is on (``now``: and
+    in the block's current mode; transformers checkpoints in training mode only)."""
+    if stream.checkpointed:
+        return True
+    module = element
+    while module is not None:  # checkpoint_wrapper anywhere in the wrappers
+        if isinstance(getattr(module, "_checkpoint_wrapped_module", None), nn.Module):
+            return True
+        module = getattr(module, "_orig_mod", None) or getattr(module, "_checkpoint_wrapped_module", None)
+    block = _inner_block(element)  # transformers' GradientCheckpointingLayer
+    return bool(getattr(block, "gradient_checkpointing", False)) and (block.training or not now)
+
+
+def _hands_pair(element: nn.Module, stream: _Stream) -> bool:
+    """Whether the element hands its block's pair on, in its owner's loop: not into a block
+    that keeps its inputs for a recompute, unless asked (cross_checkpoints); the last block's
+    pair goes to the final norm."""
+    index = element.__dict__[_INDEX]
+    if index + 1 >= len(stream.elements) or stream.cross_checkpoints:
+        return True
+    return not _keeps_inputs(stream.elements[index + 1], stream)
+
+
 class _StreamElement:
     """Mixin of the stream's list elements: a pair enters as three positional arguments, and
     a fourth says whether the block returns the sum (see _in_stream, _outputs_recorded)."""
@@ -170,7 +204,8 @@ class _StreamElement:
             hidden = kwargs.pop(type(_inner_block(self)).forward.nf_stream_arg)
         stream = self.__dict__[_ELEMENT]
         in_stream = _in_stream(stream, hidden)
-        sum_out = not in_stream or (stream.transformers and _recorder_hooked(self) and _outputs_recorded())
+        sum_out = (not in_stream or not _hands_pair(self, stream)
+                   or (stream.transformers and _recorder_hooked(self) and _outputs_recorded()))
         pair = _as_pair(hidden)
         out = super().__call__(pair.hidden, pair.residual, pair.combine, sum_out, *args, **kwargs)
         return _as_pair(out) if in_stream else out
@@ -538,12 +573,19 @@ class StreamRewrite:
     blocks: int = 0
     final_norm: str | None = None
     reason: str | None = None     # why the stream was left as it was
+    checkpointed: bool = False    # the blocks run under checkpoints (as the rewrite found them)
+    cross_checkpoints: bool = False
 
     @property
     def applied(self) -> bool:
         return self.reason is None
 
     def describe(self) -> str:
+        if self.applied and self.checkpointed and not self.cross_checkpoints:
+            return (f"cross-block: {self.fqn}: the last of {self.blocks} checkpointed blocks hands the residual pair "
+                    f"to {self.final_norm}; the others hand on the sum, which their checkpoints keep as one tensor "
+                    f"(cross_checkpoints=True hands pairs into them too: every add fused, one more activation "
+                    f"per block kept)")
         if self.applied:
             return (f"cross-block: {self.fqn}: {self.blocks} blocks hand the residual pair to the next block "
                     f"and the last to {self.final_norm}")
@@ -576,10 +618,11 @@ def _check_output_hooks(element: nn.Module, fqn: str) -> None:
                              f"which would be the un-added pair")
 
 
-def rewrite_streams(model: nn.Module) -> list[StreamRewrite]:
+def rewrite_streams(model: nn.Module, cross_checkpoints: bool = False) -> list[StreamRewrite]:
     """Rewrite every Pre-Norm block stream of ``model`` to carry the residual pair across
     block boundaries (see the module docstring). Streams that do not fit are left as they
-    were, with the reason. Idempotent."""
+    were, with the reason. Idempotent; a second call sets ``cross_checkpoints`` (hand pairs
+    into checkpointed blocks too, see _hands_pair)."""
     results = []
     owner_of = {name: mod for name, mod in model.named_modules()}
     for fqn in block_lists(model):
@@ -588,7 +631,11 @@ def rewrite_streams(model: nn.Module) -> list[StreamRewrite]:
         parent_fqn, _, attr = fqn.rpartition(".")
         owner = owner_of.get(parent_fqn, model) if fqn else model
         if getattr(owner, _MARK, None):
-            result.blocks, result.final_norm = len(owner.get_submodule(attr)), owner.__dict__[_MARK].final_norm
+            stream = owner.__dict__[_MARK]
+            stream.cross_checkpoints = cross_checkpoints
+            result.blocks, result.final_norm = len(stream.elements), stream.final_norm
+            result.checkpointed = any(_checkpoints_block(e, stream) for e in stream.elements)
+            result.cross_checkpoints = cross_checkpoints
             continue
         try:
             if not fqn:
@@ -604,15 +651,16 @@ def rewrite_streams(model: nn.Module) -> list[StreamRewrite]:
         except Exception as error:  # noqa: BLE001 - reading unusual source must not break the model
             result.reason = f"not analysed ({type(error).__name__}: {error})"
             continue
-        stream = _Stream(loop.final_norm, checkpointed=loop.checkpointed,
-                         transformers=_base_class(_inner_block(elements[0])).__module__.startswith("transformers."))
-        for element in elements:
+        stream = _Stream(loop.final_norm, elements, checkpointed=loop.checkpointed,
+                         transformers=_base_class(_inner_block(elements[0])).__module__.startswith("transformers."),
+                         cross_checkpoints=cross_checkpoints)
+        for index, element in enumerate(elements):
             inner = _inner_block(element)
             _swap_class(inner, forward="pair")
             if loop.checkpointed or hasattr(element, "_checkpoint_wrapped_module"):
                 inner.__dict__[_RECOMPUTED] = True
             _swap_class(element, _StreamElement)
-            element.__dict__[_ELEMENT] = stream
+            element.__dict__[_ELEMENT], element.__dict__[_INDEX] = stream, index
         norm = getattr(owner, loop.final_norm)
         try:
             _swap_class(norm, forward="entry_add")
@@ -624,12 +672,19 @@ def rewrite_streams(model: nn.Module) -> list[StreamRewrite]:
                         owner.register_forward_hook(_leave_owner, always_call=True).id)
         object.__setattr__(owner, _MARK, stream)
         result.blocks, result.final_norm = len(elements), f"{parent_fqn + '.' if parent_fqn else ''}{loop.final_norm}"
+        result.checkpointed = any(_checkpoints_block(e, stream) for e in elements)
+        result.cross_checkpoints = cross_checkpoints
     return results
 
 
 def rewritten_streams(model: nn.Module) -> list[str]:
     """The owners of ``model``'s rewritten streams, by module path."""
     return [fqn for fqn, module in model.named_modules() if _MARK in module.__dict__]
+
+
+def crosses_checkpoints(model: nn.Module) -> bool:
+    """Whether a rewritten stream of ``model`` hands pairs into checkpointed blocks."""
+    return any(_MARK in m.__dict__ and m.__dict__[_MARK].cross_checkpoints for m in model.modules())
 
 
 def undo_streams(model: nn.Module, owners: Optional[list[str]] = None) -> None:
@@ -651,6 +706,7 @@ def undo_streams(model: nn.Module, owners: Optional[list[str]] = None) -> None:
         _unswap_class(norm)
         for element in owner.get_submodule(attr):
             element.__dict__.pop(_ELEMENT, None)
+            element.__dict__.pop(_INDEX, None)
             _inner_block(element).__dict__.pop(_RECOMPUTED, None)
             _unswap_class(_inner_block(element))
             _unswap_class(element)

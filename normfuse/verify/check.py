@@ -473,12 +473,12 @@ def check(model: nn.Module, *example_args: Any, optimized: nn.Module | None = No
 def _regrouped_copy(model: nn.Module, optimized: nn.Module) -> nn.Module | None:
     """A copy of ``model`` with the streams that ``optimized`` carries across blocks regrouped
     the same way (normfuse.passes.boundary), or None when it carries none."""
-    from normfuse.passes.boundary import rewrite_streams, rewritten_streams
+    from normfuse.passes.boundary import crosses_checkpoints, rewrite_streams, rewritten_streams
 
     if not rewritten_streams(optimized):
         return None
     regrouped = model_copy(model)
-    rewrite_streams(regrouped)
+    rewrite_streams(regrouped, crosses_checkpoints(optimized))
     return regrouped
 
 
