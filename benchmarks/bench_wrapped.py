@@ -1,7 +1,8 @@
 """Coverage: norm sites fused under the ways large models wrap their blocks (one process).
 
 For each setting, with the residual pair carried across block boundaries (``cross_block``,
-the default) and without: the norm calls of one eager forward and how many of them read an
+the default: into a checkpointed block only the sum goes, and the last block's pair to the
+final norm), with pairs into checkpointed blocks too (``cross_checkpoints``) and without: the norm calls of one eager forward and how many of them read an
 add (tests/zoo/count.py, which knows nothing of normfuse), the sites the pass found and
 fused, and how many it fused with their add. Each optimized model's output is compared
 with the unoptimized copy's (the largest absolute difference is in the table). FSDP2 and
@@ -83,18 +84,21 @@ def _output(out) -> torch.Tensor:
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out
 
 
-def _row(setting: str, make, cross_block: bool) -> dict:
+MODES = {"off": {"cross_block": False}, "default": {}, "cross_checkpoints": {"cross_checkpoints": True}}
+
+
+def _row(setting: str, make, mode: str) -> dict:
     reset_dynamo()
     model = make().train()
     inputs = model.inputs()
     reference = copy.deepcopy(model)
-    normfuse.optimize(model, cross_block=cross_block)
+    normfuse.optimize(model, **MODES[mode])
     out = _output(model(**inputs))
     out.float().square().mean().backward()
     diff = (out - _output(reference(**inputs))).abs().max().item()
     counts = normfuse.report(model).counts()
     eager = count_eager(reference, (), inputs)
-    return {"setting": setting, "cross_block": cross_block, "norm_calls": eager.norms,
+    return {"setting": setting, "mode": mode, "norm_calls": eager.norms,
             "add_fed_calls": eager.input_is_add, "sites": counts["sites"], "fused": counts["fused"],
             "fused_with_add": counts["fused_with_add"], "max_abs_diff": diff}
 
@@ -109,7 +113,7 @@ def main(argv=None) -> dict:
     ]
     families = ["llama"] if args.toy else ["llama", "gemma", "opt", "bert"]
     settings += [(f"HF {f}, gradient_checkpointing_enable()", lambda f=f: _hf(f, depth)) for f in families]
-    rows = [_row(name, make, cross_block) for name, make in settings for cross_block in (False, True)]
+    rows = [_row(name, make, mode) for name, make in settings for mode in MODES]
     write_csv(args.out / "wrapped.csv", rows)
     write_json(args.out / "wrapped.json", {"machine": machine(), "rows": rows})
     print(markdown_table(rows))

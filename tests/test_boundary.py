@@ -149,9 +149,36 @@ class _ReentrantLoop(_CheckpointedStack):
         return self.head(self.norm(x))
 
 
+def _my_checkpoint(block, x):
+    return block(x)
+
+
+class _UnknownWrapperLoop(_CheckpointedStack):
+    def forward(self, ids):
+        x = self.tok(ids)
+        for block in self.blocks:
+            x = _my_checkpoint(block, x)
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("cross_checkpoints", [False, True])
+def test_reentrant_checkpoint_in_the_loop_gets_the_sum_and_the_final_norm_the_pair(cross_checkpoints):
+    original = _ReentrantLoop(True)
+    model = copy.deepcopy(original)
+    [result] = rewrite_streams(model, cross_checkpoints)
+    assert result.applied and "reentrant checkpoint would hide a pair" in result.describe()
+    seen = []  # whether each block gets a residual (a pair) and is asked for the sum
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda module, args: seen.append((args[1] is not None, args[3])))
+    _assert_identical(_run(original, IDS), _run(model, IDS))
+    # forward, then the reentrant recompute of each block in backward (last block first): the same calls
+    forward = [(False, True), (False, True), (False, False)]
+    assert seen == forward + forward[::-1]
+
+
 @pytest.mark.parametrize("model,reason", [
     (_HiddenStatesCollector(), "reads `x` other than to call the next block"),
-    (_ReentrantLoop(True), "only use_reentrant=False checkpointing passes it through"),
+    (_UnknownWrapperLoop(True), "only checkpointing with a literal use_reentrant passes it"),
     (ToyTransformer(final_norm=False), "does not go straight into a norm module"),
 ])
 def test_streams_that_do_not_fit_are_left_with_the_reason(model, reason):

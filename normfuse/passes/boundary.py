@@ -21,7 +21,7 @@ How, generically:
   conversion's rule, ``prenorm_model.block_lists``);
 - the owner's forward (read from its source) must pass the stream value only from
   block to block, then straight into a norm module: ``x = block(x, ...)`` or
-  ``x = checkpoint(block, x, ..., use_reentrant=False)`` in the loop, ``self.norm(x)``
+  ``x = checkpoint(block, x, ..., use_reentrant=False)`` (or ``True``) in the loop, ``self.norm(x)``
   next; anything else that reads the value between blocks leaves the stream as it was;
 - each block's forward (read from its source) must end by returning a two-operand add:
   ``return a + b``, ``return torch.add(a, b)``, ``h = a + b; return h``, or a call of a
@@ -115,6 +115,7 @@ class _Stream:
     elements: list = field(default_factory=list)  # the list's elements, in order
     hooks: tuple = ()            # ids of the owner's two hooks and the final norm's pre-hook
     checkpointed: bool = False   # the owner's loop calls the blocks through checkpoint(...)
+    reentrant: bool = False      # ... with use_reentrant=True: only the sum goes into a block
     transformers: bool = False   # the blocks are transformers layers (see _outputs_recorded)
     cross_checkpoints: bool = False  # hand pairs into checkpointed blocks too
     running: int = 0             # > 0 while the owner's forward runs
@@ -165,7 +166,11 @@ def _combine(hidden: torch.Tensor, residual: Optional[torch.Tensor], combine: Op
 
 def _keeps_inputs(element: nn.Module, stream: _Stream) -> bool:
     """Whether the element runs its block under a checkpoint now, which keeps the block's
-    inputs for the recompute: a pair would be kept as two tensors where the sum is one."""
+    inputs for the recompute: a pair would be kept as two tensors where the sum is one.
+    (A checkpoint in the owner's loop decides alike in the forward, which a reentrant one
+    runs without grad, and in the recompute.)"""
+    if stream.checkpointed:
+        return True
     return torch.is_grad_enabled() and _checkpoints_block(element, stream, now=True)
 
 
@@ -188,9 +193,11 @@ def _hands_pair(element: nn.Module, stream: _Stream) -> bool:
     that keeps its inputs for a recompute, unless asked (cross_checkpoints); the last block's
     pair goes to the final norm."""
     index = element.__dict__[_INDEX]
-    if index + 1 >= len(stream.elements) or stream.cross_checkpoints:
+    if index + 1 >= len(stream.elements):
         return True
-    return not _keeps_inputs(stream.elements[index + 1], stream)
+    if stream.reentrant:  # a reentrant checkpoint's autograd sees only tensor arguments
+        return False
+    return stream.cross_checkpoints or not _keeps_inputs(stream.elements[index + 1], stream)
 
 
 class _StreamElement:
@@ -208,7 +215,7 @@ class _StreamElement:
                    or (stream.transformers and _recorder_hooked(self) and _outputs_recorded()))
         pair = _as_pair(hidden)
         out = super().__call__(pair.hidden, pair.residual, pair.combine, sum_out, *args, **kwargs)
-        return _as_pair(out) if in_stream else out
+        return out if sum_out else _as_pair(out)  # a sum goes on as the tensor it is
 
 
 def _add_pair_first(module: nn.Module, args: tuple):
@@ -319,6 +326,7 @@ class _Loop:
     list_attr: str       # self.<list_attr> is the block list
     final_norm: str      # self.<final_norm>(stream) follows the loop
     checkpointed: bool   # the loop calls the blocks through checkpoint(...)
+    reentrant: bool      # with use_reentrant=True: a pair going in would be hidden from autograd
 
 
 def _loop_block(loop: ast.For, list_attr: str) -> str | None:
@@ -347,18 +355,18 @@ def _analyze_owner(owner: nn.Module, list_attr: str) -> _Loop:
     block_var = _loop_block(loop, list_attr)
     calls = [s for s in loop.body if isinstance(s, ast.Assign) and len(s.targets) == 1
              and isinstance(s.targets[0], ast.Name) and isinstance(s.value, ast.Call)]
-    stream, checkpointed = None, False
+    stream, checkpointed, reentrant = None, False, False
     for stmt in calls:
         call, target = stmt.value, stmt.targets[0].id
         if _is_name(call.func, block_var) and call.args and _is_name(call.args[0], target):
             stream = target
         elif (call.args and len(call.args) >= 2 and _is_name(call.args[0], block_var)
               and _is_name(call.args[1], target)):  # checkpoint(block, x, ...)
-            reentrant = [k for k in call.keywords if k.arg == "use_reentrant"]
-            if not (reentrant and isinstance(reentrant[0].value, ast.Constant) and reentrant[0].value.value is False):
+            flag = [k.value.value for k in call.keywords if k.arg == "use_reentrant" and isinstance(k.value, ast.Constant)]
+            if flag not in ([False], [True]):
                 raise NotFit(f"the blocks are called through a function that may hide a pair from autograd "
-                             f"({_where(raw, stmt)}): only use_reentrant=False checkpointing passes it through")
-            stream, checkpointed = target, True
+                             f"({_where(raw, stmt)}): only checkpointing with a literal use_reentrant passes it")
+            stream, checkpointed, reentrant = target, True, flag == [True]
     if stream is None:
         raise NotFit(f"no `x = block(x, ...)` statement in the loop over self.{list_attr} ({_where(raw, loop)})")
     reads = [n for n in ast.walk(loop) if _is_name(n, stream) and isinstance(n.ctx, ast.Load)]
@@ -374,7 +382,7 @@ def _analyze_owner(owner: nn.Module, list_attr: str) -> _Loop:
     if norm is None or not is_norm_module(getattr(owner, norm, None) or nn.Identity()):
         raise NotFit(f"after the loop over self.{list_attr}, `{stream}` does not go straight into a norm module "
                      f"({_where(raw, first or loop)})")
-    return _Loop(stream, list_attr, norm, checkpointed)
+    return _Loop(stream, list_attr, norm, checkpointed, reentrant)
 
 
 def _bodies(fn_node: ast.FunctionDef):
@@ -575,12 +583,17 @@ class StreamRewrite:
     reason: str | None = None     # why the stream was left as it was
     checkpointed: bool = False    # the blocks run under checkpoints (as the rewrite found them)
     cross_checkpoints: bool = False
+    reentrant: bool = False       # ... reentrant ones, in the owner's loop
 
     @property
     def applied(self) -> bool:
         return self.reason is None
 
     def describe(self) -> str:
+        if self.applied and self.reentrant:
+            return (f"cross-block: {self.fqn}: the last of {self.blocks} checkpointed blocks hands the residual pair "
+                    f"to {self.final_norm}; the others hand on the sum (a reentrant checkpoint would hide a pair "
+                    f"from autograd)")
         if self.applied and self.checkpointed and not self.cross_checkpoints:
             return (f"cross-block: {self.fqn}: the last of {self.blocks} checkpointed blocks hands the residual pair "
                     f"to {self.final_norm}; the others hand on the sum, which their checkpoints keep as one tensor "
@@ -635,7 +648,7 @@ def rewrite_streams(model: nn.Module, cross_checkpoints: bool = False) -> list[S
             stream.cross_checkpoints = cross_checkpoints
             result.blocks, result.final_norm = len(stream.elements), stream.final_norm
             result.checkpointed = any(_checkpoints_block(e, stream) for e in stream.elements)
-            result.cross_checkpoints = cross_checkpoints
+            result.cross_checkpoints, result.reentrant = cross_checkpoints, stream.reentrant
             continue
         try:
             if not fqn:
@@ -651,7 +664,7 @@ def rewrite_streams(model: nn.Module, cross_checkpoints: bool = False) -> list[S
         except Exception as error:  # noqa: BLE001 - reading unusual source must not break the model
             result.reason = f"not analysed ({type(error).__name__}: {error})"
             continue
-        stream = _Stream(loop.final_norm, elements, checkpointed=loop.checkpointed,
+        stream = _Stream(loop.final_norm, elements, checkpointed=loop.checkpointed, reentrant=loop.reentrant,
                          transformers=_base_class(_inner_block(elements[0])).__module__.startswith("transformers."),
                          cross_checkpoints=cross_checkpoints)
         for index, element in enumerate(elements):
@@ -673,7 +686,7 @@ def rewrite_streams(model: nn.Module, cross_checkpoints: bool = False) -> list[S
         object.__setattr__(owner, _MARK, stream)
         result.blocks, result.final_norm = len(elements), f"{parent_fqn + '.' if parent_fqn else ''}{loop.final_norm}"
         result.checkpointed = any(_checkpoints_block(e, stream) for e in elements)
-        result.cross_checkpoints = cross_checkpoints
+        result.cross_checkpoints, result.reentrant = cross_checkpoints, stream.reentrant
     return results
 
 
