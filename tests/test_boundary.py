@@ -357,3 +357,19 @@ def test_hf_owner_with_a_graph_break_before_the_loop_keeps_the_loop_in_one_graph
     counts = rep.counts()
     assert counts["sites"] == 5 and counts["fused_with_add"] == 4, str(rep)
     assert {s.graph for s in rep.sites} == {1}  # the loop and the final norm: one graph
+
+
+def test_hf_hidden_states_asked_after_the_model_was_captured_without_them():
+    # the first call captures graphs with no recorder hook installed (pairs cross the layers);
+    # asking for hidden states installs the hooks: the layers must then return the added stream
+    original = hf_model("llama", num_hidden_layers=3)
+    model = normfuse.optimize(copy.deepcopy(original))
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    first = model(input_ids=ids).last_hidden_state
+    got = model(input_ids=ids, output_hidden_states=True).hidden_states
+    want = original(input_ids=ids, output_hidden_states=True).hidden_states
+    assert len(got) == len(want) == 4
+    for a, b in zip(got, want):
+        assert isinstance(a, torch.Tensor)
+        assert_close(a, b)
+    assert torch.equal(model(input_ids=ids).last_hidden_state, first)

@@ -58,7 +58,7 @@ __all__ = ["ResidualPair", "StreamRewrite", "crosses_checkpoints", "rewrite_stre
 
 _MARK = "_normfuse_stream"            # on the owner of a rewritten stream
 _ELEMENT = "_normfuse_stream_element"  # on each of its list elements
-_INDEX = "_normfuse_stream_index"      # and its place in the list
+_NEXT = "_normfuse_stream_next"        # and the next element (None for the last)
 _RECOMPUTED = "_normfuse_recomputed"  # on a block whose forward a checkpoint may run twice
 _HIDDEN, _RESIDUAL, _COMBINE, _SUM_OUT = "nf_hidden", "nf_residual", "nf_combine", "nf_sum_out"
 
@@ -171,7 +171,7 @@ def _keeps_inputs(element: nn.Module, stream: _Stream) -> bool:
     runs without grad, and in the recompute.)"""
     if stream.checkpointed:
         return True
-    return torch.is_grad_enabled() and _checkpoints_block(element, stream, now=True)
+    return _checkpoints_block(element, stream, now=True) and torch.is_grad_enabled()
 
 
 def _checkpoints_block(element: nn.Module, stream: _Stream, now: bool = False) -> bool:
@@ -179,25 +179,27 @@ def _checkpoints_block(element: nn.Module, stream: _Stream, now: bool = False) -
     in the block's current mode; transformers checkpoints in training mode only)."""
     if stream.checkpointed:
         return True
+    # plain dictionary reads: this runs inside traced frames, where a getattr that raises
+    # (nn.Module.__getattr__) costs dynamo a graph
     module = element
     while module is not None:  # checkpoint_wrapper anywhere in the wrappers
-        if isinstance(getattr(module, "_checkpoint_wrapped_module", None), nn.Module):
+        if "_checkpoint_wrapped_module" in module._modules:
             return True
-        module = getattr(module, "_orig_mod", None) or getattr(module, "_checkpoint_wrapped_module", None)
+        module = module._modules.get("_orig_mod")
     block = _inner_block(element)  # transformers' GradientCheckpointingLayer
-    return bool(getattr(block, "gradient_checkpointing", False)) and (block.training or not now)
+    return bool(block.__dict__.get("gradient_checkpointing", False)) and (block.training or not now)
 
 
 def _hands_pair(element: nn.Module, stream: _Stream) -> bool:
     """Whether the element hands its block's pair on, in its owner's loop: not into a block
     that keeps its inputs for a recompute, unless asked (cross_checkpoints); the last block's
     pair goes to the final norm."""
-    index = element.__dict__[_INDEX]
-    if index + 1 >= len(stream.elements):
+    receiver = element.__dict__[_NEXT]  # (a module, not an index: dynamo would make an int dynamic)
+    if receiver is None:
         return True
     if stream.reentrant:  # a reentrant checkpoint's autograd sees only tensor arguments
         return False
-    return stream.cross_checkpoints or not _keeps_inputs(stream.elements[index + 1], stream)
+    return stream.cross_checkpoints or not _keeps_inputs(receiver, stream)
 
 
 class _StreamElement:
@@ -607,12 +609,11 @@ class StreamRewrite:
 
 def _inner_block(element: nn.Module) -> nn.Module:
     """The block under its wrappers (torch.compile's OptimizedModule, checkpoint_wrapper)."""
-    seen = element
-    for attr in ("_orig_mod", "_checkpoint_wrapped_module"):
-        inner = getattr(seen, attr, None)
-        if isinstance(inner, nn.Module):
+    for attr in ("_orig_mod", "_checkpoint_wrapped_module"):  # submodules of the wrapper
+        inner = element._modules.get(attr)
+        if inner is not None:
             return _inner_block(inner)
-    return seen
+    return element
 
 
 # Forward hooks known to take a pair as the block's output: FSDP2's post-forward (it only
@@ -673,7 +674,8 @@ def rewrite_streams(model: nn.Module, cross_checkpoints: bool = False) -> list[S
             if loop.checkpointed or hasattr(element, "_checkpoint_wrapped_module"):
                 inner.__dict__[_RECOMPUTED] = True
             _swap_class(element, _StreamElement)
-            element.__dict__[_ELEMENT], element.__dict__[_INDEX] = stream, index
+            element.__dict__[_ELEMENT] = stream
+            element.__dict__[_NEXT] = elements[index + 1] if index + 1 < len(elements) else None
         norm = getattr(owner, loop.final_norm)
         try:
             _swap_class(norm, forward="entry_add")
@@ -719,7 +721,7 @@ def undo_streams(model: nn.Module, owners: Optional[list[str]] = None) -> None:
         _unswap_class(norm)
         for element in owner.get_submodule(attr):
             element.__dict__.pop(_ELEMENT, None)
-            element.__dict__.pop(_INDEX, None)
+            element.__dict__.pop(_NEXT, None)
             _inner_block(element).__dict__.pop(_RECOMPUTED, None)
             _unswap_class(_inner_block(element))
             _unswap_class(element)
