@@ -373,3 +373,15 @@ def test_hf_hidden_states_asked_after_the_model_was_captured_without_them():
         assert isinstance(a, torch.Tensor)
         assert_close(a, b)
     assert torch.equal(model(input_ids=ids).last_hidden_state, first)
+
+
+def test_a_deep_rewritten_stack_deep_copies_and_pickles():
+    # what a block needs of the next one lives in the stream, not in each block: no chain of
+    # references that deepcopy or pickle would follow block after block, past the recursion limit
+    import io
+    model = ToyTransformer(placement="pre", kind="rms_norm", spelling="llama", hidden=8, depth=400)
+    rewrite_streams(model)
+    copied = copy.deepcopy(model)
+    stream = copied.blocks[3].__dict__["_normfuse_stream_element"]
+    assert stream.receivers["2"] is copied.blocks[3] and stream.receivers["399"] is None
+    torch.save(model, io.BytesIO())

@@ -58,7 +58,7 @@ __all__ = ["ResidualPair", "StreamRewrite", "crosses_checkpoints", "rewrite_stre
 
 _MARK = "_normfuse_stream"            # on the owner of a rewritten stream
 _ELEMENT = "_normfuse_stream_element"  # on each of its list elements
-_NEXT = "_normfuse_stream_next"        # and the next element (None for the last)
+_KEY = "_normfuse_stream_key"          # and its key in _Stream.receivers
 _RECOMPUTED = "_normfuse_recomputed"  # on a block whose forward a checkpoint may run twice
 _HIDDEN, _RESIDUAL, _COMBINE, _SUM_OUT = "nf_hidden", "nf_residual", "nf_combine", "nf_sum_out"
 
@@ -113,6 +113,7 @@ class _Stream:
 
     final_norm: str
     elements: list = field(default_factory=list)  # the list's elements, in order
+    receivers: dict = field(default_factory=dict)  # element key -> the next element (None: the final norm)
     hooks: tuple = ()            # ids of the owner's two hooks and the final norm's pre-hook
     checkpointed: bool = False   # the owner's loop calls the blocks through checkpoint(...)
     reentrant: bool = False      # ... with use_reentrant=True: only the sum goes into a block
@@ -194,7 +195,9 @@ def _hands_pair(element: nn.Module, stream: _Stream) -> bool:
     """Whether the element hands its block's pair on, in its owner's loop: not into a block
     that keeps its inputs for a recompute, unless asked (cross_checkpoints); the last block's
     pair goes to the final norm."""
-    receiver = element.__dict__[_NEXT]  # (a module, not an index: dynamo would make an int dynamic)
+    # by a string key: dynamo would make an int index dynamic (an empty graph per block under
+    # FSDP2), and a module held by each element would chain deepcopy's recursion block to block
+    receiver = stream.receivers[element.__dict__[_KEY]]
     if receiver is None:
         return True
     if stream.reentrant:  # a reentrant checkpoint's autograd sees only tensor arguments
@@ -674,8 +677,8 @@ def rewrite_streams(model: nn.Module, cross_checkpoints: bool = False) -> list[S
             if loop.checkpointed or hasattr(element, "_checkpoint_wrapped_module"):
                 inner.__dict__[_RECOMPUTED] = True
             _swap_class(element, _StreamElement)
-            element.__dict__[_ELEMENT] = stream
-            element.__dict__[_NEXT] = elements[index + 1] if index + 1 < len(elements) else None
+            element.__dict__[_ELEMENT], element.__dict__[_KEY] = stream, str(index)
+            stream.receivers[str(index)] = elements[index + 1] if index + 1 < len(elements) else None
         norm = getattr(owner, loop.final_norm)
         try:
             _swap_class(norm, forward="entry_add")
@@ -721,7 +724,7 @@ def undo_streams(model: nn.Module, owners: Optional[list[str]] = None) -> None:
         _unswap_class(norm)
         for element in owner.get_submodule(attr):
             element.__dict__.pop(_ELEMENT, None)
-            element.__dict__.pop(_NEXT, None)
+            element.__dict__.pop(_KEY, None)
             _inner_block(element).__dict__.pop(_RECOMPUTED, None)
             _unswap_class(_inner_block(element))
             _unswap_class(element)
