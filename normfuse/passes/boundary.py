@@ -170,9 +170,7 @@ def _keeps_inputs(element: nn.Module, stream: _Stream) -> bool:
     inputs for the recompute: a pair would be kept as two tensors where the sum is one.
     (A checkpoint in the owner's loop decides alike in the forward, which a reentrant one
     runs without grad, and in the recompute.)"""
-    if stream.checkpointed:
-        return True
-    return _checkpoints_block(element, stream, now=True) and torch.is_grad_enabled()
+    return _checkpoints_block(element, stream, now=True) and (stream.checkpointed or torch.is_grad_enabled())
 
 
 def _checkpoints_block(element: nn.Module, stream: _Stream, now: bool = False) -> bool:
