@@ -80,6 +80,7 @@ def run(rank, init_file):
                   f"{STEPS} steps in {seconds:.1f} s (first includes compiling); "
                   f"loss {losses[0].item():.4f} -> {losses[-1].item():.4f}, "
                   f"max |loss - one-process eager loss| {gap:.2e}")
+    dist.barrier()  # both ranks done communicating before either tears the group down
     dist.destroy_process_group()
 
 

@@ -31,7 +31,12 @@ def _rank_main(rank: int, init_file: str, out_dir: str, body, args: tuple) -> No
     import torch.distributed as dist
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-        torch.save(body(rank, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+        result = body(rank, *args)
+        # every rank's collectives done before any rank tears its group down: a rank that
+        # destroys the group while the other still communicates ends in gloo's C++ terminate
+        # ("terminate called without an active exception", no Python traceback)
+        dist.barrier()
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     except Exception:  # noqa: BLE001 - the parent reads this file and fails with it
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
@@ -55,7 +60,8 @@ def run_on_ranks(body, *args) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             mp.spawn(_rank_main, args=(os.path.join(tmp, "init"), tmp, body, args), nprocs=WORLD, join=True)
-        except Exception:
+        except Exception as error:  # a rank that dies without a Python error (a signal) writes no traceback
             errors = [open(os.path.join(tmp, f)).read() for f in os.listdir(tmp) if f.endswith(".err")]
-            raise AssertionError("a rank failed:\n" + ("\n".join(errors) or "no traceback written")) from None
+            raise AssertionError(f"a rank failed ({type(error).__name__}: {error}):\n"
+                                 + ("\n".join(errors) or "no traceback written")) from None
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
