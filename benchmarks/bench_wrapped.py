@@ -19,54 +19,10 @@ import warnings
 from common import machine, markdown_table, parse_args, reset_dynamo, write_csv, write_json
 
 import torch
-import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 import normfuse
 from normfuse import zoo
 from tests.zoo.count import count_eager
-
-
-class _Stack(nn.Module):
-    """``ToyTransformer``'s Pre-Norm blocks run by a loop of this class, one way per subclass."""
-
-    def __init__(self, depth: int):
-        super().__init__()
-        torch.manual_seed(0)
-        toy = zoo.ToyTransformer(placement="pre", kind="rms_norm", spelling="llama", hidden=32, depth=depth)
-        self.tok, self.blocks, self.final_norm, self.head = toy.tok, toy.blocks, toy.final_norm, toy.head
-
-    def inputs(self) -> dict:
-        return {"ids": torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))}
-
-
-class NonReentrant(_Stack):
-    def forward(self, ids):
-        x = self.tok(ids)
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
-        return self.head(self.final_norm(x))
-
-
-class Reentrant(_Stack):
-    def forward(self, ids):
-        x = self.tok(ids)
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=True)
-        return self.head(self.final_norm(x))
-
-
-class Wrapped(_Stack):
-    def __init__(self, depth: int):
-        super().__init__(depth)
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-        self.blocks = nn.ModuleList(checkpoint_wrapper(b) for b in self.blocks)
-
-    def forward(self, ids):
-        x = self.tok(ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.final_norm(x))
 
 
 def _hf(family: str, layers: int):
@@ -76,8 +32,12 @@ def _hf(family: str, layers: int):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_enable's new name
         model.gradient_checkpointing_enable()
-    model.inputs = lambda: zoo.example_inputs(model)
-    return model
+    return model, zoo.example_inputs(model)
+
+
+def _stack(wrap: str, depth: int):
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    return zoo.checkpointed_stack(wrap, depth=depth), {"ids": ids}
 
 
 def _output(out) -> torch.Tensor:
@@ -89,8 +49,8 @@ MODES = {"off": {"cross_block": False}, "default": {}, "cross_checkpoints": {"cr
 
 def _row(setting: str, make, mode: str) -> dict:
     reset_dynamo()
-    model = make().train()
-    inputs = model.inputs()
+    model, inputs = make()
+    model.train()
     reference = copy.deepcopy(model)
     normfuse.optimize(model, **MODES[mode])
     out = _output(model(**inputs))
@@ -107,9 +67,9 @@ def main(argv=None) -> dict:
     args = parse_args(__doc__.splitlines()[0], argv)
     depth = 2 if args.toy else 4
     settings = [
-        ("torch.utils.checkpoint(use_reentrant=False) in the loop", lambda: NonReentrant(depth)),
-        ("torch.utils.checkpoint(use_reentrant=True) in the loop", lambda: Reentrant(depth)),
-        ("checkpoint_wrapper per block", lambda: Wrapped(depth)),
+        ("torch.utils.checkpoint(use_reentrant=False) in the loop", lambda: _stack("non_reentrant", depth)),
+        ("torch.utils.checkpoint(use_reentrant=True) in the loop", lambda: _stack("reentrant", depth)),
+        ("checkpoint_wrapper per block", lambda: _stack("checkpoint_wrapper", depth)),
     ]
     families = ["llama"] if args.toy else ["llama", "gemma", "opt", "bert"]
     settings += [(f"HF {f}, gradient_checkpointing_enable()", lambda f=f: _hf(f, depth)) for f in families]

@@ -150,8 +150,8 @@ def _is_free(index, node: fx.Node) -> bool:
     if prim == "view":
         return True
     if prim == "dropout":  # identity in eval mode or at p = 0
-        c = index.canon(node)
-        return c["training"] is not True or not c["p"]
+        from normfuse.passes.find import identity_dropout
+        return identity_dropout(index.canon(node))
     if prim == "cast":
         src = index.canon(node)["input"]
         return node_dtype(src) == node_dtype(node)

@@ -15,9 +15,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 __all__ = ["ToyTransformer", "make_norm", "NORM_SPELLINGS", "PLACEMENTS", "ADD_ORDERS", "residual_add", "hf_config", "hf_model",
-           "example_inputs", "TINY_HF", "prepare_torchvision", "TitanLlama", "apply_titan_tp"]
+           "example_inputs", "TINY_HF", "prepare_torchvision", "TitanLlama", "apply_titan_tp",
+           "CheckpointedStack", "CHECKPOINT_WAYS", "checkpointed_stack"]
 
 PLACEMENTS = ("pre", "post", "res_post", "sandwich", "parallel", "deepnorm")
 
@@ -256,6 +258,60 @@ class ToyTransformer(nn.Module):
         if self.final_norm is not None:
             x = self.final_norm(x)
         return self.head(x)
+
+
+class CheckpointedStack(nn.Module):
+    """``ToyTransformer``'s Pre-Norm blocks run by this class's own loop under
+    ``torch.utils.checkpoint(..., use_reentrant=False)``, as research code writes it; the other
+    ways users checkpoint are its subclasses (``checkpointed_stack``). Each loop is written out
+    as such: the cross-block rewrite reads the owner's loop from its source."""
+
+    def __init__(self, depth=2, kind="rms_norm", add_order="x+f", hidden=32):
+        super().__init__()
+        torch.manual_seed(0)
+        toy = ToyTransformer(placement="pre", kind=kind, spelling="llama" if kind == "rms_norm" else "module",
+                             hidden=hidden, depth=depth, add_order=add_order)
+        self.tok, self.blocks, self.final_norm, self.head = toy.tok, toy.blocks, toy.final_norm, toy.head
+
+    def embed(self, ids):
+        return self.tok(ids)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(self.final_norm(x))
+
+
+class _ReentrantStack(CheckpointedStack):
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=True)
+        return self.head(self.final_norm(x))
+
+
+class _WrappedStack(CheckpointedStack):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        self.blocks = nn.ModuleList(checkpoint_wrapper(b) for b in self.blocks)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.final_norm(x))
+
+
+CHECKPOINT_WAYS = {"non_reentrant": CheckpointedStack, "reentrant": _ReentrantStack,
+                   "checkpoint_wrapper": _WrappedStack}
+
+
+def checkpointed_stack(wrap: str, **kwargs) -> CheckpointedStack:
+    """A ``CheckpointedStack`` whose loop checkpoints its blocks the way ``wrap`` names
+    (CHECKPOINT_WAYS); ``kwargs`` go to its constructor."""
+    return CHECKPOINT_WAYS[wrap](**kwargs)
 
 
 # --------------------------------------------------------------------------- HF models

@@ -11,12 +11,11 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint as cp
 
 import normfuse
 from normfuse.backends import last_report
 from normfuse.passes.boundary import ResidualPair, rewrite_streams, undo_streams
-from normfuse.zoo import ToyTransformer, hf_model
+from normfuse.zoo import CheckpointedStack, ToyTransformer, checkpointed_stack, hf_model
 
 from helpers import assert_close
 
@@ -93,25 +92,9 @@ def test_the_owners_loop_hands_pairs_from_block_to_block():
     assert seen == [(False, True)]
 
 
-class _CheckpointedStack(nn.Module):
-    """Pre-Norm blocks checkpointed in the owner's loop, as research code writes it."""
-
-    def __init__(self, reentrant, add_order="x+f"):
-        super().__init__()
-        toy = _toy(add_order=add_order)
-        self.tok, self.blocks, self.norm, self.head = toy.tok, toy.blocks, toy.final_norm, toy.head
-        self.reentrant = reentrant
-
-    def forward(self, ids):
-        x = self.tok(ids)
-        for block in self.blocks:
-            x = cp.checkpoint(block, x, use_reentrant=False)
-        return self.head(self.norm(x))
-
-
 @pytest.mark.parametrize("order", ["x+f", "iadd"])  # in place: the recomputed block must not add twice
 def test_pair_crosses_non_reentrant_checkpoint(order):
-    original = _CheckpointedStack(reentrant=False, add_order=order)
+    original = checkpointed_stack("non_reentrant", depth=3, add_order=order)
     model = copy.deepcopy(original)
     assert rewrite_streams(model)[0].applied
     _assert_identical(_run(original, IDS), _run(model, IDS))
@@ -141,29 +124,21 @@ class _HiddenStatesCollector(nn.Module):
         return self.norm(x), seen
 
 
-class _ReentrantLoop(_CheckpointedStack):
-    def forward(self, ids):
-        x = self.tok(ids)
-        for block in self.blocks:
-            x = cp.checkpoint(block, x, use_reentrant=True)
-        return self.head(self.norm(x))
-
-
 def _my_checkpoint(block, x):
     return block(x)
 
 
-class _UnknownWrapperLoop(_CheckpointedStack):
+class _UnknownWrapperLoop(CheckpointedStack):
     def forward(self, ids):
-        x = self.tok(ids)
+        x = self.embed(ids)
         for block in self.blocks:
             x = _my_checkpoint(block, x)
-        return self.head(self.norm(x))
+        return self.head(self.final_norm(x))
 
 
 @pytest.mark.parametrize("cross_checkpoints", [False, True])
 def test_reentrant_checkpoint_in_the_loop_gets_the_sum_and_the_final_norm_the_pair(cross_checkpoints):
-    original = _ReentrantLoop(True)
+    original = checkpointed_stack("reentrant", depth=3)
     model = copy.deepcopy(original)
     [result] = rewrite_streams(model, cross_checkpoints)
     assert result.applied and "reentrant checkpoint would hide a pair" in result.describe()
@@ -178,7 +153,7 @@ def test_reentrant_checkpoint_in_the_loop_gets_the_sum_and_the_final_norm_the_pa
 
 @pytest.mark.parametrize("model,reason", [
     (_HiddenStatesCollector(), "reads `x` other than to call the next block"),
-    (_UnknownWrapperLoop(True), "only checkpointing with a literal use_reentrant passes it"),
+    (_UnknownWrapperLoop(), "only checkpointing with a literal use_reentrant passes it"),
     (ToyTransformer(final_norm=False), "does not go straight into a norm module"),
 ])
 def test_streams_that_do_not_fit_are_left_with_the_reason(model, reason):

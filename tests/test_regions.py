@@ -13,64 +13,16 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.fx.passes.shape_prop
-from torch.utils.checkpoint import checkpoint
 
 import normfuse
 from normfuse.passes.pipeline import NormFusionPass
-from normfuse.zoo import ToyTransformer, example_inputs, hf_model
+from normfuse.zoo import ToyTransformer, checkpointed_stack, example_inputs, hf_model
 from tests.helpers import assert_within
 
 IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
-
-
-class _Stack(nn.Module):
-    """A Pre-Norm stack whose own loop runs its blocks (each way users checkpoint is a subclass)."""
-
-    def __init__(self, kind: str = "rms_norm"):
-        super().__init__()
-        torch.manual_seed(0)
-        toy = ToyTransformer(placement="pre", kind=kind, spelling="llama" if kind == "rms_norm" else "module",
-                             hidden=32, depth=2)
-        self.tok, self.pos, self.blocks, self.final_norm, self.head = toy.tok, toy.pos, toy.blocks, toy.final_norm, toy.head
-
-    def embed(self, ids):
-        return self.tok(ids) + self.pos(torch.arange(ids.shape[-1], device=ids.device))
-
-
-class _NonReentrant(_Stack):
-    def forward(self, ids):
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
-        return self.head(self.final_norm(x))
-
-
-class _Reentrant(_Stack):
-    def forward(self, ids):
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=True)
-        return self.head(self.final_norm(x))
-
-
-class _Wrapped(_Stack):
-    def __init__(self, kind: str = "rms_norm"):
-        super().__init__(kind)
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-        self.blocks = nn.ModuleList(checkpoint_wrapper(b) for b in self.blocks)
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.final_norm(x))
-
-
-def checkpointed_stack(wrap: str, kind: str = "rms_norm") -> nn.Module:
-    return {"non_reentrant": _NonReentrant, "reentrant": _Reentrant, "checkpoint_wrapper": _Wrapped}[wrap](kind)
 
 
 def _train_step(model, ids):

@@ -112,7 +112,6 @@ class _Stream:
     """One rewritten stream; its owner and its list elements hold the same object."""
 
     final_norm: str
-    elements: list = field(default_factory=list)  # the list's elements, in order
     receivers: dict = field(default_factory=dict)  # element key -> the next element (None: the final norm)
     hooks: tuple = ()            # ids of the owner's two hooks and the final norm's pre-hook
     checkpointed: bool = False   # the owner's loop calls the blocks through checkpoint(...)
@@ -648,9 +647,7 @@ def rewrite_streams(model: nn.Module, cross_checkpoints: bool = False) -> list[S
         if getattr(owner, _MARK, None):
             stream = owner.__dict__[_MARK]
             stream.cross_checkpoints = cross_checkpoints
-            result.blocks, result.final_norm = len(stream.elements), stream.final_norm
-            result.checkpointed = any(_checkpoints_block(e, stream) for e in stream.elements)
-            result.cross_checkpoints, result.reentrant = cross_checkpoints, stream.reentrant
+            _describe(result, stream, list(owner.get_submodule(attr)), parent_fqn)
             continue
         try:
             if not fqn:
@@ -666,7 +663,7 @@ def rewrite_streams(model: nn.Module, cross_checkpoints: bool = False) -> list[S
         except Exception as error:  # noqa: BLE001 - reading unusual source must not break the model
             result.reason = f"not analysed ({type(error).__name__}: {error})"
             continue
-        stream = _Stream(loop.final_norm, elements, checkpointed=loop.checkpointed, reentrant=loop.reentrant,
+        stream = _Stream(loop.final_norm, checkpointed=loop.checkpointed, reentrant=loop.reentrant,
                          transformers=_base_class(_inner_block(elements[0])).__module__.startswith("transformers."),
                          cross_checkpoints=cross_checkpoints)
         for index, element in enumerate(elements):
@@ -687,10 +684,15 @@ def rewrite_streams(model: nn.Module, cross_checkpoints: bool = False) -> list[S
                         owner.register_forward_pre_hook(_enter_owner, prepend=True).id,
                         owner.register_forward_hook(_leave_owner, always_call=True).id)
         object.__setattr__(owner, _MARK, stream)
-        result.blocks, result.final_norm = len(elements), f"{parent_fqn + '.' if parent_fqn else ''}{loop.final_norm}"
-        result.checkpointed = any(_checkpoints_block(e, stream) for e in elements)
-        result.cross_checkpoints, result.reentrant = cross_checkpoints, stream.reentrant
+        _describe(result, stream, elements, parent_fqn)
     return results
+
+
+def _describe(result: StreamRewrite, stream: _Stream, elements: list, parent_fqn: str) -> None:
+    result.blocks = len(elements)
+    result.final_norm = f"{parent_fqn + '.' if parent_fqn else ''}{stream.final_norm}"
+    result.checkpointed = any(_checkpoints_block(e, stream) for e in elements)
+    result.cross_checkpoints, result.reentrant = stream.cross_checkpoints, stream.reentrant
 
 
 def rewritten_streams(model: nn.Module) -> list[str]:

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from normfuse.passes.canonical import mutates, node_dtype, node_shape, real_users, same_dim, same_shape, tensor_meta
-from normfuse.passes.find import _identity_dropout, as_add, live_dropout_p
+from normfuse.passes.find import as_add, identity_dropout, live_dropout_p
 from normfuse.passes.graph import GraphIndex
 
 __all__ = ["BranchFold", "fold_branch"]
@@ -141,7 +141,7 @@ def fold_branch(index: GraphIndex, add: fx.Node, branch: Any, *, second: bool, r
 def _through_identity(index: GraphIndex, fold: BranchFold, value: Any, reader: fx.Node) -> tuple[Any, fx.Node]:
     """Past dropouts that are identities (eval mode, p = 0) read only by ``reader``: Falcon's
     ``dropout_add`` keeps one between its sum and the residual add."""
-    while _only_reader(value, reader) and index.prim(value) == "dropout" and _identity_dropout(index.canon(value)):
+    while _only_reader(value, reader) and index.prim(value) == "dropout" and identity_dropout(index.canon(value)):
         fold.nodes.append(value)
         reader, value = value, index.canon(value)["input"]
     return value, reader

@@ -120,7 +120,8 @@ def live_dropout_p(c: Canon | None) -> float | None:
     return p if p is not None and 0.0 < p < 1.0 else None
 
 
-def _identity_dropout(c: Canon) -> bool:
+def identity_dropout(c: Canon) -> bool:
+    """A dropout that passes its input through: eval mode, or p = 0."""
     return c.prim == "dropout" and (c["training"] is False or c["p"] == 0 or c["p"] == 0.0)
 
 
@@ -133,7 +134,7 @@ def is_pass_through(index: GraphIndex, node: fx.Node, n: int | None) -> bool:
         return True
     if c.prim == "view":
         return n is not None and same_dim(last_dim(c["input"]), n) and same_dim(last_dim(node), n)
-    return _identity_dropout(c)
+    return identity_dropout(c)
 
 
 # --------------------------------------------------------------------------- norm calls
@@ -546,7 +547,7 @@ def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
                     if index.prim(p) == "cast" and not is_exact_upcast(node_dtype(p.args[0]) if p.args else None,
                                                                         node_dtype(p)):
                         am.reason = "a rounding cast sits between the residual add and the norm"
-                    elif index.prim(p) == "dropout" and not _identity_dropout(index.canon(p)):
+                    elif index.prim(p) == "dropout" and not identity_dropout(index.canon(p)):
                         am.reason = "live dropout (training mode) sits between the residual add and the norm"
             return am
         c = index.canon(cur)

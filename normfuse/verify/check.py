@@ -268,16 +268,14 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, grad: bool, like_optim
     recorder = _Recorder()
     with torch.set_grad_enabled(grad):
         if like_optimize:  # installed as optimize installs it: the model's own hooks run around it
-            had = "forward" in model.__dict__
             before = model.__dict__.get("forward")
             model.forward = _recording_forward(model, recorder)
             try:
                 model(*args, **kwargs)
             finally:
-                if had:
+                del model.forward
+                if before is not None:
                     model.forward = before
-                else:
-                    del model.forward
         else:
             torch.compile(model, backend=recorder)(*args, **kwargs)
     return [(gm, inputs) for gm, inputs in recorder.graphs if inputs is not None]
@@ -437,10 +435,12 @@ def check(model: nn.Module, *example_args: Any, optimized: nn.Module | None = No
     _progress(progress, "running the original, the optimized model and the fp64 reference")
     rng = _rng_states()
     out_orig, grad_orig = _run(model, args, kwargs, backward, seed)
+    regrouping_ok = True
     if regrouped is not None:
         with _replaying(rng):  # the same dropout masks as the original's run
             got = _run(regrouped, args, kwargs, backward, seed)
-        notes.append(_regrouping_note(regrouped, got, (out_orig, grad_orig)))
+        regrouping_ok, note = _regrouping(regrouped, got, (out_orig, grad_orig))
+        notes.append(note)
     out_new, grad_new = _run(optimized, args, kwargs, backward, seed)
     out_ref, grad_ref = _run(model64, to_fp64(args), to_fp64(kwargs), backward, seed, fp64=True)
     report = normfuse.report(optimized)
@@ -467,7 +467,7 @@ def check(model: nn.Module, *example_args: Any, optimized: nn.Module | None = No
                               "torch._dynamo.reset())")
     _progress(progress, f"checking {len(report.fused)} rewritten sites (numeric and symbolic)")
     sites = check_sites(report, originals, unverified_why) if originals else []
-    return _result(outputs, sites, report, notes, unverified_why)
+    return _result(outputs, sites, report, notes, unverified_why, regrouping_ok)
 
 
 def _regrouped_copy(model: nn.Module, optimized: nn.Module) -> nn.Module | None:
@@ -497,12 +497,9 @@ def _replaying(states: tuple):
         yield
 
 
-_REGROUPING_FAILED = "cross-block: the regrouped model differs from the original"
-
-
-def _regrouping_note(regrouped: nn.Module, got: tuple[dict, dict], want: tuple[dict, dict]) -> str:
+def _regrouping(regrouped: nn.Module, got: tuple[dict, dict], want: tuple[dict, dict]) -> tuple[bool, str]:
     """The regrouping moves adds across block boundaries and changes no operand: its outputs
-    and gradients must equal the original's bit for bit."""
+    and gradients must equal the original's bit for bit. (Whether they do, and the note.)"""
     from normfuse.passes.boundary import rewritten_streams
 
     streams = ", ".join(fqn or type(regrouped).__name__ for fqn in rewritten_streams(regrouped))
@@ -510,9 +507,10 @@ def _regrouping_note(regrouped: nn.Module, got: tuple[dict, dict], want: tuple[d
     values, wanted = {**out, **grad}, {**out_want, **grad_want}
     differ = [name for name in wanted if not _same(values.get(name), wanted[name])]
     if differ:
-        return f"{_REGROUPING_FAILED} ({streams}) in {len(differ)} values: {', '.join(differ[:4])}"
-    return (f"cross-block: the residual pairs carried across the blocks of {streams}: the regrouped model "
-            f"equals the original bit for bit in all {len(wanted)} outputs and gradients")
+        return False, (f"cross-block: the regrouped model differs from the original ({streams}) in "
+                       f"{len(differ)} values: {', '.join(differ[:4])}")
+    return True, (f"cross-block: the residual pairs carried across the blocks of {streams}: the regrouped model "
+                  f"equals the original bit for bit in all {len(wanted)} outputs and gradients")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -540,11 +538,10 @@ def _compare_all(orig: dict, new: dict, ref: dict) -> list[OutputCheck]:
 
 
 def _result(outputs: list[OutputCheck], sites: list[SiteCheck], report: FusionReport,
-            notes: list[str], unverified_why: list[str] = ()) -> CheckResult:
+            notes: list[str], unverified_why: list[str] = (), regrouping_ok: bool = True) -> CheckResult:
     widened = any(s.residual_dtype for s in report.sites)
     by_design = widened or any(s.converted for s in report.sites)
     failing = [s for s in sites if not s.passed]
-    regrouping_failed = any(n.startswith(_REGROUPING_FAILED) for n in notes)
     res = CheckResult(ok=False, outputs=outputs, sites=sites, first_divergence=failing[0] if failing else None,
                       by_design=by_design, notes=notes, report=report)
     checked = {s.id for s in sites}
@@ -556,7 +553,7 @@ def _result(outputs: list[OutputCheck], sites: list[SiteCheck], report: FusionRe
     if widened and not any(s.converted for s in report.sites):
         # a wider stream must not be less accurate than the original: the usual rule holds
         notes.append(_widened_note(report, outputs))
-        res.ok = all(o.passed for o in outputs) and not failing and not regrouping_failed
+        res.ok = all(o.passed for o in outputs) and not failing and regrouping_ok
     elif by_design:
         res.structure_ok = _structure(report, notes)
         worst = max((o.ratio for o in outputs), default=0.0)
@@ -564,7 +561,7 @@ def _result(outputs: list[OutputCheck], sites: list[SiteCheck], report: FusionRe
                      f"by up to {worst:.3g}x the original's own error; the structure is what is checked")
         res.ok = res.structure_ok is True
     else:
-        res.ok = all(o.passed for o in outputs) and not failing and not regrouping_failed
+        res.ok = all(o.passed for o in outputs) and not failing and regrouping_ok
     return res
 
 
