@@ -483,12 +483,12 @@ def _status(site: Site) -> tuple[bool, str]:
 def _audit_graph(analysis, sites: list[Site], residual_dtype: torch.dtype | None = None) -> list[SiteAudit]:
     """Price each site of one analyzed graph: bytes moved eagerly and by the fused op."""
     index, states = analysis
+    site_of = {id(state): site for state, site in zip(states, sites)}
     out = []
     for state, site in zip(states, sites):
         would, status = _status(site)
-        lead = next((s for s in sites if s.call is not None and s.call == site.call), site)
-        if would and lead is not site:
-            status += f" (in {lead.id}'s kernel)"
+        if would and state.lead is not None:  # computed by another norm's call
+            status += f" (in {site_of[id(state.lead)].id}'s kernel)"
         eager, fused, _ = site_bytes(index, state, site.op if would else None, residual_dtype)
         rows = _numel(state.match.input) // state.match.hidden_size if state.match.hidden_size else 0
         out.append(SiteAudit(site, would, status, eager, fused, _block_of(site.fqn), rows))

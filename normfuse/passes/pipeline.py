@@ -297,10 +297,10 @@ class NormFusionPass(CustomGraphPass):
         if self.config.residual_dtype is not None and calls:
             from normfuse.passes.residual_stream import widen_stream
             widen_stream(graph, calls, self.config.residual_dtype)
-            for site in sites:  # a norm computed by another norm's call reads what that one reads
-                lead = next((s for s in calls.values() if s.call == site.call), None) if site.call else None
-                if lead is not None and lead is not site:
-                    site.residual_dtype = lead.residual_dtype
+            site_of = {id(state): site for state, site in zip(states, sites)}
+            for state, site in zip(states, sites):  # a norm computed by another norm's call reads what it reads
+                if state.lead is not None and site.fused:
+                    site.residual_dtype = site_of[id(state.lead)].residual_dtype
         if self.config.recompute_norm_output and calls:
             from normfuse.passes.norm_linear import recompute_for_linears
             recompute_for_linears(graph, calls)
