@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["KINDS", "PLACEMENTS", "FORMS", "FUSED_OPS", "KERNEL_DTYPES", "CONVERTED_META", "FINAL_META",
-           "GRAPH_META", "LAYOUT_META", "FOLDED_META", "ROWS_META"]
+           "GRAPH_META", "LAYOUT_META", "FOLDED_META", "ROWS_META", "QUANT_DTYPES", "QUANT_SCALE_FORMS",
+           "QUANT_APPLY", "QUANT_SCALE_OUT"]
 
 # what a norm computes
 KINDS = ("layer_norm", "rms_norm")
@@ -37,3 +38,10 @@ GRAPH_META = "normfuse_prenorm"           # on the graph module: the streams con
 LAYOUT_META = "normfuse_layout"           # on a permute the rewrite inserted around a fused call: its dims
 FOLDED_META = "normfuse_folded"           # on a fused call: names of the branch nodes it computes (x1, drop path, dropout)
 ROWS_META = "normfuse_rows"               # on the view the rewrite made of a per-sample scale: the kernel's rowscale
+
+# the quantization epilogue of add_norm (normfuse/kernels/reference.py): the fp8 dtypes it writes,
+# how a dynamic scale is formed from the amax, how it is applied, and which scale is returned
+QUANT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+QUANT_SCALE_FORMS = ("amax/max", "max/amax", "max*(1/amax)")
+QUANT_APPLY = ("div", "mul", "mul_reciprocal")
+QUANT_SCALE_OUT = ("scale", "reciprocal")

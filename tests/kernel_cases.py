@@ -174,3 +174,45 @@ def check_case(case: Case, device: str = "cpu"):
 # in Python), so the grid is three slices: every N for each dtype and kind with the
 # common block; every mode at one awkward N over all (activation, weight) pairs; and
 # the row and size edges.
+
+
+# ---- bit-level comparisons ------------------------------------------------------------
+
+def assert_same_bits(got, want, what: str = "") -> None:
+    """got and want hold the same values bit for bit, except that NaNs need only sit in the same
+    places (their sign and payload are not specified)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, \
+        f"{what}: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
+    got_nan, want_nan = got.float().isnan(), want.float().isnan()
+    assert torch.equal(got_nan, want_nan), f"{what}: NaNs at {int((got_nan != want_nan).sum())} other places"
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
+    differ = (got.view(bits) != want.view(bits)) & ~got_nan
+    assert not differ.any(), (f"{what}: {int(differ.sum())} of {got.numel()} elements differ, e.g. "
+                              f"{got[differ][:4].float().tolist()} vs {want[differ][:4].float().tolist()}")
+
+
+def ulp_distance(a, b) -> torch.Tensor:
+    """Distance in units in the last place between bf16/fp16 (or fp32) tensors of one dtype."""
+    bits = torch.int16 if a.element_size() == 2 else torch.int32
+    sign_mask = 0x7FFF if bits == torch.int16 else 0x7FFFFFFF
+
+    def ordered(t):
+        i = t.contiguous().view(bits).to(torch.int64)
+        return torch.where(i < 0, -(i & sign_mask), i)
+    return (ordered(a) - ordered(b)).abs()
+
+
+def assert_within_rounding_budget(got, want, what: str = "") -> None:
+    """got differs from want only as a different order of the row reduction can make it differ
+    (normfuse.tolerances.rounding_budget: bf16/fp16 by at most 1 ulp on at most 1% of the elements;
+    fp32 to a few ulp)."""
+    from normfuse.tolerances import rounding_budget
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    max_ulps, max_fraction = rounding_budget(got.dtype)
+    if got.dtype in (FP32, FP64):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=what)
+        return
+    ulps = ulp_distance(got, want)
+    assert ulps.max().item() <= max_ulps, f"{what}: {ulps.max().item()} ulp apart (budget {max_ulps})"
+    fraction = (ulps > 0).float().mean().item()
+    assert fraction <= max_fraction, f"{what}: {fraction:.2%} of elements differ (budget {max_fraction:.0%})"

@@ -7,6 +7,7 @@ module, the functions users and the rewritten graphs call::
 
     add_norm(x, residual, weight, bias, kind=..., eps=..., ...)  -> (y, s)     # y = norm(x + r), s = x + r
     add_norm(..., weight1=w1)                                    -> (y, y1, s) # y1 = norm(s) with w1
+    add_norm(..., quant_dtype=torch.float8_e4m3fn)               -> (q, scale, y or None, s)  # q = fp8(y / scale)
     norm_add(x, residual, weight, bias, kind=..., eps=..., ...)  -> (out, y)   # out = r + norm(x)
 
 with the shorthands ``add_rms_norm``, ``add_layer_norm``, ``rms_norm_add``,
@@ -20,7 +21,7 @@ import functools
 import torch
 
 from normfuse.errors import InvalidOptionError
-from normfuse.kernels.ops import _grad_needed, forward_for, seed_tensor, validate, validate_modes
+from normfuse.kernels.ops import _grad_needed, forward_for, seed_tensor, validate, validate_modes, validate_quant
 from normfuse.kernels.reference import (KINDS, SUPPORTED_DTYPES, add_norm_bwd_ref, add_norm_dtypes,
                                         add_norm_ref, norm_add_dtypes, norm_add_ref)
 from normfuse.kernels.reference import has_sum as has_sum_of
@@ -55,9 +56,11 @@ def _one_call_when_fx_traced(fn):
 @_one_call_when_fx_traced
 def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offset=0.0, residual_scale=1.0,
              sum_dtype=None, norm_round_dtype=None, out_dtype=None, return_sum=True, round_sum_first=True,
-             x1=None, rowscale=None, weight1=None, bias1=None, dropout_p=0.0, generator=None, seed=None):
+             x1=None, rowscale=None, weight1=None, bias1=None, dropout_p=0.0, generator=None, seed=None,
+             quant_dtype=None, quant_scale=None, quant_group=None, quant_scale_form="amax/max", quant_amax_min=None,
+             quant_scale_min=None, quant_apply="div", quant_clamp=None, quant_scale_out="scale", return_norm=False):
     """Fused ``s = x + residual_scale * residual; y = norm(s)``: returns (y, s), or (y, y1, s)
-    with weight1.
+    with weight1, or (q, scale, y or None, s) with quant_dtype.
 
     kind: "rms_norm" or "layer_norm", over the last dim N. x, residual: (..., N) of
     equal shape, fp32/fp16/bf16; weight, bias: (N,), fp32/fp16/bf16 (any, whatever x's dtype:
@@ -87,6 +90,23 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
     torch.Generator; default: torch's). normfuse.kernels.dropout_keep_mask(x, p, seed) returns the
     mask. The reference (CPU) and Triton backends draw different masks from one seed.
     s exists (unless return_sum=False) whenever a residual or any mode forms a sum.
+
+    Quantization epilogue (off unless quant_dtype is set; the exact steps are in
+    normfuse.kernels.reference): y is also written as q in quant_dtype (torch.float8_e4m3fn or
+    torch.float8_e5m2) with a scale, for an fp8 linear to read; add_norm then returns
+    (q, scale, y, s), y None unless return_norm. q and scale are not differentiable; y and s are as
+    without the epilogue. Not with weight1.
+    quant_scale: a static per-tensor scale (a 1-element fp32 tensor, returned as scale); None: a
+    dynamic scale from the amax of each row's rounded y, or of each group of quant_group columns (a
+    power of two dividing N: 128, 64); scale is then fp32 of shape (*y.shape[:-1], 1) or
+    (*y.shape[:-1], N // quant_group).
+    quant_scale_form: "amax/max" (scale = amax / qmax), "max/amax" (qmax / amax, one division), or
+    "max*(1/amax)" (what Python's ``qmax / amax`` computes: the reciprocal, then a multiply).
+    quant_amax_min, quant_scale_min: lower clamps of amax (e.g. 1e-12) and of the scale (vLLM's
+    1 / (qmax * 512)). quant_apply: q = y / scale ("div"), y * scale ("mul"), or y * (1 / scale)
+    ("mul_reciprocal"). quant_clamp: clamp to [-c, c] before the cast (without it the cast itself
+    saturates e4m3fn and overflows e5m2 to inf, as torch's does). quant_scale_out: return the scale
+    ("scale") or its reciprocal ("reciprocal": the dequantization scale torchao passes on).
     """
     validate(x, residual, weight, bias, kind, eps,
              {"sum_dtype": sum_dtype, "norm_round_dtype": norm_round_dtype, "out_dtype": out_dtype})
@@ -100,12 +120,32 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
     has_sum = has_sum_of(residual, x1, rowscale, dropout_p)
     modes = tuple(t for t in (x1, rowscale, weight1, bias1, seed) if t is not None)
     store_sum = has_sum and (return_sum or _grad_needed(x, residual, weight, bias, *modes))
+    if quant_dtype is not None:
+        validate_quant(x, quant_dtype, quant_scale, quant_group, quant_scale_form, quant_amax_min, quant_scale_min,
+                       quant_apply, quant_clamp, quant_scale_out, weight1)
+        if quant_group is not None and quant_group == x.shape[-1]:
+            quant_group = None  # one group per row: the scale per row, shaped (..., 1) either way
+        forward = forward_for("add_norm_quant_fwd", x, residual, weight, bias, *modes,
+                              *(() if quant_scale is None else (quant_scale,)))
+        y, s, _, _, _, q, scale = forward(
+            x, residual, weight, bias, kind, float(eps), float(weight_offset), float(residual_scale), sum_dtype,
+            norm_round_dtype, out_dtype, store_sum, bool(round_sum_first), x1, rowscale, weight1, bias1, dropout_p,
+            seed, bool(return_norm), quant_dtype, quant_scale, quant_group, quant_scale_form,
+            _float_or_none(quant_amax_min), _float_or_none(quant_scale_min), quant_apply, _float_or_none(quant_clamp),
+            quant_scale_out)
+        q = q if q.dtype == quant_dtype else q.view(quant_dtype)  # the op returns q's bytes
+        return (q, quant_scale if quant_scale is not None else scale, y if return_norm else None,
+                s if has_sum and return_sum else None)
     forward = forward_for("add_norm_fwd", x, residual, weight, bias, *modes)
     y, s, _, _, y1 = forward(x, residual, weight, bias, kind, float(eps), float(weight_offset),
                              float(residual_scale), sum_dtype, norm_round_dtype, out_dtype, store_sum,
                              bool(round_sum_first), x1, rowscale, weight1, bias1, dropout_p, seed)
     s = s if has_sum and return_sum else None
     return (y, s) if weight1 is None else (y, y1, s)
+
+
+def _float_or_none(value):
+    return None if value is None else float(value)
 
 
 @_one_call_when_fx_traced

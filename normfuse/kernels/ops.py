@@ -43,10 +43,11 @@ from torch import Tensor
 from normfuse.errors import InvalidOptionError, ShapeMismatchError, UnsupportedDtypeError, closest
 from normfuse.kernels import reference
 from normfuse.kernels import triton as triton_backend
-from normfuse.kernels.reference import CPU_ONLY_DTYPES, KINDS, SUPPORTED_DTYPES, acc_dtype
+from normfuse.kernels.reference import CPU_ONLY_DTYPES, KINDS, SUPPORTED_DTYPES, acc_dtype, quant_scale_shape
+from normfuse.vocabulary import QUANT_APPLY, QUANT_DTYPES, QUANT_SCALE_FORMS, QUANT_SCALE_OUT
 
-__all__ = ["add_norm_fwd", "norm_add_fwd", "add_norm_bwd", "dropout_keep_mask", "validate", "validate_modes",
-           "forward_for"]
+__all__ = ["add_norm_fwd", "add_norm_quant_fwd", "norm_add_fwd", "add_norm_bwd", "dropout_keep_mask", "validate",
+           "validate_modes", "validate_quant", "forward_for"]
 
 
 # --------------------------------------------------------------------------------------
@@ -154,6 +155,63 @@ def validate_modes(x, x1, rowscale, weight1, bias1, dropout_p, seed, generator) 
     check_shapes(x, None, None, None, x1, rowscale, weight1, bias1)
 
 
+def validate_quant(x, quant_dtype, quant_scale, quant_group, quant_scale_form, quant_amax_min, quant_scale_min,
+                   quant_apply, quant_clamp, quant_scale_out, weight1) -> None:
+    """The checks of add_norm's quantization epilogue (quant_dtype set)."""
+    if quant_dtype not in QUANT_DTYPES:
+        raise UnsupportedDtypeError(f"quant_dtype={quant_dtype!r} is not an fp8 dtype the epilogue writes; use one of "
+                                    f"{_dtype_names(QUANT_DTYPES)} (or quant_dtype=None for no quantization).")
+    for name, value, choices in (("quant_scale_form", quant_scale_form, QUANT_SCALE_FORMS),
+                                 ("quant_apply", quant_apply, QUANT_APPLY),
+                                 ("quant_scale_out", quant_scale_out, QUANT_SCALE_OUT)):
+        if value not in choices:
+            raise InvalidOptionError(f"{name}={value!r} is not one the epilogue computes; use one of {choices}."
+                                     + closest(str(value), choices))
+    for name, value in (("quant_amax_min", quant_amax_min), ("quant_scale_min", quant_scale_min),
+                        ("quant_clamp", quant_clamp)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise InvalidOptionError(f"{name}={value!r} must be a finite number > 0, or None for no clamp "
+                                     f"(e.g. quant_amax_min=1e-12, quant_clamp=448.0).")
+    if weight1 is not None:
+        raise InvalidOptionError("the quantization epilogue quantizes the one norm output y: a second norm output "
+                                 "(weight1) cannot be combined with quant_dtype; call add_norm twice, or quantize "
+                                 "y1 separately.")
+    n_cols = x.shape[-1]
+    if quant_scale is not None:
+        if not (isinstance(quant_scale, Tensor) and quant_scale.numel() == 1 and quant_scale.dtype == torch.float32):
+            raise InvalidOptionError(f"quant_scale must be a static per-tensor scale, a 1-element fp32 tensor; got "
+                                     f"{_describe(quant_scale)}. Pass e.g. torch.tensor([0.02], device=x.device), or "
+                                     f"quant_scale=None for a dynamic scale.")
+        if quant_scale.device != x.device:
+            raise InvalidOptionError(f"quant_scale is on {quant_scale.device} but x is on {x.device}; move it to "
+                                     f"x's device.")
+        if quant_scale.requires_grad and torch.is_grad_enabled():
+            raise InvalidOptionError("quant_scale requires grad, but the quantization is not differentiated; pass "
+                                     "quant_scale.detach().")
+        dynamic_only = [f"{name}={value!r}" for name, value, default in (
+            ("quant_group", quant_group, None), ("quant_scale_form", quant_scale_form, "amax/max"),
+            ("quant_amax_min", quant_amax_min, None), ("quant_scale_min", quant_scale_min, None),
+            ("quant_scale_out", quant_scale_out, "scale")) if value != default]
+        if dynamic_only:
+            raise InvalidOptionError(f"{', '.join(dynamic_only)} shape a dynamic scale, but quant_scale gives a static "
+                                     f"one; drop them, or pass quant_scale=None to compute the scale from each "
+                                     f"row's (or group's) amax.")
+    if quant_group is not None:
+        if isinstance(quant_group, bool) or not isinstance(quant_group, int) or quant_group <= 0 \
+                or quant_group & (quant_group - 1):
+            raise InvalidOptionError(f"quant_group={quant_group!r} must be a power of two (e.g. 64 or 128: one scale "
+                                     f"per group of that many columns), or None for one scale per row.")
+        if n_cols % quant_group:
+            raise ShapeMismatchError(f"quant_group={quant_group} does not divide the normalized dim N={n_cols}; "
+                                     f"pass a group size that divides it (e.g. {_largest_pow2_divisor(n_cols)}), or "
+                                     f"quant_group=None for one scale per row.")
+
+
+def _largest_pow2_divisor(n: int) -> int:
+    return min(n & -n, 128)
+
+
 def _describe(value) -> str:
     if isinstance(value, Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
@@ -210,9 +268,10 @@ def _grad_needed(*tensors) -> bool:
 
 
 def forward_for(op: str, x, residual, weight, bias, *more):
-    """The callable a functional call of ``op`` ("add_norm_fwd" or "norm_add_fwd") runs, with the op's
-    positional arguments and outputs (None, not an empty tensor, for an output that does not exist
-    on the eager path). ``more``: the other tensor arguments (add_norm's modes)."""
+    """The callable a functional call of ``op`` ("add_norm_fwd", "add_norm_quant_fwd" or
+    "norm_add_fwd") runs, with the op's positional arguments and outputs (None, not an empty tensor,
+    for an output that does not exist on the eager path). ``more``: the other tensor arguments
+    (add_norm's modes, a static quantization scale)."""
     if _eager_cpu(x, residual, weight, bias, *more):
         if _grad_needed(x, residual, weight, bias, *more):
             return _EAGER_FUNCTIONS[op].apply
@@ -299,6 +358,51 @@ def _add_norm_fwd_fake(x, residual, weight, bias, kind, eps, weight_offset, resi
     s = x.new_empty(x.shape, dtype=sum_dtype) if stored else _empty(x, sum_dtype)
     y1 = _empty(x, out_dtype) if weight1 is None else x.new_empty(x.shape, dtype=out_dtype)
     return (x.new_empty(x.shape, dtype=out_dtype), s, *_stats_fake(x, kind, sum_dtype), y1)
+
+
+@torch.library.custom_op("normfuse::add_norm_quant_fwd", mutates_args=())
+def add_norm_quant_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
+                       kind: str, eps: float, weight_offset: float, residual_scale: float, sum_dtype: torch.dtype,
+                       norm_round_dtype: Optional[torch.dtype], out_dtype: torch.dtype, store_sum: bool,
+                       round_sum_first: bool, x1: Optional[Tensor], rowscale: Optional[Tensor],
+                       weight1: Optional[Tensor], bias1: Optional[Tensor], dropout_p: float, seed: Optional[Tensor],
+                       store_y: bool, quant_dtype: torch.dtype, quant_scale: Optional[Tensor],
+                       quant_group: Optional[int], quant_scale_form: str, quant_amax_min: Optional[float],
+                       quant_scale_min: Optional[float], quant_apply: str, quant_clamp: Optional[float],
+                       quant_scale_out: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Add-then-norm with the quantization epilogue: add_norm_fwd's arguments, then store_y and the
+    quant_* options of reference.py. Returns (y, s, mean, rstd, y1, q_bits, scale) as add_norm_fwd,
+    y empty unless store_y; q_bits: q's bytes as uint8 of x's shape (``q_bits.view(quant_dtype)``
+    is q: fp8 outputs of an op cannot pass opcheck, whose checks sum every output, and an integer
+    output is not differentiable by construction); scale: fp32, empty for a static scale, not
+    differentiable."""
+    _check_seed(dropout_p, seed)
+    backend = _add_norm_backend(x, residual, weight, bias, sum_dtype, norm_round_dtype, out_dtype, x1, rowscale,
+                                weight1, bias1)
+    store_sum = store_sum and reference.has_sum(residual, x1, rowscale, dropout_p)
+    outputs = backend.add_norm_quant_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
+                                         sum_dtype, norm_round_dtype, out_dtype, store_sum, round_sum_first, x1,
+                                         rowscale, weight1, bias1, dropout_p, seed, store_y, quant_dtype, quant_scale,
+                                         quant_group, quant_scale_form, quant_amax_min, quant_scale_min, quant_apply,
+                                         quant_clamp, quant_scale_out)
+    y, s, mean, rstd, y1, q, scale = outputs
+    return _op_outputs((y, s, mean, rstd, y1, q.view(torch.uint8), scale),
+                       (out_dtype, sum_dtype, None, None, out_dtype, None, torch.float32), x,
+                       (x, residual, weight, bias, x1, rowscale, weight1, bias1, quant_scale))
+
+
+@add_norm_quant_fwd.register_fake
+def _add_norm_quant_fwd_fake(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
+                             norm_round_dtype, out_dtype, store_sum, round_sum_first, x1, rowscale, weight1, bias1,
+                             dropout_p, seed, store_y, quant_dtype, quant_scale, quant_group, quant_scale_form,
+                             quant_amax_min, quant_scale_min, quant_apply, quant_clamp, quant_scale_out):
+    y, s, mean, rstd, y1 = _add_norm_fwd_fake(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
+                                              sum_dtype, norm_round_dtype, out_dtype, store_sum, round_sum_first, x1,
+                                              rowscale, weight1, bias1, dropout_p, seed)
+    y = y if store_y else _empty(x, out_dtype)
+    scale = (_empty(x, torch.float32) if quant_scale is not None
+             else x.new_empty(quant_scale_shape(x.shape, quant_group), dtype=torch.float32))
+    return y, s, mean, rstd, y1, x.new_empty(x.shape, dtype=torch.uint8), scale
 
 
 @torch.library.custom_op("normfuse::dropout_keep_mask", mutates_args=())
@@ -493,6 +597,23 @@ def _add_norm_backward(ctx, dy, ds, dmean, drstd, dy1):
 
 add_norm_fwd.register_autograd(_add_norm_backward, setup_context=_add_norm_setup_context)
 
+_ADD_NORM_ARGS = 19  # add_norm_fwd's arguments, which add_norm_quant_fwd's begin with
+
+
+def _add_norm_quant_setup_context(ctx, inputs, output):
+    _add_norm_setup_context(ctx, inputs[:_ADD_NORM_ARGS], output[:5])
+    ctx.mark_non_differentiable(*(t for t in output[5:] if t is not None))  # q and scale (None: static)
+    ctx.y_stored = inputs[_ADD_NORM_ARGS]
+
+
+def _add_norm_quant_backward(ctx, dy, ds, dmean, drstd, dy1, dq, dscale):
+    dy = dy if ctx.y_stored else None  # a traced backward may get a tangent of the empty y
+    grads = _add_norm_backward(ctx, dy, ds, dmean, drstd, dy1)
+    return (*grads, *(None,) * 10)
+
+
+add_norm_quant_fwd.register_autograd(_add_norm_quant_backward, setup_context=_add_norm_quant_setup_context)
+
 
 def _norm_add_setup_context(ctx, inputs, output):
     (x, residual, weight, bias, kind, eps, weight_offset, residual_scale, norm_round_dtype, out_dtype,
@@ -536,4 +657,6 @@ _EAGER_FUNCTIONS = {
                                     _add_norm_backward),
     "norm_add_fwd": _eager_function("_EagerNormAdd", reference.norm_add_fwd, _norm_add_setup_context,
                                     _norm_add_backward),
+    "add_norm_quant_fwd": _eager_function("_EagerAddNormQuant", reference.add_norm_quant_fwd,
+                                          _add_norm_quant_setup_context, _add_norm_quant_backward),
 }

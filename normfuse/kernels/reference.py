@@ -60,9 +60,39 @@ Backward treats every rounding step as the identity (straight-through) and
 computes in fp32; fp64 inputs (CPU only, for gradcheck) compute in fp64. The
 weight and bias gradients are always reduced over the rows in fp32 (or fp64).
 
+Quantization epilogue of add-then-norm (off unless ``quant_dtype`` is set): the norm output
+is also written in fp8 (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``, largest finite value
+``qmax`` = 448 or 57344), for the next linear to read (vLLM's RMSNorm + quant fusion, FlashInfer's
+fused_add_rmsnorm_quant, TensorRT-LLM, Transformer Engine). y is computed as above, rounded to
+out_dtype, and every step below is one IEEE fp32 operation on fp32(y), the value a graph holds::
+
+    dynamic (quant_scale None), over each row (quant_group None) or group of G columns:
+      amax  = max |fp32(y)|                                   # exact; a NaN in the row/group gives NaN
+      amax  = max(amax, quant_amax_min)                       # when given (e.g. 1e-12)
+      scale = amax / qmax              "amax/max"             # quant_scale_form
+            = qmax / amax              "max/amax"             #   (one division: torch.div(qmax_t, amax))
+            = fp32(1 / amax) * qmax    "max*(1/amax)"         #   (Python's ``qmax / amax``: Tensor.__rtruediv__
+                                                              #    is reciprocal, then multiply)
+      scale = max(scale, quant_scale_min)                     # when given (vLLM: 1 / (qmax * 512))
+    static (quant_scale: a 1-element fp32 tensor): scale = quant_scale
+    v = fp32(y) / scale                "div"                  # quant_apply
+      = fp32(y) * scale                "mul"
+      = fp32(y) * fp32(1 / scale)      "mul_reciprocal"
+    v = min(max(v, -quant_clamp), quant_clamp)                # when given
+    q = quant_dtype(v)                                        # torch's conversion, round to nearest even
+
+The clamps propagate NaN (as torch.clamp). The conversion is torch's own (c10): float8_e4m3fn
+saturates (|v| >= 464 and +-inf give +-448), float8_e5m2 overflows to +-inf (|v| >= 61440), NaN
+stays NaN (q's sign bit of a NaN is unspecified). So q equals ``v.to(quant_dtype)`` on every device,
+with or without an explicit clamp. The returned scale is ``scale`` (fp32; shape (*y.shape[:-1], 1)
+per row, (*y.shape[:-1], N // G) per group), or ``fp32(1 / scale)`` with quant_scale_out
+"reciprocal" (what torchao hands to the matmul); a static scale is returned as given. Dynamic
+scaling per tensor is not row-local and is not offered. Backward: q and scale are not
+differentiable; y (when returned) and s are differentiated exactly as without the epilogue.
+
 Backend interface (shared with ``triton.py``; positional arguments as in the custom
-ops, None for an output that does not exist): ``add_norm_fwd``, ``norm_add_fwd``,
-``add_norm_bwd``, and ``dropout_keep``. Where one of eager's fused CPU kernels computes exactly the
+ops, None for an output that does not exist): ``add_norm_fwd``, ``add_norm_quant_fwd``,
+``norm_add_fwd``, ``add_norm_bwd``, and ``dropout_keep``. Where one of eager's fused CPU kernels computes exactly the
 function above, it is used: default modes then equal ``F.layer_norm`` /
 ``F.rms_norm`` bit for bit, forward and input gradients.
 """
@@ -76,7 +106,8 @@ from torch import Tensor
 
 from normfuse.vocabulary import KERNEL_DTYPES, KINDS
 
-__all__ = ["add_norm_ref", "norm_add_ref", "add_norm_bwd_ref", "dropout_keep", "KINDS", "SUPPORTED_DTYPES"]
+__all__ = ["add_norm_ref", "norm_add_ref", "add_norm_bwd_ref", "dropout_keep", "quantize", "KINDS",
+           "SUPPORTED_DTYPES"]
 
 # Activation, weight and rounding dtypes the fused ops take (normfuse/vocabulary.py). fp64
 # runs on CPU only, through the reference (gradcheck needs it).
@@ -266,6 +297,70 @@ def add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_s
     return y, (s if store_sum and has_sum(residual, x1, rowscale, dropout_p) else None), mean, rstd, y1
 
 
+# ---- quantization epilogue -------------------------------------------------------------
+
+def quant_max(quant_dtype: torch.dtype) -> float:
+    """qmax: the largest finite value of the fp8 dtype (448 for e4m3fn, 57344 for e5m2)."""
+    return torch.finfo(quant_dtype).max
+
+
+def quant_scale_shape(shape, quant_group: Optional[int]) -> tuple:
+    """Shape of a dynamic scale for a y of ``shape``: one per row, or one per group of G columns."""
+    return (*shape[:-1], 1 if not quant_group else shape[-1] // quant_group)
+
+
+def quantize(y: Tensor, quant_dtype, quant_scale, quant_group, scale_form, amax_min, scale_min, apply, clamp,
+             scale_out) -> tuple[Tensor, Optional[Tensor]]:
+    """(q, scale) of the module docstring's epilogue, in torch ops spelled as models spell them; scale
+    is None for a static scale (the caller returns the one it was given)."""
+    n_cols = y.shape[-1]
+    yf = y.to(torch.float32)
+    if quant_group:
+        yf = yf.unflatten(-1, (n_cols // quant_group, quant_group))  # (..., N // G, G)
+    qmax = quant_max(quant_dtype)
+    if quant_scale is None:
+        amax = yf.abs().amax(-1, keepdim=True)  # (..., 1) or (..., N // G, 1)
+        if amax_min is not None:
+            amax = amax.clamp(min=amax_min)
+        if scale_form == "amax/max":
+            scale = amax / qmax
+        elif scale_form == "max/amax":
+            scale = torch.full_like(amax, qmax) / amax
+        else:  # "max*(1/amax)"
+            scale = amax.reciprocal() * qmax
+        if scale_min is not None:
+            scale = scale.clamp(min=scale_min)
+    else:
+        scale = quant_scale.reshape(())
+    if apply == "div":
+        v = yf / scale
+    elif apply == "mul":
+        v = yf * scale
+    else:  # "mul_reciprocal"
+        v = yf * scale.reciprocal()
+    if clamp is not None:
+        v = v.clamp(-clamp, clamp)
+    q = v.to(quant_dtype).reshape(y.shape)
+    if quant_scale is not None:
+        return q, None
+    out = scale if scale_out == "scale" else scale.reciprocal()
+    return q, out.reshape(quant_scale_shape(y.shape, quant_group))
+
+
+def add_norm_quant_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
+                       norm_round_dtype, out_dtype, store_sum, round_sum_first, x1, rowscale, weight1, bias1,
+                       dropout_p, seed, store_y, quant_dtype, quant_scale, quant_group, quant_scale_form,
+                       quant_amax_min, quant_scale_min, quant_apply, quant_clamp, quant_scale_out):
+    """(y, s, mean, rstd, y1, q, scale) of add-then-norm with the quantization epilogue; y is None
+    unless store_y, scale None for a static scale."""
+    y, s, mean, rstd, y1 = add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
+                                        sum_dtype, norm_round_dtype, out_dtype, store_sum, round_sum_first, x1,
+                                        rowscale, weight1, bias1, dropout_p, seed)
+    q, scale = quantize(y.detach(), quant_dtype, quant_scale, quant_group, quant_scale_form, quant_amax_min,
+                        quant_scale_min, quant_apply, quant_clamp, quant_scale_out)
+    return (y if store_y else None), s, mean, rstd, y1, q, scale
+
+
 def norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, norm_round_dtype, out_dtype,
                  add_dtype, store_norm):
     """(out, y, mean, rstd) of norm-then-add; y is None unless stored.
@@ -278,9 +373,11 @@ def norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_s
 def add_norm_ref(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offset=0.0,
                  residual_scale=1.0, sum_dtype=None, norm_round_dtype=None, out_dtype=None,
                  return_sum=True, round_sum_first=True, x1=None, rowscale=None, weight1=None, bias1=None,
-                 dropout_p=0.0, seed=None):
+                 dropout_p=0.0, seed=None, quant_dtype=None, quant_scale=None, quant_group=None,
+                 quant_scale_form="amax/max", quant_amax_min=None, quant_scale_min=None, quant_apply="div",
+                 quant_clamp=None, quant_scale_out="scale", return_norm=False):
     """Plain-PyTorch add-then-norm with the semantics of the module docstring: returns (y, s),
-    or (y, y1, s) with weight1.
+    or (y, y1, s) with weight1, or (q, scale, y or None, s) with quant_dtype.
 
     Same arguments as :func:`normfuse.add_norm` (dropout needs an explicit ``seed``). A plain
     norm (no residual and no mode) returns s=None, as does ``return_sum=False``. For an fp64
@@ -290,6 +387,10 @@ def add_norm_ref(x, residual=None, weight=None, bias=None, *, kind, eps, weight_
     y, s, _, _, y1 = add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
                                   norm_round_dtype, out_dtype, return_sum, round_sum_first, x1, rowscale, weight1,
                                   bias1, dropout_p, seed)
+    if quant_dtype is not None:
+        q, scale = quantize(y.detach(), quant_dtype, quant_scale, quant_group, quant_scale_form, quant_amax_min,
+                            quant_scale_min, quant_apply, quant_clamp, quant_scale_out)
+        return q, (quant_scale if scale is None else scale), (y if return_norm else None), s
     return (y, s) if weight1 is None else (y, y1, s)
 
 

@@ -10,6 +10,8 @@ add_norm's modes shard like x: x1 takes x's placement, rowscale (x.shape[:-1]) i
 and bias1 are replicated (their gradients partial, like weight's), the dropout seed is a
 replicated scalar. (Each rank draws the dropout mask of its local rows from the seed and the
 local row index, so ranks holding different rows draw the same pattern.)
+The quantization epilogue (add_norm_quant_fwd): q keeps x's placement, a per-row or per-group scale
+(x's row dims, then 1 or N // G) its row shard, and a static scale is replicated.
 Outputs shaped like x keep x's placement. The per-row statistics (mean, rstd) are flat
 ``(rows,)`` tensors: each rank holds its own rows' statistics, declared ``Shard(0)``.
 They are read only by the backward op, which is offered exactly the forward's sharding
@@ -85,9 +87,14 @@ _MODE_DEFAULTS = (True, None, None, None, None, 0.0, None)
 
 def _forward_rule(op: str):
     """Sharding function of add_norm_fwd / norm_add_fwd: (y, s|y, mean, rstd[, y1]) from
-    (x, residual, weight, bias, *scalars[, round_sum_first, x1, rowscale, weight1, bias1, dropout_p, seed])."""
+    (x, residual, weight, bias, *scalars[, round_sum_first, x1, rowscale, weight1, bias1, dropout_p, seed]);
+    of add_norm_quant_fwd: those, then (q_bits, scale) from (store_y, quant_dtype, quant_scale, ...)."""
+    quant = op == "add_norm_quant_fwd"
+
     def rule(x, residual, weight, bias, kind, *rest):
         from torch.distributed.tensor import Replicate
+        quant_args = rest[14:] if quant else ()
+        rest = rest[:14] if quant else rest
         scalars, modes = rest[:7], rest[7:]  # eps, weight_offset, residual_scale, 3 dtypes, store_*
         round_sum_first, x1, rowscale, weight1, bias1, dropout_p, seed = (*modes, *_MODE_DEFAULTS[len(modes):])
         for name, t in (("residual", residual), ("x1", x1)):
@@ -102,11 +109,17 @@ def _forward_rule(op: str):
             outs = [act, act if store_extra else Replicate(),
                     stats if kind == "layer_norm" else Replicate(), stats]
             ins = [act, None if residual is None else act, rep(weight), rep(bias)] + [None] * (1 + len(scalars))
-            if op == "add_norm_fwd":
+            if op != "norm_add_fwd":
                 outs.append(Replicate() if weight1 is None else act)
                 # rowscale's dims are x's row dims: a row shard of x is the same shard of it
                 ins += [None, None if x1 is None else act, None if rowscale is None else act, rep(weight1),
                         rep(bias1), None, rep(seed)][:len(modes)]
+            if quant:
+                # q like y; a scale per row or per group has y's row dims (a row shard is the same
+                # shard of it); a static scale is replicated (and the scale output then empty)
+                static = quant_args[2] is not None
+                outs += [act, Replicate() if static else act]
+                ins += [None, None, rep(quant_args[2])] + [None] * 7
             return outs, ins
         return _strategies(x, op, "x", layout)
     return rule
@@ -149,6 +162,7 @@ def register() -> bool:
     import normfuse.kernels.add_norm  # noqa: F401 - defines the ops
     ops = torch.ops.normfuse
     register_sharding(ops.add_norm_fwd.default)(_forward_rule("add_norm_fwd"))
+    register_sharding(ops.add_norm_quant_fwd.default)(_forward_rule("add_norm_quant_fwd"))
     register_sharding(ops.norm_add_fwd.default)(_forward_rule("norm_add_fwd"))
     register_sharding(ops.add_norm_bwd.default)(_backward_rule)
     _REGISTERED.append(True)

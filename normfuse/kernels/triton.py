@@ -16,6 +16,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from normfuse.kernels.reference import quant_scale_shape
+from normfuse.vocabulary import QUANT_APPLY, QUANT_SCALE_FORMS
+
 
 def cpu_requested() -> bool:
     """NORMFUSE_TRITON_CPU=1: run the Triton kernels on CPU tensors, under Triton's interpreter."""
@@ -130,7 +133,7 @@ if triton is not None:
                              ROUND_FIRST: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
                              STORE_Y: tl.constexpr, POST_ADD: tl.constexpr, SCALE_RESIDUAL: tl.constexpr):
         """y = round(OUT_DTYPE, n * w' + b) (n rounded first when ROUND_FIRST); then the post-add.
-        Returns n, for the second norm output."""
+        Returns n (for the second norm output) and y (for the quantization epilogue)."""
         if IS_RMS:
             n = u * rstd
         else:
@@ -150,7 +153,7 @@ if triton is not None:
             if SCALE_RESIDUAL:
                 r = _round(r.to(tl.float32) * residual_scale, R.dtype.element_ty)
             tl.store(S + s_off + cols, _round(r.to(tl.float32) + y.to(tl.float32), S.dtype.element_ty), mask=mask)
-        return n
+        return n, y
 
     @triton.jit
     def _store_second_norm(n, w1, b1, Y1, y1_off, cols, mask, HAS_B1: tl.constexpr, OUT_DTYPE: tl.constexpr):
@@ -161,17 +164,131 @@ if triton is not None:
         tl.store(Y1 + y1_off + cols, _round(y1, OUT_DTYPE), mask=mask)
 
     @triton.jit
+    def _fp8_bits(v, E5M2: tl.constexpr):
+        """torch's fp32 -> float8 conversion (c10's fp8e4m3fn/fp8e5m2_from_fp32_value) of v, as the
+        byte's bits in an int32: round to nearest even; e4m3fn saturates (+-inf too), e5m2 overflows
+        to +-inf, NaN stays NaN. By hand on every device: the interpreter's cast rounds ties the wrong
+        way and gives NaN past the range, the GPU's cvt (.satfinite) saturates e5m2 too, and sm80
+        has no fp8 cvt at all."""
+        bits = v.to(tl.int32, bitcast=True)
+        a = bits & 0x7FFFFFFF
+        if E5M2:
+            past = tl.where(a > 0x7F800000, 0x7F, 0x7C)       # NaN; +-inf from 65536 up
+            limit = 143 << 23                                  # 65536
+            smallest_normal = 113 << 23                        # 2^-14
+            # subnormals: the fp32 add rounds |v| to a multiple of 2^-16 (2^7's ulp)
+            sub = (tl.abs(v) + 128.0).to(tl.int32, bitcast=True) - (134 << 23)
+            normal = (a - (112 << 23) + 0xFFFFF + ((a >> 21) & 1)) >> 21
+        else:
+            past = tl.where(a > 0x7F800000, 0x7F, 0x7E)       # NaN; 448 from 480 up
+            limit = 1087 << 20                                 # 480
+            smallest_normal = 121 << 23                        # 2^-6
+            sub = (tl.abs(v) + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)
+            normal = (a - (120 << 23) + 0x7FFFF + ((a >> 20) & 1)) >> 20
+            normal = tl.where(normal == 0x7F, 0x7E, normal)   # [464, 480) rounds into NaN's code
+        r = tl.where(a >= limit, past, tl.where(a < smallest_normal, sub, normal))
+        return r | ((bits >> 24) & 0x80)
+
+    @triton.jit
+    def _abs_max_bits(v, mask, AXIS: tl.constexpr):
+        """The bits of max |v| along AXIS (an int32): exact, and NaN when any element is NaN (the bit
+        patterns of |v| order as the values do, NaN's above inf's; the GPU's float max drops NaN)."""
+        return tl.max(tl.where(mask, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0), axis=AXIS)
+
+    @triton.jit
+    def _dynamic_scale(amax, quant_max, amax_min, scale_min, SCALE_FORM: tl.constexpr,
+                       HAS_AMAX_MIN: tl.constexpr, HAS_SCALE_MIN: tl.constexpr):
+        """scale from amax, each step one IEEE fp32 operation (div_rn: Triton's "/" is approximate on
+        the GPU). The clamps keep NaN, as torch.clamp does."""
+        if HAS_AMAX_MIN:
+            amax = tl.where(amax < amax_min, amax_min, amax)
+        if SCALE_FORM == 0:    # amax / qmax
+            scale = tl.math.div_rn(amax, quant_max + tl.zeros_like(amax))
+        elif SCALE_FORM == 1:  # qmax / amax
+            scale = tl.math.div_rn(quant_max + tl.zeros_like(amax), amax)
+        else:                  # fp32(1 / amax) * qmax
+            scale = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax) * quant_max
+        if HAS_SCALE_MIN:
+            scale = tl.where(scale < scale_min, scale_min, scale)
+        return scale
+
+    @triton.jit
+    def _quant_bits(yf, scale, quant_clamp, QUANT_APPLY: tl.constexpr, HAS_CLAMP: tl.constexpr,
+                    E5M2: tl.constexpr):
+        """The fp8 bits of clamp(yf op scale) (op: 0 divide, 1 multiply, 2 multiply by fp32(1 / scale))."""
+        scale = scale + tl.zeros_like(yf)
+        if QUANT_APPLY == 0:
+            v = tl.math.div_rn(yf, scale)
+        elif QUANT_APPLY == 1:
+            v = yf * scale
+        else:
+            v = yf * tl.math.div_rn(tl.full(yf.shape, 1.0, tl.float32), scale)
+        if HAS_CLAMP:
+            v = tl.where(v < -quant_clamp, -quant_clamp, tl.where(v > quant_clamp, quant_clamp, v))
+        return _fp8_bits(v, E5M2)
+
+    @triton.jit
+    def _scale_out(scale, SCALE_RECIPROCAL: tl.constexpr):
+        if SCALE_RECIPROCAL:
+            scale = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+        return scale
+
+    @triton.jit
+    def _quantize_and_store(y, mask, row_ok, start, cols, N, Q, QS, SC, q_off, qs_off, quant_max, amax_min, scale_min,
+                            quant_clamp, QUANT_STATIC: tl.constexpr, QUANT_GROUP: tl.constexpr,
+                            SCALE_FORM: tl.constexpr, HAS_AMAX_MIN: tl.constexpr, HAS_SCALE_MIN: tl.constexpr,
+                            QUANT_APPLY: tl.constexpr, HAS_CLAMP: tl.constexpr, QUANT_E5M2: tl.constexpr,
+                            SCALE_RECIPROCAL: tl.constexpr, BLOCK_N: tl.constexpr):
+        """q of one block of y (columns start + [0, BLOCK_N)) with a static scale or one per group of
+        QUANT_GROUP columns (the scale stored too). A dynamic scale per row is _quantize_row's."""
+        yf = y.to(tl.float32)
+        if QUANT_STATIC:
+            bits = _quant_bits(yf, tl.load(SC).to(tl.float32), quant_clamp, QUANT_APPLY, HAS_CLAMP, QUANT_E5M2)
+            tl.store(Q + q_off + cols, bits.to(tl.uint8), mask=mask)
+        else:
+            GROUPS: tl.constexpr = BLOCK_N // QUANT_GROUP
+            y2 = tl.reshape(yf, (GROUPS, QUANT_GROUP))           # (groups, G)
+            mask2 = tl.reshape(mask, (GROUPS, QUANT_GROUP))
+            amax = _abs_max_bits(y2, mask2, 1).to(tl.float32, bitcast=True)
+            scale = _dynamic_scale(amax, quant_max, amax_min, scale_min, SCALE_FORM, HAS_AMAX_MIN, HAS_SCALE_MIN)
+            groups = tl.arange(0, GROUPS)
+            tl.store(QS + qs_off + start // QUANT_GROUP + groups, _scale_out(scale, SCALE_RECIPROCAL),
+                     mask=row_ok & (start + groups * QUANT_GROUP < N))
+            bits = _quant_bits(y2, scale[:, None], quant_clamp, QUANT_APPLY, HAS_CLAMP, QUANT_E5M2)
+            tl.store(Q + q_off + tl.reshape(cols, (GROUPS, QUANT_GROUP)), bits.to(tl.uint8), mask=mask2)
+
+    @triton.jit
+    def _quantize_row(y, mask, row_ok, cols, Q, QS, q_off, qs_off, quant_max, amax_min, scale_min, quant_clamp,
+                      SCALE_FORM: tl.constexpr, HAS_AMAX_MIN: tl.constexpr, HAS_SCALE_MIN: tl.constexpr,
+                      QUANT_APPLY: tl.constexpr, HAS_CLAMP: tl.constexpr, QUANT_E5M2: tl.constexpr,
+                      SCALE_RECIPROCAL: tl.constexpr):
+        """q of a row held in one block, with its own dynamic scale (stored too)."""
+        yf = y.to(tl.float32)
+        amax = _abs_max_bits(yf, mask, 0).to(tl.float32, bitcast=True)
+        scale = _dynamic_scale(amax, quant_max, amax_min, scale_min, SCALE_FORM, HAS_AMAX_MIN, HAS_SCALE_MIN)
+        tl.store(QS + qs_off, _scale_out(scale, SCALE_RECIPROCAL), mask=row_ok)
+        bits = _quant_bits(yf, scale, quant_clamp, QUANT_APPLY, HAS_CLAMP, QUANT_E5M2)
+        tl.store(Q + q_off + cols, bits.to(tl.uint8), mask=mask)
+
+    @triton.jit
     def _add_norm_fwd_kernel(
         X, R, W, B, Y, S, MEAN, RSTD,                        # S: the sum (pre: s; POST_ADD: out)
         X1, RS, W1, B1, Y1,                                  # add_norm's modes (dummies when off)
+        Q, QS, SC,                                           # fp8 bits of y, its scales, a static scale
         stride_x, stride_r, stride_y, stride_s, stride_x1, stride_y1,   # row strides, in elements
+        stride_q, stride_qs,
         n_rows, N, eps, weight_offset, residual_scale, rows_per_program, seed, dropout_p, dropout_scale,
+        quant_max, quant_amax_min, quant_scale_min, quant_clamp,
         SUM_DTYPE: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
         ROUND_FIRST: tl.constexpr, STORE_SUM: tl.constexpr, STORE_Y: tl.constexpr, POST_ADD: tl.constexpr,
         SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, HAS_X1: tl.constexpr,
         HAS_ROWSCALE: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-        BRANCH_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+        BRANCH_DTYPE: tl.constexpr,
+        QUANT: tl.constexpr, QUANT_E5M2: tl.constexpr, QUANT_STATIC: tl.constexpr, QUANT_GROUP: tl.constexpr,
+        SCALE_FORM: tl.constexpr, HAS_AMAX_MIN: tl.constexpr, HAS_SCALE_MIN: tl.constexpr,
+        QUANT_APPLY: tl.constexpr, HAS_CLAMP: tl.constexpr, SCALE_RECIPROCAL: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):
         """A row fits one block: one read of each input and one write of each output per row."""
         cols = tl.arange(0, BLOCK_N)
@@ -206,9 +323,19 @@ if triton is not None:
             tl.store(RSTD + row, rstd, mask=row < n_rows)
             if PARAMS_AFTER_STATS:
                 w, b = _load_params(W, B, cols, cols < N, weight_offset, HAS_WEIGHT, HAS_BIAS)
-            n = _normalize_and_store(u, mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s, row * stride_r,
-                                     cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS, ROUND_FIRST,
-                                     NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD, SCALE_RESIDUAL)
+            n, y = _normalize_and_store(u, mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s,
+                                        row * stride_r, cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS,
+                                        ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD, SCALE_RESIDUAL)
+            if QUANT:
+                if QUANT_STATIC or QUANT_GROUP > 0:
+                    _quantize_and_store(y, mask, row_ok, 0, cols, N, Q, QS, SC, row * stride_q, row * stride_qs,
+                                        quant_max, quant_amax_min, quant_scale_min, quant_clamp, QUANT_STATIC,
+                                        QUANT_GROUP, SCALE_FORM, HAS_AMAX_MIN, HAS_SCALE_MIN, QUANT_APPLY, HAS_CLAMP,
+                                        QUANT_E5M2, SCALE_RECIPROCAL, BLOCK_N)
+                else:
+                    _quantize_row(y, mask, row_ok, cols, Q, QS, row * stride_q, row * stride_qs, quant_max,
+                                  quant_amax_min, quant_scale_min, quant_clamp, SCALE_FORM, HAS_AMAX_MIN,
+                                  HAS_SCALE_MIN, QUANT_APPLY, HAS_CLAMP, QUANT_E5M2, SCALE_RECIPROCAL)
             if HAS_W1:
                 if PARAMS_AFTER_STATS:  # once y is written: four parameter blocks of these rows spill
                     w1, b1 = _load_params(W1, B1, cols, cols < N, weight_offset, HAS_W1, HAS_B1)
@@ -218,18 +345,26 @@ if triton is not None:
     def _add_norm_fwd_looped_kernel(
         X, R, W, B, Y, S, MEAN, RSTD,
         X1, RS, W1, B1, Y1,
+        Q, QS, SC,
         stride_x, stride_r, stride_y, stride_s, stride_x1, stride_y1,
+        stride_q, stride_qs,
         n_rows, N, eps, weight_offset, residual_scale, rows_per_program, seed, dropout_p, dropout_scale,
+        quant_max, quant_amax_min, quant_scale_min, quant_clamp,
         SUM_DTYPE: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
         ROUND_FIRST: tl.constexpr, STORE_SUM: tl.constexpr, STORE_Y: tl.constexpr, POST_ADD: tl.constexpr,
         SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, HAS_X1: tl.constexpr,
         HAS_ROWSCALE: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-        BRANCH_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+        BRANCH_DTYPE: tl.constexpr,
+        QUANT: tl.constexpr, QUANT_E5M2: tl.constexpr, QUANT_STATIC: tl.constexpr, QUANT_GROUP: tl.constexpr,
+        SCALE_FORM: tl.constexpr, HAS_AMAX_MIN: tl.constexpr, HAS_SCALE_MIN: tl.constexpr,
+        QUANT_APPLY: tl.constexpr, HAS_CLAMP: tl.constexpr, SCALE_RECIPROCAL: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):
         """Rows wider than one block: pass 1 accumulates the stats block by block (Chan's
         parallel mean/M2 update for layer_norm), pass 2 re-reads the row and writes (the
-        dropout mask is regenerated, not stored)."""
+        dropout mask is regenerated, not stored); a dynamic quantization scale per row takes a
+        third pass."""
         cols0 = tl.arange(0, BLOCK_N)
         zero = tl.sum(tl.zeros([BLOCK_N], dtype=tl.float32), axis=0)
         for i in range(rows_per_program):
@@ -263,6 +398,7 @@ if triton is not None:
             tl.store(RSTD + row, rstd, mask=row_ok)
             if not IS_RMS:
                 tl.store(MEAN + row, mean, mask=row_ok)
+            amax_bits = tl.sum(tl.zeros([BLOCK_N], dtype=tl.int32), axis=0)
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
                 mask = (cols < N) & row_ok
@@ -274,12 +410,46 @@ if triton is not None:
                                             dropout_scale, HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL,
                                             SUM_DTYPE, ROUND_SUM_FIRST, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BRANCH_DTYPE)
                 w, b = _load_params(W, B, cols, mask, weight_offset, HAS_WEIGHT, HAS_BIAS)
-                n = _normalize_and_store(u, mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s,
-                                         row * stride_r, cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS,
-                                         ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD, SCALE_RESIDUAL)
+                n, y = _normalize_and_store(u, mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s,
+                                            row * stride_r, cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS,
+                                            ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD,
+                                            SCALE_RESIDUAL)
                 if HAS_W1:
                     w1, b1 = _load_params(W1, B1, cols, mask, weight_offset, HAS_W1, HAS_B1)
                     _store_second_norm(n, w1, b1, Y1, row * stride_y1, cols, mask, HAS_B1, OUT_DTYPE)
+                if QUANT:
+                    if QUANT_STATIC or QUANT_GROUP > 0:  # a group lies within a block
+                        _quantize_and_store(y, mask, row_ok, start, cols, N, Q, QS, SC, row * stride_q,
+                                            row * stride_qs, quant_max, quant_amax_min, quant_scale_min, quant_clamp,
+                                            QUANT_STATIC, QUANT_GROUP, SCALE_FORM, HAS_AMAX_MIN, HAS_SCALE_MIN,
+                                            QUANT_APPLY, HAS_CLAMP, QUANT_E5M2, SCALE_RECIPROCAL, BLOCK_N)
+                    else:
+                        amax_bits = tl.maximum(amax_bits, _abs_max_bits(y.to(tl.float32), mask, 0))
+            if QUANT and not QUANT_STATIC and QUANT_GROUP == 0:
+                # a scale per row needs the whole row's amax: a third pass recomputes y (the same
+                # bits) and writes q
+                amax = amax_bits.to(tl.float32, bitcast=True)
+                scale = _dynamic_scale(amax, quant_max, quant_amax_min, quant_scale_min, SCALE_FORM, HAS_AMAX_MIN,
+                                       HAS_SCALE_MIN)
+                tl.store(QS + row * stride_qs, _scale_out(scale, SCALE_RECIPROCAL), mask=row_ok)
+                for start in range(0, N, BLOCK_N):
+                    cols = start + cols0
+                    mask = (cols < N) & row_ok
+                    if STORE_SUM and not POST_ADD and ROUND_SUM_FIRST:
+                        u = tl.load(S + row * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
+                    else:
+                        _, u = _load_norm_input(X, R, X1, RS, row, row_ok, row * stride_x, row * stride_r,
+                                                row * stride_x1, cols, mask, N, residual_scale, seed, dropout_p,
+                                                dropout_scale, HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL,
+                                                SUM_DTYPE, ROUND_SUM_FIRST, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT,
+                                                BRANCH_DTYPE)
+                    w, b = _load_params(W, B, cols, mask, weight_offset, HAS_WEIGHT, HAS_BIAS)
+                    _, y = _normalize_and_store(u, mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s,
+                                                row * stride_r, cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS,
+                                                IS_RMS, ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, False, False,
+                                                SCALE_RESIDUAL)
+                    bits = _quant_bits(y.to(tl.float32), scale, quant_clamp, QUANT_APPLY, HAS_CLAMP, QUANT_E5M2)
+                    tl.store(Q + row * stride_q + cols, bits.to(tl.uint8), mask=mask)
 
     @triton.jit
     def _row_grads(DY, DE, INP, DY1, w, w1, row, stride_dy, stride_de, stride_inp, stride_dy1, cols, mask, mean,
@@ -495,14 +665,16 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNTS[index]
 
 
-def _blocking(n_cols: int, element_size: int, backward: bool = False, two_norms: bool = False):
+def _blocking(n_cols: int, element_size: int, backward: bool = False, two_norms: bool = False,
+              quant: bool = False):
     """(BLOCK_N, num_warps, looped) for a row of n_cols elements, forward or backward.
     two_norms (a second weight set, y1): single pass up to half as many bytes, as the second
     parameter blocks (and their gradient accumulators) spilled at the top sizes (sm90, bf16:
-    forward N = 32768, backward N = 8192)."""
+    forward N = 32768, backward N = 8192). quant (the fp8 epilogue) likewise: the row's y, held
+    for its amax, spilled 136-152 B/thread at bf16 N = 32768 (sm90)."""
     block = triton.next_power_of_2(n_cols)
     limit = _MAX_FUSED_BYTES_BWD if backward else _MAX_FUSED_BYTES
-    looped = block * element_size > (limit // 2 if two_norms else limit)
+    looped = block * element_size > (limit // 2 if two_norms or quant else limit)
     if looped:
         block = _LOOP_BLOCK_BYTES // element_size
     return block, min(max(block // 256, 1), 16), looped
@@ -524,10 +696,37 @@ def _param(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.contiguous()
 
 
+_SCALE_FORMS = {form: i for i, form in enumerate(QUANT_SCALE_FORMS)}
+_QUANT_APPLY = {apply: i for i, apply in enumerate(QUANT_APPLY)}
+
+
+def _quant_launch_args(quant: Optional[dict], dummy: Tensor) -> dict:
+    """The quantization epilogue's kernel arguments (all off without ``quant``). ``quant``: q (the
+    (M, N) uint8 view of the fp8 output), scale (the (M, 1 or N // G) fp32 output, None for a static
+    scale), and the op's quant_* arguments without their prefix."""
+    if quant is None:
+        return dict(Q=dummy, QS=dummy, SC=dummy, stride_q=0, stride_qs=0, quant_max=0.0, quant_amax_min=0.0,
+                    quant_scale_min=0.0, quant_clamp=0.0, QUANT=False, QUANT_E5M2=False, QUANT_STATIC=False,
+                    QUANT_GROUP=0, SCALE_FORM=0, HAS_AMAX_MIN=False, HAS_SCALE_MIN=False, QUANT_APPLY=0,
+                    HAS_CLAMP=False, SCALE_RECIPROCAL=False)
+    static, scale = quant["static"], quant["scale"]
+    return dict(
+        Q=quant["q"], QS=dummy if scale is None else scale, SC=dummy if static is None else static,
+        stride_q=quant["q"].stride(0), stride_qs=0 if scale is None else scale.stride(0),
+        quant_max=torch.finfo(quant["dtype"]).max, quant_amax_min=float(quant["amax_min"] or 0.0),
+        quant_scale_min=float(quant["scale_min"] or 0.0), quant_clamp=float(quant["clamp"] or 0.0),
+        QUANT=True, QUANT_E5M2=quant["dtype"] == torch.float8_e5m2, QUANT_STATIC=static is not None,
+        QUANT_GROUP=quant["group"] or 0, SCALE_FORM=_SCALE_FORMS[quant["scale_form"]],
+        HAS_AMAX_MIN=quant["amax_min"] is not None, HAS_SCALE_MIN=quant["scale_min"] is not None,
+        QUANT_APPLY=_QUANT_APPLY[quant["apply"]], HAS_CLAMP=quant["clamp"] is not None,
+        SCALE_RECIPROCAL=quant["scale_out"] == "reciprocal")
+
+
 def _launch_fwd(x, residual, weight, bias, y, s, kind, eps, weight_offset, residual_scale, sum_dtype,
                 norm_round_dtype, out_dtype, store_sum, store_y, post_add, round_sum_first=True, x1=None,
-                rowscale=None, weight1=None, bias1=None, y1=None, dropout_p=0.0, seed=None):
-    """Shared by both orders; y, s and y1 are (M, N) outputs or None when not stored."""
+                rowscale=None, weight1=None, bias1=None, y1=None, dropout_p=0.0, seed=None, quant=None):
+    """Shared by both orders; y, s and y1 are (M, N) outputs or None when not stored; quant: the
+    quantization epilogue's outputs and options (``_quant_launch_args``)."""
     n_cols = x.shape[-1]
     x2, r2, x12 = _rows_2d(x, n_cols), _rows_2d(residual, n_cols), _rows_2d(x1, n_cols)
     n_rows = x2.shape[0]
@@ -537,7 +736,9 @@ def _launch_fwd(x, residual, weight, bias, y, s, kind, eps, weight_offset, resid
     if n_rows == 0:
         return mean, rstd
     widest = max(t.element_size() for t in (x, s, x1) if t is not None)
-    block, num_warps, looped = _blocking(n_cols, widest, two_norms=weight1 is not None)
+    block, num_warps, looped = _blocking(n_cols, widest, two_norms=weight1 is not None, quant=quant is not None)
+    if looped and quant is not None and (quant["group"] or 0) > block:
+        block = quant["group"]  # a quantization group lies within one block of the loop
     rows_per_program = min(max(triton.cdiv(n_rows, 8 * _sm_count(x.device)), 1),
                            max(1, _MULTI_ROW_MAX_BLOCK // block))
     grid = (triton.cdiv(n_rows, rows_per_program),)
@@ -555,9 +756,10 @@ def _launch_fwd(x, residual, weight, bias, y, s, kind, eps, weight_offset, resid
         x2, ptr(r2), ptr(_param(weight)), ptr(_param(bias)), ptr(y), ptr(s), mean if kind == "layer_norm" else dummy,
         rstd, ptr(x12), ptr(None if rowscale is None else rowscale.reshape(-1).contiguous()), ptr(_param(weight1)),
         ptr(_param(bias1)), ptr(y1),
-        x2.stride(0), stride(r2), stride(y), stride(s), stride(x12), stride(y1),
-        n_rows, n_cols, eps, weight_offset, residual_scale, rows_per_program,
-        int(seed) if has_dropout else 0, dropout_p, 1.0 / (1.0 - dropout_p),
+        stride_x=x2.stride(0), stride_r=stride(r2), stride_y=stride(y), stride_s=stride(s), stride_x1=stride(x12),
+        stride_y1=stride(y1), n_rows=n_rows, N=n_cols, eps=eps, weight_offset=weight_offset,
+        residual_scale=residual_scale, rows_per_program=rows_per_program, seed=int(seed) if has_dropout else 0,
+        dropout_p=dropout_p, dropout_scale=1.0 / (1.0 - dropout_p), **_quant_launch_args(quant, dummy),
         SUM_DTYPE=TL_DTYPES[sum_dtype], NORM_ROUND_DTYPE=TL_DTYPES[norm_round_dtype or out_dtype],
         OUT_DTYPE=TL_DTYPES[out_dtype], HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, IS_RMS=kind == "rms_norm", ROUND_FIRST=norm_round_dtype is not None,
@@ -582,6 +784,31 @@ def add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_s
                              sum_dtype, norm_round_dtype, out_dtype, store_sum, True, False, round_sum_first, x1,
                              rowscale, weight1, bias1, rows(y1), dropout_p, seed)
     return y, s, mean, rstd, y1
+
+
+def add_norm_quant_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
+                       norm_round_dtype, out_dtype, store_sum, round_sum_first, x1, rowscale, weight1, bias1,
+                       dropout_p, seed, store_y, quant_dtype, quant_scale, quant_group, quant_scale_form,
+                       quant_amax_min, quant_scale_min, quant_apply, quant_clamp, quant_scale_out):
+    n_cols = x.shape[-1]
+    y = x.new_empty(x.shape, dtype=out_dtype) if store_y else None
+    s = x.new_empty(x.shape, dtype=sum_dtype) if store_sum else None
+    y1 = x.new_empty(x.shape, dtype=out_dtype) if weight1 is not None else None
+    q = x.new_empty(x.shape, dtype=quant_dtype)
+    scale = None
+    if quant_scale is None:
+        scale = x.new_empty(quant_scale_shape(x.shape, quant_group), dtype=torch.float32)
+
+    def rows(t):
+        return None if t is None else t.view(-1, t.shape[-1])
+    quant = dict(q=rows(q.view(torch.uint8)), scale=rows(scale),
+                 static=None if quant_scale is None else quant_scale.reshape(1).to(torch.float32),
+                 dtype=quant_dtype, group=quant_group, scale_form=quant_scale_form, amax_min=quant_amax_min,
+                 scale_min=quant_scale_min, apply=quant_apply, clamp=quant_clamp, scale_out=quant_scale_out)
+    mean, rstd = _launch_fwd(x, residual, weight, bias, rows(y), rows(s), kind, eps, weight_offset, residual_scale,
+                             sum_dtype, norm_round_dtype, out_dtype, store_sum, store_y, False, round_sum_first, x1,
+                             rowscale, weight1, bias1, rows(y1), dropout_p, seed, quant)
+    return y, s, mean, rstd, y1, q, scale
 
 
 def norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, norm_round_dtype, out_dtype,
