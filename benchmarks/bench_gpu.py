@@ -9,7 +9,8 @@ Forward and backward of each fused op against its peers, on M x N rows:
 * normfuse: ``add_norm`` (``F.rms_norm`` semantics, and HF Llama's "round, then * w").
 
 M in {4096, 16384, 65536} tokens, N in {768, ..., 16384}, bf16 and fp32. Then the kernel
-modes (x1, rowscale, dropout, a second norm) against the eager ops they replace. Each time is the
+modes (x1, rowscale, dropout, a second norm) against the eager ops they replace, and add + RMSNorm +
+fp8 quantization (per token, per group of 128, static) against eager and compiled quantization. Each time is the
 median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``; plain ``do_bench``
 where capture fails), so Python overhead is not counted; GB/s counts the bytes a fused
 kernel must move (forward: read x, r, write y, s; backward: read dy, ds, s, write dx),
@@ -276,6 +277,87 @@ def modes(toy: bool) -> list[dict]:
     return rows
 
 
+# the fp8 epilogue: (add_norm options, the eager quantization of y) per mode, e4m3
+def _quant_eager(group=None, static=None, apply="div", torchao=False):
+    def quantize(y):
+        yf = y.float() if group is None else y.float().unflatten(-1, (y.shape[-1] // group, group))
+        if static is not None:
+            scale = static
+        else:
+            amax = yf.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+            scale = 448.0 / amax if torchao else amax / 448.0
+        v = yf / scale if apply == "div" else yf * scale
+        q = v.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).reshape(y.shape)
+        return q, (scale.reciprocal() if torchao else scale)
+    return quantize
+
+
+QUANT_MODES = {  # name: (add_norm options given the static scale, eager quantization given it)
+    "per-token amax/448, div": (lambda sc: dict(quant_amax_min=1e-12, quant_clamp=448.0),
+                                lambda sc: _quant_eager()),
+    "per-token torchao 448/amax, mul": (
+        lambda sc: dict(quant_amax_min=1e-12, quant_scale_form="max*(1/amax)", quant_apply="mul",
+                        quant_clamp=448.0, quant_scale_out="reciprocal"),
+        lambda sc: _quant_eager(apply="mul", torchao=True)),
+    "per-group 128": (lambda sc: dict(quant_group=128, quant_amax_min=1e-12, quant_clamp=448.0),
+                      lambda sc: _quant_eager(group=128)),
+    "static, div": (lambda sc: dict(quant_scale=sc, quant_clamp=448.0), lambda sc: _quant_eager(static=sc)),
+    "static, mul": (lambda sc: dict(quant_scale=sc, quant_apply="mul", quant_clamp=448.0),
+                    lambda sc: _quant_eager(static=sc, apply="mul")),
+}
+
+
+def quant_modes(toy: bool) -> list[dict]:
+    """add + RMSNorm + fp8 quantization (e4m3, bf16 activations), forward (serving): normfuse's one
+    kernel against the eager ops it replaces (the add, F.rms_norm, then amax / scale / divide / clamp
+    / cast), against ``torch.compile`` of those, and against normfuse's add_norm followed by the
+    same quantization in eager ops. GB/s counts what the fused kernel must move: read x and r, write
+    s, q (1 byte) and the fp32 scales."""
+    device = "cuda" if CUDA else "cpu"
+    shapes = [(8, 256)] if toy else [(4096, 4096), (16384, 4096), (16384, 8192), (65536, 8192)]
+    compile_backend = "inductor" if CUDA else "aot_eager"
+    rows = []
+    for mode, (options, eager_quant) in QUANT_MODES.items():
+        for m, n in shapes:
+            g = torch.Generator(device=device).manual_seed(0)
+            x, r = (torch.randn(m, n, device=device, dtype=torch.bfloat16, generator=g) for _ in range(2))
+            w = torch.randn(n, device=device, dtype=torch.bfloat16, generator=g)
+            static = torch.tensor([0.02], device=device)
+            opts, quantize = options(static), eager_quant(static)
+
+            def fused():
+                q, scale, _, s = add_norm(x, r, w, kind="rms_norm", eps=EPS, quant_dtype=torch.float8_e4m3fn, **opts)
+                return q, scale, s
+
+            def eager():
+                y, s = _eager_rms(x, r, w, None)
+                return (*quantize(y), s)
+
+            def fused_then_eager_quant():
+                y, s = add_norm(x, r, w, kind="rms_norm", eps=EPS)
+                return (*quantize(y), s)
+            providers = {"normfuse add_norm+quant": fused, "eager": eager,
+                         "compile eager": torch.compile(eager, backend=compile_backend),
+                         "normfuse add_norm, eager quant": fused_then_eager_quant}
+            scales = 0 if "static" in mode else m * (n // 128 if "group" in mode else 1)
+            moved = 3 * m * n * 2 + m * n + 4 * scales
+            row = {"mode": mode, "M": m, "N": n, "bytes": moved}
+            for name, fn in providers.items():
+                try:
+                    with torch.no_grad():
+                        ms, _ = _time_ms(fn, toy)
+                    row[f"{name}_ms"], row[f"{name}_GBps"] = ms, moved / (ms * 1e-3) / 1e9
+                except Exception as error:  # noqa: BLE001 - one provider failing must not end the run
+                    row[f"{name}_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+            for name in providers:
+                if f"{name}_ms" in row and "normfuse add_norm+quant_ms" in row and name != "normfuse add_norm+quant":
+                    row[f"x_vs_{name}"] = row[f"{name}_ms"] / row["normfuse add_norm+quant_ms"]
+            rows.append(row)
+            print(f"  quant {mode} M={m} N={n}: " + ", ".join(
+                f"{k[:-5]} {v:.0f} GB/s" for k, v in row.items() if k.endswith("_GBps")), flush=True)
+    return rows
+
+
 def llama_block(toy: bool) -> list[dict]:
     """One HF llama decoder block (inside LlamaModel, 1 layer) forward+backward."""
     import copy
@@ -366,6 +448,7 @@ def main(argv=None) -> dict:
         block = llama_block(args.toy)
     if time.perf_counter() - t_start < args.budget_s + 120:
         mode_rows = modes(args.toy)
+    quant_rows = quant_modes(args.toy) if time.perf_counter() - t_start < args.budget_s + 180 else []
     ours = [r for r in rows if r["provider"] == "normfuse" and "fwd_ms" in r]
     big = [r for r in ours if r["N"] >= 1024 and r["M"] >= 16384]
     verdict = {
@@ -383,8 +466,11 @@ def main(argv=None) -> dict:
         write_csv(out / "gpu_llama_block.csv", block)
     if mode_rows:
         write_csv(out / "gpu_modes.csv", mode_rows)
+    if quant_rows:
+        write_csv(out / "gpu_quant.csv", quant_rows)
+    verdict["min_quant_x_vs_eager"] = min((r["x_vs_eager"] for r in quant_rows if "x_vs_eager" in r), default=None)
     write_json(out / "gpu.json", {"machine": machine(), "verdict": verdict, "rows": rows, "llama_block": block,
-                                  "modes": mode_rows})
+                                  "modes": mode_rows, "quant": quant_rows})
 
     def draw(ax):
         for prov in sorted({r["provider"] for r in rows if r["op"] == "rms" and r["dtype"] == "bfloat16"}):

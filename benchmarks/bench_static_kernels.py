@@ -13,9 +13,9 @@ backward), is compiled for ``GPUTarget("cuda", 90, 32)``, ``("cuda", 80, 32)`` a
   was computed from. 1.0 means the tensor is read (written) exactly once per row.
 
 Targets: no spills in single-pass configurations up to N = 32768 in bf16; the forward
-reads each input once and writes each output once per row.
+reads each input once and writes each output once per row (the fp8 epilogue: q once, as bytes).
 
-    python benchmarks/bench_static_kernels.py [--toy] [--targets cuda90 cuda80 gfx942]
+    python benchmarks/bench_static_kernels.py [--toy] [--targets cuda90 cuda80 gfx942] [--ops quant]
 """
 
 from __future__ import annotations
@@ -53,10 +53,13 @@ TARGETS = {"cuda90": GPUTarget("cuda", 90, 32), "cuda80": GPUTarget("cuda", 80, 
 NS = [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
 DTYPES = {"fp32": (torch.float32, tl.float32), "fp16": (torch.float16, tl.float16),
           "bf16": (torch.bfloat16, tl.bfloat16)}
-FLOAT_ARGS = {"eps", "weight_offset", "residual_scale", "dropout_p", "dropout_scale"}
+FLOAT_ARGS = {"eps", "weight_offset", "residual_scale", "dropout_p", "dropout_scale", "quant_max", "quant_amax_min",
+              "quant_scale_min", "quant_clamp"}
 INT64_ARGS = {"seed"}  # the dropout seed: up to 2**62
 INT_ARGS = {"N"}  # the kernels name pointers in capitals; N is the one capital integer
-STAT_PTRS = {"MEAN", "RSTD", "DW_PART", "DB_PART", "DW1_PART", "DB1_PART"}  # fp32: per-row stats, dw/db partials
+STAT_PTRS = {"MEAN", "RSTD", "DW_PART", "DB_PART", "DW1_PART", "DB1_PART",  # fp32: per-row stats, dw/db partials,
+             "QS", "SC"}                                                    # quantization scales
+BYTE_PTRS = {"Q"}  # the fp8 output, written as its bytes
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
@@ -76,8 +79,18 @@ class Op:
     dtype_args: tuple = field(default=())  # constexpr dtype arguments, set to the op's dtype
 
 
-# add_norm's modes (x1, rowscale, weight1/bias1, dropout), off unless an op turns them on
-NO_MODES = dict(HAS_X1=False, HAS_ROWSCALE=False, HAS_W1=False, HAS_B1=False, HAS_DROPOUT=False)
+# add_norm's modes (x1, rowscale, weight1/bias1, dropout) and its fp8 epilogue, off unless an op turns them on
+NO_QUANT = dict(QUANT=False, QUANT_E5M2=False, QUANT_STATIC=False, QUANT_GROUP=0, SCALE_FORM=0, HAS_AMAX_MIN=False,
+                HAS_SCALE_MIN=False, QUANT_APPLY=0, HAS_CLAMP=False, SCALE_RECIPROCAL=False)
+NO_MODES = dict(HAS_X1=False, HAS_ROWSCALE=False, HAS_W1=False, HAS_B1=False, HAS_DROPOUT=False, **NO_QUANT)
+# y = F.rms_norm(x + r, w) quantized to e4m3 (y itself not stored: the next linear reads q)
+QUANT_RMS = dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=False, IS_RMS=True, ROUND_FIRST=False, STORE_SUM=True,
+                 STORE_Y=False, POST_ADD=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, HAS_X1=False,
+                 HAS_ROWSCALE=False, HAS_W1=False, HAS_B1=False, HAS_DROPOUT=False)
+
+
+def _quant(**flags) -> dict:
+    return dict(QUANT_RMS, **dict(NO_QUANT, QUANT=True, HAS_CLAMP=True, **flags))
 NO_MODES_BWD = dict(HAS_DY1=False, HAS_B1=False, HAS_DX1=False, HAS_ROWSCALE=False, HAS_DROPOUT=False)
 FWD_DTYPES = ("SUM_DTYPE", "NORM_ROUND_DTYPE", "OUT_DTYPE", "BRANCH_DTYPE")
 
@@ -110,12 +123,20 @@ OPS = [
     Op("add_layer_norm + x1, rowscale, dropout, weight1/bias1", False,
        dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=True, IS_RMS=False, ROUND_FIRST=False, STORE_SUM=True,
             STORE_Y=True, POST_ADD=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, HAS_X1=True,
-            HAS_ROWSCALE=True, HAS_W1=True, HAS_B1=True, HAS_DROPOUT=True), ("X", "R", "X1"), ("Y", "S", "Y1"),
-       FWD_DTYPES),
+            HAS_ROWSCALE=True, HAS_W1=True, HAS_B1=True, HAS_DROPOUT=True, **NO_QUANT), ("X", "R", "X1"),
+       ("Y", "S", "Y1"), FWD_DTYPES),
     Op("add_layer_norm + modes backward", True,
        dict(HAS_DEXTRA=True, HAS_WEIGHT=True, HAS_BIAS=True, HAS_DRES=True, IS_RMS=False, POST_ADD=False,
             HAS_DY1=True, HAS_B1=True, HAS_DX1=True, HAS_ROWSCALE=True, HAS_DROPOUT=True),
        ("DY", "DE", "INP", "DY1"), ("DX", "DRES", "DX1")),
+    # the fp8 epilogue (vLLM/FlashInfer's add + RMSNorm + quant): a dynamic scale per token, one per
+    # group of 128 columns, a static scale
+    Op("add_rms_norm + fp8 quant, scale per row", False, _quant(HAS_AMAX_MIN=True), ("X", "R"), ("S", "Q"),
+       FWD_DTYPES),
+    Op("add_rms_norm + fp8 quant, scale per group of 128", False, _quant(QUANT_GROUP=128, HAS_AMAX_MIN=True),
+       ("X", "R"), ("S", "Q"), FWD_DTYPES),
+    Op("add_rms_norm + fp8 quant, static scale", False, _quant(QUANT_STATIC=True), ("X", "R"), ("S", "Q"),
+       FWD_DTYPES),
 ]
 
 
@@ -148,7 +169,8 @@ def source(op: Op, dtype: str, block: int, looped: bool) -> ASTSource:
         elif name in INT64_ARGS:
             signature[name] = "i64"
         elif _is_pointer(name):
-            signature[name] = "*fp32" if name in STAT_PTRS else f"*{_ptr_type(tl_dtype)}"
+            signature[name] = ("*fp32" if name in STAT_PTRS else "*u8" if name in BYTE_PTRS
+                               else f"*{_ptr_type(tl_dtype)}")
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "i32"
@@ -264,7 +286,8 @@ def configurations(ns: list[int], dtypes: list[str]):
             size = DTYPES[dtype][0].itemsize
             for n in ns:
                 two_norms = op.flags.get("HAS_W1", False) or op.flags.get("HAS_DY1", False)
-                block, warps, looped = K._blocking(n, size, backward=op.backward, two_norms=two_norms)
+                block, warps, looped = K._blocking(n, size, backward=op.backward, two_norms=two_norms,
+                                                   quant=op.flags.get("QUANT", False))
                 key = (op.name, dtype, block, warps, looped)
                 yield op, dtype, n, block, warps, looped, key in seen
                 seen.add(key)
@@ -286,7 +309,7 @@ def compile_one(op: Op, dtype: str, block: int, warps: int, looped: bool, target
             if name in STAT_PTRS or name == "?":
                 row[f"{name}_ld_st_instr"] = f"{rec['loads']}/{rec['stores']}"
                 continue
-            per_row = block * elem  # one pass over a row block, all threads together
+            per_row = block * (1 if name in BYTE_PTRS else elem)  # one pass over a row block, all threads
             if rec["load_bytes"]:
                 row[f"ld_{name}"] = rec["load_bytes"] * threads / per_row
             if rec["store_bytes"]:
@@ -324,11 +347,15 @@ def check(row: dict, op: Op) -> list[str]:
 def main(argv=None) -> dict:
     args = parse_args(__doc__.splitlines()[0], argv, lambda p: (
         p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS)),
-        p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))))
+        p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES)),
+        p.add_argument("--ops", nargs="+", default=None, metavar="WORD",
+                       help="only the ops whose name contains one of these words (e.g. quant)")))
     if args.toy:
         ns, dtypes, targets, ops = [1024], ["bf16"], ["cuda90", "gfx942"], OPS[:1] + OPS[4:5]
     else:
         ns, dtypes, targets, ops = NS, args.dtypes, args.targets, OPS
+    if args.ops:
+        ops = [op for op in ops if any(word in op.name for word in args.ops)]
     rows, compiled = [], {}
     t_start = time.perf_counter()
     for op, dtype, n, block, warps, looped, duplicate in configurations(ns, dtypes):
@@ -371,7 +398,7 @@ def main(argv=None) -> dict:
         ax.legend(fontsize=6)
     save_plot(args.out / "static_kernels.png", draw)
     cols = ["op", "dtype", "N", "target", "BLOCK_N", "warps", "looped", "regs", "local", "shared", "occupancy",
-            "ld_X", "ld_R", "st_Y", "st_S", "ld_DY", "ld_INP", "st_DX", "problems"]
+            "ld_X", "ld_R", "st_Y", "st_S", "st_Q", "ld_DY", "ld_INP", "st_DX", "problems"]
     print(markdown_table([r for r in rows if r["target"] == "cuda90" and r["dtype"] == "bf16"], cols))
     print("verdict:", {k: v for k, v in verdict.items() if k != "problems"})
     for p in verdict["problems"][:40]:
