@@ -10,7 +10,7 @@ import torch
 
 __all__ = ["KINDS", "PLACEMENTS", "FORMS", "FUSED_OPS", "KERNEL_DTYPES", "CONVERTED_META", "FINAL_META",
            "GRAPH_META", "LAYOUT_META", "FOLDED_META", "ROWS_META", "QUANT_DTYPES", "QUANT_SCALE_FORMS",
-           "QUANT_APPLY", "QUANT_SCALE_OUT"]
+           "QUANT_APPLY", "QUANT_SCALE_OUT", "GATE_POSITIONS", "GATE_ACTIVATIONS"]
 
 # what a norm computes
 KINDS = ("layer_norm", "rms_norm")
@@ -45,3 +45,7 @@ QUANT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 QUANT_SCALE_FORMS = ("amax/max", "max/amax", "max*(1/amax)")
 QUANT_APPLY = ("div", "mul", "mul_reciprocal")
 QUANT_SCALE_OUT = ("scale", "reciprocal")
+
+# the gated norms of add_norm (normfuse/kernels/reference.py): where the gate multiplies, and by what
+GATE_POSITIONS = ("before", "after")
+GATE_ACTIVATIONS = ("silu", "sigmoid")

@@ -8,6 +8,7 @@ module, the functions users and the rewritten graphs call::
     add_norm(x, residual, weight, bias, kind=..., eps=..., ...)  -> (y, s)     # y = norm(x + r), s = x + r
     add_norm(..., weight1=w1)                                    -> (y, y1, s) # y1 = norm(s) with w1
     add_norm(..., quant_dtype=torch.float8_e4m3fn)               -> (q, scale, y or None, s)  # q = fp8(y / scale)
+    add_norm(..., gate=z, gate_position="before", norm_group=G)  -> (y, s)     # gated norms (Mamba2, Qwen3-Next)
     norm_add(x, residual, weight, bias, kind=..., eps=..., ...)  -> (out, y)   # out = r + norm(x)
 
 with the shorthands ``add_rms_norm``, ``add_layer_norm``, ``rms_norm_add``,
@@ -21,7 +22,8 @@ import functools
 import torch
 
 from normfuse.errors import InvalidOptionError
-from normfuse.kernels.ops import _grad_needed, forward_for, seed_tensor, validate, validate_modes, validate_quant
+from normfuse.kernels.ops import (_grad_needed, forward_for, seed_tensor, validate, validate_gate, validate_modes,
+                                  validate_quant)
 from normfuse.kernels.reference import (KINDS, SUPPORTED_DTYPES, add_norm_bwd_ref, add_norm_dtypes,
                                         add_norm_ref, norm_add_dtypes, norm_add_ref)
 from normfuse.kernels.reference import has_sum as has_sum_of
@@ -58,7 +60,8 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
              sum_dtype=None, norm_round_dtype=None, out_dtype=None, return_sum=True, round_sum_first=True,
              x1=None, rowscale=None, weight1=None, bias1=None, dropout_p=0.0, generator=None, seed=None,
              quant_dtype=None, quant_scale=None, quant_group=None, quant_scale_form="amax/max", quant_amax_min=None,
-             quant_scale_min=None, quant_apply="div", quant_clamp=None, quant_scale_out="scale", return_norm=False):
+             quant_scale_min=None, quant_apply="div", quant_clamp=None, quant_scale_out="scale", return_norm=False,
+             gate=None, gate_position="before", gate_activation="silu", norm_group=None, gate_out_dtype=None):
     """Fused ``s = x + residual_scale * residual; y = norm(s)``: returns (y, s), or (y, y1, s)
     with weight1, or (q, scale, y or None, s) with quant_dtype.
 
@@ -107,6 +110,15 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
     ("mul_reciprocal"). quant_clamp: clamp to [-c, c] before the cast (without it the cast itself
     saturates e4m3fn and overflows e5m2 to inf, as torch's does). quant_scale_out: return the scale
     ("scale") or its reciprocal ("reciprocal": the dequantization scale torchao passes on).
+
+    Gated norms (Mamba2 / NemotronH, Qwen3-Next, Kimi-Linear; the exact rounding points are in
+    normfuse.kernels.reference): gate, x's shape, multiplies by act(gate) in fp32 (gate_activation
+    "silu" or "sigmoid") either the norm input ("before": Mamba2's MambaRMSNormGated, then the norm of
+    the unrounded product) or the norm output ("after": y0 rounded as usual, then
+    round(gate_out_dtype, y0 * act(gate)); gate_out_dtype defaults to out_dtype). norm_group: the
+    statistics of each group of norm_group contiguous columns (Mamba2's group_size; the weight stays
+    per column), with or without a gate. Differentiable in x, residual, weight, bias and gate. Not
+    with weight1 or quant_dtype.
     """
     validate(x, residual, weight, bias, kind, eps,
              {"sum_dtype": sum_dtype, "norm_round_dtype": norm_round_dtype, "out_dtype": out_dtype})
@@ -118,7 +130,10 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
         seed = None  # p = 0 draws nothing
     sum_dtype, out_dtype = add_norm_dtypes(x, residual, weight, sum_dtype, norm_round_dtype, out_dtype, x1)
     has_sum = has_sum_of(residual, x1, rowscale, dropout_p)
-    modes = tuple(t for t in (x1, rowscale, weight1, bias1, seed) if t is not None)
+    if gate is not None or norm_group is not None:
+        validate_gate(x, gate, gate_position, gate_activation, norm_group, gate_out_dtype, weight1, quant_dtype)
+        norm_group = None if norm_group == x.shape[-1] else norm_group  # one group: the whole row
+    modes = tuple(t for t in (x1, rowscale, weight1, bias1, seed, gate) if t is not None)
     store_sum = has_sum and (return_sum or _grad_needed(x, residual, weight, bias, *modes))
     if quant_dtype is not None:
         validate_quant(x, quant_dtype, quant_scale, quant_group, quant_scale_form, quant_amax_min, quant_scale_min,
@@ -137,9 +152,11 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
         return (q, quant_scale if quant_scale is not None else scale, y if return_norm else None,
                 s if has_sum and return_sum else None)
     forward = forward_for("add_norm_fwd", x, residual, weight, bias, *modes)
+    gated = () if gate is None and norm_group is None else (gate, gate_position, gate_activation, norm_group,
+                                                            gate_out_dtype)
     y, s, _, _, y1 = forward(x, residual, weight, bias, kind, float(eps), float(weight_offset),
                              float(residual_scale), sum_dtype, norm_round_dtype, out_dtype, store_sum,
-                             bool(round_sum_first), x1, rowscale, weight1, bias1, dropout_p, seed)
+                             bool(round_sum_first), x1, rowscale, weight1, bias1, dropout_p, seed, *gated)
     s = s if has_sum and return_sum else None
     return (y, s) if weight1 is None else (y, y1, s)
 

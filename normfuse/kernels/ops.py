@@ -7,6 +7,9 @@ Which path a call runs (decided here, in ``forward_for`` and ``_backend``, nowhe
 | functional API, eager (not traced)     | plain CPU tensors, NORMFUSE_TRITON_CPU off | reference, directly    |
 | the custom op (traced calls: dynamo,   | CUDA/ROCm; CPU with NORMFUSE_TRITON_CPU=1  | Triton (``triton.py``) |
 | AOT, export; subclasses; direct calls) | anything else (CPU, fp64, no triton)       | reference              |
+|                                        | norm_group not a power of two (any device) | reference              |
+
+(The Triton kernels take a group of the statistics as a power-of-two reshape of the row block.)
 
 The first row exists for speed: the custom-op dispatcher's Python wrapper costs
 ~100 us a call (as much as a whole small norm on CPU), and custom ops may not
@@ -44,10 +47,11 @@ from normfuse.errors import InvalidOptionError, ShapeMismatchError, UnsupportedD
 from normfuse.kernels import reference
 from normfuse.kernels import triton as triton_backend
 from normfuse.kernels.reference import CPU_ONLY_DTYPES, KINDS, SUPPORTED_DTYPES, acc_dtype, quant_scale_shape
-from normfuse.vocabulary import QUANT_APPLY, QUANT_DTYPES, QUANT_SCALE_FORMS, QUANT_SCALE_OUT
+from normfuse.vocabulary import (GATE_ACTIVATIONS, GATE_POSITIONS, QUANT_APPLY, QUANT_DTYPES, QUANT_SCALE_FORMS,
+                                 QUANT_SCALE_OUT)
 
 __all__ = ["add_norm_fwd", "add_norm_quant_fwd", "norm_add_fwd", "add_norm_bwd", "dropout_keep_mask", "validate",
-           "validate_modes", "validate_quant", "forward_for"]
+           "validate_modes", "validate_quant", "validate_gate", "forward_for"]
 
 
 # --------------------------------------------------------------------------------------
@@ -208,6 +212,43 @@ def validate_quant(x, quant_dtype, quant_scale, quant_group, quant_scale_form, q
                                      f"quant_group=None for one scale per row.")
 
 
+def validate_gate(x, gate, gate_position, gate_activation, norm_group, gate_out_dtype, weight1, quant_dtype) -> None:
+    """The checks of add_norm's gated norm (gate) and grouped statistics (norm_group)."""
+    if gate is None and norm_group is None:
+        return
+    if gate is not None:
+        if not isinstance(gate, Tensor):
+            raise InvalidOptionError(f"gate must be a tensor of x's shape or None; got {_describe(gate)}.")
+        if gate.shape != x.shape:
+            raise ShapeMismatchError(f"gate has shape {tuple(gate.shape)} but x has shape {tuple(x.shape)}; the gate "
+                                     f"multiplies x elementwise, so it must have x's shape.")
+        if gate.dtype not in _dtypes_on(x.device):
+            raise UnsupportedDtypeError(f"gate has dtype {gate.dtype}; the fused ops take {_SUPPORTED_TEXT}. Cast it "
+                                        f"first, e.g. gate.to(x.dtype).")
+        if gate.device != x.device:
+            raise InvalidOptionError(f"gate is on {gate.device} but x is on {x.device}; move them to one device.")
+    for name, value, choices in (("gate_position", gate_position, GATE_POSITIONS),
+                                 ("gate_activation", gate_activation, GATE_ACTIVATIONS)):
+        if value not in choices:
+            raise InvalidOptionError(f"{name}={value!r} is not one the gated norm computes; use one of {choices}."
+                                     + closest(str(value), choices))
+    if gate_out_dtype is not None and gate_out_dtype not in _dtypes_on(x.device):
+        raise UnsupportedDtypeError(f"gate_out_dtype={gate_out_dtype} is not a dtype the fused ops round to; use one "
+                                    f"of {_SUPPORTED_TEXT}.")
+    if norm_group is not None:
+        if isinstance(norm_group, bool) or not isinstance(norm_group, int) or norm_group <= 0 \
+                or x.shape[-1] % norm_group:
+            raise ShapeMismatchError(f"norm_group={norm_group!r} must be a positive number of columns that divides "
+                                     f"the normalized dim N={x.shape[-1]} (statistics per group of that many "
+                                     f"columns), or None for statistics over the whole row.")
+    if weight1 is not None:
+        raise InvalidOptionError("a second norm output (weight1) cannot be combined with gate or norm_group; call "
+                                 "add_norm once per output.")
+    if quant_dtype is not None:
+        raise InvalidOptionError("the fp8 epilogue (quant_dtype) cannot be combined with gate or norm_group yet; "
+                                 "quantize the gated output separately.")
+
+
 def _largest_pow2_divisor(n: int) -> int:
     return min(n & -n, 128)
 
@@ -228,9 +269,11 @@ def _dtypes_on(device: torch.device) -> tuple:
 # Routing (the table in the module docstring)
 # --------------------------------------------------------------------------------------
 
-def _backend(x: Tensor, dtypes):
+def _backend(x: Tensor, dtypes, norm_group: Optional[int] = None):
     """The backend module (``reference`` or ``triton``) the custom op runs for these tensors."""
     if x.device.type == "cpu" and not triton_backend.cpu_requested():
+        backend = reference
+    elif norm_group and norm_group & (norm_group - 1):
         backend = reference
     elif x.device.type not in ("cpu", "cuda"):  # ROCm devices are "cuda" in torch too
         backend = reference
@@ -304,17 +347,17 @@ def _op_outputs(outputs, empty_dtypes, like: Tensor, inputs) -> tuple:
     return tuple(fresh)
 
 
-def _stats_fake(x: Tensor, kind: str, norm_in_dtype: torch.dtype):
+def _stats_fake(x: Tensor, kind: str, norm_in_dtype: torch.dtype, norm_group: Optional[int] = None):
     acc = acc_dtype(norm_in_dtype)
-    rows = math.prod(x.shape[:-1])
+    rows = math.prod(x.shape[:-1]) * (x.shape[-1] // norm_group if norm_group else 1)
     return x.new_empty((rows,) if kind == "layer_norm" else (0,), dtype=acc), x.new_empty((rows,), dtype=acc)
 
 
 def _add_norm_backend(x, residual, weight, bias, sum_dtype, norm_round_dtype, out_dtype, x1, rowscale, weight1,
-                      bias1):
+                      bias1, gate=None, gate_out_dtype=None, norm_group=None):
     """The backend add_norm_fwd runs (and whose dropout mask its backward regenerates)."""
     return _backend(x, _dtypes(x, residual, weight, bias, sum_dtype, norm_round_dtype, out_dtype, x1, rowscale,
-                               weight1, bias1))
+                               weight1, bias1, gate, gate_out_dtype), norm_group)
 
 
 def _check_seed(dropout_p: float, seed: Optional[Tensor]) -> None:
@@ -330,34 +373,47 @@ def add_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor]
                  norm_round_dtype: Optional[torch.dtype], out_dtype: torch.dtype, store_sum: bool,
                  round_sum_first: bool = True, x1: Optional[Tensor] = None, rowscale: Optional[Tensor] = None,
                  weight1: Optional[Tensor] = None, bias1: Optional[Tensor] = None, dropout_p: float = 0.0,
-                 seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 seed: Optional[Tensor] = None, gate: Optional[Tensor] = None, gate_position: str = "before",
+                 gate_activation: str = "silu", norm_group: Optional[int] = None,
+                 gate_out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Add-then-norm. Returns (y, s, mean, rstd, y1): s is empty unless store_sum and there is a sum
     (a residual or a mode); mean (empty for rms_norm) and rstd are flat per-row fp32 (fp64 for fp64
     input); y1 (empty without weight1) is the second norm output, in out_dtype.
     round_sum_first=False normalizes the sum before its rounding to sum_dtype. The modes x1,
     rowscale, weight1/bias1, dropout_p/seed are those of reference.py; seed (an int64 CPU tensor
-    of shape ()) is read once when dropout_p > 0."""
+    of shape ()) is read once when dropout_p > 0. gate, gate_position, gate_activation, norm_group
+    and gate_out_dtype (y's dtype with a gate "after") too; with norm_group, mean and rstd hold one
+    value per row and group."""
     _check_seed(dropout_p, seed)
     backend = _add_norm_backend(x, residual, weight, bias, sum_dtype, norm_round_dtype, out_dtype, x1, rowscale,
-                                weight1, bias1)
+                                weight1, bias1, gate, gate_out_dtype, norm_group)
     store_sum = store_sum and reference.has_sum(residual, x1, rowscale, dropout_p)
     outputs = backend.add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
                                    norm_round_dtype, out_dtype, store_sum, round_sum_first, x1, rowscale, weight1,
-                                   bias1, dropout_p, seed)
+                                   bias1, dropout_p, seed, gate, gate_position, gate_activation, norm_group,
+                                   gate_out_dtype)
     return _op_outputs(outputs, (None, sum_dtype, None, None, out_dtype), x,
-                       (x, residual, weight, bias, x1, rowscale, weight1, bias1))
+                       (x, residual, weight, bias, x1, rowscale, weight1, bias1, gate))
 
 
 @add_norm_fwd.register_fake
 def _add_norm_fwd_fake(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
                        norm_round_dtype, out_dtype, store_sum, round_sum_first=True, x1=None, rowscale=None,
-                       weight1=None, bias1=None, dropout_p=0.0, seed=None):
+                       weight1=None, bias1=None, dropout_p=0.0, seed=None, gate=None, gate_position="before",
+                       gate_activation="silu", norm_group=None, gate_out_dtype=None):
     check_shapes(x, residual, weight, bias, x1, rowscale, weight1, bias1)
     _check_seed(dropout_p, seed)
     stored = store_sum and reference.has_sum(residual, x1, rowscale, dropout_p)
     s = x.new_empty(x.shape, dtype=sum_dtype) if stored else _empty(x, sum_dtype)
     y1 = _empty(x, out_dtype) if weight1 is None else x.new_empty(x.shape, dtype=out_dtype)
-    return (x.new_empty(x.shape, dtype=out_dtype), s, *_stats_fake(x, kind, sum_dtype), y1)
+    y_dtype = y_dtype_of(out_dtype, gate, gate_position, gate_out_dtype)
+    mean, rstd = _stats_fake(x, kind, sum_dtype, norm_group)
+    return (x.new_empty(x.shape, dtype=y_dtype), s, mean, rstd, y1)
+
+
+def y_dtype_of(out_dtype, gate, gate_position, gate_out_dtype) -> torch.dtype:
+    """y's dtype: gate_out_dtype after a gate "after" (out_dtype when not given), else out_dtype."""
+    return (gate_out_dtype or out_dtype) if gate is not None and gate_position == "after" else out_dtype
 
 
 @torch.library.custom_op("normfuse::add_norm_quant_fwd", mutates_args=())
@@ -461,23 +517,27 @@ def add_norm_bwd(dy: Tensor, dextra: Optional[Tensor], inp: Tensor, mean: Tensor
                  dy1: Optional[Tensor] = None, weight1: Optional[Tensor] = None,
                  bias1_dtype: Optional[torch.dtype] = None, x1_dtype: Optional[torch.dtype] = None,
                  rowscale: Optional[Tensor] = None, dropout_p: float = 0.0, seed: Optional[Tensor] = None,
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 gate: Optional[Tensor] = None, gate_position: str = "before", gate_activation: str = "silu",
+                 norm_group: Optional[int] = None, bias: Optional[Tensor] = None,
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward of add_norm_fwd (post_add=False) and norm_add_fwd (post_add=True); see add_norm_bwd_ref.
-    Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1), each empty when that input does
-    not exist (dweight1 and dbias1 also without dy1)."""
+    Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate), each empty when that input
+    does not exist (dweight1 and dbias1 also without dy1). With a gate, inp is the norm input before
+    the gate and bias the norm's (a gate "after" multiplies n * w' + b)."""
     backend = _backend(inp, _dtypes(dy, inp, weight, x_dtype, residual_dtype, bias_dtype, dy1, weight1, bias1_dtype,
-                                    x1_dtype, rowscale))
+                                    x1_dtype, rowscale, gate, bias), norm_group)
     grads = backend.add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add,
                                  x_dtype, residual_dtype, bias_dtype, dy1, weight1, bias1_dtype, x1_dtype, rowscale,
-                                 dropout_p, seed)
-    return _op_outputs(grads, (None, inp.dtype, inp.dtype, inp.dtype, inp.dtype, inp.dtype, inp.dtype), inp,
-                       (dy, dextra, inp, mean, rstd, weight, dy1, weight1, rowscale))
+                                 dropout_p, seed, gate, gate_position, gate_activation, norm_group, bias)
+    return _op_outputs(grads, (None, inp.dtype, inp.dtype, inp.dtype, inp.dtype, inp.dtype, inp.dtype, inp.dtype), inp,
+                       (dy, dextra, inp, mean, rstd, weight, dy1, weight1, rowscale, gate, bias))
 
 
 @add_norm_bwd.register_fake
 def _add_norm_bwd_fake(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add,
                        x_dtype, residual_dtype, bias_dtype, dy1=None, weight1=None, bias1_dtype=None, x1_dtype=None,
-                       rowscale=None, dropout_p=0.0, seed=None):
+                       rowscale=None, dropout_p=0.0, seed=None, gate=None, gate_position="before",
+                       gate_activation="silu", norm_group=None, bias=None):
     n_cols = inp.shape[-1]
 
     def like(exists, shape, dtype):
@@ -489,7 +549,8 @@ def _add_norm_bwd_fake(dy, dextra, inp, mean, rstd, weight, kind, weight_offset,
             like(bias_dtype is not None, (n_cols,), bias_dtype),
             like(x1_dtype is not None, inp.shape, x1_dtype),
             like(has_y1 and weight1 is not None, (n_cols,), weight1.dtype if weight1 is not None else None),
-            like(has_y1 and bias1_dtype is not None, (n_cols,), bias1_dtype))
+            like(has_y1 and bias1_dtype is not None, (n_cols,), bias1_dtype),
+            like(gate is not None, inp.shape, gate.dtype if gate is not None else None))
 
 
 # --------------------------------------------------------------------------------------
@@ -503,10 +564,10 @@ def _grad_or_none(g: Optional[Tensor], exists: bool) -> Optional[Tensor]:
 def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, post_add, modes=None):
     """Shared tail of both autograd formulas: call the backward, map empties to None.
     ``saved``: ctx.saved_tensors, read once (non-reentrant checkpointing allows one unpack).
-    ``modes``: add_norm's (dy1, weight1, x1_dtype, rowscale, seed), or None.
-    Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1)."""
+    ``modes``: add_norm's (dy1, weight1, x1_dtype, rowscale, seed, gate, bias), or None.
+    Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate)."""
     mean, rstd, weight = saved[-3:]
-    dy1, weight1, x1_dtype, rowscale, seed = modes or (None,) * 5
+    dy1, weight1, x1_dtype, rowscale, seed, gate, bias = modes or (None,) * 7
     dropout_p = ctx.dropout_p if modes else 0.0
     if dy is None:
         dy = inp.new_zeros(inp.shape, dtype=ctx.dy_dtype)
@@ -516,16 +577,20 @@ def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, post_add, modes=
     shared = (residual_dtype is not None and ctx.residual_scale == 1.0 and rowscale is None and dropout_p == 0
               and residual_dtype == (dy.dtype if post_add else ctx.x_dtype))
     backward = reference.add_norm_bwd if ctx.eager_cpu else torch.ops.normfuse.add_norm_bwd
-    dx, dres, dw, db, dx1, dw1, db1 = backward(
+    gated = gate is not None or getattr(ctx, "norm_group", None)
+    # (the backward op's arguments past seed only when a gate or groups need them)
+    gate_args = (gate, ctx.gate_position, ctx.gate_activation, ctx.norm_group, bias) if gated else ()
+    dx, dres, dw, db, dx1, dw1, db1, dgate = backward(
         dy, dextra, inp, mean, rstd, weight, ctx.kind, ctx.weight_offset, ctx.residual_scale, post_add,
         ctx.x_dtype, None if shared else residual_dtype, ctx.bias_dtype, dy1, None if dy1 is None else weight1,
-        None if dy1 is None else ctx.bias1_dtype, x1_dtype, rowscale, dropout_p, seed)
+        None if dy1 is None else ctx.bias1_dtype, x1_dtype, rowscale, dropout_p, seed, *gate_args)
     if shared:
         dres = dy if post_add else dx
     return (dx, _grad_or_none(dres, residual_dtype is not None), _grad_or_none(dw, weight is not None),
             _grad_or_none(db, ctx.bias_dtype is not None), _grad_or_none(dx1, x1_dtype is not None),
             _grad_or_none(dw1, dy1 is not None and weight1 is not None),
-            _grad_or_none(db1, dy1 is not None and ctx.bias1_dtype is not None))
+            _grad_or_none(db1, dy1 is not None and ctx.bias1_dtype is not None),
+            _grad_or_none(dgate, gate is not None))
 
 
 def _save_common(ctx, x, weight, bias, kind, weight_offset, residual_scale, dy_dtype):
@@ -539,14 +604,15 @@ def _save_common(ctx, x, weight, bias, kind, weight_offset, residual_scale, dy_d
 
 
 # add_norm_fwd's arguments after store_sum, with their defaults (callers may omit them)
-_ADD_NORM_MODE_DEFAULTS = (True, None, None, None, None, 0.0, None)
+_ADD_NORM_MODE_DEFAULTS = (True, None, None, None, None, 0.0, None, None, "before", "silu", None, None)
 
 
 def _add_norm_setup_context(ctx, inputs, output):
     (x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype,
      out_dtype, store_sum, *rest) = inputs
-    round_sum_first, x1, rowscale, weight1, bias1, dropout_p, seed = (
-        *rest, *_ADD_NORM_MODE_DEFAULTS[len(rest):])
+    (round_sum_first, x1, rowscale, weight1, bias1, dropout_p, seed, gate, gate_position, gate_activation,
+     norm_group, gate_out_dtype) = (*rest, *_ADD_NORM_MODE_DEFAULTS[len(rest):])
+    ctx.gate_position, ctx.gate_activation, ctx.norm_group = gate_position, gate_activation, norm_group
     _, s, mean, rstd, _ = output
     ctx.round_sum_first = round_sum_first
     ctx.sum_stored = bool(store_sum and reference.has_sum(residual, x1, rowscale, dropout_p))
@@ -554,20 +620,23 @@ def _add_norm_setup_context(ctx, inputs, output):
     # The backend the forward ran: its dropout mask is the one a rebuilt sum must use.
     ctx.mask_on_reference = dropout_p > 0 and _add_norm_backend(
         x, residual, weight, bias, sum_dtype, norm_round_dtype, out_dtype, x1, rowscale, weight1,
-        bias1) is reference
+        bias1, gate, gate_out_dtype, norm_group) is reference
     # Backward needs the norm input and the per-row stats (and rowscale and the seed for dx).
     # The norm input is s when s was stored and normalized; otherwise (no sum, store_sum=False,
     # or the unrounded sum normalized) it is rebuilt from the inputs (and the seed's mask).
     seed = seed if dropout_p > 0 else None
+    # a gate "after" multiplies n * w' + b: its backward needs the bias
+    gate_bias = bias if gate is not None and gate_position == "after" else None
     if ctx.sum_stored and ctx.round_sum_first:
-        ctx.save_for_backward(s, None, None, rowscale, seed, weight1, mean, rstd, weight)
+        ctx.save_for_backward(s, None, None, rowscale, seed, weight1, gate, gate_bias, mean, rstd, weight)
     else:
-        ctx.save_for_backward(x, residual, x1, rowscale, seed, weight1, mean, rstd, weight)
+        ctx.save_for_backward(x, residual, x1, rowscale, seed, weight1, gate, gate_bias, mean, rstd, weight)
     ctx.sum_dtype = sum_dtype
     ctx.residual_dtype = None if residual is None else residual.dtype
     ctx.x1_dtype = None if x1 is None else x1.dtype
     ctx.bias1_dtype = None if bias1 is None else bias1.dtype
-    _save_common(ctx, x, weight, bias, kind, weight_offset, residual_scale, out_dtype)
+    _save_common(ctx, x, weight, bias, kind, weight_offset, residual_scale,
+                 y_dtype_of(out_dtype, gate, gate_position, gate_out_dtype))
 
 
 def _rebuilt_norm_input(ctx, x, residual, x1, rowscale, seed) -> Tensor:
@@ -585,14 +654,16 @@ def _rebuilt_norm_input(ctx, x, residual, x1, rowscale, seed) -> Tensor:
 
 def _add_norm_backward(ctx, dy, ds, dmean, drstd, dy1):
     saved = ctx.saved_tensors
-    inp, residual, x1, rowscale, seed, weight1 = saved[:6]
+    inp, residual, x1, rowscale, seed, weight1, gate, gate_bias = saved[:8]
     if not (ctx.sum_stored and ctx.round_sum_first):
         inp = _rebuilt_norm_input(ctx, inp, residual, x1, rowscale, seed)
     ds = ds if ctx.sum_stored else None
     dy1 = dy1 if weight1 is not None else None  # a traced backward may get a tangent of the empty y1
-    dx, dres, dw, db, dx1, dw1, db1 = _norm_backward(ctx, saved, dy, ds, inp, ctx.residual_dtype, post_add=False,
-                                                     modes=(dy1, weight1, ctx.x1_dtype, rowscale, seed))
-    return (dx, dres, dw, db, None, None, None, None, None, None, None, None, None, dx1, None, dw1, db1, None, None)
+    dx, dres, dw, db, dx1, dw1, db1, dgate = _norm_backward(
+        ctx, saved, dy, ds, inp, ctx.residual_dtype, post_add=False,
+        modes=(dy1, weight1, ctx.x1_dtype, rowscale, seed, gate, gate_bias))
+    return (dx, dres, dw, db, None, None, None, None, None, None, None, None, None, dx1, None, dw1, db1, None, None,
+            dgate, None, None, None, None)
 
 
 add_norm_fwd.register_autograd(_add_norm_backward, setup_context=_add_norm_setup_context)
@@ -608,7 +679,7 @@ def _add_norm_quant_setup_context(ctx, inputs, output):
 
 def _add_norm_quant_backward(ctx, dy, ds, dmean, drstd, dy1, dq, dscale):
     dy = dy if ctx.y_stored else None  # a traced backward may get a tangent of the empty y
-    grads = _add_norm_backward(ctx, dy, ds, dmean, drstd, dy1)
+    grads = _add_norm_backward(ctx, dy, ds, dmean, drstd, dy1)[:_ADD_NORM_ARGS]
     return (*grads, *(None,) * 10)
 
 

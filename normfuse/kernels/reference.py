@@ -60,6 +60,27 @@ Backward treats every rounding step as the identity (straight-through) and
 computes in fp32; fp64 inputs (CPU only, for gradcheck) compute in fp64. The
 weight and bias gradients are always reduced over the rows in fp32 (or fp64).
 
+Gated norms and grouped statistics of add-then-norm (off unless ``gate`` / ``norm_group`` is set:
+Mamba2 / NemotronH ``MambaRMSNormGated``, Qwen3-Next ``Qwen3NextRMSNormGated``, Kimi-Linear
+``KimiLinearRMSNormGated``)::
+
+    act(v) = silu(v) (gate_activation "silu") or sigmoid(v) ("sigmoid"), in fp32 (torch's F.silu,
+             torch.sigmoid: the Triton kernels' exp differs in the last bits)
+    "before": h = float32(u) * act(float32(z))                  # the norm input gated, not rounded
+              (Mamba2: ``h = x.to(float32) * silu(gate.to(float32))``), then the norm of h
+    "after":  y0 = y as above (rounded to out_dtype)
+              y  = round(gate_out_dtype, float32(y0) * act(float32(z)))   # gate_out_dtype default out_dtype
+              (Qwen3-Next: ``(weight * h.to(in_dtype)) * silu(gate.float())``, then ``.to(in_dtype)``:
+              norm_round_dtype = out_dtype = in_dtype; Kimi: ``(weight.float() * h) * sigmoid(gate.float())``
+              then ``.to(in_dtype)``: out_dtype = fp32, gate_out_dtype = in_dtype)
+    norm_group G: the statistics (mean, variance) of each group of G contiguous columns, over a
+              view (..., N // G, G) as Mamba2 takes them; the weight and bias stay per column.
+              mean and rstd are then flat per (row, group), row-major.
+
+The gate z has x's shape. Backward (fp32, rounding straight-through): "before": with dh the
+norm's input gradient at h, du = dh * act(z) and dz = dh * u * act'(z); "after": the norm gets
+dy * act(z), and dz = dy * y0 * act'(z) with y0 = n * w' + b in fp32.
+
 Quantization epilogue of add-then-norm (off unless ``quant_dtype`` is set): the norm output
 is also written in fp8 (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``, largest finite value
 ``qmax`` = 448 or 57344), for the next linear to read (vLLM's RMSNorm + quant fusion, FlashInfer's
@@ -102,6 +123,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from normfuse.vocabulary import KERNEL_DTYPES, KINDS
@@ -239,19 +261,53 @@ def _fused_rms_norm_ok(u: Tensor, w: Optional[Tensor], b: Optional[Tensor]) -> b
     return w is None or w.dtype == u.dtype or (w.dtype == torch.float32 and u.dtype != torch.float64)
 
 
-def normalize(u: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], kind: str, eps: float,
-              weight_offset: float, norm_round_dtype: Optional[torch.dtype], out_dtype: torch.dtype):
-    """Normalize ``u`` (the norm input, any float dtype) over its last dim.
+def activation(z: Tensor, gate_activation: str) -> Tensor:
+    """act(z) of the gate, in z's dtype (fp32 for the models' spellings)."""
+    return F.silu(z) if gate_activation == "silu" else torch.sigmoid(z)
 
-    Returns (y, mean, rstd) with mean/rstd flat per row in fp32 (fp64 for fp64
+
+def activation_grad(z: Tensor, gate_activation: str) -> Tensor:
+    """act'(z): silu' = s * (1 + z * (1 - s)), sigmoid' = s * (1 - s), with s = sigmoid(z)."""
+    sig = torch.sigmoid(z)
+    return sig * (1 + z * (1 - sig)) if gate_activation == "silu" else sig * (1 - sig)
+
+
+def gated_input(u: Tensor, gate: Tensor, gate_activation: str) -> Tensor:
+    """h = float32(u) * act(float32(z)) (fp64 for fp64 input): the norm input of a gate "before"."""
+    acc = acc_dtype(u.dtype)
+    return u.to(acc) * activation(gate.to(acc), gate_activation)
+
+
+def _groups(t: Optional[Tensor], norm_group: int) -> Optional[Tensor]:
+    """(..., N) as (..., N // G, G): each group of G columns a row of its own."""
+    return None if t is None else t.unflatten(-1, (t.shape[-1] // norm_group, norm_group))
+
+
+def normalize(u: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], kind: str, eps: float,
+              weight_offset: float, norm_round_dtype: Optional[torch.dtype], out_dtype: torch.dtype,
+              norm_group: Optional[int] = None):
+    """Normalize ``u`` (the norm input, any float dtype) over its last dim, or over each group of
+    norm_group columns.
+
+    Returns (y, mean, rstd) with mean/rstd flat per row (per row and group) in fp32 (fp64 for fp64
     input); mean is an empty tensor for rms_norm.
     """
+    if norm_group:
+        y, mean, rstd = _normalize(_groups(u, norm_group), _groups(weight, norm_group), _groups(bias, norm_group),
+                                   kind, eps, weight_offset, norm_round_dtype, out_dtype, fast=False)
+        return y.flatten(-2), mean, rstd
+    return _normalize(u, weight, bias, kind, eps, weight_offset, norm_round_dtype, out_dtype)
+
+
+def _normalize(u: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], kind: str, eps: float,
+               weight_offset: float, norm_round_dtype: Optional[torch.dtype], out_dtype: torch.dtype,
+               fast: bool = True):
     acc = acc_dtype(u.dtype)
     n_cols = u.shape[-1]
     if u.numel() == 0:  # zero rows (kept differentiable for autograd through the reference)
         return (u.to(acc) * 0).to(out_dtype), u.new_empty(0, dtype=acc), u.new_empty(0, dtype=acc)
     w = _effective_weight(weight, weight_offset, acc)
-    if norm_round_dtype is None and out_dtype == u.dtype:
+    if fast and norm_round_dtype is None and out_dtype == u.dtype:
         # Fast paths with identical semantics: eager's own fused CPU kernels (one pass).
         if kind == "layer_norm" and _native_layer_norm_ok(u, w, bias):
             y, mean, rstd = torch.native_layer_norm(u, (n_cols,), w, bias, eps)
@@ -285,12 +341,18 @@ def normalize(u: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], kind:
 
 def add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype,
                  out_dtype, store_sum, round_sum_first=True, x1=None, rowscale=None, weight1=None, bias1=None,
-                 dropout_p=0.0, seed=None):
+                 dropout_p=0.0, seed=None, gate=None, gate_position="before", gate_activation="silu",
+                 norm_group=None, gate_out_dtype=None):
     """(y, s, mean, rstd, y1) of add-then-norm; s is None unless stored (and there is a sum), y1
     None without weight1."""
     keep = dropout_keep(seed, x.numel() // x.shape[-1], x.shape[-1], dropout_p, x.device) if dropout_p > 0 else None
     s, u = norm_input(x, residual, residual_scale, sum_dtype, round_sum_first, x1, rowscale, keep, dropout_p)
-    y, mean, rstd = normalize(u, weight, bias, kind, eps, weight_offset, norm_round_dtype, out_dtype)
+    if gate is not None and gate_position == "before":
+        u = gated_input(u, gate, gate_activation)
+    y, mean, rstd = normalize(u, weight, bias, kind, eps, weight_offset, norm_round_dtype, out_dtype, norm_group)
+    if gate is not None and gate_position == "after":
+        acc = acc_dtype(y.dtype)
+        y = (y.to(acc) * activation(gate.to(acc), gate_activation)).to(gate_out_dtype or out_dtype)
     # y1 normalizes the same u (same stats) with its own parameters
     y1 = None if weight1 is None else normalize(u, weight1, bias1, kind, eps, weight_offset, norm_round_dtype,
                                                 out_dtype)[0]
@@ -375,7 +437,8 @@ def add_norm_ref(x, residual=None, weight=None, bias=None, *, kind, eps, weight_
                  return_sum=True, round_sum_first=True, x1=None, rowscale=None, weight1=None, bias1=None,
                  dropout_p=0.0, seed=None, quant_dtype=None, quant_scale=None, quant_group=None,
                  quant_scale_form="amax/max", quant_amax_min=None, quant_scale_min=None, quant_apply="div",
-                 quant_clamp=None, quant_scale_out="scale", return_norm=False):
+                 quant_clamp=None, quant_scale_out="scale", return_norm=False, gate=None, gate_position="before",
+                 gate_activation="silu", norm_group=None, gate_out_dtype=None):
     """Plain-PyTorch add-then-norm with the semantics of the module docstring: returns (y, s),
     or (y, y1, s) with weight1, or (q, scale, y or None, s) with quant_dtype.
 
@@ -386,7 +449,8 @@ def add_norm_ref(x, residual=None, weight=None, bias=None, *, kind, eps, weight_
     sum_dtype, out_dtype = add_norm_dtypes(x, residual, weight, sum_dtype, norm_round_dtype, out_dtype, x1)
     y, s, _, _, y1 = add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
                                   norm_round_dtype, out_dtype, return_sum, round_sum_first, x1, rowscale, weight1,
-                                  bias1, dropout_p, seed)
+                                  bias1, dropout_p, seed, gate, gate_position, gate_activation, norm_group,
+                                  gate_out_dtype)
     if quant_dtype is not None:
         q, scale = quantize(y.detach(), quant_dtype, quant_scale, quant_group, quant_scale_form, quant_amax_min,
                             quant_scale_min, quant_apply, quant_clamp, quant_scale_out)
@@ -421,7 +485,7 @@ def _eager_layer_norm_backward_ok(dn: Tensor, inp: Tensor, mean: Tensor, rstd: T
 
 def _norm_grads(dn: Tensor, inp: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor], kind: str,
                 weight_offset: float, bias_dtype, dn1: Optional[Tensor] = None, weight1: Optional[Tensor] = None,
-                bias1_dtype=None):
+                bias1_dtype=None, grouped: bool = False):
     """(du, dweight, dbias, dweight1, dbias1) of the norm alone, given dn (and dn1, of the second
     output y1 = n * w1' + b1), the gradients of its outputs.
 
@@ -434,11 +498,12 @@ def _norm_grads(dn: Tensor, inp: Tensor, mean: Tensor, rstd: Tensor, weight: Opt
     """
     acc = acc_dtype(inp.dtype)
     stat_shape = (*inp.shape[:-1], 1)
-    rows = tuple(range(inp.dim() - 1))
+    rows = tuple(range(inp.dim() - (2 if grouped else 1)))  # grouped: (..., groups, G), parameters (groups, G)
     w = _effective_weight(weight, weight_offset, acc)
     want_dw, want_db = weight is not None, bias_dtype is not None
     du = None
-    if dn1 is None and kind == "layer_norm" and _eager_layer_norm_backward_ok(dn, inp, mean, rstd, w, bias_dtype):
+    if (dn1 is None and not grouped and kind == "layer_norm"
+            and _eager_layer_norm_backward_ok(dn, inp, mean, rstd, w, bias_dtype)):
         params_too = inp.dtype == acc
         du, dw, db = torch.ops.aten.native_layer_norm_backward(
             dn, inp, [inp.shape[-1]], mean.reshape(stat_shape), rstd.reshape(stat_shape), w,
@@ -470,14 +535,62 @@ def _norm_grads(dn: Tensor, inp: Tensor, mean: Tensor, rstd: Tensor, weight: Opt
     return du, dw, db, dw1, db1
 
 
+def _gated_norm_grads(dn, inp, mean, rstd, weight, bias, kind, weight_offset, bias_dtype, gate, gate_position,
+                      gate_activation, norm_group):
+    """(du, dweight, dbias, dgate) of a gated norm and/or one with grouped statistics (module
+    docstring); inp is the norm input u before the gate."""
+    acc = acc_dtype(inp.dtype)
+    u, dn = inp.to(acc), dn.to(acc)
+    a = da = None
+    if gate is not None:
+        z = gate.to(acc)
+        a, da = activation(z, gate_activation), activation_grad(z, gate_activation)
+    h = u * a if gate_position == "before" and a is not None else u
+    if gate_position == "after" and a is not None:
+        dgate = dn * _norm_output(h, mean, rstd, weight, bias, kind, weight_offset, norm_group) * da
+        dn = dn * a
+    group = norm_group or h.shape[-1]
+    shape = h.shape
+    dh, dw, db, _, _ = _norm_grads(_groups(dn, group), _groups(h, group), mean, rstd, _groups(weight, group), kind,
+                                   weight_offset, bias_dtype, grouped=True)
+    dh = dh.reshape(shape)
+    dw = None if dw is None else dw.reshape(-1)
+    db = None if db is None else db.reshape(-1)
+    if gate_position == "before" and a is not None:
+        dgate = dh * u * da
+        dh = dh * a
+    return dh, dw, db, (None if gate is None else dgate.to(gate.dtype))
+
+
+def _norm_output(h, mean, rstd, weight, bias, kind, weight_offset, norm_group) -> Tensor:
+    """y0 = n * w' + b in fp32 (unrounded), from the saved statistics: what a gate "after" multiplies."""
+    acc = acc_dtype(h.dtype)
+    group = norm_group or h.shape[-1]
+    hg = _groups(h, group)
+    stat_shape = (*hg.shape[:-1], 1)
+    n = (hg - mean.reshape(stat_shape)) * rstd.reshape(stat_shape) if kind == "layer_norm" \
+        else hg * rstd.reshape(stat_shape)
+    n = n.flatten(-2)
+    w = _effective_weight(weight, weight_offset, acc)
+    y0 = n if w is None else n * w.to(acc)
+    return y0 if bias is None else y0 + bias.to(acc)
+
+
 def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add, x_dtype,
                  residual_dtype, bias_dtype, dy1=None, weight1=None, bias1_dtype=None, x1_dtype=None, rowscale=None,
-                 dropout_p=0.0, seed=None):
+                 dropout_p=0.0, seed=None, gate=None, gate_position="before", gate_activation="silu",
+                 norm_group=None, bias=None):
     """Backend form (positional, as the op) of :func:`add_norm_bwd_ref`."""
     acc = acc_dtype(inp.dtype)
     dn = dy + dextra if (post_add and dextra is not None) else dy  # gradient into the norm's output
-    du, dw, db, dw1, db1 = _norm_grads(dn, inp, mean, rstd, weight, kind, weight_offset, bias_dtype, dy1,
-                                       weight1, bias1_dtype)
+    dgate = None
+    if gate is None and not norm_group:
+        du, dw, db, dw1, db1 = _norm_grads(dn, inp, mean, rstd, weight, kind, weight_offset, bias_dtype, dy1,
+                                           weight1, bias1_dtype)
+    else:
+        du, dw, db, dgate = _gated_norm_grads(dn, inp, mean, rstd, weight, bias, kind, weight_offset, bias_dtype,
+                                              gate, gate_position, gate_activation, norm_group)
+        dw1 = db1 = None
     if not post_add and dextra is not None:
         du = du + dextra.to(du.dtype)
     dres = None
@@ -494,12 +607,13 @@ def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, resid
         dx = dx.to(acc) * rowscale[..., None].to(acc)
     return (dx.to(x_dtype), dres, None if dw is None else dw.to(weight.dtype),
             None if db is None else db.to(bias_dtype), dx1, None if dw1 is None else dw1.to(weight1.dtype),
-            None if db1 is None else db1.to(bias1_dtype))
+            None if db1 is None else db1.to(bias1_dtype), dgate)
 
 
 def add_norm_bwd_ref(dy, dextra, inp, mean, rstd, weight=None, *, kind, weight_offset=0.0,
                      residual_scale=1.0, post_add=False, x_dtype, residual_dtype=None, bias_dtype=None, dy1=None,
-                     weight1=None, bias1_dtype=None, x1_dtype=None, rowscale=None, dropout_p=0.0, seed=None):
+                     weight1=None, bias1_dtype=None, x1_dtype=None, rowscale=None, dropout_p=0.0, seed=None,
+                     gate=None, gate_position="before", gate_activation="silu", norm_group=None, bias=None):
     """Backward of both orders; rounding steps are identities, math in fp32 (fp64 for fp64).
 
     ``inp`` is the norm input (s, or the unrounded sum, or x for norm_add), ``mean``
@@ -510,8 +624,11 @@ def add_norm_bwd_ref(dy, dextra, inp, mean, rstd, weight=None, *, kind, weight_o
         dx = norm_bwd(dy + dextra); dresidual = residual_scale * dy.
     The add_norm modes (module docstring): dy1 (grad of y1) with weight1 / bias1_dtype; x1_dtype
     for dx1; rowscale, dropout_p and seed (the forward's mask, regenerated) scale dx.
-    Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1); None for inputs that do not exist.
+    Gated / grouped norms: gate (z), gate_position, gate_activation, norm_group, and bias (a gate
+    "after" multiplies n * w' + b); inp is then the norm input before the gate.
+    Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate); None for inputs that do not
+    exist.
     """
     return add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add,
                         x_dtype, residual_dtype, bias_dtype, dy1, weight1, bias1_dtype, x1_dtype, rowscale,
-                        dropout_p, seed)
+                        dropout_p, seed, gate, gate_position, gate_activation, norm_group, bias)

@@ -12,6 +12,8 @@ replicated scalar. (Each rank draws the dropout mask of its local rows from the 
 local row index, so ranks holding different rows draw the same pattern.)
 The quantization epilogue (add_norm_quant_fwd): q keeps x's placement, a per-row or per-group scale
 (x's row dims, then 1 or N // G) its row shard, and a static scale is replicated.
+A gate takes x's placement (its gradient too); with norm_group the flat statistics hold (row, group)
+pairs, row-major, so a row shard holds its own.
 Outputs shaped like x keep x's placement. The per-row statistics (mean, rstd) are flat
 ``(rows,)`` tensors: each rank holds its own rows' statistics, declared ``Shard(0)``.
 They are read only by the backward op, which is offered exactly the forward's sharding
@@ -82,7 +84,7 @@ def _strategies(spec: Any, op: str, arg: str, layout) -> list:
 
 
 # add_norm_fwd's arguments after store_sum, with their defaults (a caller may omit them)
-_MODE_DEFAULTS = (True, None, None, None, None, 0.0, None)
+_MODE_DEFAULTS = (True, None, None, None, None, 0.0, None, None, "before", "silu", None, None)
 
 
 def _forward_rule(op: str):
@@ -96,7 +98,10 @@ def _forward_rule(op: str):
         quant_args = rest[14:] if quant else ()
         rest = rest[:14] if quant else rest
         scalars, modes = rest[:7], rest[7:]  # eps, weight_offset, residual_scale, 3 dtypes, store_*
-        round_sum_first, x1, rowscale, weight1, bias1, dropout_p, seed = (*modes, *_MODE_DEFAULTS[len(modes):])
+        (round_sum_first, x1, rowscale, weight1, bias1, dropout_p, seed, gate, *_) = (
+            *modes, *_MODE_DEFAULTS[len(modes):])
+        if gate is not None:
+            _row_dims(gate, op, "gate")
         for name, t in (("residual", residual), ("x1", x1)):
             if t is not None:
                 _row_dims(t, op, name)
@@ -112,8 +117,10 @@ def _forward_rule(op: str):
             if op != "norm_add_fwd":
                 outs.append(Replicate() if weight1 is None else act)
                 # rowscale's dims are x's row dims: a row shard of x is the same shard of it
+                # a gate has x's shape and placement; norm_group's statistics stay with their rows
                 ins += [None, None if x1 is None else act, None if rowscale is None else act, rep(weight1),
-                        rep(bias1), None, rep(seed)][:len(modes)]
+                        rep(bias1), None, rep(seed), None if gate is None else act, None, None, None,
+                        None][:len(modes)]
             if quant:
                 # q like y; a scale per row or per group has y's row dims (a row shard is the same
                 # shard of it); a static scale is replicated (and the scale output then empty)
@@ -129,8 +136,8 @@ def _backward_rule(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, res
                    x_dtype, residual_dtype, bias_dtype, *modes):
     from torch.distributed.tensor import Partial, Replicate
     op = "add_norm_bwd"
-    dy1, weight1, bias1_dtype, x1_dtype, rowscale, dropout_p, seed = (
-        *modes, *(None, None, None, None, None, 0.0, None)[len(modes):])
+    dy1, weight1, bias1_dtype, x1_dtype, rowscale, dropout_p, seed, gate, _, _, _, bias = (
+        *modes, *(None, None, None, None, None, 0.0, None, None, "before", "silu", None, None)[len(modes):])
 
     def layout(act, stats):
         grad = Partial() if act != Replicate() else Replicate()
@@ -139,11 +146,14 @@ def _backward_rule(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, res
                 grad if weight is not None else Replicate(), grad if bias_dtype is not None else Replicate(),
                 act if x1_dtype is not None else Replicate(),
                 grad if has_y1 and weight1 is not None else Replicate(),
-                grad if has_y1 and bias1_dtype is not None else Replicate()]
+                grad if has_y1 and bias1_dtype is not None else Replicate(),
+                act if gate is not None else Replicate()]
         ins = [act, None if dextra is None else act, act, stats if kind == "layer_norm" else Replicate(), stats,
                None if weight is None else Replicate()] + [None] * 7
         ins += [None if dy1 is None else act, None if weight1 is None else Replicate(), None, None,
-                None if rowscale is None else act, None, None if seed is None else Replicate()][:len(modes)]
+                None if rowscale is None else act, None, None if seed is None else Replicate(),
+                None if gate is None else act, None, None, None,
+                None if bias is None else Replicate()][:len(modes)]
         return outs, ins
     # offered only the input's own sharding: the statistics hold exactly its rows
     return _strategies(inp, op, "the saved norm input", layout)

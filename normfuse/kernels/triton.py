@@ -131,8 +131,10 @@ if triton is not None:
     def _normalize_and_store(u, mean, rstd, w, b, Y, S, R, y_off, s_off, r_off, cols, mask, residual_scale,
                              HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
                              ROUND_FIRST: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                             STORE_Y: tl.constexpr, POST_ADD: tl.constexpr, SCALE_RESIDUAL: tl.constexpr):
-        """y = round(OUT_DTYPE, n * w' + b) (n rounded first when ROUND_FIRST); then the post-add.
+                             STORE_Y: tl.constexpr, POST_ADD: tl.constexpr, SCALE_RESIDUAL: tl.constexpr,
+                             gate=1.0, GATE_AFTER: tl.constexpr = False, GATE_OUT_DTYPE: tl.constexpr = None):
+        """y = round(OUT_DTYPE, n * w' + b) (n rounded first when ROUND_FIRST), times act(z) and rounded
+        to GATE_OUT_DTYPE after a gate (GATE_AFTER: ``gate`` holds act(z)); then the post-add.
         Returns n (for the second norm output) and y (for the quantization epilogue)."""
         if IS_RMS:
             n = u * rstd
@@ -146,6 +148,8 @@ if triton is not None:
         if HAS_BIAS:
             y = y + b
         y = _round(y, OUT_DTYPE)
+        if GATE_AFTER:
+            y = _round(y.to(tl.float32) * gate, GATE_OUT_DTYPE)
         if STORE_Y:
             tl.store(Y + y_off + cols, y, mask=mask)
         if POST_ADD:
@@ -162,6 +166,55 @@ if triton is not None:
         if HAS_B1:
             y1 = y1 + b1
         tl.store(Y1 + y1_off + cols, _round(y1, OUT_DTYPE), mask=mask)
+
+    @triton.jit
+    def _activation(z, SILU: tl.constexpr):
+        """(act(z), act'(z)) in fp32: silu or sigmoid."""
+        sig = 1.0 / (1.0 + tl.exp(-z))
+        if SILU:
+            return z * sig, sig * (1.0 + z * (1.0 - sig))
+        return sig, sig * (1.0 - sig)
+
+    @triton.jit
+    def _load_gate(Z, z_off, cols, mask, HAS_GATE: tl.constexpr, GATE_SILU: tl.constexpr):
+        """(act(z), act'(z)) of one block of the gate (1 and 0 without one)."""
+        a = 1.0
+        da = 0.0
+        if HAS_GATE:
+            a, da = _activation(tl.load(Z + z_off + cols, mask=mask, other=0.0).to(tl.float32), GATE_SILU)
+        return a, da
+
+    @triton.jit
+    def _per_column(v, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+        """A value per group of GROUP columns, repeated over its columns: (BLOCK_N // GROUP,) -> (BLOCK_N,)."""
+        return tl.reshape(tl.broadcast_to(v[:, None], (BLOCK_N // GROUP, GROUP)), (BLOCK_N,))
+
+    @triton.jit
+    def _group_sum(v, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The sum over each group of GROUP columns, repeated over its columns."""
+        return _per_column(tl.sum(tl.reshape(v, (BLOCK_N // GROUP, GROUP)), axis=1), GROUP, BLOCK_N)
+
+    @triton.jit
+    def _group_stats(u, mask, row_ok, start, N, eps, MEAN, RSTD, stat_off, IS_RMS: tl.constexpr,
+                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+        """mean and rstd of each group of GROUP columns of a block (columns start + [0, BLOCK_N)),
+        stored flat per (row, group) and returned per column."""
+        GROUPS: tl.constexpr = BLOCK_N // GROUP
+        u2 = tl.reshape(u, (GROUPS, GROUP))                     # (groups, G)
+        groups = tl.arange(0, GROUPS)
+        group_ok = row_ok & (start + groups * GROUP < N)
+        stat = stat_off + start // GROUP + groups
+        if IS_RMS:
+            mean = tl.zeros([GROUPS], dtype=tl.float32)
+            var = tl.sum(u2 * u2, axis=1) / GROUP
+        else:
+            mean = tl.sum(u2, axis=1) / GROUP
+            d = tl.where(tl.reshape(mask, (GROUPS, GROUP)), u2 - mean[:, None], 0.0)
+            var = tl.sum(d * d, axis=1) / GROUP
+            tl.store(MEAN + stat, mean, mask=group_ok)
+        rstd = tl.rsqrt(var + eps)
+        tl.store(RSTD + stat, rstd, mask=group_ok)
+        return _per_column(mean, GROUP, BLOCK_N), _per_column(rstd, GROUP, BLOCK_N)
 
     @triton.jit
     def _fp8_bits(v, E5M2: tl.constexpr):
@@ -279,6 +332,7 @@ if triton is not None:
         stride_q, stride_qs,
         n_rows, N, eps, weight_offset, residual_scale, rows_per_program, seed, dropout_p, dropout_scale,
         quant_max, quant_amax_min, quant_scale_min, quant_clamp,
+        Z, stride_z,                                         # the gate (a dummy without one)
         SUM_DTYPE: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
         ROUND_FIRST: tl.constexpr, STORE_SUM: tl.constexpr, STORE_Y: tl.constexpr, POST_ADD: tl.constexpr,
@@ -288,15 +342,17 @@ if triton is not None:
         QUANT: tl.constexpr, QUANT_E5M2: tl.constexpr, QUANT_STATIC: tl.constexpr, QUANT_GROUP: tl.constexpr,
         SCALE_FORM: tl.constexpr, HAS_AMAX_MIN: tl.constexpr, HAS_SCALE_MIN: tl.constexpr,
         QUANT_APPLY: tl.constexpr, HAS_CLAMP: tl.constexpr, SCALE_RECIPROCAL: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        HAS_GATE: tl.constexpr, GATE_AFTER: tl.constexpr, GATE_SILU: tl.constexpr, NORM_GROUP: tl.constexpr,
+        GATE_OUT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         """A row fits one block: one read of each input and one write of each output per row."""
         cols = tl.arange(0, BLOCK_N)
         # Also with a second weight set in blocks that take one row per program anyway: its four
-        # parameter blocks held across the row's reductions spilled (sm90, bf16 N = 16384).
+        # parameter blocks held across the row's reductions spilled (sm90, bf16 N = 16384); and with
+        # the fp8 epilogue, whose y held for its amax spilled 8 B/thread (sm80, bf16 N = 16384).
         PARAMS_AFTER_STATS: tl.constexpr = ((BLOCK_N * X.dtype.element_ty.primitive_bitwidth // 8
                                              >= _PARAMS_AFTER_STATS_BYTES_C)
-                                            or (HAS_W1 and BLOCK_N > _MULTI_ROW_MAX_BLOCK_C))
+                                            or ((HAS_W1 or QUANT) and BLOCK_N > _MULTI_ROW_MAX_BLOCK_C))
         if not PARAMS_AFTER_STATS:  # once per program
             w, b = _load_params(W, B, cols, cols < N, weight_offset, HAS_WEIGHT, HAS_BIAS)
             w1, b1 = _load_params(W1, B1, cols, cols < N, weight_offset, HAS_W1, HAS_B1)
@@ -311,21 +367,29 @@ if triton is not None:
                                     HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BRANCH_DTYPE)
             if STORE_SUM and not POST_ADD:
                 tl.store(S + row * stride_s + cols, s, mask=mask)
-            if IS_RMS:
-                mean = 0.0
-                var = tl.sum(u * u, axis=0) / N
+            gate, _ = _load_gate(Z, row * stride_z, cols, mask, HAS_GATE, GATE_SILU)
+            if HAS_GATE and not GATE_AFTER:
+                u = u * gate  # the norm of the gated input, unrounded
+            if NORM_GROUP > 0:
+                mean, rstd = _group_stats(u, mask, row_ok, 0, N, eps, MEAN, RSTD, row * (N // NORM_GROUP), IS_RMS,
+                                          NORM_GROUP, BLOCK_N)
             else:
-                mean = tl.sum(u, axis=0) / N
-                d = tl.where(mask, u - mean, 0.0)
-                var = tl.sum(d * d, axis=0) / N
-                tl.store(MEAN + row, mean, mask=row < n_rows)
-            rstd = tl.rsqrt(var + eps)
-            tl.store(RSTD + row, rstd, mask=row < n_rows)
+                if IS_RMS:
+                    mean = 0.0
+                    var = tl.sum(u * u, axis=0) / N
+                else:
+                    mean = tl.sum(u, axis=0) / N
+                    d = tl.where(mask, u - mean, 0.0)
+                    var = tl.sum(d * d, axis=0) / N
+                    tl.store(MEAN + row, mean, mask=row < n_rows)
+                rstd = tl.rsqrt(var + eps)
+                tl.store(RSTD + row, rstd, mask=row < n_rows)
             if PARAMS_AFTER_STATS:
                 w, b = _load_params(W, B, cols, cols < N, weight_offset, HAS_WEIGHT, HAS_BIAS)
             n, y = _normalize_and_store(u, mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s,
                                         row * stride_r, cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS,
-                                        ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD, SCALE_RESIDUAL)
+                                        ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD, SCALE_RESIDUAL,
+                                        gate, HAS_GATE and GATE_AFTER, GATE_OUT_DTYPE)
             if QUANT:
                 if QUANT_STATIC or QUANT_GROUP > 0:
                     _quantize_and_store(y, mask, row_ok, 0, cols, N, Q, QS, SC, row * stride_q, row * stride_qs,
@@ -350,6 +414,7 @@ if triton is not None:
         stride_q, stride_qs,
         n_rows, N, eps, weight_offset, residual_scale, rows_per_program, seed, dropout_p, dropout_scale,
         quant_max, quant_amax_min, quant_scale_min, quant_clamp,
+        Z, stride_z,                                         # the gate (a dummy without one)
         SUM_DTYPE: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
         ROUND_FIRST: tl.constexpr, STORE_SUM: tl.constexpr, STORE_Y: tl.constexpr, POST_ADD: tl.constexpr,
@@ -359,7 +424,8 @@ if triton is not None:
         QUANT: tl.constexpr, QUANT_E5M2: tl.constexpr, QUANT_STATIC: tl.constexpr, QUANT_GROUP: tl.constexpr,
         SCALE_FORM: tl.constexpr, HAS_AMAX_MIN: tl.constexpr, HAS_SCALE_MIN: tl.constexpr,
         QUANT_APPLY: tl.constexpr, HAS_CLAMP: tl.constexpr, SCALE_RECIPROCAL: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        HAS_GATE: tl.constexpr, GATE_AFTER: tl.constexpr, GATE_SILU: tl.constexpr, NORM_GROUP: tl.constexpr,
+        GATE_OUT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         """Rows wider than one block: pass 1 accumulates the stats block by block (Chan's
         parallel mean/M2 update for layer_norm), pass 2 re-reads the row and writes (the
@@ -383,7 +449,11 @@ if triton is not None:
                                         HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BRANCH_DTYPE)
                 if STORE_SUM and not POST_ADD:
                     tl.store(S + row * stride_s + cols, s, mask=mask)
-                if IS_RMS:
+                if HAS_GATE and not GATE_AFTER:
+                    u = u * _load_gate(Z, row * stride_z, cols, mask, HAS_GATE, GATE_SILU)[0]
+                if NORM_GROUP > 0:
+                    pass  # a group lies within a block: its statistics are taken in the second pass
+                elif IS_RMS:
                     m2 += tl.sum(u * u, axis=0)
                 else:
                     n_b = tl.sum((cols < N).to(tl.float32), axis=0)
@@ -394,10 +464,11 @@ if triton is not None:
                     mean += delta * (n_b / total)
                     m2 += tl.sum(d * d, axis=0) + delta * delta * (count * n_b / total)
                     count = total
-            rstd = tl.rsqrt(m2 / N + eps)
-            tl.store(RSTD + row, rstd, mask=row_ok)
-            if not IS_RMS:
-                tl.store(MEAN + row, mean, mask=row_ok)
+            if NORM_GROUP == 0:
+                rstd = tl.rsqrt(m2 / N + eps)
+                tl.store(RSTD + row, rstd, mask=row_ok)
+                if not IS_RMS:
+                    tl.store(MEAN + row, mean, mask=row_ok)
             amax_bits = tl.sum(tl.zeros([BLOCK_N], dtype=tl.int32), axis=0)
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
@@ -409,11 +480,19 @@ if triton is not None:
                                             row * stride_x1, cols, mask, N, residual_scale, seed, dropout_p,
                                             dropout_scale, HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL,
                                             SUM_DTYPE, ROUND_SUM_FIRST, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BRANCH_DTYPE)
+                gate, _ = _load_gate(Z, row * stride_z, cols, mask, HAS_GATE, GATE_SILU)
+                if HAS_GATE and not GATE_AFTER:
+                    u = u * gate
                 w, b = _load_params(W, B, cols, mask, weight_offset, HAS_WEIGHT, HAS_BIAS)
-                n, y = _normalize_and_store(u, mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s,
+                if NORM_GROUP > 0:
+                    mean_c, rstd_c = _group_stats(u, mask, row_ok, start, N, eps, MEAN, RSTD, row * (N // NORM_GROUP),
+                                                  IS_RMS, NORM_GROUP, BLOCK_N)
+                else:
+                    mean_c, rstd_c = mean, rstd
+                n, y = _normalize_and_store(u, mean_c, rstd_c, w, b, Y, S, R, row * stride_y, row * stride_s,
                                             row * stride_r, cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS,
                                             ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD,
-                                            SCALE_RESIDUAL)
+                                            SCALE_RESIDUAL, gate, HAS_GATE and GATE_AFTER, GATE_OUT_DTYPE)
                 if HAS_W1:
                     w1, b1 = _load_params(W1, B1, cols, mask, weight_offset, HAS_W1, HAS_B1)
                     _store_second_norm(n, w1, b1, Y1, row * stride_y1, cols, mask, HAS_B1, OUT_DTYPE)
@@ -454,19 +533,34 @@ if triton is not None:
     @triton.jit
     def _row_grads(DY, DE, INP, DY1, w, w1, row, stride_dy, stride_de, stride_inp, stride_dy1, cols, mask, mean,
                    rstd, HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr,
-                   POST_ADD: tl.constexpr, HAS_DY1: tl.constexpr):
+                   POST_ADD: tl.constexpr, HAS_DY1: tl.constexpr, Z=None, stride_z=0, b=0.0,
+                   HAS_GATE: tl.constexpr = False, GATE_AFTER: tl.constexpr = False, GATE_SILU: tl.constexpr = True,
+                   HAS_B: tl.constexpr = False):
         """x_hat, the gradients into the norm outputs (dn, dn1) and g = dn * w' + dn1 * w1' of one
-        block of a row."""
+        block of a row; with a gate also the norm input u, act(z), act'(z) and (gate "after") dz."""
         u = tl.load(INP + row * stride_inp + cols, mask=mask, other=0.0).to(tl.float32)
+        a, da = _load_gate(Z, row * stride_z, cols, mask, HAS_GATE, GATE_SILU)
+        h = u
+        if HAS_GATE and not GATE_AFTER:
+            h = u * a
         if IS_RMS:
-            xhat = u * rstd
+            xhat = h * rstd
         else:
-            xhat = (u - mean) * rstd
+            xhat = (h - mean) * rstd
         xhat = tl.where(mask, xhat, 0.0)
         dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
         dn = dy
         if POST_ADD and HAS_DEXTRA:
             dn += tl.load(DE + row * stride_de + cols, mask=mask, other=0.0).to(tl.float32)
+        dz = 0.0
+        if HAS_GATE and GATE_AFTER:  # y = y0 * act(z): dz = dy * y0 * act'(z), and y0 gets dy * act(z)
+            y0 = xhat
+            if HAS_WEIGHT:
+                y0 = y0 * w
+            if HAS_B:
+                y0 = y0 + b
+            dz = dn * y0 * da
+            dn = dn * a
         g = dn
         if HAS_WEIGHT:
             g = dn * w
@@ -474,33 +568,56 @@ if triton is not None:
         if HAS_DY1:
             dn1 = tl.load(DY1 + row * stride_dy1 + cols, mask=mask, other=0.0).to(tl.float32)
             g = g + dn1 * w1
-        return xhat, dy, dn, g, dn1
+        return xhat, dy, dn, g, dn1, u, a, da, dz
 
     @triton.jit
     def _block_grads(DY, DE, INP, DY1, W, W1, row, row_ok, start, cols0, N, stride_dy, stride_de, stride_inp,
                      stride_dy1, mean, rstd, weight_offset, HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                     IS_RMS: tl.constexpr, POST_ADD: tl.constexpr, HAS_DY1: tl.constexpr):
-        """One block of a wide row (looped backward): its columns, mask, and _row_grads."""
+                     IS_RMS: tl.constexpr, POST_ADD: tl.constexpr, HAS_DY1: tl.constexpr, Z, stride_z, B, RSTD, MEAN,
+                     HAS_GATE: tl.constexpr, GATE_AFTER: tl.constexpr, GATE_SILU: tl.constexpr, HAS_B: tl.constexpr,
+                     NORM_GROUP: tl.constexpr):
+        """One block of a wide row (looped backward): its columns, mask, the statistics of its
+        groups (NORM_GROUP: per column), and _row_grads."""
         cols = start + cols0
         mask = (cols < N) & row_ok
-        w, _ = _load_params(W, W, cols, mask, weight_offset, HAS_WEIGHT, False)
+        if NORM_GROUP > 0:
+            mean, rstd = _group_stats_of(RSTD, MEAN, row, cols, mask, N, IS_RMS, NORM_GROUP)
+        w, b = _load_params(W, B, cols, mask, weight_offset, HAS_WEIGHT, HAS_B)
         w1, _ = _load_params(W1, W1, cols, mask, weight_offset, HAS_DY1, False)
-        xhat, dy, dn, g, dn1 = _row_grads(DY, DE, INP, DY1, w, w1, row, stride_dy, stride_de, stride_inp, stride_dy1,
-                                          cols, mask, mean, rstd, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD, HAS_DY1)
-        return cols, mask, xhat, dy, dn, g, dn1
+        xhat, dy, dn, g, dn1, u, a, da, dz = _row_grads(
+            DY, DE, INP, DY1, w, w1, row, stride_dy, stride_de, stride_inp, stride_dy1, cols, mask, mean, rstd,
+            HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD, HAS_DY1, Z, stride_z, b, HAS_GATE, GATE_AFTER, GATE_SILU,
+            HAS_B)
+        return cols, mask, xhat, dy, dn, g, dn1, u, a, da, dz
+
+    @triton.jit
+    def _group_stats_of(RSTD, MEAN, row, cols, mask, N, IS_RMS: tl.constexpr, NORM_GROUP: tl.constexpr):
+        """The saved mean and rstd of each column's group (flat per (row, group))."""
+        stat = row * (N // NORM_GROUP) + cols // NORM_GROUP
+        rstd = tl.load(RSTD + stat, mask=mask, other=0.0)
+        mean = 0.0
+        if not IS_RMS:
+            mean = tl.load(MEAN + stat, mask=mask, other=0.0)
+        return mean, rstd
 
     @triton.jit
     def _store_input_grads(DE, DX, DRES, DX1, RS, row, row_ok, stride_de, stride_dx, stride_dres, stride_dx1, cols,
                            mask, N, xhat, dy, g, c1, c2, rstd, residual_scale, seed, dropout_p, dropout_scale,
                            HAS_DEXTRA: tl.constexpr, HAS_DRES: tl.constexpr, IS_RMS: tl.constexpr,
                            POST_ADD: tl.constexpr, HAS_DX1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
-                           HAS_DROPOUT: tl.constexpr):
-        """du = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) (+ dextra); dx = du * keep * scale *
-        rowscale, dresidual, dx1 from it."""
+                           HAS_DROPOUT: tl.constexpr, DZ=None, stride_dz=0, u=0.0, a=1.0, da=0.0, dz=0.0,
+                           HAS_GATE: tl.constexpr = False, GATE_AFTER: tl.constexpr = False):
+        """du = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) (a gate "before": times act(z), and
+        dz = du * u * act'(z)) (+ dextra); dx = du * keep * scale * rowscale, dresidual, dx1 from it."""
         if IS_RMS:
             du = (g - xhat * c1) * rstd
         else:
             du = (g - c2 - xhat * c1) * rstd
+        if HAS_GATE:
+            if not GATE_AFTER:
+                dz = du * u * da
+                du = du * a
+            tl.store(DZ + row * stride_dz + cols, _round(dz, DZ.dtype.element_ty), mask=mask)
         if HAS_DEXTRA and not POST_ADD:
             du += tl.load(DE + row * stride_de + cols, mask=mask, other=0.0).to(tl.float32)
         dx = du
@@ -522,15 +639,18 @@ if triton is not None:
         DY1, W1, RS, DX1, DW1_PART, DB1_PART,                     # add_norm's modes (dummies when off)
         stride_dy, stride_de, stride_inp, stride_dx, stride_dres, stride_dy1, stride_dx1,
         n_rows, N, weight_offset, residual_scale, rows_per_program, seed, dropout_p, dropout_scale,
+        Z, DZ, B, stride_z, stride_dz,                            # the gate, its grad, the bias (gate "after")
         HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr,
         IS_RMS: tl.constexpr, POST_ADD: tl.constexpr, HAS_DY1: tl.constexpr, HAS_B1: tl.constexpr,
-        HAS_DX1: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_DX1: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+        HAS_GATE: tl.constexpr, GATE_AFTER: tl.constexpr, GATE_SILU: tl.constexpr, HAS_B: tl.constexpr,
+        NORM_GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         """Each program takes a contiguous chunk of rows and writes fp32 dw/db (dw1/db1) partials
         to row `pid` of [programs, N] buffers, summed on the host."""
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
-        w, _ = _load_params(W, W, cols, cols < N, weight_offset, HAS_WEIGHT, False)  # once per program
+        w, b = _load_params(W, B, cols, cols < N, weight_offset, HAS_WEIGHT, HAS_B)  # once per program
         w1, _ = _load_params(W1, W1, cols, cols < N, weight_offset, HAS_DY1, False)
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
         db = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -541,16 +661,25 @@ if triton is not None:
             row_ok = row < n_rows
             mask = (cols < N) & row_ok
             row = row.to(tl.int64)
-            rstd = tl.load(RSTD + row, mask=row_ok, other=0.0)
-            mean = 0.0 if IS_RMS else tl.load(MEAN + row, mask=row_ok, other=0.0)
-            xhat, dy, dn, g, dn1 = _row_grads(DY, DE, INP, DY1, w, w1, row, stride_dy, stride_de, stride_inp,
-                                              stride_dy1, cols, mask, mean, rstd, HAS_DEXTRA, HAS_WEIGHT, IS_RMS,
-                                              POST_ADD, HAS_DY1)
-            c1 = tl.sum(g * xhat, axis=0) / N
-            c2 = 0.0 if IS_RMS else tl.sum(g, axis=0) / N
+            if NORM_GROUP > 0:
+                mean, rstd = _group_stats_of(RSTD, MEAN, row, cols, mask, N, IS_RMS, NORM_GROUP)
+            else:
+                rstd = tl.load(RSTD + row, mask=row_ok, other=0.0)
+                mean = 0.0 if IS_RMS else tl.load(MEAN + row, mask=row_ok, other=0.0)
+            xhat, dy, dn, g, dn1, u, a, da, dz = _row_grads(
+                DY, DE, INP, DY1, w, w1, row, stride_dy, stride_de, stride_inp, stride_dy1, cols, mask, mean, rstd,
+                HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD, HAS_DY1, Z, stride_z, b, HAS_GATE, GATE_AFTER, GATE_SILU,
+                HAS_B)
+            if NORM_GROUP > 0:  # the means over each column's group
+                c1 = _group_sum(g * xhat, NORM_GROUP, BLOCK_N) / NORM_GROUP
+                c2 = 0.0 if IS_RMS else _group_sum(g, NORM_GROUP, BLOCK_N) / NORM_GROUP
+            else:
+                c1 = tl.sum(g * xhat, axis=0) / N
+                c2 = 0.0 if IS_RMS else tl.sum(g, axis=0) / N
             _store_input_grads(DE, DX, DRES, DX1, RS, row, row_ok, stride_de, stride_dx, stride_dres, stride_dx1, cols,
                                mask, N, xhat, dy, g, c1, c2, rstd, residual_scale, seed, dropout_p, dropout_scale,
-                               HAS_DEXTRA, HAS_DRES, IS_RMS, POST_ADD, HAS_DX1, HAS_ROWSCALE, HAS_DROPOUT)
+                               HAS_DEXTRA, HAS_DRES, IS_RMS, POST_ADD, HAS_DX1, HAS_ROWSCALE, HAS_DROPOUT, DZ,
+                               stride_dz, u, a, da, dz, HAS_GATE, GATE_AFTER)
             dw += dn * xhat
             db += dn
             if HAS_DY1:
@@ -572,9 +701,12 @@ if triton is not None:
         DY1, W1, RS, DX1, DW1_PART, DB1_PART,
         stride_dy, stride_de, stride_inp, stride_dx, stride_dres, stride_dy1, stride_dx1,
         n_rows, N, weight_offset, residual_scale, rows_per_program, seed, dropout_p, dropout_scale,
+        Z, DZ, B, stride_z, stride_dz,                            # the gate, its grad, the bias (gate "after")
         HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr,
         IS_RMS: tl.constexpr, POST_ADD: tl.constexpr, HAS_DY1: tl.constexpr, HAS_B1: tl.constexpr,
-        HAS_DX1: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_DX1: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+        HAS_GATE: tl.constexpr, GATE_AFTER: tl.constexpr, GATE_SILU: tl.constexpr, HAS_B: tl.constexpr,
+        NORM_GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         """Rows wider than one block: pass 1 reduces mean(g * x_hat) and mean(g), pass 2
         writes the input grads and adds into this program's own partial row (zeroed
@@ -586,26 +718,37 @@ if triton is not None:
             row = pid * rows_per_program + i
             row_ok = row < n_rows
             row = row.to(tl.int64)
-            rstd = tl.load(RSTD + row, mask=row_ok, other=0.0)
-            mean = 0.0 if IS_RMS else tl.load(MEAN + row, mask=row_ok, other=0.0)
+            rstd = 0.0
+            mean = 0.0
+            if NORM_GROUP == 0:
+                rstd = tl.load(RSTD + row, mask=row_ok, other=0.0)
+                mean = 0.0 if IS_RMS else tl.load(MEAN + row, mask=row_ok, other=0.0)
             c1 = zero
             c2 = zero
+            if NORM_GROUP == 0:  # (a group lies within a block: its sums are taken in the second pass)
+                for start in range(0, N, BLOCK_N):
+                    cols, mask, xhat, dy, dn, g, dn1, u, a, da, dz = _block_grads(
+                        DY, DE, INP, DY1, W, W1, row, row_ok, start, cols0, N, stride_dy, stride_de, stride_inp,
+                        stride_dy1, mean, rstd, weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD, HAS_DY1, Z,
+                        stride_z, B, RSTD, MEAN, HAS_GATE, GATE_AFTER, GATE_SILU, HAS_B, NORM_GROUP)
+                    c1 += tl.sum(g * xhat, axis=0)
+                    c2 += tl.sum(g, axis=0)
+                c1 = c1 / N
+                c2 = c2 / N
             for start in range(0, N, BLOCK_N):
-                cols, mask, xhat, dy, dn, g, dn1 = _block_grads(
+                cols, mask, xhat, dy, dn, g, dn1, u, a, da, dz = _block_grads(
                     DY, DE, INP, DY1, W, W1, row, row_ok, start, cols0, N, stride_dy, stride_de, stride_inp,
-                    stride_dy1, mean, rstd, weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD, HAS_DY1)
-                c1 += tl.sum(g * xhat, axis=0)
-                c2 += tl.sum(g, axis=0)
-            c1 = c1 / N
-            c2 = c2 / N
-            for start in range(0, N, BLOCK_N):
-                cols, mask, xhat, dy, dn, g, dn1 = _block_grads(
-                    DY, DE, INP, DY1, W, W1, row, row_ok, start, cols0, N, stride_dy, stride_de, stride_inp,
-                    stride_dy1, mean, rstd, weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD, HAS_DY1)
+                    stride_dy1, mean, rstd, weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD, HAS_DY1, Z,
+                    stride_z, B, RSTD, MEAN, HAS_GATE, GATE_AFTER, GATE_SILU, HAS_B, NORM_GROUP)
+                c1_c, c2_c, rstd_c = c1, c2, rstd
+                if NORM_GROUP > 0:  # the means over each column's group, within this block
+                    c1_c = _group_sum(g * xhat, NORM_GROUP, BLOCK_N) / NORM_GROUP
+                    c2_c = _group_sum(g, NORM_GROUP, BLOCK_N) / NORM_GROUP
+                    rstd_c = _group_stats_of(RSTD, MEAN, row, cols, mask, N, IS_RMS, NORM_GROUP)[1]
                 _store_input_grads(DE, DX, DRES, DX1, RS, row, row_ok, stride_de, stride_dx, stride_dres, stride_dx1,
-                                   cols, mask, N, xhat, dy, g, c1, c2, rstd, residual_scale, seed, dropout_p,
+                                   cols, mask, N, xhat, dy, g, c1_c, c2_c, rstd_c, residual_scale, seed, dropout_p,
                                    dropout_scale, HAS_DEXTRA, HAS_DRES, IS_RMS, POST_ADD, HAS_DX1, HAS_ROWSCALE,
-                                   HAS_DROPOUT)
+                                   HAS_DROPOUT, DZ, stride_dz, u, a, da, dz, HAS_GATE, GATE_AFTER)
                 part = pid.to(tl.int64) * N + cols
                 if HAS_WEIGHT:
                     tl.store(DW_PART + part, tl.load(DW_PART + part, mask=mask, other=0.0) + dn * xhat, mask=mask)
@@ -666,15 +809,17 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _blocking(n_cols: int, element_size: int, backward: bool = False, two_norms: bool = False,
-              quant: bool = False):
+              quant: bool = False, gated: bool = False):
     """(BLOCK_N, num_warps, looped) for a row of n_cols elements, forward or backward.
     two_norms (a second weight set, y1): single pass up to half as many bytes, as the second
     parameter blocks (and their gradient accumulators) spilled at the top sizes (sm90, bf16:
     forward N = 32768, backward N = 8192). quant (the fp8 epilogue) likewise: the row's y, held
-    for its amax, spilled 136-152 B/thread at bf16 N = 32768 (sm90)."""
+    for its amax, spilled 136-152 B/thread at bf16 N = 32768 (sm90). gated (a gate or statistics per
+    group) likewise: the gate's block spilled 8-88 B/thread at 16-bit N = 32768 (forward) and
+    N = 8192 (backward) on sm80/sm90."""
     block = triton.next_power_of_2(n_cols)
     limit = _MAX_FUSED_BYTES_BWD if backward else _MAX_FUSED_BYTES
-    looped = block * element_size > (limit // 2 if two_norms or quant else limit)
+    looped = block * element_size > (limit // 2 if two_norms or quant or gated else limit)
     if looped:
         block = _LOOP_BLOCK_BYTES // element_size
     return block, min(max(block // 256, 1), 16), looped
@@ -724,21 +869,27 @@ def _quant_launch_args(quant: Optional[dict], dummy: Tensor) -> dict:
 
 def _launch_fwd(x, residual, weight, bias, y, s, kind, eps, weight_offset, residual_scale, sum_dtype,
                 norm_round_dtype, out_dtype, store_sum, store_y, post_add, round_sum_first=True, x1=None,
-                rowscale=None, weight1=None, bias1=None, y1=None, dropout_p=0.0, seed=None, quant=None):
+                rowscale=None, weight1=None, bias1=None, y1=None, dropout_p=0.0, seed=None, quant=None, gate=None,
+                gate_position="before", gate_activation="silu", norm_group=None, gate_out_dtype=None):
     """Shared by both orders; y, s and y1 are (M, N) outputs or None when not stored; quant: the
-    quantization epilogue's outputs and options (``_quant_launch_args``)."""
+    quantization epilogue's outputs and options (``_quant_launch_args``); gate and norm_group: the
+    gated norm and the statistics per group (a power of two, ops.py routes others to the reference)."""
     n_cols = x.shape[-1]
-    x2, r2, x12 = _rows_2d(x, n_cols), _rows_2d(residual, n_cols), _rows_2d(x1, n_cols)
+    x2, r2, x12, z2 = (_rows_2d(t, n_cols) for t in (x, residual, x1, gate))
     n_rows = x2.shape[0]
     acc = torch.float32
-    mean = x.new_empty((n_rows,) if kind == "layer_norm" else (0,), dtype=acc)
-    rstd = x.new_empty((n_rows,), dtype=acc)
+    stat_rows = n_rows * (n_cols // norm_group if norm_group else 1)
+    mean = x.new_empty((stat_rows,) if kind == "layer_norm" else (0,), dtype=acc)
+    rstd = x.new_empty((stat_rows,), dtype=acc)
     if n_rows == 0:
         return mean, rstd
     widest = max(t.element_size() for t in (x, s, x1) if t is not None)
-    block, num_warps, looped = _blocking(n_cols, widest, two_norms=weight1 is not None, quant=quant is not None)
+    block, num_warps, looped = _blocking(n_cols, widest, two_norms=weight1 is not None, quant=quant is not None,
+                                         gated=gate is not None or bool(norm_group))
     if looped and quant is not None and (quant["group"] or 0) > block:
         block = quant["group"]  # a quantization group lies within one block of the loop
+    if looped and (norm_group or 0) > block:
+        block = norm_group  # so does a group of the statistics
     rows_per_program = min(max(triton.cdiv(n_rows, 8 * _sm_count(x.device)), 1),
                            max(1, _MULTI_ROW_MAX_BLOCK // block))
     grid = (triton.cdiv(n_rows, rows_per_program),)
@@ -760,6 +911,9 @@ def _launch_fwd(x, residual, weight, bias, y, s, kind, eps, weight_offset, resid
         stride_y1=stride(y1), n_rows=n_rows, N=n_cols, eps=eps, weight_offset=weight_offset,
         residual_scale=residual_scale, rows_per_program=rows_per_program, seed=int(seed) if has_dropout else 0,
         dropout_p=dropout_p, dropout_scale=1.0 / (1.0 - dropout_p), **_quant_launch_args(quant, dummy),
+        Z=ptr(z2), stride_z=stride(z2), HAS_GATE=gate is not None, GATE_AFTER=gate_position == "after",
+        GATE_SILU=gate_activation == "silu", NORM_GROUP=norm_group or 0,
+        GATE_OUT_DTYPE=TL_DTYPES[gate_out_dtype or out_dtype],
         SUM_DTYPE=TL_DTYPES[sum_dtype], NORM_ROUND_DTYPE=TL_DTYPES[norm_round_dtype or out_dtype],
         OUT_DTYPE=TL_DTYPES[out_dtype], HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, IS_RMS=kind == "rms_norm", ROUND_FIRST=norm_round_dtype is not None,
@@ -772,8 +926,10 @@ def _launch_fwd(x, residual, weight, bias, y, s, kind, eps, weight_offset, resid
 
 def add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype,
                  out_dtype, store_sum, round_sum_first=True, x1=None, rowscale=None, weight1=None, bias1=None,
-                 dropout_p=0.0, seed=None):
-    y = x.new_empty(x.shape, dtype=out_dtype)
+                 dropout_p=0.0, seed=None, gate=None, gate_position="before", gate_activation="silu",
+                 norm_group=None, gate_out_dtype=None):
+    gated_after = gate is not None and gate_position == "after"
+    y = x.new_empty(x.shape, dtype=(gate_out_dtype or out_dtype) if gated_after else out_dtype)
     s = x.new_empty(x.shape, dtype=sum_dtype) if store_sum else None
     y1 = x.new_empty(x.shape, dtype=out_dtype) if weight1 is not None else None
     n_cols = x.shape[-1]
@@ -782,7 +938,8 @@ def add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_s
         return None if t is None else t.view(-1, n_cols)
     mean, rstd = _launch_fwd(x, residual, weight, bias, rows(y), rows(s), kind, eps, weight_offset, residual_scale,
                              sum_dtype, norm_round_dtype, out_dtype, store_sum, True, False, round_sum_first, x1,
-                             rowscale, weight1, bias1, rows(y1), dropout_p, seed)
+                             rowscale, weight1, bias1, rows(y1), dropout_p, seed, None, gate, gate_position,
+                             gate_activation, norm_group, gate_out_dtype if gated_after else None)
     return y, s, mean, rstd, y1
 
 
@@ -824,16 +981,20 @@ def norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_s
 
 def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add, x_dtype,
                  residual_dtype, bias_dtype, dy1=None, weight1=None, bias1_dtype=None, x1_dtype=None, rowscale=None,
-                 dropout_p=0.0, seed=None):
+                 dropout_p=0.0, seed=None, gate=None, gate_position="before", gate_activation="silu",
+                 norm_group=None, bias=None):
     n_cols = inp.shape[-1]
-    inp2, dy2, de2, dy12 = (_rows_2d(t, n_cols) for t in (inp, dy, dextra, dy1))
+    inp2, dy2, de2, dy12, z2 = (_rows_2d(t, n_cols) for t in (inp, dy, dextra, dy1, gate))
     n_rows = inp2.shape[0]
     dx = inp.new_empty(inp.shape, dtype=x_dtype)
+    dz = None if gate is None else inp.new_empty(inp.shape, dtype=gate.dtype)
     dres = inp.new_empty(inp.shape, dtype=residual_dtype) if residual_dtype is not None else None
     dx1 = inp.new_empty(inp.shape, dtype=x1_dtype) if x1_dtype is not None else None
     has_y1 = dy1 is not None and weight1 is not None
     block, num_warps, looped = _blocking(n_cols, max(inp.element_size(), dy.element_size()), backward=True,
-                                         two_norms=has_y1)
+                                         two_norms=has_y1, gated=gate is not None or bool(norm_group))
+    if looped and (norm_group or 0) > block:
+        block = norm_group  # a group of the statistics lies within one block of the loop
     k = 4 if block <= 1024 else 2 if block <= 4096 else 1
     programs = max(1, min(n_rows, k * _sm_count(inp.device)))
     rows_per_program = triton.cdiv(n_rows, programs) if n_rows else 0
@@ -863,6 +1024,9 @@ def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, resid
             0 if dy12 is None else dy12.stride(0), n_cols,
             n_rows, n_cols, weight_offset, residual_scale, rows_per_program,
             int(seed) if has_dropout else 0, dropout_p, 1.0 / (1.0 - dropout_p),
+            ptr(z2), ptr(rows(dz)), ptr(_param(bias)), 0 if z2 is None else z2.stride(0), n_cols,
+            HAS_GATE=gate is not None, GATE_AFTER=gate_position == "after", GATE_SILU=gate_activation == "silu",
+            HAS_B=bias is not None, NORM_GROUP=norm_group or 0,
             HAS_DEXTRA=dextra is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias_dtype is not None,
             HAS_DRES=dres is not None, IS_RMS=kind == "rms_norm", POST_ADD=post_add, HAS_DY1=has_y1,
             HAS_B1=bias1_dtype is not None, HAS_DX1=dx1 is not None, HAS_ROWSCALE=rowscale is not None,
@@ -872,7 +1036,7 @@ def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, resid
     def reduced(part, dtype):
         return None if part is None else part.sum(0).to(dtype)
     return (dx, dres, reduced(dw_part, None if weight is None else weight.dtype), reduced(db_part, bias_dtype), dx1,
-            reduced(dw1_part, None if weight1 is None else weight1.dtype), reduced(db1_part, bias1_dtype))
+            reduced(dw1_part, None if weight1 is None else weight1.dtype), reduced(db1_part, bias1_dtype), dz)
 
 
 def dropout_keep(seed, n_rows: int, n_cols: int, p: float, device) -> Tensor:
