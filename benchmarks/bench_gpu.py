@@ -10,7 +10,8 @@ Forward and backward of each fused op against its peers, on M x N rows:
 
 M in {4096, 16384, 65536} tokens, N in {768, ..., 16384}, bf16 and fp32. Then the kernel
 modes (x1, rowscale, dropout, a second norm) against the eager ops they replace, and add + RMSNorm +
-fp8 quantization (per token, per group of 128, static) against eager and compiled quantization. Each time is the
+fp8 quantization (per token, per group of 128, static) against eager and compiled quantization, and
+the gated RMSNorms of Mamba2 and Qwen3-Next against HF's modules, eager and compiled. Each time is the
 median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``; plain ``do_bench``
 where capture fails), so Python overhead is not counted; GB/s counts the bytes a fused
 kernel must move (forward: read x, r, write y, s; backward: read dy, ds, s, write dx),
@@ -358,6 +359,74 @@ def quant_modes(toy: bool) -> list[dict]:
     return rows
 
 
+def _hf_gated(kind: str, n: int, group: int):
+    """HF's gated RMSNorm module of ``kind`` ("mamba2": gate before, statistics per group;
+    "qwen3_next": gate after), or None when transformers does not import."""
+    try:
+        from normfuse.zoo import prepare_torchvision
+        prepare_torchvision()
+        if kind == "mamba2":
+            from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+            return MambaRMSNormGated(n, group, eps=EPS)
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+        return Qwen3NextRMSNormGated(n, eps=EPS)
+    except ImportError:
+        return None
+
+
+def gated_modes(toy: bool) -> list[dict]:
+    """Gated RMSNorms, bf16, forward and backward: normfuse's one kernel against HF's module (Mamba2:
+    the gate before the norm, statistics per group of N / 8 columns; Qwen3-Next: the gate after) in
+    eager and under ``torch.compile``. GB/s counts what a fused kernel must move: forward read x, z,
+    write y; backward read dy, x, z, write dx, dz."""
+    device = "cuda" if CUDA else "cpu"
+    shapes = [(8, 256)] if toy else [(16384, 4096), (16384, 8192), (65536, 8192)]
+    compile_backend = "inductor" if CUDA else "aot_eager"
+    rows = []
+    for kind in ("mamba2", "qwen3_next"):
+        for m, n in shapes:
+            module = _hf_gated(kind, n, n // 8)
+            if module is None:
+                UNAVAILABLE["transformers gated norms"] = "transformers does not import"
+                return rows
+            module = module.to(device, torch.bfloat16)
+            g = torch.Generator(device=device).manual_seed(0)
+            x, z = (torch.randn(m, n, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+                    for _ in range(2))
+            w = module.weight
+            if kind == "mamba2":
+                options = dict(gate_position="before", norm_group=n // 8, norm_round_dtype=torch.bfloat16)
+            else:
+                options = dict(gate_position="after", norm_round_dtype=torch.bfloat16)
+
+            def fused():
+                return add_norm(x, None, w, kind="rms_norm", eps=EPS, gate=z, **options)[0]
+            providers = {"normfuse": fused, "eager HF": lambda: module(x, z),
+                         "compile HF": torch.compile(lambda: module(x, z), backend=compile_backend)}
+            elem = x.element_size()
+            row = {"module": kind, "M": m, "N": n}
+            for name, fn in providers.items():
+                try:
+                    with torch.no_grad():
+                        row[f"{name}_fwd_ms"], _ = _time_ms(fn, toy)
+                    out = fn()
+                    dy = torch.randn_like(out)
+                    row[f"{name}_bwd_ms"], _ = _time_ms(
+                        lambda: torch.autograd.grad(out, (x, z, w), dy, retain_graph=True), toy)
+                    row[f"{name}_fwd_GBps"] = 3 * m * n * elem / (row[f"{name}_fwd_ms"] * 1e-3) / 1e9
+                    row[f"{name}_bwd_GBps"] = 5 * m * n * elem / (row[f"{name}_bwd_ms"] * 1e-3) / 1e9
+                except Exception as error:  # noqa: BLE001 - one provider failing must not end the run
+                    row[f"{name}_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+            for name in ("eager HF", "compile HF"):
+                for step in ("fwd", "bwd"):
+                    if f"{name}_{step}_ms" in row and f"normfuse_{step}_ms" in row:
+                        row[f"{step}_x_vs_{name}"] = row[f"{name}_{step}_ms"] / row[f"normfuse_{step}_ms"]
+            rows.append(row)
+            print(f"  gated {kind} M={m} N={n}: " + ", ".join(
+                f"{k[:-5]} {v:.0f} GB/s" for k, v in row.items() if k.endswith("_GBps")), flush=True)
+    return rows
+
+
 def llama_block(toy: bool) -> list[dict]:
     """One HF llama decoder block (inside LlamaModel, 1 layer) forward+backward."""
     import copy
@@ -449,6 +518,7 @@ def main(argv=None) -> dict:
     if time.perf_counter() - t_start < args.budget_s + 120:
         mode_rows = modes(args.toy)
     quant_rows = quant_modes(args.toy) if time.perf_counter() - t_start < args.budget_s + 180 else []
+    gated_rows = gated_modes(args.toy) if time.perf_counter() - t_start < args.budget_s + 240 else []
     ours = [r for r in rows if r["provider"] == "normfuse" and "fwd_ms" in r]
     big = [r for r in ours if r["N"] >= 1024 and r["M"] >= 16384]
     verdict = {
@@ -468,9 +538,13 @@ def main(argv=None) -> dict:
         write_csv(out / "gpu_modes.csv", mode_rows)
     if quant_rows:
         write_csv(out / "gpu_quant.csv", quant_rows)
+    if gated_rows:
+        write_csv(out / "gpu_gated.csv", gated_rows)
     verdict["min_quant_x_vs_eager"] = min((r["x_vs_eager"] for r in quant_rows if "x_vs_eager" in r), default=None)
+    verdict["min_gated_x_vs_eager_hf"] = min((v for r in gated_rows for k, v in r.items()
+                                              if k.endswith("_x_vs_eager HF")), default=None)
     write_json(out / "gpu.json", {"machine": machine(), "verdict": verdict, "rows": rows, "llama_block": block,
-                                  "modes": mode_rows, "quant": quant_rows})
+                                  "modes": mode_rows, "quant": quant_rows, "gated": gated_rows})
 
     def draw(ax):
         for prov in sorted({r["provider"] for r in rows if r["op"] == "rms" and r["dtype"] == "bfloat16"}):

@@ -82,7 +82,9 @@ class Op:
 # add_norm's modes (x1, rowscale, weight1/bias1, dropout) and its fp8 epilogue, off unless an op turns them on
 NO_QUANT = dict(QUANT=False, QUANT_E5M2=False, QUANT_STATIC=False, QUANT_GROUP=0, SCALE_FORM=0, HAS_AMAX_MIN=False,
                 HAS_SCALE_MIN=False, QUANT_APPLY=0, HAS_CLAMP=False, SCALE_RECIPROCAL=False)
-NO_MODES = dict(HAS_X1=False, HAS_ROWSCALE=False, HAS_W1=False, HAS_B1=False, HAS_DROPOUT=False, **NO_QUANT)
+NO_GATE = dict(HAS_GATE=False, GATE_AFTER=False, GATE_SILU=True, NORM_GROUP=0)
+NO_MODES = dict(HAS_X1=False, HAS_ROWSCALE=False, HAS_W1=False, HAS_B1=False, HAS_DROPOUT=False, **NO_QUANT,
+                **NO_GATE)
 # y = F.rms_norm(x + r, w) quantized to e4m3 (y itself not stored: the next linear reads q)
 QUANT_RMS = dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=False, IS_RMS=True, ROUND_FIRST=False, STORE_SUM=True,
                  STORE_Y=False, POST_ADD=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, HAS_X1=False,
@@ -90,9 +92,17 @@ QUANT_RMS = dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=False, IS_RMS=True
 
 
 def _quant(**flags) -> dict:
-    return dict(QUANT_RMS, **dict(NO_QUANT, QUANT=True, HAS_CLAMP=True, **flags))
-NO_MODES_BWD = dict(HAS_DY1=False, HAS_B1=False, HAS_DX1=False, HAS_ROWSCALE=False, HAS_DROPOUT=False)
-FWD_DTYPES = ("SUM_DTYPE", "NORM_ROUND_DTYPE", "OUT_DTYPE", "BRANCH_DTYPE")
+    return dict(QUANT_RMS, **NO_GATE, **dict(NO_QUANT, QUANT=True, HAS_CLAMP=True, **flags))
+NO_MODES_BWD = dict(HAS_DY1=False, HAS_B1=False, HAS_DX1=False, HAS_ROWSCALE=False, HAS_DROPOUT=False, HAS_B=False,
+                    **NO_GATE)
+FWD_DTYPES = ("SUM_DTYPE", "NORM_ROUND_DTYPE", "OUT_DTYPE", "BRANCH_DTYPE", "GATE_OUT_DTYPE")
+# gated RMSNorms, no residual (inside a Mamba2 / Qwen3-Next mixer): Mamba2's gate before the norm with
+# statistics per group of 256 columns, Qwen3-Next's gate after it; both with llama rounding
+GATED = dict(HAS_RESIDUAL=False, HAS_WEIGHT=True, HAS_BIAS=False, IS_RMS=True, ROUND_FIRST=True, STORE_SUM=False,
+             STORE_Y=True, POST_ADD=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, HAS_X1=False,
+             HAS_ROWSCALE=False, HAS_W1=False, HAS_B1=False, HAS_DROPOUT=False, **NO_QUANT)
+GATED_BWD = dict(HAS_DEXTRA=False, HAS_WEIGHT=True, HAS_BIAS=False, HAS_DRES=False, IS_RMS=True, POST_ADD=False,
+                 HAS_DY1=False, HAS_B1=False, HAS_DX1=False, HAS_ROWSCALE=False, HAS_DROPOUT=False, HAS_B=False)
 
 OPS = [
     Op("add_rms_norm (HF llama: round, then * w)", False,
@@ -123,11 +133,11 @@ OPS = [
     Op("add_layer_norm + x1, rowscale, dropout, weight1/bias1", False,
        dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=True, IS_RMS=False, ROUND_FIRST=False, STORE_SUM=True,
             STORE_Y=True, POST_ADD=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, HAS_X1=True,
-            HAS_ROWSCALE=True, HAS_W1=True, HAS_B1=True, HAS_DROPOUT=True, **NO_QUANT), ("X", "R", "X1"),
-       ("Y", "S", "Y1"), FWD_DTYPES),
+            HAS_ROWSCALE=True, HAS_W1=True, HAS_B1=True, HAS_DROPOUT=True, **NO_QUANT, **NO_GATE),
+       ("X", "R", "X1"), ("Y", "S", "Y1"), FWD_DTYPES),
     Op("add_layer_norm + modes backward", True,
        dict(HAS_DEXTRA=True, HAS_WEIGHT=True, HAS_BIAS=True, HAS_DRES=True, IS_RMS=False, POST_ADD=False,
-            HAS_DY1=True, HAS_B1=True, HAS_DX1=True, HAS_ROWSCALE=True, HAS_DROPOUT=True),
+            HAS_DY1=True, HAS_B1=True, HAS_DX1=True, HAS_ROWSCALE=True, HAS_DROPOUT=True, HAS_B=False, **NO_GATE),
        ("DY", "DE", "INP", "DY1"), ("DX", "DRES", "DX1")),
     # the fp8 epilogue (vLLM/FlashInfer's add + RMSNorm + quant): a dynamic scale per token, one per
     # group of 128 columns, a static scale
@@ -137,6 +147,16 @@ OPS = [
        ("X", "R"), ("S", "Q"), FWD_DTYPES),
     Op("add_rms_norm + fp8 quant, static scale", False, _quant(QUANT_STATIC=True), ("X", "R"), ("S", "Q"),
        FWD_DTYPES),
+    Op("gated rms_norm (Mamba2: gate before, groups of 256)", False,
+       dict(GATED, HAS_GATE=True, GATE_AFTER=False, GATE_SILU=True, NORM_GROUP=256), ("X", "Z"), ("Y",), FWD_DTYPES),
+    Op("gated rms_norm (Qwen3-Next: gate after)", False,
+       dict(GATED, HAS_GATE=True, GATE_AFTER=True, GATE_SILU=True, NORM_GROUP=0), ("X", "Z"), ("Y",), FWD_DTYPES),
+    Op("gated rms_norm (Mamba2) backward", True,
+       dict(GATED_BWD, HAS_GATE=True, GATE_AFTER=False, GATE_SILU=True, NORM_GROUP=256), ("DY", "INP", "Z"),
+       ("DX", "DZ")),
+    Op("gated rms_norm (Qwen3-Next) backward", True,
+       dict(GATED_BWD, HAS_GATE=True, GATE_AFTER=True, GATE_SILU=True, NORM_GROUP=0), ("DY", "INP", "Z"),
+       ("DX", "DZ")),
 ]
 
 
@@ -287,7 +307,8 @@ def configurations(ns: list[int], dtypes: list[str]):
             for n in ns:
                 two_norms = op.flags.get("HAS_W1", False) or op.flags.get("HAS_DY1", False)
                 block, warps, looped = K._blocking(n, size, backward=op.backward, two_norms=two_norms,
-                                                   quant=op.flags.get("QUANT", False))
+                                                   quant=op.flags.get("QUANT", False),
+                                                   gated=op.flags.get("HAS_GATE", False))
                 key = (op.name, dtype, block, warps, looped)
                 yield op, dtype, n, block, warps, looped, key in seen
                 seen.add(key)
