@@ -10,7 +10,7 @@ without importing normfuse. torch.compile wraps the model (state_dict keys gain 
 
 import torch
 
-from normfuse.backends import last_report
+import normfuse
 from normfuse.zoo import ToyTransformer
 
 torch.manual_seed(0)
@@ -23,5 +23,4 @@ for backend in ("normfuse", "normfuse_inductor"):
     with torch.no_grad():
         diff = (compiled(ids) - model(ids)).abs().max().item()
     print(f"backend={backend!r}: max |compiled - eager| = {diff:.3e}")
-
-print(last_report())   # every graph the registered backends rewrote in this process
+    print(normfuse.report(compiled))   # the graphs the backend rewrote for this model

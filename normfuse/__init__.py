@@ -29,6 +29,7 @@ _EXPORTS = {
     "NormFusionPass": "normfuse.passes.pipeline",
     "PassResult": "normfuse.passes.pipeline",
     "report": "normfuse.api",
+    "prepare": "normfuse.preparation",
     "FuseConfig": "normfuse.config",
     "FusionReport": "normfuse.reporting",
     "Site": "normfuse.reporting",

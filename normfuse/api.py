@@ -2,137 +2,60 @@
 
 from __future__ import annotations
 
-import copy
-import logging
-import types
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from normfuse.capture import ModelForward
 from normfuse.config import FuseConfig, make_config
 from normfuse.errors import InvalidModelError
+from normfuse.preparation import prepare
 from normfuse.reporting import FusionReport
+from normfuse.runs import RunLog, belongs_to, model_report, norm_module_paths, parameter_paths
 
-__all__ = ["optimize", "fuse_graph", "report", "OptimizedForward"]
+__all__ = ["optimize", "fuse_graph", "report", "OptimizedForward", "LOG_ATTR"]
 
-_REPORT_ATTR = "_normfuse_report"
-_CONFIG_ATTR = "_normfuse_config"
+LOG_ATTR = "_normfuse_runs"   # on an optimized model: its RunLog
 
-log = logging.getLogger("normfuse")
+@dataclass
+class FusingBackend:
+    """Makes the normfuse backend of one optimized model: its graphs' records go to the
+    model's log. A plain object, so that a copied or unpickled model gets its own."""
 
+    config: FuseConfig
+    log: RunLog
+    model: nn.Module
 
-class OptimizedForward:
-    """The forward of an optimized model: ``model.forward`` compiled with the normfuse backend.
-
-    It is installed as the instance attribute ``model.forward`` (not ``model.compile``):
-    - dynamo only sees a frame it traces: for a model whose forward lives in ``torch.nn``
-      (``nn.Sequential``, ``nn.TransformerEncoder``) ``nn.Module.compile`` captures nothing;
-      and dynamo's cache is per code object, so instances sharing a class share 8 entries.
-      Each model enters through a frame of its own (see ``_compile``);
-    - ``nn.Module.__getstate__`` drops ``model.compile``'s compiled call, so a deep copy would
-      silently run eagerly; this attribute is copied with the model and the copy compiles
-      its own forward (on its own parameters) on its first call;
-    - a failure of dynamo's capture itself (``InternalTorchDynamoError``, ``BackendCompilerFailed``,
-      a fake-tensor error) is not the user's error: the call is repeated eagerly. When that
-      succeeds the model runs eagerly from then on, with one warning and the reason in the
-      report; when it raises too, the error was the user's own and propagates as in eager.
-    Hooks of the model run outside the compiled region, as with ``torch.compile(model)``.
-    """
-
-    def __init__(self, module: nn.Module, forward: Any, config: FuseConfig, report: FusionReport):
-        self.module = module
-        self.forward = forward            # the model's own forward, bound to it
-        self.__wrapped__ = forward        # inspect.signature(model.forward) shows the model's signature
-        self.config = config
-        self.report = report
-        self.eager_reason: str | None = None
-        self._compiled: Any = None        # built on the first call
-
-    def _backend(self) -> Any:
+    def __call__(self):
         from normfuse.backends import make_backend
-        return make_backend(self.config, self.report, model=self.module)
+        return make_backend(self.config, sink=self.log.add, model=self.model)
 
-    def _compile(self) -> Any:
-        from torch._dynamo import trace_rules
 
-        backend = self._backend()  # the checker records through the same entry (verify/check.py)
-        fn = self.forward
-        if not (isinstance(fn, types.MethodType) and fn.__self__ is self.module):
-            return torch.compile(fn, backend=backend)
-        # Dynamo caches compiled code per code object of the frame it enters, at most
-        # recompile_limit (8) entries: with the class's forward as that frame, the 9th
-        # optimized instance of a class silently ran eagerly. So each model enters through
-        # a code object of its own: a copy of its forward (same names, so its graphs read
-        # as torch.compile(model)'s: the checker matches them by their inputs).
-        func = fn.__func__
-        if trace_rules.check(fn):
-            # a forward in torch.nn (nn.Sequential, nn.TransformerEncoder): dynamo skips
-            # that file, so nothing was captured; enter through a frame of ours instead. The
-            # model stays the local `self`: module paths read "layers.0.norm1".
-            def forward_frame(self, *args: Any, **kwargs: Any) -> Any:
-                return func(self, *args, **kwargs)
-
-            forward_frame.__code__ = forward_frame.__code__.replace()  # a cache of its own
-            compiled = torch.compile(forward_frame, backend=backend)
-            return lambda *args, **kwargs: compiled(self.module, *args, **kwargs)
-        own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
-                                 func.__closure__)
-        own.__kwdefaults__, own.__qualname__ = func.__kwdefaults__, func.__qualname__
-        return torch.compile(types.MethodType(own, self.module), backend=backend)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.eager_reason is not None or torch.compiler.is_compiling():
-            # inside another torch.compile region the outer compiler traces the plain forward
-            return self.forward(*args, **kwargs)
-        if self._compiled is None:
-            self._compiled = self._compile()
-        try:
-            return self._compiled(*args, **kwargs)
-        except torch._dynamo.exc.TorchDynamoException as error:
-            log.debug("normfuse: capture failed", exc_info=True)
-            result = self.forward(*args, **kwargs)  # the user's own error raises here, as in eager
-            text = str(error).strip()
-            self.eager_reason = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
-            message = (f"normfuse runs {type(self.module).__name__} eagerly (unoptimized): dynamo could not capture "
-                       f"its forward ({self.eager_reason}). The model's results are unchanged; run "
-                       "torch.compile(model, backend='eager') to see the capture error, and report it with the model.")
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-            self.report.warnings.append(message)
-            return result
-
-    def __deepcopy__(self, memo: dict) -> "OptimizedForward":
-        # the model's copy gets its own forward, compiled afresh on its first call, and a
-        # report of its own graphs
-        report = copy.deepcopy(self.report, memo)
-        _reset(report)
-        return OptimizedForward(copy.deepcopy(self.module, memo), copy.deepcopy(self.forward, memo),
-                                self.config, report)
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_compiled"] = None  # compiled code does not pickle; recompiled after loading
-        return state
+class OptimizedForward(ModelForward):
+    """The forward of an optimized model as normfuse 0.1.0 pickled it (``normfuse.api.OptimizedForward``
+    holding its config and report): loaded, it is a ``ModelForward`` with that config's backend
+    and a fresh log, and compiles afresh on its first call."""
 
     def __setstate__(self, state: dict) -> None:
+        if "config" in state:  # the 0.1.0 layout
+            config, old_report = state.pop("config"), state.pop("report", None)
+            log = RunLog(notes=list(getattr(old_report, "notes", None) or []))
+            state.update(make_backend=FusingBackend(config, log, state["module"]), on_warning=log.warn)
         self.__dict__.update(state)
-        _reset(self.report)  # the loaded model captures its graphs afresh: a report of its own
+        self._compiled = None
 
 
-class _NotPickled(list):
-    """The report's rewritten graph modules: they live with the compiled code, so a pickled
-    (``torch.save(model)``) or copied model does not carry them: the loaded model captures
-    and rewrites its graphs afresh, and its report describes those."""
-
-    def __reduce__(self):
-        return (_NotPickled, ())
+_NotPickled = list  # 0.1.0 pickled its report's graph list as ``normfuse.api._NotPickled()``: an empty list
 
 
-def _reset(report: FusionReport) -> None:
-    report.sites.clear(), report.warnings.clear(), report.notes.clear(), report.graph_modules.clear()
-    report.graphs = 0
+def _log_of(model: nn.Module) -> RunLog | None:
+    """The RunLog of an optimized model (one loaded from a 0.1.0 pickle keeps it in its forward)."""
+    run_log = model.__dict__.get(LOG_ATTR)
+    backend = getattr(model.__dict__.get("forward"), "make_backend", None)
+    return run_log if run_log is not None else getattr(backend, "log", None)
 
 
 def fuse_graph(gm: fx.GraphModule, config: FuseConfig | None = None, **options: Any
@@ -161,32 +84,43 @@ def optimize(model: nn.Module, config: FuseConfig | None = None, **options: Any)
             "Wrap a function in an nn.Module, or use torch.compile(fn, backend='normfuse').")
     cfg = make_config(config, **options)
     installed = model.__dict__.get("forward")
-    if isinstance(installed, OptimizedForward) and installed.module is model:  # already optimized: a no-op
-        if installed.config != cfg:
+    fusing = isinstance(installed, ModelForward) and isinstance(installed.make_backend, FusingBackend)
+    if fusing and installed.module is model:  # already optimized: a no-op
+        if installed.make_backend.config != cfg:
             warnings.warn("normfuse.optimize: this model is already optimized, with another config; the new options "
                           "are ignored. Optimize a fresh (unoptimized) copy of the model to use them.",
                           RuntimeWarning, stacklevel=2)
         return model
-    rep = FusionReport(graph_modules=_NotPickled())
-    object.__setattr__(model, _REPORT_ATTR, rep)
-    object.__setattr__(model, _CONFIG_ATTR, cfg)
-    if cfg.prenorm:
-        from normfuse.passes.prenorm_model import prepare_module
-        prepare_module(model)
-    if cfg.cross_block:  # normfuse.passes.boundary: carry the residual pair across block boundaries
-        from normfuse.passes.boundary import rewrite_streams
-        rep.notes += [s.describe() for s in rewrite_streams(model, cfg.cross_checkpoints)]
-    model.forward = OptimizedForward(model, model.forward, cfg, rep)
+    log = RunLog()
+    object.__setattr__(model, LOG_ATTR, log)
+    log.notes += prepare(model, cfg).notes
+    model.forward = ModelForward(model, model.forward, FusingBackend(cfg, log, model), log.warn)
     return model
 
 
 def report(model: nn.Module) -> FusionReport:
-    """Everything the pass found and did in ``model`` so far (one entry per captured graph)."""
-    rep = getattr(model, _REPORT_ATTR, None)
-    if rep is None:
-        orig = getattr(model, "_orig_mod", None)
-        rep = getattr(orig, _REPORT_ATTR, None) if orig is not None else None
-    if rep is None:
+    """Everything the pass found and did in ``model`` so far: one entry per graph run, module
+    paths whole. Works on a model given to ``optimize``, a model compiled with
+    ``torch.compile(model, backend="normfuse")`` (or ``"normfuse_inductor"``), and a model
+    whose children were compiled so (torchtitan's per-block compile)."""
+    if not isinstance(model, nn.Module):
+        raise InvalidModelError(f"report takes the torch.nn.Module the pass ran on, got {type(model).__name__}.")
+    from normfuse.backends import registered_records
+
+    owner = model.__dict__.get("_orig_mod", model)  # torch.compile(model)'s wrapper
+    run_log = _log_of(owner)
+    paths = parameter_paths(owner)
+    compiled = [r for r in registered_records() if belongs_to(r, paths)]
+    if run_log is None and not compiled:
         raise InvalidModelError(
-            "this model was not optimized by normfuse: call normfuse.optimize(model) and run it once first.")
+            "normfuse has not run on this model: call normfuse.optimize(model) (or torch.compile it, or its blocks, "
+            "with backend='normfuse') and run it once first.")
+    rep = model_report(run_log.records, owner, paths, run_log.notes, run_log.warnings) if run_log is not None else None
+    from_backends = model_report(compiled, owner, paths, only_model=True) if compiled else None
+    if rep is None:
+        rep = from_backends
+    elif from_backends is not None:
+        rep.extend(from_backends)
+    seen = {site.fqn for site in rep.sites}
+    rep.uncaptured = [fqn for fqn in norm_module_paths(owner) if fqn not in seen]
     return rep

@@ -28,6 +28,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from normfuse.errors import InvalidModelError, InvalidOptionError, NormfuseError, closest
+from normfuse.preparation import prepare
 from normfuse.reporting import Site, folded_steps
 
 __all__ = ["audit", "AuditReport", "SiteAudit", "register_cli", "BANDWIDTHS", "DEFAULT_BANDWIDTH",
@@ -543,15 +544,6 @@ def _capture_graphs(model: nn.Module, args: tuple, kwargs: dict, allow_constants
     return graphs
 
 
-def _regroup_streams(model: nn.Module, rep: AuditReport, cross_checkpoints: bool) -> list[str]:
-    """Rewrite the model's streams as optimize would; the owners rewritten here, to undo."""
-    from normfuse.passes.boundary import rewrite_streams, rewritten_streams
-
-    before = set(rewritten_streams(model))
-    rep.notes += [s.describe() for s in rewrite_streams(model, cross_checkpoints)]
-    return [fqn for fqn in rewritten_streams(model) if fqn not in before]
-
-
 def _caused_by(error: BaseException, text: str) -> bool:
     while error is not None:
         if text in str(error):
@@ -579,9 +571,10 @@ def audit(model: nn.Module, *args: Any, config=None, bandwidth: Any = None, name
     start = time.perf_counter()
     rep = AuditReport(model=name or type(model).__name__, bandwidth=label, bandwidth_bytes_per_s=bw)
     was_training = model.training
-    # optimize carries the residual pair across block boundaries (normfuse.passes.boundary):
-    # audit the graphs it would see, then put the model back as it was
-    regrouped = _regroup_streams(model, rep, cfg.cross_checkpoints) if cfg.cross_block else []
+    # audit the graphs optimize would see (its streams regrouped across blocks), then put the
+    # model back as it was (the Pre-Norm conversion is not audited)
+    preparation = prepare(model, cfg, prenorm=False)
+    rep.notes += preparation.notes
     try:
         try:
             rep.capture = CAPTURE_PATHS[0]
@@ -599,9 +592,7 @@ def audit(model: nn.Module, *args: Any, config=None, bandwidth: Any = None, name
                                 "the model.") from error
     finally:
         model.train(was_training)
-        if regrouped:
-            from normfuse.passes.boundary import undo_streams
-            undo_streams(model, regrouped)
+        preparation.undo()
     if not graphs:
         raise NormfuseError(f"dynamo captured no graph of {rep.model}: the forward ran eagerly (dynamo's "
                             "recompile limit may have been reached in this process; call "

@@ -1,13 +1,19 @@
 """Dynamo backends: ``torch.compile(model, backend="normfuse")`` and ``"normfuse_inductor"``.
 
 Both are registered through the ``torch_dynamo_backends`` entry point, so the names work
-without importing normfuse first. Each captured graph goes through one ``NormFusionPass``.
+without importing normfuse first. Each captured graph goes through one ``NormFusionPass``;
+what it did is kept as a ``normfuse.runs.GraphRecord``, noted run by run by the callable
+handed back to dynamo. ``optimize`` keeps its records with the model; the registered
+backends keep theirs in one process-wide list of weak references (a record lives as long
+as dynamo keeps its compiled code, so a long-running process holds no stale graph), from
+which ``normfuse.report(model)`` picks the records that ran on the model's parameters.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -15,48 +21,71 @@ import torch.fx as fx
 
 from normfuse.config import FuseConfig
 from normfuse.reporting import FusionReport
+from normfuse.runs import GraphRecord, find_anchor, model_report, tracked
 
-__all__ = ["normfuse_backend", "normfuse_inductor_backend", "make_backend", "last_report"]
-
-_LAST: list[FusionReport] = [FusionReport()]
+__all__ = ["normfuse_backend", "normfuse_inductor_backend", "make_backend", "last_report", "registered_records",
+           "eager_checkpoints"]
 
 log = logging.getLogger("normfuse")
 
+# the records of the registered backends, weakly: each lives as long as its compiled code
+_REGISTERED: list[weakref.ref] = []
+
+
+def _register(record: GraphRecord) -> None:
+    _REGISTERED[:] = [ref for ref in _REGISTERED if ref() is not None]
+    _REGISTERED.append(weakref.ref(record))
+
+
+def registered_records() -> list[GraphRecord]:
+    """The records of the graphs the registered backends rewrote whose compiled code is alive."""
+    return [record for record in (ref() for ref in _REGISTERED) if record is not None]
+
 
 def last_report() -> FusionReport:
-    """The report of every graph the registered backends rewrote in this process."""
-    return _LAST[0]
+    """Every graph run of the registered backends in this process whose compiled code is
+    alive, module paths relative to each compiled frame (``normfuse.report(model)`` gives
+    them whole, for one model)."""
+    return model_report(registered_records())
 
 
-def make_backend(config: FuseConfig | None = None, report: FusionReport | None = None, *,
+def make_backend(config: FuseConfig | None = None, *, sink: Callable[[GraphRecord], None] = _register,
                  inductor: bool = False, model: Any = None) -> Callable:
-    """A dynamo backend that rewrites each captured graph, then runs it eagerly or with inductor."""
-    from normfuse.passes.pipeline import NormFusionPass, copy_graph_module
+    """A dynamo backend that rewrites each captured graph, hands its record to ``sink`` and
+    runs the graph eagerly, or with inductor. ``model``: the module the graphs come from
+    (the Pre-Norm conversion registers its final norms there)."""
+    from normfuse.passes.graph import copy_graph_module
+    from normfuse.passes.pipeline import NormFusionPass
 
-    fusion = NormFusionPass(config, model=model, report=report)
+    fusion = NormFusionPass(config, model=model)
 
     def backend(gm: fx.GraphModule, example_inputs: list[Any]):
         # the pass works on copies and falls back by itself; this guard covers the rest
         # (the checker, inductor) so that dynamo always gets a callable
+        anchor = find_anchor(gm)
         original = copy_graph_module(gm)
         try:
             result = fusion(gm)
+            report = result.report
             if fusion.config.check:
                 from normfuse.verify.check import check_graph_on_first_call
-                gm = check_graph_on_first_call(gm, result.report, example_inputs, original=original)
+                gm = check_graph_on_first_call(gm, report, example_inputs, original=original)
             if inductor:
                 from torch._inductor.compile_fx import compile_fx
-                return compile_fx(gm, example_inputs)
-            return eager_checkpoints(gm).forward
+                compiled = compile_fx(gm, example_inputs)
+            else:
+                compiled = eager_checkpoints(gm).forward
         except Exception as error:  # noqa: BLE001 - the user's model must never break
             message = (f"normfuse left this graph unchanged and runs it eagerly: {type(error).__name__}: {error}. "
                        "Please report it with the model that triggers it.")
             warnings.warn(message, RuntimeWarning, stacklevel=2)
-            fusion.report.warnings.append(message)
             log.debug("normfuse backend failure", exc_info=True)
-            return eager_checkpoints(original).forward
+            report = FusionReport(graphs=1, warnings=[message], graph_modules=[original])
+            compiled = eager_checkpoints(original).forward
+        record = GraphRecord.of(report, anchor)
+        sink(record)
+        return tracked(compiled, record)
 
-    backend.normfuse_report = fusion.report  # type: ignore[attr-defined]
     backend.normfuse_pass = fusion  # type: ignore[attr-defined]
     return backend
 
@@ -103,8 +132,8 @@ def eager_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def normfuse_backend(gm: fx.GraphModule, example_inputs: list[Any]):
-    return make_backend(report=_LAST[0])(gm, example_inputs)
+    return make_backend()(gm, example_inputs)
 
 
 def normfuse_inductor_backend(gm: fx.GraphModule, example_inputs: list[Any]):
-    return make_backend(report=_LAST[0], inductor=True)(gm, example_inputs)
+    return make_backend(inductor=True)(gm, example_inputs)

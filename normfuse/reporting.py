@@ -46,8 +46,12 @@ class Site:
     fused_x1: bool = False      # a second branch (``x + attn + mlp``) summed in the kernel
     fused_rowscale: bool = False  # a per-sample scale of the branch (drop_path) applied in the kernel
     fused_dropout: bool = False   # the branch's dropout drawn in the kernel (another random stream)
-    graph: int = 0              # the graph it was found in (nested subgraphs count as graphs)
+    graph: int = 0              # the graph run it was found in (nested subgraphs count as graphs)
     number: int = 0             # its place among that graph's sites, in graph order
+    # dynamo runs one compiled graph for every module whose forward is the same code (the
+    # blocks of a stack under FSDP2 or per-block compile): the id of the site whose run
+    # compiled the graph that computes this one (None: this run compiled it)
+    reuses: str | None = None
 
     def __post_init__(self):
         # a symbolic hidden size (dynamic shapes) is reported as the size it had at capture
@@ -86,6 +90,9 @@ class FusionReport:
     # the rewritten graphs themselves (not serialized): the checker and the Pre-Norm
     # structure check read them
     graph_modules: list = field(default_factory=list, repr=False, compare=False)
+    # norm modules of the model that no graph the pass saw holds (module paths): they ran
+    # eagerly, outside every captured graph (a frame dynamo gave up on), or not at all
+    uncaptured: list[str] = field(default_factory=list)
 
     # --- summaries
     @property
@@ -112,6 +119,7 @@ class FusionReport:
             "fused_x1": sum(s.fused_x1 for s in self.fused),
             "fused_rowscale": sum(s.fused_rowscale for s in self.fused),
             "fused_dropout": sum(s.fused_dropout for s in self.fused),
+            "not_captured": len(self.uncaptured),
         }
 
     def call_members(self, site: Site) -> list[Site]:
@@ -135,11 +143,12 @@ class FusionReport:
         self.warnings += other.warnings
         self.notes += other.notes
         self.graph_modules += other.graph_modules
+        self.uncaptured += [fqn for fqn in other.uncaptured if fqn not in self.uncaptured]
 
     def to_dict(self) -> dict[str, Any]:
         return {"sites": [s.to_dict() for s in self.sites], "summary": self.counts(),
                 "graphs": self.graphs, "regions": [r.to_dict() for r in self.regions],
-                "warnings": list(self.warnings), "notes": list(self.notes)}
+                "warnings": list(self.warnings), "notes": list(self.notes), "uncaptured": list(self.uncaptured)}
 
     @property
     def regions_not_analyzed(self) -> list[Region]:
@@ -164,9 +173,17 @@ class FusionReport:
                      f"placements: {c['by_placement']}; kinds: {c['by_kind']}")
         return "\n".join(lines)
 
+    @property
+    def compiled_graphs(self) -> int:
+        """Distinct graphs behind the graph runs (one graph may run for several modules)."""
+        return len({id(gm) for gm in self.graph_modules if gm is not None}) if self.graph_modules else self.graphs
+
     def __str__(self) -> str:
         c = self.counts()
-        head = (f"FusionReport: {c['sites']} norm sites in {self.graphs} graph(s), {c['fused']} fused "
+        compiled = self.compiled_graphs
+        runs = f"{self.graphs} graph(s)" if compiled == self.graphs else \
+            f"{self.graphs} graph runs ({compiled} graphs compiled, each run for its own module)"
+        head = (f"FusionReport: {c['sites']} norm sites in {runs}, {c['fused']} fused "
                 f"({c['fused_with_add']} with their residual add)")
         rows = [head]
         for s in self.sites:
@@ -174,9 +191,17 @@ class FusionReport:
             others = [m.id for m in self.call_members(s) if m is not s] if s.fused else []
             if others:
                 what += f" (one kernel with {', '.join(others)})"
+            if s.reuses:
+                what += f" (graph of {s.reuses})"
             rows.append(f"  {s.id:8s} {s.placement:10s} {s.kind:10s} {s.form:22s} {s.fqn or '?':40s} {what}")
         for r in self.regions_not_analyzed:
             rows.append(f"  not analyzed: {r.name} of graph {r.parent} ({r.op}): {r.reason}")
+        if self.uncaptured:
+            rows.append(f"  not captured: {', '.join(self.uncaptured)}: no graph normfuse saw holds these norm "
+                        "modules; they ran eagerly (a frame dynamo skipped or that ran outside the compiled "
+                        "modules), or not at all")
+        for note in self.notes:
+            rows.append(f"  note: {note}")
         for w in self.warnings:
             rows.append(f"  warning: {w}")
         return "\n".join(rows)

@@ -249,7 +249,7 @@ def test_audit_leaves_the_model_unchanged():
     torch._dynamo.reset()
     rep = normfuse.audit(model, torch.randint(0, 64, (2, 8)))
     assert rep.summary()["by_placement"] == {"sandwich": 2, "pre": 3}  # norm1, norm2, final norm
-    assert model.training and model.forward == forward and not hasattr(model, "_normfuse_report")
+    assert model.training and model.forward == forward and not hasattr(model, "_normfuse_runs")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 

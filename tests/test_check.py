@@ -14,10 +14,11 @@ import pytest
 import torch
 
 import normfuse
-from normfuse.api import _REPORT_ATTR
-from normfuse.backends import make_backend
+from normfuse.api import LOG_ATTR
+from normfuse.capture import Recorder
+from normfuse.runs import tracked
 from normfuse.reporting import FusionReport
-from normfuse.verify.check import _Recorder, check_graph_on_first_call
+from normfuse.verify.check import check_graph_on_first_call
 from normfuse.verify.numeric import Fp64Mode, perturb_vectors, ulp_diff
 from normfuse.verify.sites import fused_calls
 from normfuse.zoo import ToyTransformer, hf_model
@@ -65,17 +66,20 @@ def plant(gm, index, fault):
 
 def faulty_copy(model, index, fault):
     """normfuse.optimize of a deep copy, with ``fault`` planted in fused call ``index``."""
-    m = copy.deepcopy(model)
-    report = FusionReport()
-    inner = make_backend(report=report, model=m)
+    m = normfuse.optimize(copy.deepcopy(model))
+    fusing = m.forward.make_backend
 
-    def backend(gm, example_inputs):
-        inner(gm, example_inputs)
-        plant(gm, index, fault)
-        return gm.forward
+    def make_backend():
+        inner = fusing()
 
-    object.__setattr__(m, _REPORT_ATTR, report)
-    m.compile(backend=backend)
+        def backend(gm, example_inputs):
+            compiled = inner(gm, example_inputs)
+            plant(gm, index, fault)
+            return tracked(gm.forward, compiled.normfuse_record)
+
+        return backend
+
+    m.forward.make_backend = make_backend
     return m
 
 
@@ -127,7 +131,7 @@ def test_rewrite_is_equivalent(family, dtype, sites):
     assert max(o.ulp_max for s in res.sites for o in s.numeric.outputs) <= 1
     assert res.first_divergence is None
     # the model passed in is untouched
-    assert not hasattr(model, _REPORT_ATTR)
+    assert not hasattr(model, LOG_ATTR)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     d = res.to_dict()
     assert d["summary"]["proved"] == sites and json.loads(res.to_json())["summary"]["ok"] is True
@@ -230,7 +234,7 @@ def test_backend_check_warns_with_the_site():
     torch._dynamo.reset()
     model = perturb_vectors(ToyTransformer(placement="pre", kind="rms_norm", spelling="llama").to(torch.bfloat16))
     ids = torch.randint(0, 64, (2, 8))
-    recorder = _Recorder()
+    recorder = Recorder()
     torch.compile(model, backend=recorder)(ids)
     original, inputs = recorder.graphs[0]
     rewritten, report = normfuse.fuse_graph(copy.deepcopy(original))
@@ -284,3 +288,29 @@ def test_optimize_with_check_runs_the_checker_quietly(monkeypatch):
         got = normfuse.optimize(copy.deepcopy(model), check=True)(ids)
     assert_close(got, want)
     assert len(calls) == 1 and len(calls[0].fused) == 5  # the graph and its 5 rewritten sites were checked
+
+
+@pytest.mark.parametrize("way", ["residual_dtype", "prenorm"])
+def test_sites_not_compared_say_so(way):
+    """A widened or converted site has no original subgraph to be compared with: the check says
+    it was not compared (in the result and in the table), and never that it passed."""
+    torch._dynamo.reset()
+    ids = torch.randint(0, 64, (2, 8))
+    if way == "residual_dtype":
+        model = ToyTransformer(depth=2, kind="rms_norm").to(torch.bfloat16).eval()
+        optimized = normfuse.optimize(copy.deepcopy(model), residual_dtype=torch.float32)
+    else:
+        model = ToyTransformer(placement="post", depth=2).eval()
+        optimized = normfuse.optimize(copy.deepcopy(model), prenorm=True)
+    res = normfuse.check(model, ids, optimized=optimized)
+    skipped = [s for s in res.sites if not s.compared]
+    assert skipped, str(res)
+    assert all(not s.passed and not s.failed and s.reason.startswith("not compared: by design") for s in skipped)
+    assert res.summary()["sites_not_compared"] == len(skipped)
+    assert res.summary()["sites_passed"] == len(res.sites) - len(skipped)
+    rows = {line.split()[0]: line for line in str(res).splitlines() if line.startswith("  g")}
+    for site in skipped:
+        assert "not compared: by design" in rows[site.id] and not rows[site.id].rstrip().endswith(" ok")
+    assert f"({len(skipped)} not compared: by design)" in str(res).splitlines()[0]
+    assert res.ok  # by design: not a failure
+    assert all(d["compared"] is False for d in res.to_dict()["sites"] if d["id"] in {s.id for s in skipped})

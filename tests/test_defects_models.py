@@ -196,7 +196,7 @@ def test_check_headline_names_unverified_sites(monkeypatch):
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    monkeypatch.setattr(check_module, "_capture", lambda *args, **kwargs: [])  # no original graph to pair with
+    monkeypatch.setattr(check_module, "record_graphs", lambda *args, **kwargs: [])  # no original graph to pair with
     result = normfuse.check(_encoder(), torch.randn(2, 5, 32))
     headline = str(result).splitlines()[0]
     assert result.unverified == 4 and result.summary()["sites_unverified"] == 4

@@ -15,3 +15,55 @@ def test_public_functions_are_not_shadowed_by_submodules():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def test_importing_normfuse_declares_no_operator():
+    # torchvision's operator namespace is declared (when its extension cannot load) only right
+    # before normfuse itself imports transformers, never when a module of normfuse is imported
+    code = (
+        "import sys, torch\n"
+        "import normfuse, normfuse.cli, normfuse.targets, normfuse.zoo, normfuse.auditing, normfuse.verify.check\n"
+        "normfuse.cli.build_parser()\n"
+        "assert not torch._C._jit_get_schemas_for_operator('torchvision::nms')\n"
+        "assert 'torchvision' not in sys.modules and 'transformers' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    out = _run(code)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_cli_works_when_another_package_declared_the_torchvision_namespace():
+    # another package declared torchvision's namespace (a DEF library) and one of its ops first:
+    # normfuse declares only what is missing, as a fragment, and the CLI runs
+    code = (
+        "import sys, torch\n"
+        "lib = torch.library.Library('torchvision', 'DEF')\n"
+        "lib.define('nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor')\n"
+        "from normfuse.cli import main\n"
+        "sys.exit(main(['audit', 'hf:llama', '--layers', '1', '--seq', '16', '--format', 'json']))\n"
+    )
+    out = _run(code)
+    assert out.returncode == 0, out.stderr
+    assert '"sites"' in out.stdout
+
+
+def test_pass_cache_key_covers_the_ops_the_graphs_call(tmp_path, monkeypatch):
+    """Inductor's FX-graph cache keys rewritten graphs on uuid(): editing the kernels the
+    rewritten graphs call must change it, as editing the pass does."""
+    import shutil
+
+    from normfuse.passes import pipeline
+
+    files = pipeline.code_files()
+    assert any("/kernels/" in f for f in files) and any("/passes/" in f for f in files)
+    before = pipeline.NormFusionPass().uuid()
+    edited = tmp_path / "ops.py"
+    kernel = next(f for f in files if f.endswith("kernels/ops.py"))
+    shutil.copy(kernel, edited)
+    edited.write_text(edited.read_text() + "\n# edited\n")
+    monkeypatch.setattr(pipeline, "code_files", lambda: tuple(str(edited) if f == kernel else f for f in files))
+    assert pipeline.NormFusionPass().uuid() != before

@@ -408,8 +408,8 @@ def test_optimize_twice_is_a_no_op():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert normfuse.optimize(model) is model  # same options: silent
-    assert model.forward is compiled and normfuse.report(model) is rep
     model(IDS)
+    assert model.forward is compiled and normfuse.report(model).counts() == rep.counts()
     assert rep.graphs == 1 and rep.counts()["fused"] == 5
     with pytest.warns(RuntimeWarning, match="already optimized"):
         normfuse.optimize(model, standalone=False)

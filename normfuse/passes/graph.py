@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import networkx as nx
@@ -9,7 +10,7 @@ import torch.fx as fx
 
 from normfuse.passes.canonical import Canon, canonical, common_subexpressions
 
-__all__ = ["GraphIndex", "dependency_graph"]
+__all__ = ["GraphIndex", "dependency_graph", "copy_graph", "copy_graph_module"]
 
 
 class GraphIndex:
@@ -95,3 +96,29 @@ def dependency_graph(graph: fx.Graph) -> nx.DiGraph:
         for inp in node.all_input_nodes:
             g.add_edge(inp, node)
     return g
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.Graph:
+    """A copy of gm's graph; nodes keep their meta and the attributes dynamo set on them."""
+    graph = fx.Graph(owning_module=gm, tracer_cls=getattr(gm.graph, "_tracer_cls", None))
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    value_map: dict[fx.Node, fx.Node] = {}
+    output = graph.graph_copy(gm.graph, value_map)
+    graph.output(output)
+    for old, new in value_map.items():
+        for key, value in vars(old).items():  # e.g. placeholders' _dynamo_source
+            if key.startswith("_dynamo") and not hasattr(new, key):
+                setattr(new, key, value)
+    return graph
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule over a copy of ``gm``'s graph (node names, meta and dynamo's node
+    attributes kept) and of its nested subgraphs, sharing parameters and other submodules:
+    the untouched graph to run or compare with. (The pass rewrites nested subgraphs in
+    place, so a copy that shared them would change with it.)"""
+    copied = fx.GraphModule(gm, copy_graph(gm), class_name=type(gm).__name__)
+    for name, child in gm.named_children():
+        if isinstance(child, fx.GraphModule):
+            setattr(copied, name, copy_graph_module(child))
+    return copied

@@ -37,7 +37,7 @@ from normfuse.passes.canonical import canonicalize
 from normfuse.passes.dtensor_graph import hoist_from_local
 from normfuse.passes.classify import SiteState, classify
 from normfuse.passes.find import find_input_add, find_norms, find_output_add
-from normfuse.passes.graph import GraphIndex
+from normfuse.passes.graph import GraphIndex, copy_graph, copy_graph_module
 from normfuse.passes.provenance import site_record
 from normfuse.passes import rewrite
 from normfuse.reporting import FusionReport, Region, Site
@@ -54,6 +54,14 @@ STAGES = ("canonicalize", "find", "classify", "rewrite", "verify")
 # backward). Other higher-order ops are listed in the report as regions not analyzed.
 ENTERED_REGIONS = ("tag_activation_checkpoint", "wrap_activation_checkpoint", "wrap", "wrap_with_autocast",
                    "wrap_with_set_grad_enabled", "invoke_subgraph")
+
+
+def code_files() -> tuple[str, ...]:
+    """The files whose code decides what a rewritten graph computes: the pass, the ops its
+    graphs call, and the words both read (Inductor's cache keys compiled graphs on them)."""
+    package = Path(__file__).parent.parent
+    files = [*package.glob("passes/*.py"), *package.glob("kernels/*.py"), package / "vocabulary.py"]
+    return tuple(sorted(str(p) for p in files))
 
 
 class PassFailure(Exception):
@@ -94,34 +102,6 @@ def analyze(graph: fx.Graph, stage=lambda name: None) -> tuple[GraphIndex, list[
     stage("classify")
     classify(index, states)
     return index, states
-
-
-# --------------------------------------------------------------------------- graph copies
-
-def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
-    """A copy of gm's graph; nodes keep their meta and the attributes dynamo set on them."""
-    graph = fx.Graph(owning_module=gm, tracer_cls=getattr(gm.graph, "_tracer_cls", None))
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
-    value_map: dict[fx.Node, fx.Node] = {}
-    output = graph.graph_copy(gm.graph, value_map)
-    graph.output(output)
-    for old, new in value_map.items():
-        for key, value in vars(old).items():  # e.g. placeholders' _dynamo_source
-            if key.startswith("_dynamo") and not hasattr(new, key):
-                setattr(new, key, value)
-    return graph
-
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A GraphModule over a copy of ``gm``'s graph (node names, meta and dynamo's node
-    attributes kept) and of its nested subgraphs, sharing parameters and other submodules:
-    the untouched graph to run or compare with. (The pass rewrites nested subgraphs in
-    place, so a copy that shared them would change with it.)"""
-    copied = fx.GraphModule(gm, _copy_graph(gm), class_name=type(gm).__name__)
-    for name, child in gm.named_children():
-        if isinstance(child, fx.GraphModule):
-            setattr(copied, name, copy_graph_module(child))
-    return copied
 
 
 def _replace_contents(target: fx.Graph, source: fx.Graph) -> None:
@@ -176,9 +156,9 @@ class NormFusionPass(CustomGraphPass):
         if self.config.filter_fn is not None:
             return None  # a callable's behaviour cannot be hashed
         options = {f.name: getattr(self.config, f.name) for f in fields(self.config) if f.name != "filter_fn"}
-        # the pass's own code is part of the key: an edited pass must not reuse stale graphs
-        sources = sorted(str(p) for p in Path(__file__).parent.glob("*.py"))
-        return get_hash_for_files(tuple(sources), f"{sorted(options.items())} {self.apply}").hex()
+        # the code is part of the key: an edited pass, or edited ops the rewritten graphs call,
+        # must not reuse stale graphs
+        return get_hash_for_files(code_files(), f"{sorted(options.items())} {self.apply}").hex()
 
     def __call__(self, target: fx.GraphModule | fx.Graph) -> PassResult:
         if isinstance(target, fx.GraphModule):
@@ -208,11 +188,11 @@ class NormFusionPass(CustomGraphPass):
             report.extend(prenorm.convert_graph(gm, self.config, model=self.model))
         result = PassResult(gm, report)
         self._run_region(gm, result, parent=None, name=None)
-        # self.report numbers graphs across calls; this call's report keeps its own numbers
+        # self.report numbers graphs across calls; this call's report keeps its own numbers.
+        # It holds no graph module: a pass object Inductor keeps must not keep every graph alive.
         self.report.extend(FusionReport(
             sites=[copy.copy(s) for s in report.sites], graphs=report.graphs, warnings=list(report.warnings),
-            notes=list(report.notes), regions=[copy.copy(r) for r in report.regions],
-            graph_modules=report.graph_modules))
+            notes=list(report.notes), regions=[copy.copy(r) for r in report.regions]))
         return result
 
     def _run_region(self, gm: fx.GraphModule, result: PassResult, parent: int | None, name: str | None,
@@ -271,7 +251,7 @@ class NormFusionPass(CustomGraphPass):
     def _sites_after_failure(self, gm: fx.GraphModule, message: str) -> list[Site]:
         """The sites the pass would have rewritten, each with the failure as its reason."""
         try:
-            index, states = analyze(_copy_graph(gm))
+            index, states = analyze(copy_graph(gm))
             sites = [site_record(index, state, i) for i, state in enumerate(states)]
         except Exception:  # noqa: BLE001 - the failure was in finding the sites: none to list
             log.debug("normfuse: sites not listed after a pass failure", exc_info=True)
@@ -282,7 +262,7 @@ class NormFusionPass(CustomGraphPass):
 
     def _fuse_unsafe(self, gm: fx.GraphModule, report: FusionReport, analysis: list) -> list[Site]:
         # work on a copy: the user's graph is swapped only when everything succeeded
-        graph = _copy_graph(gm)
+        graph = copy_graph(gm)
         # sequence parallel: the add reaches its norm through DTensor.from_local; the wrap
         # moves onto the add's operands (same values), so the add feeds the norm
         hoist_from_local(graph)

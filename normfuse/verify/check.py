@@ -30,9 +30,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from normfuse.capture import record_graphs
 from normfuse.errors import InvalidModelError, NormfuseError
+from normfuse.preparation import prepare
 from normfuse.reporting import FusionReport, Site
-from normfuse.verify.numeric import (Fp64Mode, OutputCheck, SiteNumeric, check_site, compare, copy_graph_module,
+from normfuse.verify.numeric import (Fp64Mode, OutputCheck, SiteNumeric, check_site, compare,
                                      failed_output, flatten, fp64_copy, model_copy, perturb_vectors, run_graph,
                                      tensors_with_history, to_fp64)
 from normfuse.verify.sites import pair_sites
@@ -57,30 +59,44 @@ class SiteCheck:
     number: int = 0
 
     @property
+    def compared(self) -> bool:
+        """Whether the site was compared with its original subgraph (a converted or widened site
+        is not, by design: it is neither passed nor failed)."""
+        return self.numeric.compared
+
+    @property
     def passed(self) -> bool:
-        return self.numeric.passed and self.symbolic.status != "refuted"
+        return self.compared and self.numeric.passed and self.symbolic.status != "refuted"
+
+    @property
+    def failed(self) -> bool:
+        return (self.compared and not self.numeric.passed) or self.symbolic.status == "refuted"
 
     @property
     def reason(self) -> str | None:
         if self.passed:
             return None
-        parts = [] if self.numeric.passed else [self.numeric.reason]
+        if not self.failed:
+            return f"not compared: by design ({self.numeric.reason})"
+        parts = [] if self.numeric.passed or not self.compared else [self.numeric.reason]
         if self.symbolic.status == "refuted":
             parts.append(f"symbolic: refuted ({self.symbolic.detail})")
         return "; ".join(p for p in parts if p)
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "fqn": self.fqn, "source": self.source, "op": self.op, "placement": self.placement,
-                "kind": self.kind, "passed": self.passed, "reason": self.reason,
-                "numeric": self.numeric.to_dict(), "symbolic": self.symbolic.to_dict()}
+                "kind": self.kind, "passed": self.passed, "failed": self.failed, "compared": self.compared,
+                "reason": self.reason, "numeric": self.numeric.to_dict(), "symbolic": self.symbolic.to_dict()}
 
     def __str__(self) -> str:
         return f"{self.id} {self.fqn or '?'} ({self.source or 'no source line'})"
 
 
 def _site_result(site: SiteCheck) -> str:
-    if not site.passed:
+    if site.failed:
         return f"FAIL: {site.reason}"
+    if not site.passed:
+        return site.reason  # not compared: by design (...)
     # a folded dropout draws another mask than eager's: equal once that mask is replayed
     return "ok (equal given the mask)" if site.numeric.given_mask else "ok"
 
@@ -107,7 +123,9 @@ class CheckResult:
         return {
             "ok": self.ok, "outputs": len(self.outputs), "outputs_failed": sum(not o.passed for o in self.outputs),
             "max_error_ratio": max(ratios, default=0.0),
-            "sites": len(self.sites), "sites_failed": sum(not s.passed for s in self.sites),
+            "sites": len(self.sites), "sites_failed": sum(s.failed for s in self.sites),
+            "sites_passed": sum(s.passed for s in self.sites),
+            "sites_not_compared": sum(not s.compared and not s.failed for s in self.sites),
             "proved": statuses.count("proved"), "refuted": statuses.count("refuted"),
             "unsupported": statuses.count("unsupported"), "sites_unverified": self.unverified,
             "max_site_ulp": max((o.ulp_max for s in self.sites for o in s.numeric.outputs), default=0.0),
@@ -129,7 +147,8 @@ class CheckResult:
         if self.by_design:
             verdict = f"CHANGED BY DESIGN (Post-Norm -> Pre-Norm), structure {'kept' if self.structure_ok else 'NOT kept' if self.structure_ok is False else 'not checked'}"
         lines = [f"normfuse check: {verdict}: {s['outputs'] - s['outputs_failed']}/{s['outputs']} outputs and "
-                 f"gradients pass, {s['sites'] - s['sites_failed']}/{s['sites']} sites pass "
+                 f"gradients pass, {s['sites_passed']}/{s['sites']} sites pass"
+                 + (f" ({s['sites_not_compared']} not compared: by design)" if s['sites_not_compared'] else "") + " "
                  f"({s['proved']} proved, {s['refuted']} refuted, {s['unsupported']} unsupported); "
                  f"largest error ratio {s['max_error_ratio']:.3g}"]
         if self.unverified:
@@ -157,8 +176,9 @@ class CheckResult:
                 ulp = max((o.ulp_max for o in outs), default=0.0)
                 diff = max((o.mismatch for o in outs), default=0.0)
                 sym = site.symbolic.status
-                lines.append(f"  {site.id:8s} {(site.fqn or '?')[:40]:40s} {site.op or '?':9s} {ulp:4.0f} "
-                             f"{100 * diff:6.2f} {sym:12s} {_site_result(site)}")
+                numbers = f"{ulp:4.0f} {100 * diff:6.2f}" if site.compared else f"{'-':>4s} {'-':>6s}"
+                lines.append(f"  {site.id:8s} {(site.fqn or '?')[:40]:40s} {site.op or '?':9s} {numbers} "
+                             f"{sym:12s} {_site_result(site)}")
         if self.first_divergence is not None:
             lines.append("")
             lines.append(f"first divergence: {self.first_divergence}")
@@ -225,60 +245,6 @@ def _cotangents(outputs: dict[str, torch.Tensor], seed: int) -> dict[str, torch.
     g = torch.Generator().manual_seed(seed)
     return {k: torch.randn(v.shape, generator=g, dtype=torch.float64).to(v.device)
             for k, v in outputs.items() if v.is_floating_point()}
-
-
-class _Recorder:
-    """A dynamo backend that keeps each captured graph (untouched) and its first call's inputs."""
-
-    def __init__(self):
-        self.graphs: list[tuple[fx.GraphModule, list[Any] | None]] = []
-
-    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):
-        entry = [copy_graph_module(gm), None]
-        self.graphs.append(entry)
-
-        def forward(*args):
-            if entry[1] is None:
-                entry[1] = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-            return gm.forward(*args)
-
-        return forward
-
-
-def _recording_forward(model: nn.Module, recorder: _Recorder):
-    """The entry ``normfuse.optimize`` compiles a model through, recording instead of rewriting:
-    its graphs name their inputs as the optimized model's graphs do (a ``torch.nn`` forward
-    such as ``nn.TransformerEncoder``'s enters through a frame of normfuse's own)."""
-    from normfuse.api import OptimizedForward
-    from normfuse.config import FuseConfig
-
-    class RecordingForward(OptimizedForward):
-        def _backend(self):
-            return recorder
-
-    return RecordingForward(model, model.forward, FuseConfig(), FusionReport())
-
-
-def _capture(model: nn.Module, args: tuple, kwargs: dict, grad: bool, like_optimize: bool = True
-             ) -> list[tuple[fx.GraphModule, list[Any]]]:
-    """The original model's graphs, untouched, with their first call's inputs; captured the way
-    ``optimize`` captures (``like_optimize``) or the way ``torch.compile(model)`` does, in the
-    grad mode the optimized model ran in (``nn.TransformerEncoderLayer`` takes a fused fast
-    path without grad: another graph)."""
-    recorder = _Recorder()
-    with torch.set_grad_enabled(grad):
-        if like_optimize:  # installed as optimize installs it: the model's own hooks run around it
-            before = model.__dict__.get("forward")
-            model.forward = _recording_forward(model, recorder)
-            try:
-                model(*args, **kwargs)
-            finally:
-                del model.forward
-                if before is not None:
-                    model.forward = before
-        else:
-            torch.compile(model, backend=recorder)(*args, **kwargs)
-    return [(gm, inputs) for gm, inputs in recorder.graphs if inputs is not None]
 
 
 # --------------------------------------------------------------------------- sites
@@ -365,11 +331,22 @@ def check_graph_sites(original: fx.GraphModule, inputs: list[Any], rewritten: fx
     returns the checks and every original node's value."""
     _, env = run_graph(original, inputs)
     checks = []
+    if any(s.converted for s in sites):
+        # the Pre-Norm conversion changed this graph's structure: no original subgraph lines up
+        # with a site of it (the conversion's promise is checked on the whole stream instead)
+        for s in (s for s in sites if s.fused):
+            why = ("converted from Post-Norm to Pre-Norm: no original subgraph to compare with" if s.converted else
+                   "in a graph the Pre-Norm conversion changed (its stream or its final norm): no original "
+                   "subgraph to compare with")
+            checks.append(SiteCheck(s.id, s.fqn, s.source, s.op, s.placement, s.kind, SiteNumeric.not_compared(why),
+                                    SymbolicResult("unsupported", detail="not attempted: " + why),
+                                    graph=s.graph, number=s.number))
+        return checks, env
     for pair in pair_sites(original, rewritten, sites):
         s = pair.site
-        numeric = check_site(original, pair, env) if not (s.converted or s.residual_dtype) else SiteNumeric(
-            reason="converted from Post-Norm to Pre-Norm: no original subgraph to compare with" if s.converted
-            else f"residual stream kept in {s.residual_dtype} by design: the sum differs from the original's")
+        numeric = check_site(original, pair, env) if not (s.converted or s.residual_dtype) else SiteNumeric.not_compared(
+            "converted from Post-Norm to Pre-Norm: no original subgraph to compare with" if s.converted
+            else f"residual stream kept in {s.residual_dtype}: the sum differs from the original's")
         symbolic = prove_site(pair)
         for member in (s, *pair.partners):  # sites one call computes share its checks
             checks.append(SiteCheck(member.id, member.fqn, member.source, member.op, member.placement, member.kind,
@@ -431,7 +408,7 @@ def check(model: nn.Module, *example_args: Any, optimized: nn.Module | None = No
     # Sites of a regrouped stream are held to the regrouped model's graphs, which have the
     # same cut between blocks; the regrouping itself is compared with the original below.
     _progress(progress, "capturing the original graph to localize")
-    originals = _capture(regrouped or model, args, kwargs, backward)
+    originals = record_graphs(regrouped or model, args, kwargs, backward)
     _progress(progress, "running the original, the optimized model and the fp64 reference")
     rng = _rng_states()
     out_orig, grad_orig = _run(model, args, kwargs, backward, seed)
@@ -460,7 +437,7 @@ def check(model: nn.Module, *example_args: Any, optimized: nn.Module | None = No
     outputs = _compare_all({**out_orig, **grad_orig}, {**out_new, **grad_new}, {**out_ref, **grad_ref})
 
     if _unpaired(report, originals):  # e.g. ``optimized`` compiled with torch.compile(backend="normfuse")
-        originals += _capture(model, args, kwargs, backward, like_optimize=False)
+        originals += record_graphs(model, args, kwargs, backward, like_optimize=False)
     unverified_why: list[str] = []
     if not originals:
         unverified_why.append("dynamo captured no graph of the original model (recompile limit reached? call "
@@ -473,12 +450,12 @@ def check(model: nn.Module, *example_args: Any, optimized: nn.Module | None = No
 def _regrouped_copy(model: nn.Module, optimized: nn.Module) -> nn.Module | None:
     """A copy of ``model`` with the streams that ``optimized`` carries across blocks regrouped
     the same way (normfuse.passes.boundary), or None when it carries none."""
-    from normfuse.passes.boundary import crosses_checkpoints, rewrite_streams, rewritten_streams
+    from normfuse.passes.boundary import crosses_checkpoints, rewritten_streams
 
     if not rewritten_streams(optimized):
         return None
     regrouped = model_copy(model)
-    rewrite_streams(regrouped, crosses_checkpoints(optimized))
+    prepare(regrouped, cross_checkpoints=crosses_checkpoints(optimized))
     return regrouped
 
 
@@ -541,7 +518,7 @@ def _result(outputs: list[OutputCheck], sites: list[SiteCheck], report: FusionRe
             notes: list[str], unverified_why: list[str] = (), regrouping_ok: bool = True) -> CheckResult:
     widened = any(s.residual_dtype for s in report.sites)
     by_design = widened or any(s.converted for s in report.sites)
-    failing = [s for s in sites if not s.passed]
+    failing = [s for s in sites if s.failed]
     res = CheckResult(ok=False, outputs=outputs, sites=sites, first_divergence=failing[0] if failing else None,
                       by_design=by_design, notes=notes, report=report)
     checked = {s.id for s in sites}

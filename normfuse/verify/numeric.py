@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
 from normfuse.passes.canonical import canonical, mutates
-from normfuse.passes.pipeline import copy_graph_module  # noqa: F401  (one graph copy for the project)
+from normfuse.passes.graph import copy_graph_module  # noqa: F401  (one graph copy for the project)
 from normfuse.tolerances import rounding_budget, within_tolerance
 from normfuse.verify.sites import SitePair
 
@@ -354,10 +354,17 @@ class SiteNumeric:
     passed: bool = True
     reason: str | None = None
     given_mask: bool = False   # compared with the kernel's dropout mask replayed through the original
+    compared: bool = True      # False: not compared with the original subgraph (``reason`` says why); not passed
+
+    @classmethod
+    def not_compared(cls, why: str) -> "SiteNumeric":
+        """A site the check does not compare with its original subgraph, by design (a Post-Norm
+        block converted to Pre-Norm, a residual stream widened): neither passed nor failed."""
+        return cls(passed=False, reason=why, compared=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "reason": self.reason, "given_mask": self.given_mask,
-                "outputs": [o.to_dict() for o in self.outputs]}
+        return {"passed": self.passed, "compared": self.compared, "reason": self.reason,
+                "given_mask": self.given_mask, "outputs": [o.to_dict() for o in self.outputs]}
 
 
 def _subgraph_values(gm: fx.GraphModule, pair: SitePair, env: dict[fx.Node, Any], fp64: bool,
