@@ -10,7 +10,7 @@ import torch
 
 __all__ = ["KINDS", "PLACEMENTS", "FORMS", "FUSED_OPS", "KERNEL_DTYPES", "CONVERTED_META", "FINAL_META",
            "GRAPH_META", "LAYOUT_META", "FOLDED_META", "ROWS_META", "QUANT_DTYPES", "QUANT_SCALE_FORMS",
-           "QUANT_APPLY", "QUANT_SCALE_OUT", "GATE_POSITIONS", "GATE_ACTIVATIONS"]
+           "QUANT_APPLY", "QUANT_SCALE_OUT", "GATE_POSITIONS", "GATE_ACTIVATIONS", "COPY_FILE"]
 
 # what a norm computes
 KINDS = ("layer_norm", "rms_norm")
@@ -49,3 +49,7 @@ QUANT_SCALE_OUT = ("scale", "reciprocal")
 # the gated norms of add_norm (normfuse/kernels/reference.py): where the gate multiplies, and by what
 GATE_POSITIONS = ("before", "after")
 GATE_ACTIVATIONS = ("silu", "sigmoid")
+
+# the file name of an edited copy of a function from a file dynamo does not trace (torch.nn's
+# norms, given a residual pair): a name dynamo traces, from which the original path reads back
+COPY_FILE = "<normfuse copy of {path}>"

@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 import normfuse
 from normfuse.backends import last_report
@@ -110,6 +111,79 @@ def test_pair_crosses_checkpoint_wrapper_of_each_block():
     _assert_identical(_run(original, IDS), _run(model, IDS))
 
 
+# The loop spellings models use to checkpoint their blocks or not (a flag of the model decides)
+class _IfElseLoop(CheckpointedStack):
+    checkpointing = True
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.blocks:
+            if self.checkpointing:
+                x = checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
+        return self.head(self.final_norm(x))
+
+
+class _ConditionalExpressionLoop(CheckpointedStack):
+    checkpointing = True
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.blocks:
+            x = checkpoint(layer, x, use_reentrant=False) if self.checkpointing else layer(x)
+        return self.head(self.final_norm(x))
+
+
+class _HelperMethodLoop(CheckpointedStack):
+    checkpointing = True
+
+    def run_layer(self, layer, hidden):
+        if self.checkpointing:
+            return checkpoint(layer, hidden, use_reentrant=False)
+        return layer(hidden)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.blocks:
+            x = self.run_layer(layer, x)
+        return self.head(self.final_norm(x))
+
+
+class _HelperReadingTheStream(_HelperMethodLoop):
+    def run_layer(self, layer, hidden):
+        return layer(hidden) * 1.0
+
+
+@pytest.mark.parametrize("cls", [_IfElseLoop, _ConditionalExpressionLoop, _HelperMethodLoop])
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_loop_spellings_hand_every_pair_on_with_cross_checkpoints(cls, checkpointing):
+    torch._dynamo.reset()
+    original = cls(depth=4).train()
+    original.checkpointing = checkpointing
+    regrouped = copy.deepcopy(original)
+    assert rewrite_streams(regrouped, cross_checkpoints=True)[0].applied
+    _assert_identical(_run(original, IDS), _run(regrouped, IDS))  # the same adds and norms, regrouped
+    model = normfuse.optimize(copy.deepcopy(original), cross_checkpoints=True)
+    (out, grads), (want, want_grads) = _run(model, IDS), _run(copy.deepcopy(original), IDS)
+    assert_close(out, want)
+    for name, grad in grads.items():
+        assert_close(grad, want_grads[name], name)
+    rep = normfuse.report(model)
+    counts = rep.counts()
+    assert (counts["sites"], counts["fused"], counts["fused_with_add"]) == (9, 9, 8), str(rep)
+    assert any("4 blocks hand the residual pair" in note for note in rep.notes), rep.notes
+
+
+def test_a_loop_the_analysis_cannot_take_is_named_in_the_report():
+    torch._dynamo.reset()
+    model = normfuse.optimize(_HelperReadingTheStream(depth=2).train(), cross_checkpoints=True)
+    _run(model, IDS)
+    text = str(normfuse.report(model))
+    assert "cross-block: blocks: left as it was" in text and "_HelperReadingTheStream.run_layer" in text, text
+    assert "returns something else than what the block returns" in text
+
+
 class _HiddenStatesCollector(nn.Module):
     def __init__(self):
         super().__init__()
@@ -177,27 +251,30 @@ def test_hf_llama_with_gradient_checkpointing_is_bit_identical():
 def test_per_block_compile_fuses_the_add_that_crosses_each_boundary():
     depth = 3
 
-    def fused_with_add(rewrite):
+    def compiled_per_block(rewrite):
         torch._dynamo.reset()
         model = _toy(depth=depth)
         if rewrite:
             rewrite_streams(model)
         for i, block in enumerate(model.blocks):  # torchtitan's apply_compile
             model.blocks.register_module(str(i), torch.compile(block, backend="normfuse"))
-        before = len(last_report().sites)
         out, _ = _run(model, IDS)
-        # one graph per distinct block input (the blocks share their code): the sites of each
-        sites = last_report().sites[before:]
-        return sorted((s.fqn.rsplit(".", 1)[-1], s.fused and s.fused_add) for s in sites), out
+        rep = normfuse.report(model)  # the report of the blocks' graphs, found through their parameters
+        return [(s.fqn, s.fused and s.fused_add) for s in rep.sites], rep, out
 
-    plain, out_plain = fused_with_add(False)
-    crossed, out_crossed = fused_with_add(True)
-    # without the pairs: one graph for all blocks, its first norm alone
-    assert plain == [("norm1", False), ("norm2", True)]
+    plain, rep_plain, out_plain = compiled_per_block(False)
+    crossed, rep, out_crossed = compiled_per_block(True)
+    norms = [f"blocks.{i}.norm{j}" for i in range(depth) for j in (1, 2)]
+    # every block's norms, each under its own path, though the blocks share their code (one graph
+    # may run for several blocks); the final norm runs eagerly, outside the compiled blocks
+    assert [fqn for fqn, _ in plain] == [fqn for fqn, _ in crossed] == norms
+    assert rep.uncaptured == rep_plain.uncaptured == ["final_norm"]
+    assert "not captured: final_norm" in str(rep)
+    # without the pairs the first norm of each block is fused alone
+    assert [fused for _, fused in plain] == [False, True] * depth
     # with them: block 0 (a plain tensor in) as before; blocks 1.. fuse the add that crossed
-    # (a block's `add` lambda is a new function per block, so blocks 1.. may compile apart)
-    assert [site for site in crossed if not site[1]] == [("norm1", False)]
-    assert ("norm1", True) in crossed and ("norm2", True) in crossed
+    assert [fused for _, fused in crossed] == [False] + [True] * (2 * depth - 1)
+    assert any(s.reuses for s in rep_plain.sites), "one compiled graph serves the blocks"
     assert_close(out_plain, out_crossed)
 
 
@@ -360,3 +437,22 @@ def test_a_deep_rewritten_stack_deep_copies_and_pickles():
     stream = copied.blocks[3].__dict__["_normfuse_stream_element"]
     assert stream.receivers["2"] is copied.blocks[3] and stream.receivers["399"] is None
     torch.save(model, io.BytesIO())
+
+
+def test_models_pickled_by_an_earlier_version_load_and_run():
+    """tests/data/models_pickled_by_0.1.0.pt: torch.save of a model with its streams regrouped
+    and of an optimized one, written by normfuse 0.1.0 (before the stream code and the model's
+    forward moved between modules): they load, compute what they computed then, and the
+    optimized one reports its sites."""
+    from pathlib import Path
+
+    saved = torch.load(Path(__file__).parent / "data" / "models_pickled_by_0.1.0.pt", weights_only=False)
+    regrouped, optimized, ids = saved["regrouped"], saved["optimized"], saved["ids"]
+    with torch.no_grad():
+        assert torch.equal(regrouped(ids), saved["out_regrouped"])
+        assert torch.equal(optimized(ids), saved["out_optimized"])
+    assert isinstance(regrouped.blocks[0](ResidualPair(regrouped.tok(ids), None, None)), ResidualPair)
+    rep = normfuse.report(optimized)
+    assert [s.fqn for s in rep.sites] == ["blocks.0.norm1", "blocks.0.norm2", "blocks.1.norm1", "blocks.1.norm2",
+                                          "final_norm"]
+    assert rep.counts()["fused_with_add"] == 4

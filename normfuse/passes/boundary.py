@@ -51,7 +51,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 import torch.nn as nn
 
-from normfuse.passes.prenorm_model import block_lists, is_norm_module
+from normfuse.passes.prenorm_model import block_lists, blocks_of, is_norm_module
+from normfuse.vocabulary import COPY_FILE
 
 __all__ = ["ResidualPair", "StreamRewrite", "crosses_checkpoints", "rewrite_streams", "rewritten_streams",
            "undo_streams"]
@@ -118,6 +119,7 @@ class _Stream:
     reentrant: bool = False      # ... with use_reentrant=True: only the sum goes into a block
     transformers: bool = False   # the blocks are transformers layers (see _outputs_recorded)
     cross_checkpoints: bool = False  # hand pairs into checkpointed blocks too
+    entry_add: str | None = None     # where the add right before the owner's loop is (StreamRewrite)
     running: int = 0             # > 0 while the owner's forward runs
 
 
@@ -223,9 +225,14 @@ class _StreamElement:
 def _add_pair_first(module: nn.Module, args: tuple):
     """First forward pre-hook of the final norm. Its forward adds the pair itself (so the add
     is in the norm's graph); when other input hooks follow (SequenceParallel wraps the input
-    in a DTensor) or the forward could not be copied, the pair is added here, before them."""
-    if args and isinstance(args[0], tuple) and (len(module._forward_pre_hooks) > 1
-                                                or not type(module).__dict__.get("_normfuse_forward")):
+    in a DTensor) or the forward could not be copied, the pair is added here, before them.
+    FSDP2's pre-forward passes a pair through untouched (it casts and hooks the tensors inside
+    the arguments; torchtitan shards the final norm with the output head)."""
+    if not (args and isinstance(args[0], tuple)):
+        return None
+    # plain attribute reads and a count: dynamo traces this hook inside the owner's graph
+    others = len(module._forward_pre_hooks) - 1 - hasattr(type(module), "_get_fsdp_state")
+    if others > 0 or not getattr(type(module), "_normfuse_forward", ""):  # FSDP2 subclasses the swapped class
         return (_added(_as_pair(args[0])), *args[1:])
     return None
 
@@ -329,19 +336,30 @@ class _Loop:
     final_norm: str      # self.<final_norm>(stream) follows the loop
     checkpointed: bool   # the loop calls the blocks through checkpoint(...)
     reentrant: bool      # with use_reentrant=True: a pair going in would be hidden from autograd
+    entry_add: str | None = None  # "file:line" of ``x = a + b`` right before the loop, when it is one
 
 
 def _loop_block(loop: ast.For, list_attr: str) -> str | None:
-    """The block variable of ``for block in self.<list_attr>`` (or a slice of it), or of
-    ``for i, block in enumerate(...)`` over the same; else None."""
+    """The block variable of ``for block in self.<list_attr>`` (or a slice of it), of
+    ``for i, block in enumerate(...)`` over the same, or, for a ModuleDict, of
+    ``for block in self.<list_attr>.values()`` and ``for key, block in self.<list_attr>.items()``;
+    else None."""
     def over_list(node):
         return _is_self_attr(node) == list_attr or (isinstance(node, ast.Subscript)
                                                    and _is_self_attr(node.value) == list_attr)
 
+    def dict_method(node, name):
+        return isinstance(node, ast.Call) and not node.args and isinstance(node.func, ast.Attribute) \
+            and node.func.attr == name and _is_self_attr(node.func.value) == list_attr
+
     target, iterable = loop.target, loop.iter
-    if isinstance(iterable, ast.Call) and _is_name(iterable.func, "enumerate") and len(iterable.args) == 1 \
-            and isinstance(target, ast.Tuple) and len(target.elts) == 2:
+    pair = isinstance(target, ast.Tuple) and len(target.elts) == 2
+    if isinstance(iterable, ast.Call) and _is_name(iterable.func, "enumerate") and len(iterable.args) == 1 and pair:
         target, iterable = target.elts[1], iterable.args[0]
+    elif dict_method(iterable, "items") and pair:
+        return target.elts[1].id if isinstance(target.elts[1], ast.Name) else None
+    if dict_method(iterable, "values"):
+        return target.id if isinstance(target, ast.Name) else None
     return target.id if isinstance(target, ast.Name) and over_list(iterable) else None
 
 
@@ -355,26 +373,32 @@ def _analyze_owner(owner: nn.Module, list_attr: str) -> _Loop:
                      f"({len(loops)} loops found)")
     loop = loops[0]
     block_var = _loop_block(loop, list_attr)
-    calls = [s for s in loop.body if isinstance(s, ast.Assign) and len(s.targets) == 1
-             and isinstance(s.targets[0], ast.Name) and isinstance(s.value, ast.Call)]
-    stream, checkpointed, reentrant = None, False, False
-    for stmt in calls:
-        call, target = stmt.value, stmt.targets[0].id
-        if _is_name(call.func, block_var) and call.args and _is_name(call.args[0], target):
-            stream = target
-        elif (call.args and len(call.args) >= 2 and _is_name(call.args[0], block_var)
-              and _is_name(call.args[1], target)):  # checkpoint(block, x, ...)
-            flag = [k.value.value for k in call.keywords if k.arg == "use_reentrant" and isinstance(k.value, ast.Constant)]
-            if flag not in ([False], [True]):
-                raise NotFit(f"the blocks are called through a function that may hide a pair from autograd "
-                             f"({_where(raw, stmt)}): only checkpointing with a literal use_reentrant passes it")
-            stream, checkpointed, reentrant = target, True, flag == [True]
+    stream, calls, reads = None, [], []
+    for stmt in _loop_statements(loop.body):
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+            continue
+        target = stmt.targets[0].id
+        found = _block_calls(owner, stmt.value, block_var, target, raw)
+        if found is None:
+            continue
+        if stream is not None and target != stream:
+            raise NotFit(f"the loop over self.{list_attr} runs the blocks on `{stream}` and on `{target}` "
+                         f"({_where(raw, stmt)})")
+        stream = target
+        calls += found[0]
+        reads += found[1]
     if stream is None:
-        raise NotFit(f"no `x = block(x, ...)` statement in the loop over self.{list_attr} ({_where(raw, loop)})")
-    reads = [n for n in ast.walk(loop) if _is_name(n, stream) and isinstance(n.ctx, ast.Load)]
-    if len(reads) != 1:
+        raise NotFit(f"no `x = block(x, ...)` statement in the loop over self.{list_attr} ({_where(raw, loop)}): "
+                     "the blocks must be called on the stream directly, through checkpoint(block, x, "
+                     "use_reentrant=...), in an if/else or conditional expression of those, or through a "
+                     "method of the model that returns one of those")
+    others = [n for n in ast.walk(loop) if _is_name(n, stream) and isinstance(n.ctx, ast.Load)
+              and not any(n is read for read in reads)]
+    if others:
         raise NotFit(f"the loop over self.{list_attr} reads `{stream}` other than to call the next block "
-                     f"({_where(raw, loop)})")
+                     f"({_where(raw, others[0])})")
+    checkpointed = any(c.checkpoint for c in calls)
+    reentrant = any(c.reentrant for c in calls)
     # The first read of the stream after the loop must be the final norm.
     after = [n for n in _own_nodes(fn_node) if getattr(n, "lineno", 0) > (loop.end_lineno or loop.lineno)]
     after.sort(key=lambda n: (n.lineno, n.col_offset))
@@ -384,7 +408,117 @@ def _analyze_owner(owner: nn.Module, list_attr: str) -> _Loop:
     if norm is None or not is_norm_module(getattr(owner, norm, None) or nn.Identity()):
         raise NotFit(f"after the loop over self.{list_attr}, `{stream}` does not go straight into a norm module "
                      f"({_where(raw, first or loop)})")
-    return _Loop(stream, list_attr, norm, checkpointed, reentrant)
+    return _Loop(stream, list_attr, norm, checkpointed, reentrant, _entry_add(fn_node, raw, loop, stream))
+
+
+def _entry_add(fn_node: ast.FunctionDef, raw: Callable, loop: ast.For, stream: str) -> str | None:
+    """Where the stream's last value before the loop is made by a two-operand add (OPT's
+    ``hidden_states = inputs_embeds + pos_embeds``), or None. That add feeds the first block's
+    first norm and stays in the owner's graph: the owner's own forward is not rewritten."""
+    for stmts in _bodies(fn_node):
+        if loop in stmts:
+            for stmt in reversed(stmts[:stmts.index(loop)]):
+                if isinstance(stmt, ast.Assign) and any(_is_name(t, stream) for t in stmt.targets):
+                    return _where(raw, stmt) if _split_add(fn_node, stmt.value) is not None else None
+    return None
+
+
+@dataclass
+class _BlockCall:
+    """A call that runs a block on the stream: ``block(x, ...)``, or through a checkpoint."""
+
+    node: ast.Call
+    checkpoint: bool = False   # checkpoint(block, x, ..., use_reentrant=<literal>)
+    reentrant: bool = False
+
+
+def _loop_statements(stmts: list):
+    """The loop body's statements, with those inside if/else and with-blocks (not nested loops
+    or functions: a block run there is not the stream's next block)."""
+    for stmt in stmts:
+        yield stmt
+        if isinstance(stmt, ast.If):
+            yield from _loop_statements(stmt.body)
+            yield from _loop_statements(stmt.orelse)
+        elif isinstance(stmt, ast.With):
+            yield from _loop_statements(stmt.body)
+
+
+def _is_block(node: ast.AST, block_var: str) -> bool:
+    return _is_name(node, block_var) or (isinstance(node, ast.Attribute) and node.attr == "__call__"
+                                         and _is_name(node.value, block_var))
+
+
+def _block_call(call: ast.AST, block_var: str, stream: str, raw: Callable) -> _BlockCall | None:
+    """``block(x, ...)`` or ``checkpoint(block, x, ..., use_reentrant=<literal>)``; None for another call."""
+    if not isinstance(call, ast.Call):
+        return None
+    if _is_block(call.func, block_var) and call.args and _is_name(call.args[0], stream):
+        return _BlockCall(call)
+    if len(call.args) >= 2 and _is_block(call.args[0], block_var) and _is_name(call.args[1], stream):
+        flag = [k.value.value for k in call.keywords if k.arg == "use_reentrant" and isinstance(k.value, ast.Constant)]
+        if flag not in ([False], [True]):
+            raise NotFit(f"the blocks are called through a function that may hide a pair from autograd "
+                         f"({_where(raw, call)}): only checkpointing with a literal use_reentrant passes it")
+        return _BlockCall(call, checkpoint=True, reentrant=flag == [True])
+    return None
+
+
+def _block_calls(owner: nn.Module, value: ast.expr, block_var: str, stream: str, raw: Callable
+                 ) -> tuple[list[_BlockCall], list[ast.Name]] | None:
+    """How ``stream = <value>`` runs the block: the block calls it makes and the reads of the
+    stream they make (None when ``value`` runs no block on the stream). ``value`` is a block
+    call, a conditional expression of block calls, or ``self.<method>(..., block, x, ...)``
+    whose every return is one of those."""
+    if isinstance(value, ast.IfExp):
+        sides = [_block_calls(owner, side, block_var, stream, raw) for side in (value.body, value.orelse)]
+        if all(side is None for side in sides):
+            return None
+        if any(side is None for side in sides):
+            raise NotFit(f"one side of the conditional expression at {_where(raw, value)} does not run the block")
+        return [c for side in sides for c in side[0]], [r for side in sides for r in side[1]]
+    helper = _helper_calls(owner, value, block_var, stream, raw)
+    if helper is not None:
+        return helper
+    single = _block_call(value, block_var, stream, raw)
+    if single is not None:
+        arg = single.node.args[1 if single.checkpoint else 0]
+        return [single], [arg]
+    return None
+
+
+def _helper_calls(owner: nn.Module, call: ast.expr, block_var: str, stream: str, raw: Callable
+                  ) -> tuple[list[_BlockCall], list[ast.Name]] | None:
+    """``self.<method>(block, x)`` (the two passed positionally) whose body only runs the block
+    on the stream and returns what the block returns."""
+    name = _is_self_attr(call.func) if isinstance(call, ast.Call) else None
+    if name is None or call.keywords:
+        return None
+    positions = {arg.id: i for i, arg in enumerate(call.args) if isinstance(arg, ast.Name)}
+    if block_var not in positions or stream not in positions:
+        return None
+    method = inspect.getattr_static(type(owner), name, None)
+    if not inspect.isfunction(method):
+        return None
+    fn_node, helper = _function_ast(method)
+    params = [a.arg for a in fn_node.args.args][1:]  # after self
+    if len(params) < len(call.args):
+        return None
+    block_param, stream_param = params[positions[block_var]], params[positions[stream]]
+    calls, reads = [], []
+    for ret in (n for n in _own_nodes(fn_node) if isinstance(n, ast.Return)):
+        found = _block_calls(owner, ret.value, block_param, stream_param, helper) if ret.value is not None else None
+        if found is None:
+            raise NotFit(f"{type(owner).__name__}.{name} ({_where(helper, ret)}) returns something else than what "
+                         f"the block returns")
+        calls += found[0]
+        reads += found[1]
+    others = [n for n in _own_nodes(fn_node) if _is_name(n, stream_param) and isinstance(n.ctx, ast.Load)
+              and not any(n is read for read in reads)]
+    if not calls or others:
+        raise NotFit(f"{type(owner).__name__}.{name} ({_where(helper, others[0] if others else fn_node)}) reads "
+                     f"`{stream_param}` other than to call the block")
+    return calls, [call.args[positions[stream]]]
 
 
 def _bodies(fn_node: ast.FunctionDef):
@@ -530,6 +664,19 @@ def _build_pair_forward(cls: type) -> Callable:
     return forward
 
 
+def _traced_file_name(raw: Callable) -> str:
+    """The file name of an edited copy of ``raw``: its own, so a site names the model's line,
+    unless dynamo skips frames of that file (torch.nn's norms and layers): a frame started
+    there is never captured, so a final ``nn.RMSNorm`` called from a frame dynamo gave up on
+    (FSDP2's hooks break the owner's loop) would run eagerly, unfused and unreported."""
+    from torch._dynamo import trace_rules
+
+    path = inspect.getsourcefile(raw) or "<normfuse>"
+    if trace_rules.check_verbose(raw).skipped:
+        return COPY_FILE.format(path=path)  # provenance.source_of reads the original path back
+    return path
+
+
 def _compile_function(fn_node: ast.FunctionDef, raw: Callable, helpers: dict) -> Callable:
     """Compile an edited copy of ``raw`` under its own file name and module globals."""
     fn_node.decorator_list = []  # decorators (HF's kwarg renames) are not re-applied
@@ -541,7 +688,7 @@ def _compile_function(fn_node: ast.FunctionDef, raw: Callable, helpers: dict) ->
         decorator_list=[], returns=None, type_params=[])
     ast.copy_location(factory, fn_node)
     ast.fix_missing_locations(factory)
-    code = compile(ast.Module(body=[factory], type_ignores=[]), inspect.getsourcefile(raw) or "<normfuse>", "exec")
+    code = compile(ast.Module(body=[factory], type_ignores=[]), _traced_file_name(raw), "exec")
     namespace: dict = {}
     exec(code, raw.__globals__, namespace)
     new = namespace["_nf_factory"](*helpers.values())
@@ -586,12 +733,20 @@ class StreamRewrite:
     checkpointed: bool = False    # the blocks run under checkpoints (as the rewrite found them)
     cross_checkpoints: bool = False
     reentrant: bool = False       # ... reentrant ones, in the owner's loop
+    entry_add: str | None = None  # "file:line" of the add right before the loop (it feeds the first block)
 
     @property
     def applied(self) -> bool:
         return self.reason is None
 
     def describe(self) -> str:
+        text = self._describe()
+        if self.applied and self.checkpointed and self.entry_add:
+            text += (f"; the add before the loop ({self.entry_add}) stays outside the first block's checkpoint, so "
+                     "the first block's first norm is fused without it (the owner's own forward is not rewritten)")
+        return text
+
+    def _describe(self) -> str:
         if self.applied and self.reentrant:
             return (f"cross-block: {self.fqn}: the last of {self.blocks} checkpointed blocks hands the residual pair "
                     f"to {self.final_norm}; the others hand on the sum (a reentrant checkpoint would hide a pair "
@@ -647,13 +802,13 @@ def rewrite_streams(model: nn.Module, cross_checkpoints: bool = False) -> list[S
         if getattr(owner, _MARK, None):
             stream = owner.__dict__[_MARK]
             stream.cross_checkpoints = cross_checkpoints
-            _describe(result, stream, list(owner.get_submodule(attr)), parent_fqn)
+            _describe(result, stream, blocks_of(owner.get_submodule(attr)), parent_fqn)
             continue
         try:
             if not fqn:
                 raise NotFit("the model is itself the block list; there is no loop to carry a pair through")
             loop = _analyze_owner(owner, attr)
-            elements = list(owner.get_submodule(attr))
+            elements = blocks_of(owner.get_submodule(attr))
             for element in elements:  # every block must fit before any is changed
                 _new_forward(_base_class(_inner_block(element)), "pair")
                 _check_output_hooks(element, fqn)
@@ -664,6 +819,7 @@ def rewrite_streams(model: nn.Module, cross_checkpoints: bool = False) -> list[S
             result.reason = f"not analysed ({type(error).__name__}: {error})"
             continue
         stream = _Stream(loop.final_norm, checkpointed=loop.checkpointed, reentrant=loop.reentrant,
+                         entry_add=loop.entry_add,
                          transformers=_base_class(_inner_block(elements[0])).__module__.startswith("transformers."),
                          cross_checkpoints=cross_checkpoints)
         for index, element in enumerate(elements):
@@ -693,6 +849,7 @@ def _describe(result: StreamRewrite, stream: _Stream, elements: list, parent_fqn
     result.final_norm = f"{parent_fqn + '.' if parent_fqn else ''}{stream.final_norm}"
     result.checkpointed = any(_checkpoints_block(e, stream) for e in elements)
     result.cross_checkpoints, result.reentrant = stream.cross_checkpoints, stream.reentrant
+    result.entry_add = stream.entry_add
 
 
 def rewritten_streams(model: nn.Module) -> list[str]:
@@ -722,7 +879,7 @@ def undo_streams(model: nn.Module, owners: Optional[list[str]] = None) -> None:
                 hooks.pop(hook_id, None)
         owner._forward_hooks_always_called.pop(stream.hooks[2], None)
         _unswap_class(norm)
-        for element in owner.get_submodule(attr):
+        for element in blocks_of(owner.get_submodule(attr)):
             element.__dict__.pop(_ELEMENT, None)
             element.__dict__.pop(_KEY, None)
             _inner_block(element).__dict__.pop(_RECOMPUTED, None)

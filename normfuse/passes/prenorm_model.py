@@ -13,12 +13,13 @@ import torch.nn as nn
 
 from normfuse.reporting import FusionReport
 
-__all__ = ["prepare_module", "final_norms", "block_lists", "is_norm_module", "final_norm_like", "register_final",
+__all__ = ["prepare_module", "unprepare_module", "final_norms", "block_lists", "blocks_of", "is_norm_module", "final_norm_like", "register_final",
            "drop_unused_finals", "FINAL_NORM_NAME", "FINALS_ATTR"]
 
 FINAL_NORM_NAME = "normfuse_final_norm"
 FINALS_ATTR = "_normfuse_prenorm_final"  # model attribute: {block list fqn: final norm fqn}
 _KEPT_ATTR = "_normfuse_prenorm_kept"     # model attribute: final norms a converted stream uses
+_HOOK_ATTR = "_normfuse_prenorm_hook"     # model attribute: the load_state_dict hook prepare_module added
 
 
 def is_norm_module(m: nn.Module) -> bool:
@@ -30,14 +31,23 @@ def is_norm_module(m: nn.Module) -> bool:
     return type(m).__name__.endswith("Norm") and isinstance(w, nn.Parameter) and w.ndim == 1
 
 
+BLOCK_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def blocks_of(container: nn.Module) -> list[nn.Module]:
+    """The blocks of a block list, in order (a ModuleDict's values: torchtitan keys its layers "0", "1", ...)."""
+    return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
+
+
 def block_lists(model: nn.Module) -> list[str]:
-    """Outermost ModuleLists/Sequentials of >= 2 modules of one class that contain norms."""
+    """Outermost ModuleLists/Sequentials/ModuleDicts of >= 2 modules of one class that contain norms."""
     found: list[str] = []
     for name, mod in model.named_modules():
         if any(name == f or name.startswith(f + ".") for f in found if f):
             continue
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2 \
-                and len({type(c) for c in mod}) == 1 and any(is_norm_module(m) for m in mod[0].modules()):
+        blocks = blocks_of(mod) if isinstance(mod, BLOCK_CONTAINERS) else []
+        if len(blocks) >= 2 and len({type(c) for c in blocks}) == 1 \
+                and any(is_norm_module(m) for m in blocks[0].modules()):
             found.append(name)
     return found
 
@@ -95,19 +105,34 @@ def prepare_module(model: nn.Module) -> dict[str, str]:
     if done is not None:
         return done
     object.__setattr__(model, _KEPT_ATTR, set())
-    model.register_load_state_dict_post_hook(_pending_finals_are_optional)
+    hook = model.register_load_state_dict_post_hook(_pending_finals_are_optional)
+    object.__setattr__(model, _HOOK_ATTR, hook)
     mapping: dict[str, str] = {}
     lists = block_lists(model)
     if not lists and any(is_norm_module(m) for m in model.modules()):
         lists = [""]
     for fqn in lists:
         scope = model.get_submodule(fqn) if fqn else model
-        last = scope[-1] if fqn else scope
+        last = blocks_of(scope)[-1] if fqn else scope
         norms = [m for m in last.modules() if is_norm_module(m)]
         parent = fqn.rsplit(".", 1)[0] if "." in fqn else ""
         mapping[fqn] = register_final(model, parent, FINAL_NORM_NAME, final_norm_like(norms[-1]))
     object.__setattr__(model, FINALS_ATTR, mapping)
     return mapping
+
+
+def unprepare_module(model: nn.Module) -> None:
+    """Undo ``prepare_module``: remove the final norms it registered (those still there)."""
+    mapping = model.__dict__.pop(FINALS_ATTR, None) or {}
+    model.__dict__.pop(_KEPT_ATTR, None)
+    hook = model.__dict__.pop(_HOOK_ATTR, None)
+    if hook is not None:
+        hook.remove()
+    for final in mapping.values():
+        parent, _, attr = final.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        if attr in owner._modules:
+            delattr(owner, attr)
 
 
 def _pending_finals_are_optional(model: nn.Module, incompatible) -> None:

@@ -10,7 +10,7 @@ import torch.fx as fx
 
 from normfuse.passes.canonical import node_dtype
 from normfuse.reporting import Site
-from normfuse.vocabulary import CONVERTED_META
+from normfuse.vocabulary import CONVERTED_META, COPY_FILE
 
 if TYPE_CHECKING:
     from normfuse.passes.classify import SiteState
@@ -27,8 +27,9 @@ def module_info(node: fx.Node) -> tuple[str | None, str | None]:
     if not stack:
         return None, None
     path, cls = list(stack.values())[-1]
-    fqn = _FQN_PREFIX.sub("", str(path)).replace("._modules", "")
+    fqn = _FQN_PREFIX.sub("", str(path)).replace("._modules", "").replace(".__dict__", "")
     fqn = re.sub(r"\[(\d+)\]", r".\1", fqn).replace("['", ".").replace("']", "").strip(".")
+    fqn = ".".join(part for part in fqn.split(".") if part not in ("__dict__", "_modules"))
     name = getattr(cls, "__name__", None) or str(cls).rsplit(".", 1)[-1].rstrip("'>")
     return fqn or None, name
 
@@ -60,6 +61,9 @@ def source_of(node: fx.Node) -> str | None:
     if not frames:
         return None
     path, line = frames[-1]
+    prefix, _, suffix = COPY_FILE.partition("{path}")
+    if path.startswith(prefix) and path.endswith(suffix):  # an edited copy of a function (boundary.py)
+        path = path[len(prefix):len(path) - len(suffix)]
     return f"{path}:{line}"
 
 
