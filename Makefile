@@ -13,6 +13,8 @@ TORCH        ?= torch==2.13.0
 TRITON       ?= triton==3.8.0
 TRANSFORMERS ?= transformers==5.24.0
 PINNED       := "$(TORCH)" "$(TRITON)" "$(TRANSFORMERS)"
+# the training programs the tests run through (dev extra), tested versions first for the same reason
+CLIENTS      ?= accelerate==1.15.0 peft==0.21.2 torchtitan==0.3.0
 PYTEST_WORKERS ?= 2
 export TORCH TRITON TRANSFORMERS
 
@@ -24,6 +26,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(PINNED)
+	$(PY) -m pip install -q $(CLIENTS)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 

@@ -31,8 +31,6 @@ import torch.nn as nn
 from normfuse.errors import TargetError, closest
 from normfuse.zoo import prepare_torchvision
 
-prepare_torchvision()  # before transformers imports a torchvision that cannot load its extension
-
 __all__ = ["load_target", "is_config_target", "make_inputs", "default_seq", "parse_overrides", "parse_dtype", "hf_model_types",
            "LAYER_FIELDS"]
 
@@ -85,6 +83,7 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
 
 def hf_model_types() -> list[str]:
     """Every model type transformers knows (``transformers.CONFIG_MAPPING``)."""
+    prepare_torchvision()  # before transformers imports a torchvision that cannot load its extension
     from transformers import CONFIG_MAPPING
 
     return sorted(CONFIG_MAPPING.keys())
@@ -107,6 +106,7 @@ def _hf_config_for_type(model_type: str):
 
 
 def _hf_config_from_file(path: str):
+    prepare_torchvision()
     from transformers import AutoConfig
 
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
@@ -296,6 +296,7 @@ def load_target(spec: str, *, layers: int | None = None, overrides: dict[str, An
     spec = spec.strip()
     overrides = dict(overrides or {})
     dtype = parse_dtype(dtype)
+    prepare_torchvision()  # hf targets and factories alike may import transformers
     if is_config_target(spec):
         if spec.startswith("hf:"):
             config = _hf_config_for_type(spec[3:].strip())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -316,7 +317,8 @@ def checkpointed_stack(wrap: str, **kwargs) -> CheckpointedStack:
 
 # --------------------------------------------------------------------------- HF models
 
-_torchvision_ops = None  # the declarations live as long as the process
+_TORCHVISION_OPS = ("nms", "qnms")  # the ops torchvision's Python code registers fakes for at import
+_torchvision_checked: list = []     # one entry once checked: the library holding our declarations, or None
 
 
 def prepare_torchvision() -> None:
@@ -324,12 +326,17 @@ def prepare_torchvision() -> None:
 
     Its pure-Python models still work, but ``import torchvision`` fails registering fake kernels
     for ``torchvision::nms``/``qnms``, ops its extension would have defined; transformers imports
-    torchvision whenever it is installed, so every HF model would fail to build. Declaring the two
-    schemas first lets the import through. Nothing happens when torchvision is absent, already
-    imported, or its extension loads (it then defines the ops itself)."""
-    global _torchvision_ops
-    if _torchvision_ops is not None or "torchvision" in sys.modules:
+    torchvision whenever it is installed, so every HF model would fail to build. Declaring the
+    missing schemas first (a FRAGMENT of the namespace: another package may have declared it, or
+    some of the ops, already) lets the import through, and says so once.
+
+    normfuse calls this right before it first imports transformers (``hf_model``, ``hf:`` and
+    config targets, a factory target's import), never when a module of it is imported. Nothing
+    happens when torchvision is absent, already imported, its extension loads (it then defines
+    the ops itself), or the ops exist; a failure to declare them is a warning, never an error."""
+    if _torchvision_checked or "torchvision" in sys.modules:
         return
+    _torchvision_checked.append(None)
     spec = importlib.util.find_spec("torchvision")
     if spec is None or not spec.submodule_search_locations:
         return
@@ -339,12 +346,23 @@ def prepare_torchvision() -> None:
             return
         except OSError:
             break
-    _torchvision_ops = torch.library.Library("torchvision", "DEF")
-    for op in ("nms", "qnms"):
-        _torchvision_ops.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-
-
-prepare_torchvision()
+    missing = [op for op in _TORCHVISION_OPS if not torch._C._jit_get_schemas_for_operator(f"torchvision::{op}")]
+    if not missing:
+        return
+    names = ", ".join(f"torchvision::{op}" for op in missing)
+    try:
+        library = torch.library.Library("torchvision", "FRAGMENT")
+        for op in missing:
+            library.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    except Exception as error:  # noqa: BLE001 - never fail on what another package did
+        warnings.warn(f"normfuse: torchvision's C extension does not load and declaring {names} failed "
+                      f"({type(error).__name__}: {error}); importing transformers may fail.", RuntimeWarning,
+                      stacklevel=2)
+        return
+    _torchvision_checked[0] = library  # the declarations live as long as the process
+    warnings.warn(f"normfuse: torchvision's C extension does not load here (a build for another torch?); declared "
+                  f"the schemas of {names} so that its Python code, which transformers imports, loads.",
+                  RuntimeWarning, stacklevel=2)
 
 
 # Shrinking overrides applied to any HF config that has the field (2 layers, hidden 64).
@@ -358,6 +376,7 @@ TINY_HF = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num
 
 def hf_config(model_type: str, tiny: bool = True, **overrides: Any):
     """A transformers config for ``model_type`` with its defaults, shrunk when ``tiny``."""
+    prepare_torchvision()
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
