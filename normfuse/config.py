@@ -39,7 +39,7 @@ class FuseConfig:
                 the last block's pair always goes to the final norm.
     cross_checkpoints: with cross_block, hand the pair into checkpointed blocks too: every
                 add between blocks fused, for one more activation per block held by the
-                checkpoints (normfuse/passes/boundary.py).
+                checkpoints (normfuse/passes/cross_block/).
     fuse_branch: fold what the branch does just before its residual add into the kernel: a
                 second add (``x + attn + mlp``) and a per-sample scale (timm's drop_path).
                 Exact (normfuse/passes/branch.py).

@@ -5,7 +5,7 @@
 - ``prenorm``: one identity-initialized final norm registered per residual stream, so that
   an optimizer built right after sees it (``normfuse/passes/prenorm_model.py``);
 - ``cross_block``: each Pre-Norm stream regrouped to carry the residual pair across its
-  blocks (``normfuse/passes/boundary.py``).
+  blocks (``normfuse/passes/cross_block/``).
 
 It returns a ``Preparation``: what was done (``notes``, one per stream) and ``undo()``, which
 puts back what this call changed. ``optimize`` keeps it; ``audit`` undoes it once the graphs
@@ -42,7 +42,7 @@ class Preparation:
     def undo(self) -> None:
         """Put back what this call changed (streams a user or an earlier call rewrote stay)."""
         if self.streams:
-            from normfuse.passes.boundary import undo_streams
+            from normfuse.passes.cross_block import undo_streams
             undo_streams(self.model, self.streams)
         if self.finals:
             from normfuse.passes.prenorm_model import unprepare_module
@@ -62,7 +62,7 @@ def prepare(model: nn.Module, config: FuseConfig | None = None, **options: Any) 
         done.finals = FINALS_ATTR not in model.__dict__
         prepare_module(model)
     if cfg.cross_block:
-        from normfuse.passes.boundary import rewrite_streams, rewritten_streams
+        from normfuse.passes.cross_block import rewrite_streams, rewritten_streams
         before = set(rewritten_streams(model))
         done.notes += [stream.describe() for stream in rewrite_streams(model, cfg.cross_checkpoints)]
         done.streams = [fqn for fqn in rewritten_streams(model) if fqn not in before]

@@ -1,4 +1,4 @@
-"""Cross-block residual pairs (normfuse.passes.boundary).
+"""Cross-block residual pairs (normfuse.passes.cross_block).
 
 The rewrite moves the add that ends block i to the start of block i+1 (and the last
 one in front of the final norm): the same adds and norms, regrouped, so outputs and
@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 import normfuse
 from normfuse.backends import last_report
-from normfuse.passes.boundary import ResidualPair, rewrite_streams, undo_streams
+from normfuse.passes.cross_block import ResidualPair, rewrite_streams, undo_streams
 from normfuse.zoo import CheckpointedStack, ToyTransformer, checkpointed_stack, hf_model
 
 from helpers import assert_close
@@ -456,3 +456,33 @@ def test_models_pickled_by_an_earlier_version_load_and_run():
     assert [s.fqn for s in rep.sites] == ["blocks.0.norm1", "blocks.0.norm2", "blocks.1.norm1", "blocks.1.norm2",
                                           "final_norm"]
     assert rep.counts()["fused_with_add"] == 4
+
+
+def test_new_pickles_name_the_cross_block_modules_and_old_names_still_resolve():
+    """A model rewritten now pickles under normfuse.passes.cross_block (its swapped classes
+    under .classes, which rebuilds them); normfuse.passes.boundary, the path models pickled by
+    0.1.0 name, rebuilds the same classes."""
+    import io
+    import pickle
+    import sys
+
+    from normfuse.passes import boundary
+
+    named = []
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            named.append((module, name))
+            return super().find_class(module, name)
+
+    original = _toy()
+    model = copy.deepcopy(original)
+    rewrite_streams(model)
+    loaded = Recording(io.BytesIO(pickle.dumps(model))).load()
+    ours = [(module, name) for module, name in named if module.startswith("normfuse.passes.")]
+    assert ours and all(module.startswith("normfuse.passes.cross_block.") for module, _ in ours), ours
+    swapped = [(module, name) for module, name in ours if name.startswith("_nf_swapped_")]
+    assert {module for module, _ in swapped} == {"normfuse.passes.cross_block.classes"}
+    for module, name in swapped:
+        assert getattr(boundary, name) is getattr(sys.modules[module], name)
+    _assert_identical(_run(original, IDS), _run(loaded, IDS))

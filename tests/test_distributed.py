@@ -100,7 +100,7 @@ def test_fsdp2_fully_shard_two_processes_matches_single_process(distributed_resu
     for rank, results in enumerate(distributed_results):
         _assert_grads_match(results["fsdp"], eager, ref64)
         # FSDP2's hooks are dynamo-disabled: the graph breaks at every fully_shard module.
-        # The blocks hand the residual pair to the next block (normfuse.passes.boundary):
+        # The blocks hand the residual pair to the next block (normfuse.passes.cross_block):
         # block 0's graph (norm1 alone, norm2 with the attention add), block 1's graph (norm1
         # with the add carried over from block 0, norm2) and the final norm's own frame (with
         # the last block's add): every norm fed by an add is fused with it.

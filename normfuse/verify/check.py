@@ -450,7 +450,7 @@ def check(model: nn.Module, *example_args: Any, optimized: nn.Module | None = No
 def _regrouped_copy(model: nn.Module, optimized: nn.Module) -> nn.Module | None:
     """A copy of ``model`` with the streams that ``optimized`` carries across blocks regrouped
     the same way (normfuse.passes.boundary), or None when it carries none."""
-    from normfuse.passes.boundary import crosses_checkpoints, rewritten_streams
+    from normfuse.passes.cross_block import crosses_checkpoints, rewritten_streams
 
     if not rewritten_streams(optimized):
         return None
@@ -477,7 +477,7 @@ def _replaying(states: tuple):
 def _regrouping(regrouped: nn.Module, got: tuple[dict, dict], want: tuple[dict, dict]) -> tuple[bool, str]:
     """The regrouping moves adds across block boundaries and changes no operand: its outputs
     and gradients must equal the original's bit for bit. (Whether they do, and the note.)"""
-    from normfuse.passes.boundary import rewritten_streams
+    from normfuse.passes.cross_block import rewritten_streams
 
     streams = ", ".join(fqn or type(regrouped).__name__ for fqn in rewritten_streams(regrouped))
     (out, grad), (out_want, grad_want) = got, want
