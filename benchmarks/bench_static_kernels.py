@@ -87,7 +87,7 @@ NO_MODES = dict(HAS_X1=False, HAS_ROWSCALE=False, HAS_W1=False, HAS_B1=False, HA
                 **NO_GATE)
 # y = F.rms_norm(x + r, w) quantized to e4m3 (y itself not stored: the next linear reads q)
 QUANT_RMS = dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=False, IS_RMS=True, ROUND_FIRST=False, STORE_SUM=True,
-                 STORE_Y=False, POST_ADD=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, HAS_X1=False,
+                 STORE_Y=False, ADD_AFTER_NORM=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, HAS_X1=False,
                  HAS_ROWSCALE=False, HAS_W1=False, HAS_B1=False, HAS_DROPOUT=False)
 
 
@@ -99,44 +99,44 @@ FWD_DTYPES = ("SUM_DTYPE", "NORM_ROUND_DTYPE", "OUT_DTYPE", "BRANCH_DTYPE", "GAT
 # gated RMSNorms, no residual (inside a Mamba2 / Qwen3-Next mixer): Mamba2's gate before the norm with
 # statistics per group of 256 columns, Qwen3-Next's gate after it; both with llama rounding
 GATED = dict(HAS_RESIDUAL=False, HAS_WEIGHT=True, HAS_BIAS=False, IS_RMS=True, ROUND_FIRST=True, STORE_SUM=False,
-             STORE_Y=True, POST_ADD=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, HAS_X1=False,
+             STORE_Y=True, ADD_AFTER_NORM=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, HAS_X1=False,
              HAS_ROWSCALE=False, HAS_W1=False, HAS_B1=False, HAS_DROPOUT=False, **NO_QUANT)
-GATED_BWD = dict(HAS_DEXTRA=False, HAS_WEIGHT=True, HAS_BIAS=False, HAS_DRES=False, IS_RMS=True, POST_ADD=False,
+GATED_BWD = dict(HAS_DEXTRA=False, HAS_WEIGHT=True, HAS_BIAS=False, HAS_DRES=False, IS_RMS=True, ADD_AFTER_NORM=False,
                  HAS_DY1=False, HAS_B1=False, HAS_DX1=False, HAS_ROWSCALE=False, HAS_DROPOUT=False, HAS_B=False)
 
 OPS = [
     Op("add_rms_norm (HF llama: round, then * w)", False,
        dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=False, IS_RMS=True, ROUND_FIRST=True, STORE_SUM=True,
-            STORE_Y=True, POST_ADD=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, **NO_MODES), ("X", "R"),
+            STORE_Y=True, ADD_AFTER_NORM=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, **NO_MODES), ("X", "R"),
        ("Y", "S"), FWD_DTYPES),
     Op("add_layer_norm (w, b; BERT, GPT-2)", False,
        dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=True, IS_RMS=False, ROUND_FIRST=False, STORE_SUM=True,
-            STORE_Y=True, POST_ADD=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, **NO_MODES), ("X", "R"),
+            STORE_Y=True, ADD_AFTER_NORM=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, **NO_MODES), ("X", "R"),
        ("Y", "S"), FWD_DTYPES),
     Op("rms_norm (standalone)", False,
        dict(HAS_RESIDUAL=False, HAS_WEIGHT=True, HAS_BIAS=False, IS_RMS=True, ROUND_FIRST=True, STORE_SUM=False,
-            STORE_Y=True, POST_ADD=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, **NO_MODES), ("X",), ("Y",),
+            STORE_Y=True, ADD_AFTER_NORM=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, **NO_MODES), ("X",), ("Y",),
        FWD_DTYPES),
     Op("rms_norm_add (res-post, sandwich)", False,
        dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=False, IS_RMS=True, ROUND_FIRST=False, STORE_SUM=True,
-            STORE_Y=False, POST_ADD=True, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, **NO_MODES), ("X", "R"),
+            STORE_Y=False, ADD_AFTER_NORM=True, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, **NO_MODES), ("X", "R"),
        ("S",), FWD_DTYPES),
     Op("add_rms_norm backward", True,
-       dict(HAS_DEXTRA=True, HAS_WEIGHT=True, HAS_BIAS=False, HAS_DRES=True, IS_RMS=True, POST_ADD=False,
+       dict(HAS_DEXTRA=True, HAS_WEIGHT=True, HAS_BIAS=False, HAS_DRES=True, IS_RMS=True, ADD_AFTER_NORM=False,
             **NO_MODES_BWD),
        ("DY", "DE", "INP"), ("DX", "DRES")),
     Op("add_layer_norm backward", True,
-       dict(HAS_DEXTRA=True, HAS_WEIGHT=True, HAS_BIAS=True, HAS_DRES=True, IS_RMS=False, POST_ADD=False,
+       dict(HAS_DEXTRA=True, HAS_WEIGHT=True, HAS_BIAS=True, HAS_DRES=True, IS_RMS=False, ADD_AFTER_NORM=False,
             **NO_MODES_BWD),
        ("DY", "DE", "INP"), ("DX", "DRES")),
     # flash-attn's modes: a parallel block's two branches, drop path, dropout and a second norm
     Op("add_layer_norm + x1, rowscale, dropout, weight1/bias1", False,
        dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=True, IS_RMS=False, ROUND_FIRST=False, STORE_SUM=True,
-            STORE_Y=True, POST_ADD=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, HAS_X1=True,
+            STORE_Y=True, ADD_AFTER_NORM=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, HAS_X1=True,
             HAS_ROWSCALE=True, HAS_W1=True, HAS_B1=True, HAS_DROPOUT=True, **NO_QUANT, **NO_GATE),
        ("X", "R", "X1"), ("Y", "S", "Y1"), FWD_DTYPES),
     Op("add_layer_norm + modes backward", True,
-       dict(HAS_DEXTRA=True, HAS_WEIGHT=True, HAS_BIAS=True, HAS_DRES=True, IS_RMS=False, POST_ADD=False,
+       dict(HAS_DEXTRA=True, HAS_WEIGHT=True, HAS_BIAS=True, HAS_DRES=True, IS_RMS=False, ADD_AFTER_NORM=False,
             HAS_DY1=True, HAS_B1=True, HAS_DX1=True, HAS_ROWSCALE=True, HAS_DROPOUT=True, HAS_B=False, **NO_GATE),
        ("DY", "DE", "INP", "DY1"), ("DX", "DRES", "DX1")),
     # the fp8 epilogue (vLLM/FlashInfer's add + RMSNorm + quant): a dynamic scale per token, one per

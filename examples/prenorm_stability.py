@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import normfuse
-from normfuse.passes.prenorm import check_structure
+from normfuse.verify.structure import check_structure
 from normfuse.zoo import ToyTransformer
 
 FIGURES = Path(__file__).resolve().parent / "figures"

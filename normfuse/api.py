@@ -66,8 +66,15 @@ def fuse_graph(gm: fx.GraphModule, config: FuseConfig | None = None, **options: 
         raise InvalidModelError(
             f"fuse_graph takes a torch.fx.GraphModule, got {type(gm).__name__}. For an nn.Module use "
             "normfuse.optimize(model); for an ExportedProgram pass ep.graph_module.")
+    from normfuse.passes.graph import copy_graph_module
     from normfuse.passes.pipeline import NormFusionPass
-    result = NormFusionPass(make_config(config, **options))(gm)
+
+    cfg = make_config(config, **options)
+    original = copy_graph_module(gm) if cfg.check else None
+    result = NormFusionPass(cfg)(gm)
+    if cfg.check:  # on the first call's inputs, as the backends check (FuseConfig.check)
+        from normfuse.verify.graph_check import check_graph_on_first_call
+        check_graph_on_first_call(gm, result.report, [], original=original, defer=True)
     return gm, result.report
 
 

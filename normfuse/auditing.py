@@ -6,18 +6,18 @@
     $ normfuse audit hf:llama --layers 2 --format markdown
     $ normfuse audit my_models.py:build --graph stream.svg --format html --out report.html
 
-The graph is captured with dynamo and a recording backend (no rewrite), and the pass runs
-in analysis mode. ``hf:`` targets are built on the meta device, so a 70B-shaped model
-takes no memory: only shapes and dtypes flow. The HBM byte counts per site are read off
-the captured graph (docs/audit.md states the arithmetic).
+The model is prepared as ``optimize`` prepares it (then put back), its graphs are captured
+with dynamo and a recording backend (no rewrite), and the pass runs in analysis mode: the
+same analysis and plans as ``optimize``, not applied. Each site is priced from its plan by
+``normfuse/cost.py`` (HBM bytes and kernels, eager against fused; docs/audit.md states the
+arithmetic). ``hf:`` targets are built on the meta device, so a 70B-shaped model takes no
+memory: only shapes and dtypes flow. The command line is in ``normfuse/cli.py``.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
-import math
-import operator
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,12 +27,16 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from normfuse.cost import Traffic, numel, site_bytes
 from normfuse.errors import InvalidModelError, InvalidOptionError, NormfuseError, closest
+from normfuse.passes.analysis import Analysis
+from normfuse.passes.planning import Planning
 from normfuse.preparation import prepare
-from normfuse.reporting import Site, folded_steps
+from normfuse.reporting import FusionReport, Site, folded_steps
+from normfuse.runs import GraphRecord, find_anchor, model_report, tracked
+from normfuse.vocabulary import POST_FAMILY, PRE_FAMILY
 
-__all__ = ["audit", "AuditReport", "SiteAudit", "register_cli", "BANDWIDTHS", "DEFAULT_BANDWIDTH",
-           "parse_bandwidth", "site_bytes", "verdict"]
+__all__ = ["audit", "AuditReport", "SiteAudit", "BANDWIDTHS", "DEFAULT_BANDWIDTH", "parse_bandwidth", "verdict"]
 
 # Peak HBM bandwidth of current accelerators, bytes/s (vendor data sheets).
 BANDWIDTHS = {
@@ -46,10 +50,6 @@ BANDWIDTHS = {
 }
 DEFAULT_BANDWIDTH = "H100 SXM"
 
-# Placements whose residual stream passes through adds only (Pre-Norm family) and those
-# that normalize the stream itself (Post-Norm family); embedding and standalone norms are neither.
-PRE_FAMILY = ("pre", "res_post", "sandwich", "parallel")
-POST_FAMILY = ("post", "deepnorm")
 
 
 def parse_bandwidth(value: Any = None) -> tuple[str, float]:
@@ -77,254 +77,6 @@ def parse_bandwidth(value: Any = None) -> tuple[str, float]:
     raise InvalidOptionError(
         f"cannot read bandwidth {value!r}.{closest(text, BANDWIDTHS)} Give a number of TB/s (3.35), a string "
         f"such as '900GB/s', or one of: {', '.join(BANDWIDTHS)}.")
-
-
-# --------------------------------------------------------------------------- byte arithmetic
-
-def _numel_bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        try:
-            return int(value.numel()) * value.element_size()
-        except Exception:  # noqa: BLE001 - a symbolic size without a hint
-            return 0
-    if isinstance(value, (tuple, list)):
-        return sum(_numel_bytes(v) for v in value)
-    return 0
-
-
-def _bytes(node: Any) -> int:
-    """Bytes of the tensor(s) a node produces, from the graph's shape metadata."""
-    if not isinstance(node, fx.Node):
-        return 0
-    for key in ("val", "example_value"):
-        if key in node.meta:
-            return _numel_bytes(node.meta[key])
-    tm = node.meta.get("tensor_meta")
-    if tm is not None and hasattr(tm, "shape"):
-        return math.prod(int(d) for d in tm.shape) * tm.dtype.itemsize
-    return 0
-
-
-def _last_dim(node: Any) -> int:
-    from normfuse.passes.canonical import node_shape
-    shape = node_shape(node)
-    try:
-        return int(shape[-1]) if shape else 1
-    except Exception:  # noqa: BLE001
-        return 1
-
-
-def _numel(node: Any) -> int:
-    from normfuse.passes.canonical import tensor_meta
-    t = tensor_meta(node)
-    try:
-        return int(math.prod(int(d) for d in t.shape)) if t is not None else 0
-    except Exception:  # noqa: BLE001
-        return 0
-
-
-@dataclass
-class Traffic:
-    """HBM bytes and kernel launches of one way of computing a site, forward and backward."""
-
-    fwd: int = 0
-    bwd: int = 0
-    fwd_kernels: int = 0
-    bwd_kernels: int = 0
-
-    def add(self, fwd: int = 0, bwd: int = 0, fwd_kernels: int = 0, bwd_kernels: int = 0) -> None:
-        self.fwd += fwd
-        self.bwd += bwd
-        self.fwd_kernels += fwd_kernels
-        self.bwd_kernels += bwd_kernels
-
-    def to_dict(self) -> dict[str, int]:
-        return {"fwd": self.fwd, "bwd": self.bwd, "fwd_kernels": self.fwd_kernels, "bwd_kernels": self.bwd_kernels}
-
-
-def _is_free(index, node: fx.Node) -> bool:
-    """Nodes that launch no kernel: views/reshapes, identity dropout, getitem, casts to the same dtype."""
-    from normfuse.passes.canonical import node_dtype
-    if node.op not in ("call_function", "call_method", "call_module") or node.target is operator.getitem:
-        return True
-    prim = index.prim(node)
-    if prim == "view":
-        return True
-    if prim == "dropout":  # identity in eval mode or at p = 0
-        from normfuse.passes.find import identity_dropout
-        return identity_dropout(index.canon(node))
-    if prim == "cast":
-        src = index.canon(node)["input"]
-        return node_dtype(src) == node_dtype(node)
-    return False
-
-
-def _eager(index, node: fx.Node) -> Traffic:
-    """What one eager kernel moves: its forward, and the backward autograd runs for it."""
-    t = Traffic()
-    if _is_free(index, node):
-        return t
-    prim = index.prim(node)
-    ins = [a for a in node.all_input_nodes if _bytes(a)]
-    out = _bytes(node)
-    reads = sum(_bytes(a) for a in ins)
-    if prim in ("layer_norm", "rms_norm"):
-        m = index.canon(node)
-        x = m["input"]
-        rows = _numel(x) // max(1, _last_dim(x))
-        # ATen native_layer_norm returns its stats as outputs (counted in `out`); the torch-level
-        # calls write them too, as buffers the graph does not show
-        stats = 0 if m.multi_output else (2 if prim == "layer_norm" else 1) * 4 * rows
-        t.add(fwd=reads + out + stats, fwd_kernels=1)
-        # backward: reads dy, x, stats, weight; writes dx, dweight, dbias
-        params = sum(_bytes(p) for p in (m["weight"], m["bias"]) if isinstance(p, fx.Node))
-        t.add(bwd=2 * _bytes(x) + out + stats + 2 * params, bwd_kernels=1)
-        return t
-    if prim == "dropout":
-        # training-mode dropout also writes its keep mask (one byte an element), which the
-        # backward reads with the gradient (free in eval mode: _is_free)
-        t.add(fwd=reads + out + _numel(node), fwd_kernels=1)
-        t.add(bwd=out + _numel(node) + reads, bwd_kernels=1)
-        return t
-    t.add(fwd=reads + out, fwd_kernels=1)
-    if prim in ("add", "sub"):
-        # the gradient passes through unchanged; a broadcast operand needs a reduction of it
-        for a in ins:
-            if _numel(a) < _numel(node):
-                t.add(bwd=out + _bytes(a), bwd_kernels=1)
-    elif prim in ("mul", "div"):
-        # d(a*b)/da = g*b: read g and the other operand(s), write the operand's grad
-        for a in ins:
-            t.add(bwd=out + (reads - _bytes(a)) + _bytes(a) + (_bytes(a) if prim == "div" else 0), bwd_kernels=1)
-    elif prim in ("mean", "var"):
-        t.add(bwd=out + (reads if prim == "var" else 0) + reads, bwd_kernels=1)
-    elif prim == "cast":
-        t.add(bwd=out + reads, bwd_kernels=1)
-    else:  # pow, square, rsqrt, sqrt, reciprocal and anything else: read g and the input, write its grad
-        t.add(bwd=out + 2 * reads, bwd_kernels=1)
-    return t
-
-
-def _accumulations(node: fx.Node) -> Traffic:
-    """Autograd sums the grads of a value read by k kernels: k-1 adds of (read 2, write 1)."""
-    from normfuse.passes.canonical import real_users
-    k = len(real_users(node))
-    return Traffic(bwd=3 * (k - 1) * _bytes(node), bwd_kernels=k - 1) if k > 1 else Traffic()
-
-
-def _site_nodes(state, op: str | None) -> list[fx.Node]:
-    """The graph nodes the fused op would replace (for an unfused site: the norm alone)."""
-    m = state.match
-    nodes = list(m.nodes)
-    if op == "add_norm" and state.in_add is not None and state.lead is None:  # the lead prices the add
-        add = state.in_add
-        folded = state.fold.nodes if state.fold is not None else []
-        nodes = [*reversed(folded), add.node, *add.chain, *nodes]
-        if add.scaled is not None:  # alpha * x of DeepNorm, computed before the add
-            scale = add.node.all_input_nodes[add.scaled] if len(add.node.all_input_nodes) > add.scaled else None
-            if scale is not None and scale not in nodes:
-                nodes.insert(0, scale)
-    elif op == "norm_add" and state.output_add is not None:
-        nodes = [*nodes, *state.output_chain, state.output_add.node]
-    seen: list[fx.Node] = []
-    for n in nodes:
-        if n not in seen:
-            seen.append(n)
-    return seen
-
-
-def _widening(dtype: torch.dtype | None, residual_dtype: torch.dtype | None) -> float:
-    """The extra bytes per byte of a 16-bit stream tensor kept in ``residual_dtype`` (0: none)."""
-    if residual_dtype is None or dtype not in (torch.float16, torch.bfloat16):
-        return 0.0
-    return residual_dtype.itemsize / dtype.itemsize - 1.0
-
-
-def _kernel_operands(state) -> list:
-    """The tensors an add_norm kernel reads for the sum: the add's operands, or, with a folded
-    branch, its x, x1 and per-row scale in place of the branch value."""
-    fold = state.fold
-    if fold is None or not fold.folded:
-        return list(state.in_add.operands)
-    rest = [a for a in state.in_add.operands if a is not fold.nodes[0]]
-    return [fold.x, fold.x1, fold.rowscale, *rest]
-
-
-def _escapes(node: fx.Node, inside: set) -> bool:
-    from normfuse.passes.canonical import real_users
-    return any(u not in inside for u in real_users(node))
-
-
-def site_bytes(index, state, op: str | None, residual_dtype: torch.dtype | None = None
-               ) -> tuple[Traffic, Traffic, list[fx.Node]]:
-    """(eager, fused, nodes): HBM traffic of a site as the graph computes it and as the fused op
-    ``op`` would ("add_norm" | "norm_add" | "norm"; None: not fused, so the same as eager).
-    ``residual_dtype``: the stream's sums kept in this dtype (``optimize(residual_dtype=)``)."""
-    from normfuse.passes.canonical import node_dtype
-    nodes = _site_nodes(state, op)
-    inside = set(nodes)
-    eager = Traffic()
-    for n in nodes:
-        e = _eager(index, n)
-        eager.add(e.fwd, e.bwd, e.fwd_kernels, e.bwd_kernels)
-        if not _is_free(index, n):
-            # the norm output's grads are summed before either backward, so only inner values count
-            a = _accumulations(n) if n is not nodes[-1] else Traffic()
-            eager.add(a.fwd, a.bwd, a.fwd_kernels, a.bwd_kernels)
-    if op is None:
-        return eager, Traffic(eager.fwd, eager.bwd, eager.fwd_kernels, eager.bwd_kernels), nodes
-    m = state.match
-    if state.lead is not None:
-        # computed by its lead norm's kernel, which reads the sum once: this norm adds its
-        # parameters and output (forward), dy1 and its parameter grads (backward), no kernel
-        params = sum(_bytes(p) for p in (m.weight, m.bias) if isinstance(p, fx.Node))
-        return eager, Traffic(fwd=params + _bytes(m.output), bwd=_bytes(m.output) + 2 * params), nodes
-    n_cols = m.hidden_size or 1
-    x_bytes = _bytes(m.input)
-    rows = _numel(m.input) // n_cols
-    stats = (2 if m.kind == "layer_norm" else 1) * 4 * rows
-    params = sum(_bytes(p) for p in (m.weight, m.bias) if isinstance(p, fx.Node))
-    y_bytes = _bytes(m.output)
-    fused = Traffic(fwd_kernels=1, bwd_kernels=1)
-    if op == "add_norm":
-        add = state.in_add.node
-        operands = sum(_bytes(a) for a in _kernel_operands(state) if isinstance(a, fx.Node))
-        s_bytes = _bytes(add)
-        sum_chain = [add, *state.in_add.chain]
-        stored = any(_escapes(n, inside) for n in sum_chain)
-        # fwd: read x, residual, weight, bias; write y, s (when used elsewhere), stats
-        fused.add(fwd=operands + params + y_bytes + (s_bytes if stored else 0) + stats)
-        # bwd: when grads are needed the kernel always stores s (add_norm's return_sum or
-        # _grad_needed): a training step pays one more write of s in the forward when nothing
-        # else reads it, or reads ds when something does; the backward kernel reads s. Then
-        # dy, stats and weight; it writes dx, dresidual (unless it is dx itself: residual_scale 1,
-        # same dtypes), dweight, dbias
-        rebuild = 2 * s_bytes
-        dtypes = {node_dtype(a) for a in state.in_add.operands if isinstance(a, fx.Node)}
-        shared = state.in_add.residual_scale == 1.0 and len(dtypes) == 1
-        grads = operands // 2 if shared else operands
-        fused.add(bwd=y_bytes + rebuild + stats + 2 * params + grads)
-        wide = _widening(node_dtype(add), residual_dtype)
-        if wide:  # the stream in fp32: the sum written, the residual read, s re-read, dresidual wider
-            fused.add(fwd=int(wide * s_bytes) * (2 if stored else 1), bwd=int(wide * s_bytes) * 3)
-    elif op == "norm_add":
-        out = state.output_add.node
-        residual = [a for a in state.output_add.operands if isinstance(a, fx.Node) and a is not m.output]
-        res = sum(_bytes(a) for a in residual)
-        stored = _escapes(m.output, inside)
-        fused.add(fwd=x_bytes + res + params + _bytes(out) + (y_bytes if stored else 0) + stats)
-        # bwd: read dout (and dy when y was stored), f, stats, weight; write df, dresidual (unless
-        # it is dout itself: residual_scale 1, same dtype), dweight, dbias
-        shared = state.output_add.residual_scale == 1.0 and all(node_dtype(a) == node_dtype(out) for a in residual)
-        fused.add(bwd=_bytes(out) + (y_bytes if stored else 0) + x_bytes + stats + 2 * params + x_bytes
-                  + (0 if shared else res))
-        wide = _widening(node_dtype(out), residual_dtype)
-        if wide:  # the stream in fp32: out written and the residual read wider, their grads too
-            fused.add(fwd=int(wide * (_bytes(out) + res)), bwd=int(wide * (_bytes(out) + res)))
-    else:  # "norm"
-        fused.add(fwd=x_bytes + params + y_bytes + stats)
-        fused.add(bwd=y_bytes + x_bytes + stats + 2 * params + x_bytes)
-    return eager, fused, nodes
 
 
 # --------------------------------------------------------------------------- the report
@@ -481,17 +233,18 @@ def _status(site: Site) -> tuple[bool, str]:
     return False, site.reason or "not rewritten"
 
 
-def _audit_graph(analysis, sites: list[Site], residual_dtype: torch.dtype | None = None) -> list[SiteAudit]:
-    """Price each site of one analyzed graph: bytes moved eagerly and by the fused op."""
-    index, states = analysis
-    site_of = {id(state): site for state, site in zip(states, sites)}
+def _audit_graph(analysis: Analysis, planning: Planning, sites: list[Site], residual_dtype: torch.dtype | None = None
+                 ) -> list[SiteAudit]:
+    """Price each site of one analysed graph: bytes moved eagerly and by the planned call."""
     out = []
-    for state, site in zip(states, sites):
+    for site_analysis, site in zip(analysis.sites, sites):
         would, status = _status(site)
-        if would and state.lead is not None:  # computed by another norm's call
-            status += f" (in {site_of[id(state.lead)].id}'s kernel)"
-        eager, fused, _ = site_bytes(index, state, site.op if would else None, residual_dtype)
-        rows = _numel(state.match.input) // state.match.hidden_size if state.match.hidden_size else 0
+        plan = planning.plan_of(site.number) if would else None
+        if plan is not None and plan.lead != site.number:  # computed by another norm's call
+            status += f" (in {sites[plan.lead].id}'s kernel)"
+        eager, fused, _ = site_bytes(analysis.index, site_analysis, plan, residual_dtype)
+        m = site_analysis.match
+        rows = numel(m.input) // m.hidden_size if m.hidden_size else 0
         out.append(SiteAudit(site, would, status, eager, fused, _block_of(site.fqn), rows))
     return out
 
@@ -523,14 +276,16 @@ CAPTURE_PATHS = ("dynamo with fake tensors",
 _NON_FAKE = "Please convert all Tensors to FakeTensors first"
 
 
-def _capture_graphs(model: nn.Module, args: tuple, kwargs: dict, allow_constants: bool) -> list[fx.GraphModule]:
+def _capture_graphs(model: nn.Module, args: tuple, kwargs: dict, allow_constants: bool
+                    ) -> list[tuple[fx.GraphModule, GraphRecord]]:
+    """Each graph dynamo captures of one forward, with a record noting the modules it runs for."""
     from torch._subclasses.fake_tensor import fake_tensor_tls
 
-    graphs: list[fx.GraphModule] = []
+    graphs: list[tuple[fx.GraphModule, GraphRecord]] = []
 
     def record(gm: fx.GraphModule, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+        graphs.append((gm, GraphRecord(FusionReport(), anchor=find_anchor(gm))))
+        return tracked(gm.forward, graphs[-1][1])
 
     limits = {"recompile_limit": 64, "accumulated_recompile_limit": 4096}
     before = fake_tensor_tls.allow_non_fake_inputs_override
@@ -542,6 +297,33 @@ def _capture_graphs(model: nn.Module, args: tuple, kwargs: dict, allow_constants
     finally:
         fake_tensor_tls.allow_non_fake_inputs_override = before
     return graphs
+
+
+def _analyse(model: nn.Module, graphs: list[tuple[fx.GraphModule, GraphRecord]], cfg, rep: "AuditReport") -> None:
+    """The pass in analysis mode on each captured graph, then the sites of every run priced,
+    each module's under its own path (one graph may run for several modules)."""
+    from normfuse.passes.pipeline import NormFusionPass
+
+    fusion = NormFusionPass(cfg, apply=False)
+    priced: dict[tuple[int, int, int], SiteAudit] = {}  # (record, graph in it, site number) -> its audit
+    for gm, record in graphs:
+        result = fusion(gm)
+        record.report = result.report
+        for number, analysed in enumerate(result.analyses):
+            if analysed is None:  # the pass failed on this graph: its warning says why
+                continue
+            sites = [s for s in result.report.sites if s.graph == number]
+            for audited in _audit_graph(*analysed, sites, cfg.residual_dtype):
+                priced[id(record), number, audited.site.number] = audited
+    runs: list = []
+    assembled = model_report([record for _, record in graphs], model, run_of=runs)
+    for site in assembled.sites:
+        record, number = runs[site.graph]
+        audited = priced.get((id(record), number, site.number))
+        if audited is not None:
+            rep.sites.append(dataclasses.replace(audited, site=site, block=_block_of(site.fqn)))
+    rep.regions, rep.graphs = assembled.regions, assembled.graphs
+    rep.warnings += assembled.warnings
 
 
 def _caused_by(error: BaseException, text: str) -> bool:
@@ -587,95 +369,22 @@ def audit(model: nn.Module, *args: Any, config=None, bandwidth: Any = None, name
                                 f"of its own ({_first_cause(error)[:160]}...)")
             graphs = _capture_graphs(model, args, kwargs, allow_constants=True)
     except Exception as error:  # noqa: BLE001 - the user's forward failed: say where
+        preparation.undo()
+        model.train(was_training)
         raise InvalidModelError(f"running {rep.model} to capture its graph failed: {_first_cause(error)}. "
                                 "Check the example inputs (shapes, dtypes, device, sequence length) against "
                                 "the model.") from error
+    try:
+        if not graphs:
+            raise NormfuseError(f"dynamo captured no graph of {rep.model}: the forward ran eagerly (dynamo's "
+                                "recompile limit may have been reached in this process; call "
+                                "torch._dynamo.reset() and audit again).")
+        _analyse(model, graphs, cfg, rep)  # before the undo: module paths are read off the prepared model
     finally:
         model.train(was_training)
         preparation.undo()
-    if not graphs:
-        raise NormfuseError(f"dynamo captured no graph of {rep.model}: the forward ran eagerly (dynamo's "
-                            "recompile limit may have been reached in this process; call "
-                            "torch._dynamo.reset() and audit again).")
-    from normfuse.passes.pipeline import NormFusionPass
-    fusion = NormFusionPass(cfg, apply=False)
-    for gm in graphs:
-        result = fusion(gm)
-        rep.regions += fusion.report.regions[len(fusion.report.regions) - len(result.report.regions):]
-        # the same sites as numbered across every graph of the model
-        numbered = fusion.report.sites[len(fusion.report.sites) - len(result.report.sites):]
-        for number, analysis in enumerate(result.analyses):
-            sites = [g for s, g in zip(result.report.sites, numbered) if s.graph == number]
-            if analysis is None:  # the pass failed on this graph: its warning says why
-                continue
-            rep.sites += _audit_graph(analysis, sites, cfg.residual_dtype)
-        rep.warnings += result.report.warnings
-    rep.graphs = fusion.report.graphs
     first = next((s for s in rep.sites if s.rows), None)
     if first is not None:
         rep.tokens, rep.dtype = first.rows, first.site.dtype
     rep.seconds = time.perf_counter() - start
     return rep
-
-
-# --------------------------------------------------------------------------- command line
-
-def _run_cli(args: argparse.Namespace) -> int:
-    from normfuse.errors import TargetError
-    from normfuse.targets import is_config_target, load_target, parse_overrides
-
-    start = time.perf_counter()
-    try:
-        label, bw = parse_bandwidth(args.bandwidth)
-        overrides = parse_overrides(args.set)
-        # a transformers config is audited in bf16 unless told; a factory's model keeps its own dtype
-        dtype = args.dtype or ("bf16" if is_config_target(args.target) else None)
-        model, margs, mkwargs = load_target(args.target, layers=args.layers, overrides=overrides, dtype=dtype,
-                                            device=args.device, batch=args.batch, seq=args.seq)
-    except (TargetError, InvalidOptionError) as error:
-        print(f"normfuse audit: error: {error}", file=sys.stderr)
-        return 2
-    try:
-        rep = audit(model, *margs, bandwidth=args.bandwidth, name=args.target, **mkwargs)
-    except NormfuseError as error:
-        print(f"normfuse audit: error: {error}", file=sys.stderr)
-        return 1
-    rep.batch = args.batch
-    rep.seq = rep.tokens // args.batch if args.seq is None and rep.tokens else args.seq
-    rep.seconds = time.perf_counter() - start
-    from normfuse.render import write
-    text = rep.render(args.format)
-    if args.out:
-        write(args.out, text)
-        print(f"wrote {args.out} ({len(rep.sites)} sites, {args.format})", file=sys.stderr)
-    else:
-        print(text)
-    if args.graph:
-        write(args.graph, rep.to_svg())
-        print(f"wrote {args.graph}", file=sys.stderr)
-    return 0
-
-
-def register_cli(subparsers) -> None:
-    p = subparsers.add_parser(
-        "audit", help="report every norm site of a model, what would fuse, and the HBM bytes it saves",
-        description="Audit a model without weights, memory or a GPU: per-site table, verdict, and HBM bytes "
-                    "moved by the norm sites before and after fusion.")
-    p.add_argument("target", help="hf:<model_type> | path/to/config.json | file.py:factory | package.module:factory")
-    p.add_argument("--layers", type=int, default=None, help="layer count of a transformers config")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="change a config field (hf/config.json) or pass a factory keyword; repeatable")
-    p.add_argument("--batch", type=int, default=1, help="batch size of the made inputs (default 1)")
-    p.add_argument("--seq", type=int, default=None,
-                   help="sequence length of the made inputs (default 2048, or the model's maximum if shorter)")
-    p.add_argument("--dtype", default=None,
-                   help="parameter/activation dtype (default: bf16 for a transformers config, the factory's own)")
-    p.add_argument("--device", default="meta", choices=("meta", "cpu"),
-                   help="build on the meta device (default: no memory, no compute) or on the CPU")
-    p.add_argument("--bandwidth", default=None,
-                   help=f"HBM bandwidth that prices the bytes: a GPU name ({', '.join(BANDWIDTHS)}), TB/s, or "
-                        f"e.g. 900GB/s (default {DEFAULT_BANDWIDTH})")
-    p.add_argument("--format", default="table", choices=("table", "json", "markdown", "html"))
-    p.add_argument("--out", default=None, help="write the report to this file instead of stdout")
-    p.add_argument("--graph", default=None, metavar="FILE.svg", help="also write a picture of the residual stream")
-    p.set_defaults(func=_run_cli)

@@ -61,14 +61,16 @@ def make_backend(config: FuseConfig | None = None, *, sink: Callable[[GraphRecor
 
     def backend(gm: fx.GraphModule, example_inputs: list[Any]):
         # the pass works on copies and falls back by itself; this guard covers the rest
-        # (the checker, inductor) so that dynamo always gets a callable
+        # (the checker, inductor) so that dynamo always gets a callable. The pass swaps in new
+        # graphs and never edits the ones it was given, so those are the graph to fall back to.
         anchor = find_anchor(gm)
-        original = copy_graph_module(gm)
+        given = {module: module.graph for module in _graph_modules(gm)}
         try:
+            original = copy_graph_module(gm) if fusion.config.check else None
             result = fusion(gm)
             report = result.report
             if fusion.config.check:
-                from normfuse.verify.check import check_graph_on_first_call
+                from normfuse.verify.graph_check import check_graph_on_first_call
                 gm = check_graph_on_first_call(gm, report, example_inputs, original=original)
             if inductor:
                 from torch._inductor.compile_fx import compile_fx
@@ -80,14 +82,27 @@ def make_backend(config: FuseConfig | None = None, *, sink: Callable[[GraphRecor
                        "Please report it with the model that triggers it.")
             warnings.warn(message, RuntimeWarning, stacklevel=2)
             log.debug("normfuse backend failure", exc_info=True)
-            report = FusionReport(graphs=1, warnings=[message], graph_modules=[original])
-            compiled = eager_checkpoints(original).forward
+            for module, graph in given.items():
+                if module.graph is not graph:
+                    module.graph = graph
+            gm.__dict__.pop("forward", None)  # the checker's first-call wrapper, if it got that far
+            report = FusionReport(graphs=1, warnings=[message], graph_modules=[gm])
+            compiled = eager_checkpoints(gm).forward
         record = GraphRecord.of(report, anchor)
         sink(record)
         return tracked(compiled, record)
 
     backend.normfuse_pass = fusion  # type: ignore[attr-defined]
     return backend
+
+
+def _graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """``gm`` and the graph modules nested in it (the subgraphs of higher-order ops)."""
+    found = [gm]
+    for child in gm.children():
+        if isinstance(child, fx.GraphModule):
+            found += _graph_modules(child)
+    return found
 
 
 # --------------------------------------------------------------------------------------

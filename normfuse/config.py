@@ -26,10 +26,10 @@ class FuseConfig:
     check:      run the numeric equivalence checker on the first call and warn on failure.
     residual_dtype: None, or ``torch.float32`` to keep every fused sum of a bf16/fp16
                 residual stream in fp32 (changes the function by design; see
-                normfuse/passes/residual_stream.py).
+                normfuse/passes/planning.py, rewrite.py).
     recompute_norm_output: when every reader of a fused norm's output is a linear, do not
                 keep that output for the linears' backward: recompute it from the sum
-                (see normfuse/passes/norm_linear.py).
+                (normfuse/kernels/norm_linear.py; decided in normfuse/passes/planning.py).
     cross_block: carry the residual pair across the blocks of a Pre-Norm stream, so the add
                 that ends a block fuses with the norm that starts the next one even when each
                 block is a region of its own (FSDP2, per-block compile, a graph break).

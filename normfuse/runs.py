@@ -264,12 +264,14 @@ def _canonical_path(model: nn.Module, names: dict[int, str], prefix: str, fqn: s
 
 def model_report(records: Iterable[GraphRecord], model: nn.Module | None = None,
                  paths: dict[int, list[str]] | None = None, notes: Iterable[str] = (), warnings: Iterable[str] = (),
-                 only_model: bool = False) -> FusionReport:
+                 only_model: bool = False, run_of: list | None = None) -> FusionReport:
     """One report of every run of ``records`` in the order the runs started: per run a copy
     of its graph's sites with whole module paths (``model``'s, when the model is known;
     ``paths``: its ``parameter_paths``, when already at hand), and the graph modules.
     ``only_model``: leave out runs on parameters that are not the model's (the process-wide
-    records of the registered backends); else such a run keeps the paths relative to its frame."""
+    records of the registered backends); else such a run keeps the paths relative to its frame.
+    ``run_of``: a list to which (record, graph number within the record) is appended for each
+    graph number of the report."""
     if model is not None and paths is None:
         paths = parameter_paths(model)
     names = {id(module): name for name, module in model.named_modules()} if model is not None else {}
@@ -303,6 +305,8 @@ def model_report(records: Iterable[GraphRecord], model: nn.Module | None = None,
                 site.fqn = prefix.rstrip(".") or None
             site.fqn = without_wrappers(site.fqn) if site.fqn else None
         out.extend(part)
+        if run_of is not None:
+            run_of += [(record, g) for g in range(record.report.graphs)]
         for (graph, number), site in zip(local, part.sites):
             key = (id(record), graph, number)
             if key in first_ids:
@@ -314,7 +318,7 @@ def model_report(records: Iterable[GraphRecord], model: nn.Module | None = None,
 
 def norm_module_paths(model: nn.Module) -> list[str]:
     """The module paths of ``model``'s norm modules, as the report names them (wrappers dropped)."""
-    from normfuse.passes.prenorm_model import is_norm_module
+    from normfuse.passes.blocks import is_norm_module
 
     return list(dict.fromkeys(without_wrappers(path) for path, module in model.named_modules()
                               if path and is_norm_module(module)))

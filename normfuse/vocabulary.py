@@ -6,17 +6,38 @@ kernels take or a key it stores in ``node.meta`` imports it from here.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import torch
 
-__all__ = ["KINDS", "PLACEMENTS", "FORMS", "FUSED_OPS", "KERNEL_DTYPES", "CONVERTED_META", "FINAL_META",
+__all__ = ["KINDS", "TORCH_NORMS", "Placement", "PLACEMENTS", "PRE_FAMILY", "POST_FAMILY", "LOW_PRECISION", "FINAL_NORM_NAME", "FORMS", "FUSED_OPS", "KERNEL_DTYPES", "CONVERTED_META", "FINAL_META",
            "GRAPH_META", "LAYOUT_META", "FOLDED_META", "ROWS_META", "QUANT_DTYPES", "QUANT_SCALE_FORMS",
            "QUANT_APPLY", "QUANT_SCALE_OUT", "GATE_POSITIONS", "GATE_ACTIVATIONS", "COPY_FILE"]
 
 # what a norm computes
 KINDS = ("layer_norm", "rms_norm")
+# torch's own norm modules (a norm call made by one is reported as the "module" form)
+TORCH_NORMS = (torch.nn.LayerNorm, torch.nn.RMSNorm)
 
-# where a norm sits on the residual stream (normfuse/passes/classify.py)
-PLACEMENTS = ("pre", "post", "res_post", "sandwich", "parallel", "deepnorm", "embedding", "standalone")
+class Placement(StrEnum):
+    """Where a norm sits on the residual stream (normfuse/passes/classify.py)."""
+
+    PRE = "pre"
+    POST = "post"
+    RES_POST = "res_post"
+    SANDWICH = "sandwich"
+    PARALLEL = "parallel"
+    DEEPNORM = "deepnorm"
+    EMBEDDING = "embedding"
+    STANDALONE = "standalone"
+
+
+PLACEMENTS = tuple(p.value for p in Placement)
+# placements whose residual stream passes through adds only (the Pre-Norm family), and those that
+# normalize the stream itself (the Post-Norm family, which prenorm=True converts); embedding and
+# standalone norms are neither
+PRE_FAMILY = (Placement.PRE, Placement.RES_POST, Placement.SANDWICH, Placement.PARALLEL)
+POST_FAMILY = (Placement.POST, Placement.DEEPNORM)
 
 # how the graph spells it: a torch norm module, a functional call, an ATen op, or written
 # out (the decomposed forms name their rounding order: llama rounds before the weight,
@@ -29,10 +50,13 @@ FUSED_OPS = ("add_norm", "norm_add", "norm")
 
 # activation, weight and rounding dtypes the fused kernels take (fp64 runs on CPU only)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# the 16-bit ones: an upcast from them to fp32 is exact; a residual stream in them can be kept in fp32
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 # node.meta / gm.meta keys of the Post-Norm -> Pre-Norm conversion
 CONVERTED_META = "normfuse_converted"     # on the nodes of a converted norm: its fqn
 FINAL_META = "normfuse_final_norm"        # on a final norm node: its fqn
+FINAL_NORM_NAME = FINAL_META              # the attribute name of a final norm the conversion registers
 GRAPH_META = "normfuse_prenorm"           # on the graph module: the streams converted in it
 # node.meta key of the rewrite
 LAYOUT_META = "normfuse_layout"           # on a permute the rewrite inserted around a fused call: its dims

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import normfuse
-from normfuse.verify.check import check_graph_sites
+from normfuse.verify.graph_check import check_graph_sites
 from normfuse.zoo import ToyTransformer, example_inputs, hf_model
 from tests.helpers import assert_close, assert_within
 
@@ -191,7 +191,7 @@ def _captured(model, *args, **kwargs):
 
 def _site_checks_after(model, tamper, *args, **kwargs):
     gm, inputs = _captured(model, *args, **kwargs)
-    original = normfuse.passes.pipeline.copy_graph_module(gm)
+    original = normfuse.passes.graph.copy_graph_module(gm)
     rewritten, rep = normfuse.fuse_graph(gm)
     calls = [n for n in rewritten.graph.nodes if normfuse.passes.rewrite.is_fused_call(n)]
     changed = tamper(calls)

@@ -18,7 +18,7 @@ from normfuse.api import LOG_ATTR
 from normfuse.capture import Recorder
 from normfuse.runs import tracked
 from normfuse.reporting import FusionReport
-from normfuse.verify.check import check_graph_on_first_call
+from normfuse.verify.graph_check import check_graph_on_first_call
 from normfuse.verify.numeric import Fp64Mode, perturb_vectors, ulp_diff
 from normfuse.verify.sites import fused_calls
 from normfuse.zoo import ToyTransformer, hf_model
@@ -274,11 +274,11 @@ def test_families_equivalent(family, dtype):
 
 
 def test_optimize_with_check_runs_the_checker_quietly(monkeypatch):
-    import normfuse.verify.check as check_module
+    import normfuse.verify.graph_check as graph_check
 
     calls = []
-    real = check_module._check_graph
-    monkeypatch.setattr(check_module, "_check_graph", lambda *a: calls.append(a[1]) or real(*a))
+    real = graph_check._check_graph
+    monkeypatch.setattr(graph_check, "_check_graph", lambda *a: calls.append(a[1]) or real(*a))
     torch._dynamo.reset()
     model = perturb_vectors(ToyTransformer(placement="pre", kind="rms_norm", spelling="llama").eval())
     ids = torch.randint(0, 64, (2, 8))
@@ -314,3 +314,22 @@ def test_sites_not_compared_say_so(way):
     assert f"({len(skipped)} not compared: by design)" in str(res).splitlines()[0]
     assert res.ok  # by design: not a failure
     assert all(d["compared"] is False for d in res.to_dict()["sites"] if d["id"] in {s.id for s in skipped})
+
+
+def test_fuse_graph_checks_at_the_first_call():
+    """FuseConfig(check=True) is honoured by fuse_graph too (the backends check in the same way):
+    the graph is held to the original on its first call, and a planted fault is named."""
+    torch._dynamo.reset()
+    model = perturb_vectors(ToyTransformer(placement="pre", kind="rms_norm", spelling="llama").to(torch.bfloat16))
+    ids = torch.randint(0, 64, (2, 8))
+    recorder = Recorder()
+    torch.compile(model, backend=recorder)(ids)
+    original, inputs = recorder.graphs[0]
+    gm, report = normfuse.fuse_graph(copy.deepcopy(original), check=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gm(*inputs)
+    bad, report = normfuse.fuse_graph(copy.deepcopy(original), check=True)
+    plant(bad, 1, "cast_order")
+    with pytest.warns(RuntimeWarning, match=r"first diverging site: g0\.s1"):
+        bad(*inputs)

@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 
 import normfuse
+from normfuse.vocabulary import FINAL_NORM_NAME
+from normfuse.verify.structure import check_structure
 from normfuse.passes import prenorm
 from normfuse.zoo import ToyTransformer
 from helpers import assert_close
@@ -44,9 +46,9 @@ def _pre_twin(post: ToyTransformer, kind="layer_norm", spelling="module") -> Toy
     c = post.config
     pre = ToyTransformer(vocab=c["vocab"], hidden=c["hidden"], heads=c["heads"], depth=c["depth"], placement="pre",
                          kind=kind, spelling=spelling, embed_norm=c["embed_norm"], final_norm=True).eval()
-    state = {k: v for k, v in post.state_dict().items() if not k.startswith(prenorm.FINAL_NORM_NAME)}
+    state = {k: v for k, v in post.state_dict().items() if not k.startswith(FINAL_NORM_NAME)}
     for k, v in post.state_dict().items():
-        if k.startswith(prenorm.FINAL_NORM_NAME):
+        if k.startswith(FINAL_NORM_NAME):
             state["final_norm." + k.split(".", 1)[1]] = v
     pre.load_state_dict(state)
     return pre
@@ -76,7 +78,7 @@ def test_toy_post_equals_hand_written_pre(kind, spelling):
     # ... into exactly the hand-written Pre-Norm model with the mapped weights
     expected = _pre_twin(post, kind, spelling)(ids)
     assert_close(out, expected)
-    ok, why = prenorm.check_structure(rep.graph_modules)
+    ok, why = check_structure(rep.graph_modules)
     assert ok, why
     assert "4 converted blocks" in why and "4 adds only" in why
 
@@ -99,7 +101,7 @@ def test_deepnorm_drops_alpha():
     assert rep.counts()["converted"] == 4
     assert any("DeepNorm residual scale [1.7] dropped" in n for n in rep.notes)
     assert_close(out, _pre_twin(post)(ids))
-    assert prenorm.check_structure(rep.graph_modules)[0]
+    assert check_structure(rep.graph_modules)[0]
 
 
 def test_embedding_norm_stays_and_existing_final_norm_is_used():
@@ -125,7 +127,7 @@ def test_pre_norm_model_is_left_alone():
     assert rep.counts()["converted"] == 0
     assert any("no Post-Norm block" in n for n in rep.notes)
     assert_close(out, original)
-    assert prenorm.check_structure(rep.graph_modules) == (False, "no converted Pre-Norm stream in these graphs")
+    assert check_structure(rep.graph_modules) == (False, "no converted Pre-Norm stream in these graphs")
 
 
 class _SharedBranch(nn.Module):
@@ -166,7 +168,7 @@ def test_structure_check_catches_a_non_add_on_the_stream():
     with gm.graph.inserting_after(stream):
         scaled = gm.graph.call_function(torch.mul, (stream, 0.5))
     call.replace_input_with(stream, scaled)
-    ok, why = prenorm.check_structure([gm])
+    ok, why = check_structure([gm])
     assert not ok
     assert "interrupted at" in why and f" {scaled.name} " in why.split("(neither")[1]
 
@@ -185,7 +187,7 @@ def test_fuse_graph_registers_the_final_norm_on_the_graph_module():
     _, rep = normfuse.fuse_graph(gm, prenorm=True)
     assert rep.counts()["converted"] == 4
     assert isinstance(gm.get_submodule("normfuse_final_norm"), nn.LayerNorm)
-    assert prenorm.check_structure([gm])[0]
+    assert check_structure([gm])[0]
 
 
 # --------------------------------------------------------------------------- training and state
@@ -241,9 +243,9 @@ def test_hf_post_norm_models(model_type, converted, finals):
     assert c["converted"] == converted
     assert c["by_placement"]["embedding"] == (2 if model_type == "bart" else 1)
     assert sorted(prenorm.final_norms(model)) == sorted(finals)
-    assert sorted(s.fqn for s in rep.sites if s.fqn and s.fqn.endswith(prenorm.FINAL_NORM_NAME)) == sorted(finals)
+    assert sorted(s.fqn for s in rep.sites if s.fqn and s.fqn.endswith(FINAL_NORM_NAME)) == sorted(finals)
     assert all(s.placement == "pre" for s in rep.sites if s.converted)
-    ok, why = prenorm.check_structure(rep.graph_modules)
+    ok, why = check_structure(rep.graph_modules)
     assert ok, why
     assert why.count("adds only") == len(finals)
     assert torch.isfinite(out).all()

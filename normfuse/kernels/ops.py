@@ -512,7 +512,7 @@ def _norm_add_fwd_fake(x, residual, weight, bias, kind, eps, weight_offset, resi
 
 @torch.library.custom_op("normfuse::add_norm_bwd", mutates_args=())
 def add_norm_bwd(dy: Tensor, dextra: Optional[Tensor], inp: Tensor, mean: Tensor, rstd: Tensor,
-                 weight: Optional[Tensor], kind: str, weight_offset: float, residual_scale: float, post_add: bool,
+                 weight: Optional[Tensor], kind: str, weight_offset: float, residual_scale: float, add_after_norm: bool,
                  x_dtype: torch.dtype, residual_dtype: Optional[torch.dtype], bias_dtype: Optional[torch.dtype],
                  dy1: Optional[Tensor] = None, weight1: Optional[Tensor] = None,
                  bias1_dtype: Optional[torch.dtype] = None, x1_dtype: Optional[torch.dtype] = None,
@@ -520,13 +520,13 @@ def add_norm_bwd(dy: Tensor, dextra: Optional[Tensor], inp: Tensor, mean: Tensor
                  gate: Optional[Tensor] = None, gate_position: str = "before", gate_activation: str = "silu",
                  norm_group: Optional[int] = None, bias: Optional[Tensor] = None,
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Backward of add_norm_fwd (post_add=False) and norm_add_fwd (post_add=True); see add_norm_bwd_ref.
+    """Backward of add_norm_fwd (add_after_norm=False) and norm_add_fwd (add_after_norm=True); see add_norm_bwd_ref.
     Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate), each empty when that input
     does not exist (dweight1 and dbias1 also without dy1). With a gate, inp is the norm input before
     the gate and bias the norm's (a gate "after" multiplies n * w' + b)."""
     backend = _backend(inp, _dtypes(dy, inp, weight, x_dtype, residual_dtype, bias_dtype, dy1, weight1, bias1_dtype,
                                     x1_dtype, rowscale, gate, bias), norm_group)
-    grads = backend.add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add,
+    grads = backend.add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, add_after_norm,
                                  x_dtype, residual_dtype, bias_dtype, dy1, weight1, bias1_dtype, x1_dtype, rowscale,
                                  dropout_p, seed, gate, gate_position, gate_activation, norm_group, bias)
     return _op_outputs(grads, (None, inp.dtype, inp.dtype, inp.dtype, inp.dtype, inp.dtype, inp.dtype, inp.dtype), inp,
@@ -534,7 +534,7 @@ def add_norm_bwd(dy: Tensor, dextra: Optional[Tensor], inp: Tensor, mean: Tensor
 
 
 @add_norm_bwd.register_fake
-def _add_norm_bwd_fake(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add,
+def _add_norm_bwd_fake(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, add_after_norm,
                        x_dtype, residual_dtype, bias_dtype, dy1=None, weight1=None, bias1_dtype=None, x1_dtype=None,
                        rowscale=None, dropout_p=0.0, seed=None, gate=None, gate_position="before",
                        gate_activation="silu", norm_group=None, bias=None):
@@ -561,7 +561,7 @@ def _grad_or_none(g: Optional[Tensor], exists: bool) -> Optional[Tensor]:
     return g if exists and g is not None else None
 
 
-def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, post_add, modes=None):
+def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, add_after_norm, modes=None):
     """Shared tail of both autograd formulas: call the backward, map empties to None.
     ``saved``: ctx.saved_tensors, read once (non-reentrant checkpointing allows one unpack).
     ``modes``: add_norm's (dy1, weight1, x1_dtype, rowscale, seed, gate, bias), or None.
@@ -575,17 +575,17 @@ def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, post_add, modes=
     # incoming grad itself (norm_add): hand that tensor over instead of writing a copy.
     # (Not with rowscale or dropout: dx is then a scaled copy of the residual's grad.)
     shared = (residual_dtype is not None and ctx.residual_scale == 1.0 and rowscale is None and dropout_p == 0
-              and residual_dtype == (dy.dtype if post_add else ctx.x_dtype))
+              and residual_dtype == (dy.dtype if add_after_norm else ctx.x_dtype))
     backward = reference.add_norm_bwd if ctx.eager_cpu else torch.ops.normfuse.add_norm_bwd
     gated = gate is not None or getattr(ctx, "norm_group", None)
     # (the backward op's arguments past seed only when a gate or groups need them)
     gate_args = (gate, ctx.gate_position, ctx.gate_activation, ctx.norm_group, bias) if gated else ()
     dx, dres, dw, db, dx1, dw1, db1, dgate = backward(
-        dy, dextra, inp, mean, rstd, weight, ctx.kind, ctx.weight_offset, ctx.residual_scale, post_add,
+        dy, dextra, inp, mean, rstd, weight, ctx.kind, ctx.weight_offset, ctx.residual_scale, add_after_norm,
         ctx.x_dtype, None if shared else residual_dtype, ctx.bias_dtype, dy1, None if dy1 is None else weight1,
         None if dy1 is None else ctx.bias1_dtype, x1_dtype, rowscale, dropout_p, seed, *gate_args)
     if shared:
-        dres = dy if post_add else dx
+        dres = dy if add_after_norm else dx
     return (dx, _grad_or_none(dres, residual_dtype is not None), _grad_or_none(dw, weight is not None),
             _grad_or_none(db, ctx.bias_dtype is not None), _grad_or_none(dx1, x1_dtype is not None),
             _grad_or_none(dw1, dy1 is not None and weight1 is not None),
@@ -660,7 +660,7 @@ def _add_norm_backward(ctx, dy, ds, dmean, drstd, dy1):
     ds = ds if ctx.sum_stored else None
     dy1 = dy1 if weight1 is not None else None  # a traced backward may get a tangent of the empty y1
     dx, dres, dw, db, dx1, dw1, db1, dgate = _norm_backward(
-        ctx, saved, dy, ds, inp, ctx.residual_dtype, post_add=False,
+        ctx, saved, dy, ds, inp, ctx.residual_dtype, add_after_norm=False,
         modes=(dy1, weight1, ctx.x1_dtype, rowscale, seed, gate, gate_bias))
     return (dx, dres, dw, db, None, None, None, None, None, None, None, None, None, dx1, None, dw1, db1, None, None,
             dgate, None, None, None, None)
@@ -699,7 +699,7 @@ def _norm_add_setup_context(ctx, inputs, output):
 def _norm_add_backward(ctx, dout, dy, dmean, drstd):
     saved = ctx.saved_tensors
     dy = dy if ctx.norm_stored else None
-    grads = _norm_backward(ctx, saved, dout, dy, saved[0], ctx.residual_dtype, post_add=True)
+    grads = _norm_backward(ctx, saved, dout, dy, saved[0], ctx.residual_dtype, add_after_norm=True)
     return (*grads[:4], None, None, None, None, None, None, None, None)
 
 

@@ -576,13 +576,13 @@ def _norm_output(h, mean, rstd, weight, bias, kind, weight_offset, norm_group) -
     return y0 if bias is None else y0 + bias.to(acc)
 
 
-def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add, x_dtype,
+def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, add_after_norm, x_dtype,
                  residual_dtype, bias_dtype, dy1=None, weight1=None, bias1_dtype=None, x1_dtype=None, rowscale=None,
                  dropout_p=0.0, seed=None, gate=None, gate_position="before", gate_activation="silu",
                  norm_group=None, bias=None):
     """Backend form (positional, as the op) of :func:`add_norm_bwd_ref`."""
     acc = acc_dtype(inp.dtype)
-    dn = dy + dextra if (post_add and dextra is not None) else dy  # gradient into the norm's output
+    dn = dy + dextra if (add_after_norm and dextra is not None) else dy  # gradient into the norm's output
     dgate = None
     if gate is None and not norm_group:
         du, dw, db, dw1, db1 = _norm_grads(dn, inp, mean, rstd, weight, kind, weight_offset, bias_dtype, dy1,
@@ -591,11 +591,11 @@ def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, resid
         du, dw, db, dgate = _gated_norm_grads(dn, inp, mean, rstd, weight, bias, kind, weight_offset, bias_dtype,
                                               gate, gate_position, gate_activation, norm_group)
         dw1 = db1 = None
-    if not post_add and dextra is not None:
+    if not add_after_norm and dextra is not None:
         du = du + dextra.to(du.dtype)
     dres = None
     if residual_dtype is not None:
-        src = dy if post_add else du
+        src = dy if add_after_norm else du
         dres = (src if residual_scale == 1.0 else src.to(acc) * residual_scale).to(residual_dtype)
     dx1 = None if x1_dtype is None else du.to(x1_dtype)
     dx = du
@@ -611,16 +611,16 @@ def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, resid
 
 
 def add_norm_bwd_ref(dy, dextra, inp, mean, rstd, weight=None, *, kind, weight_offset=0.0,
-                     residual_scale=1.0, post_add=False, x_dtype, residual_dtype=None, bias_dtype=None, dy1=None,
+                     residual_scale=1.0, add_after_norm=False, x_dtype, residual_dtype=None, bias_dtype=None, dy1=None,
                      weight1=None, bias1_dtype=None, x1_dtype=None, rowscale=None, dropout_p=0.0, seed=None,
                      gate=None, gate_position="before", gate_activation="silu", norm_group=None, bias=None):
     """Backward of both orders; rounding steps are identities, math in fp32 (fp64 for fp64).
 
     ``inp`` is the norm input (s, or the unrounded sum, or x for norm_add), ``mean``
     and ``rstd`` its flat per-row stats (mean empty for rms_norm).
-    add_norm (post_add=False): dy = grad of y, dextra = grad of s (or None);
+    add_norm (add_after_norm=False): dy = grad of y, dextra = grad of s (or None);
         ds = norm_bwd(dy) + dextra; dx = ds; dresidual = residual_scale * ds.
-    norm_add (post_add=True): dy = grad of out, dextra = grad of y (or None);
+    norm_add (add_after_norm=True): dy = grad of out, dextra = grad of y (or None);
         dx = norm_bwd(dy + dextra); dresidual = residual_scale * dy.
     The add_norm modes (module docstring): dy1 (grad of y1) with weight1 / bias1_dtype; x1_dtype
     for dx1; rowscale, dropout_p and seed (the forward's mask, regenerated) scale dx.
@@ -629,6 +629,6 @@ def add_norm_bwd_ref(dy, dextra, inp, mean, rstd, weight=None, *, kind, weight_o
     Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate); None for inputs that do not
     exist.
     """
-    return add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add,
+    return add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, add_after_norm,
                         x_dtype, residual_dtype, bias_dtype, dy1, weight1, bias1_dtype, x1_dtype, rowscale,
                         dropout_p, seed, gate, gate_position, gate_activation, norm_group, bias)

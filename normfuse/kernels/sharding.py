@@ -132,7 +132,7 @@ def _forward_rule(op: str):
     return rule
 
 
-def _backward_rule(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add,
+def _backward_rule(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, add_after_norm,
                    x_dtype, residual_dtype, bias_dtype, *modes):
     from torch.distributed.tensor import Partial, Replicate
     op = "add_norm_bwd"

@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - platforms without triton
 # --------------------------------------------------------------------------------------
 # One forward kernel (and its looped sibling for rows wider than one block) serves
 # both orders. Pointer S holds "the residual sum" of either order: the pre-norm sum
-# s of add_norm, or out = r' + y of norm_add (POST_ADD). Flags are constexpr, so
+# s of add_norm, or out = r' + y of norm_add (ADD_AFTER_NORM). Flags are constexpr, so
 # each combination compiles to straight-line code. Rows are addressed with 64-bit
 # offsets (row * row_stride), so tensors past 2^31 elements and strided rows work.
 
@@ -131,7 +131,7 @@ if triton is not None:
     def _normalize_and_store(u, mean, rstd, w, b, Y, S, R, y_off, s_off, r_off, cols, mask, residual_scale,
                              HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
                              ROUND_FIRST: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                             STORE_Y: tl.constexpr, POST_ADD: tl.constexpr, SCALE_RESIDUAL: tl.constexpr,
+                             STORE_Y: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, SCALE_RESIDUAL: tl.constexpr,
                              gate=1.0, GATE_AFTER: tl.constexpr = False, GATE_OUT_DTYPE: tl.constexpr = None):
         """y = round(OUT_DTYPE, n * w' + b) (n rounded first when ROUND_FIRST), times act(z) and rounded
         to GATE_OUT_DTYPE after a gate (GATE_AFTER: ``gate`` holds act(z)); then the post-add.
@@ -152,7 +152,7 @@ if triton is not None:
             y = _round(y.to(tl.float32) * gate, GATE_OUT_DTYPE)
         if STORE_Y:
             tl.store(Y + y_off + cols, y, mask=mask)
-        if POST_ADD:
+        if ADD_AFTER_NORM:
             r = tl.load(R + r_off + cols, mask=mask, other=0.0)
             if SCALE_RESIDUAL:
                 r = _round(r.to(tl.float32) * residual_scale, R.dtype.element_ty)
@@ -325,7 +325,7 @@ if triton is not None:
 
     @triton.jit
     def _add_norm_fwd_kernel(
-        X, R, W, B, Y, S, MEAN, RSTD,                        # S: the sum (pre: s; POST_ADD: out)
+        X, R, W, B, Y, S, MEAN, RSTD,                        # S: the sum (pre: s; ADD_AFTER_NORM: out)
         X1, RS, W1, B1, Y1,                                  # add_norm's modes (dummies when off)
         Q, QS, SC,                                           # fp8 bits of y, its scales, a static scale
         stride_x, stride_r, stride_y, stride_s, stride_x1, stride_y1,   # row strides, in elements
@@ -335,7 +335,7 @@ if triton is not None:
         Z, stride_z,                                         # the gate (a dummy without one)
         SUM_DTYPE: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
-        ROUND_FIRST: tl.constexpr, STORE_SUM: tl.constexpr, STORE_Y: tl.constexpr, POST_ADD: tl.constexpr,
+        ROUND_FIRST: tl.constexpr, STORE_SUM: tl.constexpr, STORE_Y: tl.constexpr, ADD_AFTER_NORM: tl.constexpr,
         SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, HAS_X1: tl.constexpr,
         HAS_ROWSCALE: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         BRANCH_DTYPE: tl.constexpr,
@@ -363,9 +363,9 @@ if triton is not None:
             row = row.to(tl.int64)
             s, u = _load_norm_input(X, R, X1, RS, row, row_ok, row * stride_x, row * stride_r, row * stride_x1, cols,
                                     mask, N, residual_scale, seed, dropout_p, dropout_scale,
-                                    HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL, SUM_DTYPE, ROUND_SUM_FIRST,
+                                    HAS_RESIDUAL and not ADD_AFTER_NORM, SCALE_RESIDUAL, SUM_DTYPE, ROUND_SUM_FIRST,
                                     HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BRANCH_DTYPE)
-            if STORE_SUM and not POST_ADD:
+            if STORE_SUM and not ADD_AFTER_NORM:
                 tl.store(S + row * stride_s + cols, s, mask=mask)
             gate, _ = _load_gate(Z, row * stride_z, cols, mask, HAS_GATE, GATE_SILU)
             if HAS_GATE and not GATE_AFTER:
@@ -388,7 +388,7 @@ if triton is not None:
                 w, b = _load_params(W, B, cols, cols < N, weight_offset, HAS_WEIGHT, HAS_BIAS)
             n, y = _normalize_and_store(u, mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s,
                                         row * stride_r, cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS,
-                                        ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD, SCALE_RESIDUAL,
+                                        ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, ADD_AFTER_NORM, SCALE_RESIDUAL,
                                         gate, HAS_GATE and GATE_AFTER, GATE_OUT_DTYPE)
             if QUANT:
                 if QUANT_STATIC or QUANT_GROUP > 0:
@@ -417,7 +417,7 @@ if triton is not None:
         Z, stride_z,                                         # the gate (a dummy without one)
         SUM_DTYPE: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
-        ROUND_FIRST: tl.constexpr, STORE_SUM: tl.constexpr, STORE_Y: tl.constexpr, POST_ADD: tl.constexpr,
+        ROUND_FIRST: tl.constexpr, STORE_SUM: tl.constexpr, STORE_Y: tl.constexpr, ADD_AFTER_NORM: tl.constexpr,
         SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, HAS_X1: tl.constexpr,
         HAS_ROWSCALE: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         BRANCH_DTYPE: tl.constexpr,
@@ -445,9 +445,9 @@ if triton is not None:
                 mask = (cols < N) & row_ok
                 s, u = _load_norm_input(X, R, X1, RS, row, row_ok, row * stride_x, row * stride_r, row * stride_x1,
                                         cols, mask, N, residual_scale, seed, dropout_p, dropout_scale,
-                                        HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL, SUM_DTYPE, ROUND_SUM_FIRST,
+                                        HAS_RESIDUAL and not ADD_AFTER_NORM, SCALE_RESIDUAL, SUM_DTYPE, ROUND_SUM_FIRST,
                                         HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BRANCH_DTYPE)
-                if STORE_SUM and not POST_ADD:
+                if STORE_SUM and not ADD_AFTER_NORM:
                     tl.store(S + row * stride_s + cols, s, mask=mask)
                 if HAS_GATE and not GATE_AFTER:
                     u = u * _load_gate(Z, row * stride_z, cols, mask, HAS_GATE, GATE_SILU)[0]
@@ -473,12 +473,12 @@ if triton is not None:
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
                 mask = (cols < N) & row_ok
-                if STORE_SUM and not POST_ADD and ROUND_SUM_FIRST:
+                if STORE_SUM and not ADD_AFTER_NORM and ROUND_SUM_FIRST:
                     u = tl.load(S + row * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
                 else:
                     _, u = _load_norm_input(X, R, X1, RS, row, row_ok, row * stride_x, row * stride_r,
                                             row * stride_x1, cols, mask, N, residual_scale, seed, dropout_p,
-                                            dropout_scale, HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL,
+                                            dropout_scale, HAS_RESIDUAL and not ADD_AFTER_NORM, SCALE_RESIDUAL,
                                             SUM_DTYPE, ROUND_SUM_FIRST, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BRANCH_DTYPE)
                 gate, _ = _load_gate(Z, row * stride_z, cols, mask, HAS_GATE, GATE_SILU)
                 if HAS_GATE and not GATE_AFTER:
@@ -491,7 +491,7 @@ if triton is not None:
                     mean_c, rstd_c = mean, rstd
                 n, y = _normalize_and_store(u, mean_c, rstd_c, w, b, Y, S, R, row * stride_y, row * stride_s,
                                             row * stride_r, cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS,
-                                            ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, POST_ADD,
+                                            ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, ADD_AFTER_NORM,
                                             SCALE_RESIDUAL, gate, HAS_GATE and GATE_AFTER, GATE_OUT_DTYPE)
                 if HAS_W1:
                     w1, b1 = _load_params(W1, B1, cols, mask, weight_offset, HAS_W1, HAS_B1)
@@ -514,12 +514,12 @@ if triton is not None:
                 for start in range(0, N, BLOCK_N):
                     cols = start + cols0
                     mask = (cols < N) & row_ok
-                    if STORE_SUM and not POST_ADD and ROUND_SUM_FIRST:
+                    if STORE_SUM and not ADD_AFTER_NORM and ROUND_SUM_FIRST:
                         u = tl.load(S + row * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
                     else:
                         _, u = _load_norm_input(X, R, X1, RS, row, row_ok, row * stride_x, row * stride_r,
                                                 row * stride_x1, cols, mask, N, residual_scale, seed, dropout_p,
-                                                dropout_scale, HAS_RESIDUAL and not POST_ADD, SCALE_RESIDUAL,
+                                                dropout_scale, HAS_RESIDUAL and not ADD_AFTER_NORM, SCALE_RESIDUAL,
                                                 SUM_DTYPE, ROUND_SUM_FIRST, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT,
                                                 BRANCH_DTYPE)
                     w, b = _load_params(W, B, cols, mask, weight_offset, HAS_WEIGHT, HAS_BIAS)
@@ -533,7 +533,7 @@ if triton is not None:
     @triton.jit
     def _row_grads(DY, DE, INP, DY1, w, w1, row, stride_dy, stride_de, stride_inp, stride_dy1, cols, mask, mean,
                    rstd, HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr,
-                   POST_ADD: tl.constexpr, HAS_DY1: tl.constexpr, Z=None, stride_z=0, b=0.0,
+                   ADD_AFTER_NORM: tl.constexpr, HAS_DY1: tl.constexpr, Z=None, stride_z=0, b=0.0,
                    HAS_GATE: tl.constexpr = False, GATE_AFTER: tl.constexpr = False, GATE_SILU: tl.constexpr = True,
                    HAS_B: tl.constexpr = False):
         """x_hat, the gradients into the norm outputs (dn, dn1) and g = dn * w' + dn1 * w1' of one
@@ -550,7 +550,7 @@ if triton is not None:
         xhat = tl.where(mask, xhat, 0.0)
         dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
         dn = dy
-        if POST_ADD and HAS_DEXTRA:
+        if ADD_AFTER_NORM and HAS_DEXTRA:
             dn += tl.load(DE + row * stride_de + cols, mask=mask, other=0.0).to(tl.float32)
         dz = 0.0
         if HAS_GATE and GATE_AFTER:  # y = y0 * act(z): dz = dy * y0 * act'(z), and y0 gets dy * act(z)
@@ -573,7 +573,7 @@ if triton is not None:
     @triton.jit
     def _block_grads(DY, DE, INP, DY1, W, W1, row, row_ok, start, cols0, N, stride_dy, stride_de, stride_inp,
                      stride_dy1, mean, rstd, weight_offset, HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                     IS_RMS: tl.constexpr, POST_ADD: tl.constexpr, HAS_DY1: tl.constexpr, Z, stride_z, B, RSTD, MEAN,
+                     IS_RMS: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, HAS_DY1: tl.constexpr, Z, stride_z, B, RSTD, MEAN,
                      HAS_GATE: tl.constexpr, GATE_AFTER: tl.constexpr, GATE_SILU: tl.constexpr, HAS_B: tl.constexpr,
                      NORM_GROUP: tl.constexpr):
         """One block of a wide row (looped backward): its columns, mask, the statistics of its
@@ -586,7 +586,7 @@ if triton is not None:
         w1, _ = _load_params(W1, W1, cols, mask, weight_offset, HAS_DY1, False)
         xhat, dy, dn, g, dn1, u, a, da, dz = _row_grads(
             DY, DE, INP, DY1, w, w1, row, stride_dy, stride_de, stride_inp, stride_dy1, cols, mask, mean, rstd,
-            HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD, HAS_DY1, Z, stride_z, b, HAS_GATE, GATE_AFTER, GATE_SILU,
+            HAS_DEXTRA, HAS_WEIGHT, IS_RMS, ADD_AFTER_NORM, HAS_DY1, Z, stride_z, b, HAS_GATE, GATE_AFTER, GATE_SILU,
             HAS_B)
         return cols, mask, xhat, dy, dn, g, dn1, u, a, da, dz
 
@@ -604,7 +604,7 @@ if triton is not None:
     def _store_input_grads(DE, DX, DRES, DX1, RS, row, row_ok, stride_de, stride_dx, stride_dres, stride_dx1, cols,
                            mask, N, xhat, dy, g, c1, c2, rstd, residual_scale, seed, dropout_p, dropout_scale,
                            HAS_DEXTRA: tl.constexpr, HAS_DRES: tl.constexpr, IS_RMS: tl.constexpr,
-                           POST_ADD: tl.constexpr, HAS_DX1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
+                           ADD_AFTER_NORM: tl.constexpr, HAS_DX1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
                            HAS_DROPOUT: tl.constexpr, DZ=None, stride_dz=0, u=0.0, a=1.0, da=0.0, dz=0.0,
                            HAS_GATE: tl.constexpr = False, GATE_AFTER: tl.constexpr = False):
         """du = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) (a gate "before": times act(z), and
@@ -618,7 +618,7 @@ if triton is not None:
                 dz = du * u * da
                 du = du * a
             tl.store(DZ + row * stride_dz + cols, _round(dz, DZ.dtype.element_ty), mask=mask)
-        if HAS_DEXTRA and not POST_ADD:
+        if HAS_DEXTRA and not ADD_AFTER_NORM:
             du += tl.load(DE + row * stride_de + cols, mask=mask, other=0.0).to(tl.float32)
         dx = du
         if HAS_DROPOUT:
@@ -627,7 +627,7 @@ if triton is not None:
             dx = dx * _row_scale(RS, row, row_ok)
         tl.store(DX + row * stride_dx + cols, _round(dx, DX.dtype.element_ty), mask=mask)
         if HAS_DRES:
-            dres = dy if POST_ADD else du
+            dres = dy if ADD_AFTER_NORM else du
             tl.store(DRES + row * stride_dres + cols, _round(dres * residual_scale, DRES.dtype.element_ty),
                      mask=mask)
         if HAS_DX1:
@@ -635,13 +635,13 @@ if triton is not None:
 
     @triton.jit
     def _add_norm_bwd_kernel(
-        DY, DE, INP, MEAN, RSTD, W, DX, DRES, DW_PART, DB_PART,   # DE: grad of s (pre) / of y (POST_ADD)
+        DY, DE, INP, MEAN, RSTD, W, DX, DRES, DW_PART, DB_PART,   # DE: grad of s (pre) / of y (ADD_AFTER_NORM)
         DY1, W1, RS, DX1, DW1_PART, DB1_PART,                     # add_norm's modes (dummies when off)
         stride_dy, stride_de, stride_inp, stride_dx, stride_dres, stride_dy1, stride_dx1,
         n_rows, N, weight_offset, residual_scale, rows_per_program, seed, dropout_p, dropout_scale,
         Z, DZ, B, stride_z, stride_dz,                            # the gate, its grad, the bias (gate "after")
         HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr,
-        IS_RMS: tl.constexpr, POST_ADD: tl.constexpr, HAS_DY1: tl.constexpr, HAS_B1: tl.constexpr,
+        IS_RMS: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, HAS_DY1: tl.constexpr, HAS_B1: tl.constexpr,
         HAS_DX1: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         HAS_GATE: tl.constexpr, GATE_AFTER: tl.constexpr, GATE_SILU: tl.constexpr, HAS_B: tl.constexpr,
         NORM_GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -668,7 +668,7 @@ if triton is not None:
                 mean = 0.0 if IS_RMS else tl.load(MEAN + row, mask=row_ok, other=0.0)
             xhat, dy, dn, g, dn1, u, a, da, dz = _row_grads(
                 DY, DE, INP, DY1, w, w1, row, stride_dy, stride_de, stride_inp, stride_dy1, cols, mask, mean, rstd,
-                HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD, HAS_DY1, Z, stride_z, b, HAS_GATE, GATE_AFTER, GATE_SILU,
+                HAS_DEXTRA, HAS_WEIGHT, IS_RMS, ADD_AFTER_NORM, HAS_DY1, Z, stride_z, b, HAS_GATE, GATE_AFTER, GATE_SILU,
                 HAS_B)
             if NORM_GROUP > 0:  # the means over each column's group
                 c1 = _group_sum(g * xhat, NORM_GROUP, BLOCK_N) / NORM_GROUP
@@ -678,7 +678,7 @@ if triton is not None:
                 c2 = 0.0 if IS_RMS else tl.sum(g, axis=0) / N
             _store_input_grads(DE, DX, DRES, DX1, RS, row, row_ok, stride_de, stride_dx, stride_dres, stride_dx1, cols,
                                mask, N, xhat, dy, g, c1, c2, rstd, residual_scale, seed, dropout_p, dropout_scale,
-                               HAS_DEXTRA, HAS_DRES, IS_RMS, POST_ADD, HAS_DX1, HAS_ROWSCALE, HAS_DROPOUT, DZ,
+                               HAS_DEXTRA, HAS_DRES, IS_RMS, ADD_AFTER_NORM, HAS_DX1, HAS_ROWSCALE, HAS_DROPOUT, DZ,
                                stride_dz, u, a, da, dz, HAS_GATE, GATE_AFTER)
             dw += dn * xhat
             db += dn
@@ -703,7 +703,7 @@ if triton is not None:
         n_rows, N, weight_offset, residual_scale, rows_per_program, seed, dropout_p, dropout_scale,
         Z, DZ, B, stride_z, stride_dz,                            # the gate, its grad, the bias (gate "after")
         HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr,
-        IS_RMS: tl.constexpr, POST_ADD: tl.constexpr, HAS_DY1: tl.constexpr, HAS_B1: tl.constexpr,
+        IS_RMS: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, HAS_DY1: tl.constexpr, HAS_B1: tl.constexpr,
         HAS_DX1: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         HAS_GATE: tl.constexpr, GATE_AFTER: tl.constexpr, GATE_SILU: tl.constexpr, HAS_B: tl.constexpr,
         NORM_GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -729,7 +729,7 @@ if triton is not None:
                 for start in range(0, N, BLOCK_N):
                     cols, mask, xhat, dy, dn, g, dn1, u, a, da, dz = _block_grads(
                         DY, DE, INP, DY1, W, W1, row, row_ok, start, cols0, N, stride_dy, stride_de, stride_inp,
-                        stride_dy1, mean, rstd, weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD, HAS_DY1, Z,
+                        stride_dy1, mean, rstd, weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, ADD_AFTER_NORM, HAS_DY1, Z,
                         stride_z, B, RSTD, MEAN, HAS_GATE, GATE_AFTER, GATE_SILU, HAS_B, NORM_GROUP)
                     c1 += tl.sum(g * xhat, axis=0)
                     c2 += tl.sum(g, axis=0)
@@ -738,7 +738,7 @@ if triton is not None:
             for start in range(0, N, BLOCK_N):
                 cols, mask, xhat, dy, dn, g, dn1, u, a, da, dz = _block_grads(
                     DY, DE, INP, DY1, W, W1, row, row_ok, start, cols0, N, stride_dy, stride_de, stride_inp,
-                    stride_dy1, mean, rstd, weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, POST_ADD, HAS_DY1, Z,
+                    stride_dy1, mean, rstd, weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, ADD_AFTER_NORM, HAS_DY1, Z,
                     stride_z, B, RSTD, MEAN, HAS_GATE, GATE_AFTER, GATE_SILU, HAS_B, NORM_GROUP)
                 c1_c, c2_c, rstd_c = c1, c2, rstd
                 if NORM_GROUP > 0:  # the means over each column's group, within this block
@@ -747,7 +747,7 @@ if triton is not None:
                     rstd_c = _group_stats_of(RSTD, MEAN, row, cols, mask, N, IS_RMS, NORM_GROUP)[1]
                 _store_input_grads(DE, DX, DRES, DX1, RS, row, row_ok, stride_de, stride_dx, stride_dres, stride_dx1,
                                    cols, mask, N, xhat, dy, g, c1_c, c2_c, rstd_c, residual_scale, seed, dropout_p,
-                                   dropout_scale, HAS_DEXTRA, HAS_DRES, IS_RMS, POST_ADD, HAS_DX1, HAS_ROWSCALE,
+                                   dropout_scale, HAS_DEXTRA, HAS_DRES, IS_RMS, ADD_AFTER_NORM, HAS_DX1, HAS_ROWSCALE,
                                    HAS_DROPOUT, DZ, stride_dz, u, a, da, dz, HAS_GATE, GATE_AFTER)
                 part = pid.to(tl.int64) * N + cols
                 if HAS_WEIGHT:
@@ -868,7 +868,7 @@ def _quant_launch_args(quant: Optional[dict], dummy: Tensor) -> dict:
 
 
 def _launch_fwd(x, residual, weight, bias, y, s, kind, eps, weight_offset, residual_scale, sum_dtype,
-                norm_round_dtype, out_dtype, store_sum, store_y, post_add, round_sum_first=True, x1=None,
+                norm_round_dtype, out_dtype, store_sum, store_y, add_after_norm, round_sum_first=True, x1=None,
                 rowscale=None, weight1=None, bias1=None, y1=None, dropout_p=0.0, seed=None, quant=None, gate=None,
                 gate_position="before", gate_activation="silu", norm_group=None, gate_out_dtype=None):
     """Shared by both orders; y, s and y1 are (M, N) outputs or None when not stored; quant: the
@@ -917,7 +917,7 @@ def _launch_fwd(x, residual, weight, bias, y, s, kind, eps, weight_offset, resid
         SUM_DTYPE=TL_DTYPES[sum_dtype], NORM_ROUND_DTYPE=TL_DTYPES[norm_round_dtype or out_dtype],
         OUT_DTYPE=TL_DTYPES[out_dtype], HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, IS_RMS=kind == "rms_norm", ROUND_FIRST=norm_round_dtype is not None,
-        STORE_SUM=store_sum, STORE_Y=store_y, POST_ADD=post_add, SCALE_RESIDUAL=residual_scale != 1.0,
+        STORE_SUM=store_sum, STORE_Y=store_y, ADD_AFTER_NORM=add_after_norm, SCALE_RESIDUAL=residual_scale != 1.0,
         ROUND_SUM_FIRST=round_sum_first, HAS_X1=x1 is not None, HAS_ROWSCALE=rowscale is not None,
         HAS_W1=weight1 is not None, HAS_B1=bias1 is not None, HAS_DROPOUT=has_dropout,
         BRANCH_DTYPE=TL_DTYPES[branch_dtype], BLOCK_N=block, num_warps=num_warps)
@@ -979,7 +979,7 @@ def norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_s
     return out, y, mean, rstd
 
 
-def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, post_add, x_dtype,
+def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, add_after_norm, x_dtype,
                  residual_dtype, bias_dtype, dy1=None, weight1=None, bias1_dtype=None, x1_dtype=None, rowscale=None,
                  dropout_p=0.0, seed=None, gate=None, gate_position="before", gate_activation="silu",
                  norm_group=None, bias=None):
@@ -1028,7 +1028,7 @@ def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, resid
             HAS_GATE=gate is not None, GATE_AFTER=gate_position == "after", GATE_SILU=gate_activation == "silu",
             HAS_B=bias is not None, NORM_GROUP=norm_group or 0,
             HAS_DEXTRA=dextra is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias_dtype is not None,
-            HAS_DRES=dres is not None, IS_RMS=kind == "rms_norm", POST_ADD=post_add, HAS_DY1=has_y1,
+            HAS_DRES=dres is not None, IS_RMS=kind == "rms_norm", ADD_AFTER_NORM=add_after_norm, HAS_DY1=has_y1,
             HAS_B1=bias1_dtype is not None, HAS_DX1=dx1 is not None, HAS_ROWSCALE=rowscale is not None,
             HAS_DROPOUT=has_dropout, BLOCK_N=block, num_warps=num_warps)
     # the [programs, N] fp32 partials are summed in fp32, rounded once to the parameter's dtype

@@ -20,8 +20,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from normfuse.vocabulary import LOW_PRECISION, TORCH_NORMS
+
 __all__ = ["real_users", "mutates", "is_check_only", "Canon", "canonicalize", "canonical", "common_subexpressions", "SPELLINGS", "PARAMS", "tensor_meta", "node_dtype",
-           "node_shape", "dim_value", "same_dim", "same_shape", "last_dim", "LOW_PRECISION", "is_exact_upcast"]
+           "node_shape", "dim_value", "same_dim", "same_shape", "last_dim", "is_exact_upcast"]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -162,8 +164,7 @@ def _module_norm(node: fx.Node) -> Canon | None:
         mod = owner.get_submodule(node.target) if owner is not None else None
     except AttributeError:
         return None
-    rms = getattr(torch.nn, "RMSNorm", ())
-    if not isinstance(mod, (torch.nn.LayerNorm, rms)) or not node.args:
+    if not isinstance(mod, TORCH_NORMS) or not node.args:
         return None
     param = lambda name: _param_node(node, f"{node.target}.{name}") if getattr(mod, name, None) is not None else None
     args = {"input": node.args[0], "normalized_shape": tuple(mod.normalized_shape), "weight": param("weight"),
@@ -353,9 +354,6 @@ def dim_value(d: Any) -> Any:
 def node_shape(node: Any) -> tuple | None:
     meta = tensor_meta(node)
     return tuple(dim_value(d) for d in meta.shape) if meta is not None else None
-
-
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def is_exact_upcast(src: torch.dtype | None, dst: torch.dtype | None) -> bool:

@@ -19,40 +19,25 @@ Which operand of a residual add is the stream is a graph question: in
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Any
+from typing import NamedTuple
 
 import torch.fx as fx
 
 from normfuse.passes.canonical import real_users
 from normfuse.passes.find import AddMatch, NormMatch, is_pass_through
 from normfuse.passes.graph import GraphIndex
+from normfuse.vocabulary import POST_FAMILY, Placement
 
-__all__ = ["SiteState", "classify", "stream_operand"]
+__all__ = ["Found", "classify", "stream_operand"]
 
 
-@dataclass
-class SiteState:
-    """A norm on its way through the pipeline: the match, its adds, its placement."""
+class Found(NamedTuple):
+    """A norm as the find stage left it: the match and the adds next to it."""
 
     match: NormMatch
-    in_add: AddMatch | None = None
-    output_add: AddMatch | None = None
-    output_chain: list[fx.Node] = field(default_factory=list)
-    placement: str = "standalone"
-    group: list["SiteState"] = field(default_factory=list)  # states reading the same value
-    # set by the rewrite's plan: what the kernel takes from the add's branch (a BranchFold),
-    # and, for a norm computed by another norm's call (two norms of one value), that norm
-    fold: Any = None
-    lead: "SiteState | None" = None
-
-    @property
-    def input_is_add(self) -> bool:
-        return self.in_add is not None
-
-    @property
-    def output_feeds_add(self) -> bool:
-        return self.output_add is not None
+    in_add: AddMatch | None
+    output_add: AddMatch | None
+    output_chain: tuple[fx.Node, ...] | list
 
 
 def stream_operand(index: GraphIndex, add: AddMatch) -> int | None:
@@ -67,71 +52,73 @@ def stream_operand(index: GraphIndex, add: AddMatch) -> int | None:
     return None
 
 
-def _root_value(index: GraphIndex, state: SiteState) -> fx.Node:
+def _root_value(index: GraphIndex, found: Found) -> fx.Node:
     """The value a norm reads, before pass-through nodes: its add, or its input."""
-    if state.in_add is not None:
-        return state.in_add.node
-    node = state.match.input
-    n = state.match.hidden_size
+    if found.in_add is not None:
+        return found.in_add.node
+    node = found.match.input
+    n = found.match.hidden_size
     while isinstance(node, fx.Node) and is_pass_through(index, node, n):
         node = index.canon(node)["input"]
     return node
 
 
-def _sum_continues(state: SiteState) -> bool:
+def _sum_continues(found: Found) -> bool:
     """Whether the sum the norm reads is read by anything but the norm (the stream goes on)."""
-    add = state.in_add
-    inside = set(add.chain) | set(state.match.nodes)
+    add = found.in_add
+    inside = set(add.chain) | set(found.match.nodes)
     for node in (add.node, *add.chain):
         if any(u not in inside for u in real_users(node)):
             return True
     return False
 
 
-def classify(index: GraphIndex, states: list[SiteState]) -> None:
-    by_root: dict[fx.Node, list[SiteState]] = defaultdict(list)
-    for state in states:
-        by_root[_root_value(index, state)].append(state)
-    for group in by_root.values():
-        for state in group:
-            state.group = group
+def classify(index: GraphIndex, found: list[Found]) -> tuple[list[Placement], list[tuple[int, ...]]]:
+    """Per norm (graph order): its placement, and the numbers of the norms reading the same value."""
+    by_root: dict[fx.Node, list[int]] = defaultdict(list)
+    for number, f in enumerate(found):
+        by_root[_root_value(index, f)].append(number)
+    groups: list[tuple[int, ...]] = [()] * len(found)
+    for members in by_root.values():
+        for number in members:
+            groups[number] = tuple(members)
+    feeding = {f.in_add.node for f in found if f.in_add is not None}
+    placements: list[Placement] = []
+    for number, f in enumerate(found):  # graph order, so upstream norms are placed first
+        placements.append(_place(index, f, len(groups[number]) > 1, feeding, found[:number], placements))
+    return placements, groups
 
-    feeding = {state.in_add.node: state for state in states if state.in_add is not None}
-    placed: list[SiteState] = []
-    for state in states:  # graph order, so upstream states are placed first
-        state.placement = _place(index, state, feeding, placed)
-        placed.append(state)
 
-
-def _place(index: GraphIndex, state: SiteState, feeding: dict, placed: list[SiteState]) -> str:
-    m = state.match
-    if state.output_add is not None:
-        stream = stream_operand(index, state.output_add)
-        branch = state.output_add.node.all_input_nodes[1 - stream] if stream is not None else None
-        chain_end = state.output_chain[-1] if state.output_chain else m.output
-        if branch is chain_end and state.in_add is None:
-            return "sandwich" if state.output_add.node in feeding else "res_post"
-    if len(state.group) > 1:
-        return "parallel"
-    if state.in_add is None:
-        return "standalone"
-    add = state.in_add
+def _place(index: GraphIndex, f: Found, shared: bool, feeding: set, upstream_found: list[Found],
+           upstream_placements: list[Placement]) -> Placement:
+    m = f.match
+    if f.output_add is not None:
+        stream = stream_operand(index, f.output_add)
+        branch = f.output_add.node.all_input_nodes[1 - stream] if stream is not None else None
+        chain_end = f.output_chain[-1] if f.output_chain else m.output
+        if branch is chain_end and f.in_add is None:
+            return Placement.SANDWICH if f.output_add.node in feeding else Placement.RES_POST
+    if shared:
+        return Placement.PARALLEL
+    if f.in_add is None:
+        return Placement.STANDALONE
+    add = f.in_add
     stream = stream_operand(index, add)
     if add.scaled is not None and add.residual_scale != 1.0:
-        return "deepnorm"
-    if _sum_continues(state):
-        return "pre"
+        return Placement.DEEPNORM
+    if _sum_continues(f):
+        return Placement.PRE
     # post-style: the norm alone reads the sum
     ancestors = index.ancestors(add.node)
-    upstream = [p for p in placed if p.match.output in ancestors]
+    upstream = [p for u, p in zip(upstream_found, upstream_placements) if u.match.output in ancestors]
     if stream is None and not upstream:
-        return "embedding"
-    if state.output_add is not None:
-        out_stream = stream_operand(index, state.output_add)
-        chain_end = state.output_chain[-1] if state.output_chain else m.output
-        if out_stream is not None and state.output_add.node.all_input_nodes[out_stream] is chain_end:
-            return "post"
+        return Placement.EMBEDDING
+    if f.output_add is not None:
+        out_stream = stream_operand(index, f.output_add)
+        chain_end = f.output_chain[-1] if f.output_chain else m.output
+        if out_stream is not None and f.output_add.node.all_input_nodes[out_stream] is chain_end:
+            return Placement.POST
     # the end of a stream: post if the stream was post-norm so far, else a pre-norm stack's final norm
-    if any(p.placement in ("post", "deepnorm") for p in upstream):
-        return "post"
-    return "pre"
+    if any(p in POST_FAMILY for p in upstream):
+        return Placement.POST
+    return Placement.PRE

@@ -15,7 +15,7 @@ cannot reproduce is cut short, so the unmatched rest stays in the graph as it wa
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -31,13 +31,13 @@ __all__ = ["NormMatch", "AddMatch", "find_norms", "find_input_add", "find_output
 F32 = torch.float32
 
 
-@dataclass
+@dataclass(frozen=True)
 class NormMatch:
     kind: str                        # "layer_norm" | "rms_norm"
     form: str
     input: fx.Node                   # the value normalized (before exact upcasts)
     output: fx.Node                  # the last node of the norm (what its users read)
-    nodes: list[fx.Node]             # every node of the norm, the output included
+    nodes: tuple[fx.Node, ...]       # every node of the norm, the output included
     eps: float
     weight: fx.Node | None = None
     bias: fx.Node | None = None
@@ -49,13 +49,13 @@ class NormMatch:
     anchor: fx.Node | None = None    # the node that identified it (for ordering and messages)
 
 
-@dataclass
+@dataclass(frozen=True)
 class AddMatch:
     node: fx.Node                    # the add
     operands: tuple[Any, Any]        # (a, b) as the graph adds them, exact upcasts stripped
     scaled: int | None = None        # index of the operand multiplied by residual_scale
     residual_scale: float = 1.0
-    chain: list[fx.Node] = field(default_factory=list)  # pass-through nodes between the add and the norm
+    chain: tuple[fx.Node, ...] = ()  # pass-through nodes between the add and the norm
     permute: tuple[int, ...] | None = None  # a permute in the chain: the norm reads ``sum.permute(*permute)``
     reason: str | None = None        # why it cannot be folded into the kernel
 
@@ -182,13 +182,13 @@ def _match_norm_call(index: GraphIndex, node: fx.Node, c: Canon) -> NormMatch | 
     if isinstance(eps, fx.Node):  # torch.compile(dynamic=True) keeps a module's float attributes symbolic
         reason = reason or "eps is a graph input (a symbolic float); the fused op takes a constant eps"
         eps = None
-    m = NormMatch(kind=c.prim, form=form, input=x, output=output, nodes=nodes, eps=float(eps or 0.0),
+    m = NormMatch(kind=c.prim, form=form, input=x, output=output, nodes=tuple(nodes), eps=float(eps or 0.0),
                   weight=c["weight"], bias=c["bias"] if c.prim == "layer_norm" else None,
                   out_dtype=node_dtype(output), hidden_size=n, reason=reason, anchor=node)
     if reason is None and node_dtype(output) is not None and node_dtype(x) is not None \
             and node_dtype(output) != node_dtype(x):
-        m.reason = (f"the norm returns {node_dtype(output)} for a {node_dtype(x)} input (autocast?); "
-                    "the fused op keeps the input dtype")
+        m = replace(m, reason=f"the norm returns {node_dtype(output)} for a {node_dtype(x)} input (autocast?); "
+                              "the fused op keeps the input dtype")
     return m
 
 
@@ -270,7 +270,7 @@ def _finish_decomposed(index: GraphIndex, kind: str, source: Any, stat: fx.Node,
             upcast = [source] if source is not strip_upcasts(index, source) else []
             return _with_tail(index, NormMatch(
                 kind=kind, form="decomposed", input=strip_upcasts(index, source), output=normed,
-                nodes=[*upcast, *stat_nodes, denom, *extra, normed], eps=eps, hidden_size=n, anchor=anchor))
+                nodes=(*upcast, *stat_nodes, denom, *extra, normed), eps=eps, hidden_size=n, anchor=anchor))
     return None
 
 
@@ -406,9 +406,6 @@ def _with_tail(index: GraphIndex, m: NormMatch) -> NormMatch:
             # no weight: a rounded n is "multiply by 1, then round once"
             best = (cur, None, None, 0.0, None, cur_dtype, list(extra))
     out, weight, bias, offset, round_dtype, out_dtype, extra = best
-    m.output, m.weight, m.bias, m.weight_offset = out, weight, bias, offset
-    m.norm_round_dtype, m.out_dtype = round_dtype, out_dtype
-    m.nodes = m.nodes + [x for x in extra if x not in m.nodes]
     if m.kind == "layer_norm":
         style = "layer_norm"
     elif round_dtype is not None:
@@ -417,8 +414,9 @@ def _with_tail(index: GraphIndex, m: NormMatch) -> NormMatch:
         style = "gemma"                       # * (1 + w) in fp32, round once
     else:
         style = "rms_norm"
-    m.form = f"decomposed:{style}"
-    return m
+    return replace(m, output=out, weight=weight, bias=bias, weight_offset=offset, norm_round_dtype=round_dtype,
+                   out_dtype=out_dtype, nodes=m.nodes + tuple(x for x in extra if x not in m.nodes),
+                   form=f"decomposed:{style}")
 
 
 # --------------------------------------------------------------------------- all norms
@@ -442,9 +440,11 @@ def find_norms(index: GraphIndex) -> list[NormMatch]:
         if m is None or any(x in claimed for x in m.nodes):
             continue
         if m.reason is None and m.weight is not None and not _vector_of(m.weight, m.hidden_size):
-            m.reason = f"weight of shape {node_shape(m.weight)} is not a vector of the hidden size {m.hidden_size}"
+            m = replace(m, reason=f"weight of shape {node_shape(m.weight)} is not a vector of the hidden size "
+                                  f"{m.hidden_size}")
         if m.reason is None and m.bias is not None and not _vector_of(m.bias, m.hidden_size):
-            m.reason = f"bias of shape {node_shape(m.bias)} is not a vector of the hidden size {m.hidden_size}"
+            m = replace(m, reason=f"bias of shape {node_shape(m.bias)} is not a vector of the hidden size "
+                                  f"{m.hidden_size}")
         claimed.update(m.nodes)
         found.append(m)
         index.norm_outputs.add(m.output)
@@ -464,30 +464,26 @@ def as_add(index: GraphIndex, node: Any, n: int | None) -> AddMatch | None:
     sa, sb = node_shape(a), node_shape(b)
     if sa is None or sb is None:
         return None
-    am = AddMatch(node=node, operands=(a, b))
     if not same_shape(sa, sb):
-        am.reason = f"the add broadcasts ({tuple(sa)} + {tuple(sb)})"
-        return am
+        return AddMatch(node=node, operands=(a, b), reason=f"the add broadcasts ({tuple(sa)} + {tuple(sb)})")
     if c["alpha"] != 1:
-        am.reason = f"torch.add with alpha={c['alpha']} (scaled operand inside the add)"
-        return am
-    ops = []
+        return AddMatch(node=node, operands=(a, b),
+                        reason=f"torch.add with alpha={c['alpha']} (scaled operand inside the add)")
+    ops, scaled, residual_scale = [], None, 1.0
     for i, op in enumerate((a, b)):
         co = index.canon(op)
-        if co is not None and co.prim == "mul" and am.scaled is None and len(op.users) == 1:
+        if co is not None and co.prim == "mul" and scaled is None and len(op.users) == 1:
             k = _const(co["other"]) if _const(co["other"]) is not None else _const(co["input"])
             inner = co["input"] if _const(co["other"]) is not None else co["other"]
             if k is not None and isinstance(inner, fx.Node) and same_shape(node_shape(inner), sa) and \
                     node_dtype(inner) == node_dtype(op):
-                am.scaled, am.residual_scale = i, k
+                scaled, residual_scale = i, k
                 ops.append(inner)
                 continue
         ops.append(strip_upcasts(index, op))
-    am.operands = tuple(ops)
     dts = [node_dtype(o) for o in ops]
-    if any(d not in KERNEL_DTYPES for d in dts):
-        am.reason = f"operand dtypes {dts} are not ones the kernels take"
-    return am
+    reason = f"operand dtypes {dts} are not ones the kernels take" if any(d not in KERNEL_DTYPES for d in dts) else None
+    return AddMatch(node=node, operands=tuple(ops), scaled=scaled, residual_scale=residual_scale, reason=reason)
 
 
 def permute_dims(index: GraphIndex, node: Any) -> tuple[int, ...] | None:
@@ -535,21 +531,20 @@ def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
     while isinstance(cur, fx.Node) and cur not in index.norm_outputs:
         am = as_add(index, cur, n)
         if am is not None:
-            am.chain = chain
-            if am.reason is None and permute is not None:
-                am.permute = permute
+            reason = am.reason
+            if reason is None and permute is not None:
                 if any(index.prim(p) == "view" for p in chain):
-                    am.reason = "a reshape and a permute both sit between the residual add and the norm"
+                    reason = "a reshape and a permute both sit between the residual add and the norm"
                 else:
-                    am.reason = permuted_layout_reason(am.operands, permute)
-            if am.reason is None:
+                    reason = permuted_layout_reason(am.operands, permute)
+            if reason is None:
                 for p in chain:
                     if index.prim(p) == "cast" and not is_exact_upcast(node_dtype(p.args[0]) if p.args else None,
                                                                         node_dtype(p)):
-                        am.reason = "a rounding cast sits between the residual add and the norm"
+                        reason = "a rounding cast sits between the residual add and the norm"
                     elif index.prim(p) == "dropout" and not identity_dropout(index.canon(p)):
-                        am.reason = "live dropout (training mode) sits between the residual add and the norm"
-            return am
+                        reason = "live dropout (training mode) sits between the residual add and the norm"
+            return replace(am, chain=tuple(chain), permute=permute if am.reason is None else None, reason=reason)
         c = index.canon(cur)
         if c is not None and c.prim == "permute" and permute is None and permute_dims(index, cur) is not None:
             permute = permute_dims(index, cur)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
+from types import MappingProxyType
 from typing import Any
 
 import networkx as nx
 import torch.fx as fx
 
-from normfuse.passes.canonical import Canon, canonical, common_subexpressions
+from normfuse.passes.canonical import Canon, common_subexpressions
 
 __all__ = ["GraphIndex", "dependency_graph", "copy_graph", "copy_graph_module"]
 
@@ -20,13 +21,17 @@ class GraphIndex:
         self.graph = graph
         self.view = view
         self.order = {n: i for i, n in enumerate(graph.nodes)}
-        self.replaced: dict[fx.Node, fx.Node] = {}  # old node -> node holding its value after a rewrite
         # outputs of the norms found so far: walks up from a norm's input stop there, so a
         # norm that reads another norm's output never reaches into it (its "+ bias" is no
         # residual add, its internal values are not this norm's input)
         self.norm_outputs: set[fx.Node] = set()
         # duplicated pure expressions -> the first node computing the same value
         self.rep: dict[fx.Node, fx.Node] = common_subexpressions(graph, view)
+
+    def freeze(self) -> None:
+        """End of the analysis: from now on the index is read only (a write raises)."""
+        self.view, self.order, self.rep = (MappingProxyType(m) for m in (self.view, self.order, self.rep))
+        self.norm_outputs = frozenset(self.norm_outputs)
 
     def same(self, a: Any, b: Any) -> bool:
         """Whether two arguments are one value: the same node, or structurally equal pure nodes."""
@@ -43,17 +48,6 @@ class GraphIndex:
                 found.append(n)
                 stack.extend(n.all_input_nodes)
         return found
-
-    def resolve(self, node: Any) -> Any:
-        """The node that now holds the value ``node`` held before earlier rewrites."""
-        while isinstance(node, fx.Node) and node in self.replaced:
-            node = self.replaced[node]
-        return node
-
-    def refresh(self, node: fx.Node) -> None:
-        c = canonical(node)
-        if c is not None:
-            self.view[node] = c
 
     def canon(self, node: Any) -> Canon | None:
         return self.view.get(node) if isinstance(node, fx.Node) else None

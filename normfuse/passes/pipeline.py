@@ -1,4 +1,4 @@
-"""The pass, one direction: canonicalize -> find -> classify -> rewrite -> verify -> report.
+"""The pass, one direction: analyze (canonicalize -> find -> classify) -> plan -> rewrite -> verify -> report.
 
 ``NormFusionPass(config)`` is the one object every way in goes through: ``optimize`` and
 the dynamo backends call it on each captured graph, ``fuse_graph`` on any GraphModule,
@@ -10,12 +10,14 @@ the dynamo backends call it on each captured graph, ``fuse_graph`` on any GraphM
 that pass object's report lists only the graphs it rewrote; ``uuid()`` keys the cache on
 the pass's options and code.)
 
-Each graph is rewritten on a copy that is swapped in only when every stage succeeded; any
-failure leaves the user's graph untouched, with one warning and, when the sites were
-already found, each listed with the failure as its reason. The user's model must never
-break. Nested subgraphs of higher-order ops (activation checkpointing, ``wrap``,
-``invoke_subgraph``) are part of the model: the pass descends into them, and a region it
-cannot enter is listed in the report with the reason.
+Per graph: ``analysis.analyze`` reads it (nothing writes to the analysis), ``planning.plan``
+decides every fused call, ``rewrite.apply_plans`` applies them to a copy of the graph, which
+is swapped in only when every stage succeeded, and ``provenance.site_records`` builds the
+report from the analysis and the plans. Any failure leaves the user's graph untouched, with
+one warning and, when the sites were already found, each listed with the failure as its
+reason. The user's model must never break. Nested subgraphs of higher-order ops
+(activation checkpointing, ``wrap``, ``invoke_subgraph``) are part of the model: the pass
+descends into them, and a region it cannot enter is listed in the report with the reason.
 """
 
 from __future__ import annotations
@@ -33,21 +35,19 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from normfuse.config import FuseConfig
-from normfuse.passes.canonical import canonicalize
+from normfuse.passes.analysis import Analysis, analyze
 from normfuse.passes.dtensor_graph import hoist_from_local
-from normfuse.passes.classify import SiteState, classify
-from normfuse.passes.find import find_input_add, find_norms, find_output_add
-from normfuse.passes.graph import GraphIndex, copy_graph, copy_graph_module
-from normfuse.passes.provenance import site_record
-from normfuse.passes import rewrite
+from normfuse.passes.graph import copy_graph, copy_graph_module
+from normfuse.passes.planning import Planning, plan
+from normfuse.passes.provenance import site_record, site_records
+from normfuse.passes.rewrite import apply_plans, is_fused_call
 from normfuse.reporting import FusionReport, Region, Site
 
-__all__ = ["NormFusionPass", "PassResult", "PassFailure", "analyze", "site_record", "copy_graph_module",
-           "STAGES", "ENTERED_REGIONS"]
+__all__ = ["NormFusionPass", "PassResult", "PassFailure", "STAGES", "ENTERED_REGIONS", "code_files"]
 
 log = logging.getLogger("normfuse")
 
-STAGES = ("canonicalize", "find", "classify", "rewrite", "verify")
+STAGES = ("canonicalize", "find", "classify", "plan", "rewrite", "verify")
 
 # Higher-order ops whose subgraph computes exactly what the region computes, so a rewritten
 # subgraph keeps the region's meaning (checkpointing recomputes the same subgraph in
@@ -60,7 +60,7 @@ def code_files() -> tuple[str, ...]:
     """The files whose code decides what a rewritten graph computes: the pass, the ops its
     graphs call, and the words both read (Inductor's cache keys compiled graphs on them)."""
     package = Path(__file__).parent.parent
-    files = [*package.glob("passes/*.py"), *package.glob("kernels/*.py"), package / "vocabulary.py"]
+    files = [*package.glob("passes/**/*.py"), *package.glob("kernels/*.py"), package / "vocabulary.py"]
     return tuple(sorted(str(p) for p in files))
 
 
@@ -77,31 +77,13 @@ class PassResult:
 
     graph_module: fx.GraphModule
     report: FusionReport
-    # per graph of this call, in the report's order: the analysis the rewrite planned from
-    # (the audit prices its sites from it)
-    analyses: list = field(default_factory=list, repr=False)
+    # per graph of this call, in the report's order: the analysis and the plans made from it
+    # (the audit prices them); None for a graph the pass failed on
+    analyses: list[tuple[Analysis, Planning] | None] = field(default_factory=list, repr=False)
 
     @property
     def modified(self) -> bool:
         return any(s.fused or s.converted for s in self.report.sites)
-
-
-def analyze(graph: fx.Graph, stage=lambda name: None) -> tuple[GraphIndex, list[SiteState]]:
-    """Canonicalize, find and classify, without changing the graph. ``stage(name)`` is
-    called as each stage starts."""
-    stage("canonicalize")
-    index = GraphIndex(graph, canonicalize(graph))
-    stage("find")
-    states = []
-    for m in find_norms(index):
-        state = SiteState(match=m, in_add=find_input_add(index, m))
-        out = find_output_add(index, m)
-        if out is not None:
-            state.output_add, state.output_chain = out
-        states.append(state)
-    stage("classify")
-    classify(index, states)
-    return index, states
 
 
 def _replace_contents(target: fx.Graph, source: fx.Graph) -> None:
@@ -168,6 +150,11 @@ class NormFusionPass(CustomGraphPass):
             if not isinstance(gm, fx.GraphModule):
                 raise TypeError("NormFusionPass needs the graph's owning GraphModule (its parameters and "
                                 "subgraphs); call it with the GraphModule, or a graph that has one.")
+            if self.config.check and not getattr(self, "_check_warned", False):
+                self._check_warned = True
+                warnings.warn("normfuse: check=True does not apply to Inductor's post-grad graphs (they run inside "
+                              "Inductor's compiled code); check the model with normfuse.check(model, ...) instead.",
+                              RuntimeWarning, stacklevel=2)
             holder = fx.GraphModule(gm, target)  # works on a copy of target, shares the submodules
             self._as_op = True
             try:
@@ -251,8 +238,7 @@ class NormFusionPass(CustomGraphPass):
     def _sites_after_failure(self, gm: fx.GraphModule, message: str) -> list[Site]:
         """The sites the pass would have rewritten, each with the failure as its reason."""
         try:
-            index, states = analyze(copy_graph(gm))
-            sites = [site_record(index, state, i) for i, state in enumerate(states)]
+            sites = site_records(analyze(copy_graph(gm)))
         except Exception:  # noqa: BLE001 - the failure was in finding the sites: none to list
             log.debug("normfuse: sites not listed after a pass failure", exc_info=True)
             return []
@@ -266,91 +252,22 @@ class NormFusionPass(CustomGraphPass):
         # sequence parallel: the add reaches its norm through DTensor.from_local; the wrap
         # moves onto the add's operands (same values), so the add feeds the norm
         hoist_from_local(graph)
-        fused_calls = sum(1 for n in graph.nodes if rewrite.is_fused_call(n))
+        fused_calls = sum(1 for n in graph.nodes if is_fused_call(n))
         if fused_calls:
             report.notes.append(f"graph already optimized ({fused_calls} fused op calls): left as is")
-        index, states = analyze(graph, self._stage)
-        analysis.append((index, states))
-        sites = [site_record(index, state, i) for i, state in enumerate(states)]
+        found = analyze(graph, self._stage)
+        self._stage("plan")
+        config = self.config
+        excluded = (lambda n: not config.filter_fn(site_record(found, found.sites[n]))) \
+            if config.filter_fn is not None else (lambda n: False)
+        planning = plan(found, config, self._as_op, excluded)
+        analysis.append((found, planning))
         self._stage("rewrite")
-        calls = self._rewrite(index, states, sites)
-        if self.config.residual_dtype is not None and calls:
-            from normfuse.passes.residual_stream import widen_stream
-            widen_stream(graph, calls, self.config.residual_dtype)
-            site_of = {id(state): site for state, site in zip(states, sites)}
-            for state, site in zip(states, sites):  # a norm computed by another norm's call reads what it reads
-                if state.lead is not None and site.fused:
-                    site.residual_dtype = site_of[id(state.lead)].residual_dtype
-        if self.config.recompute_norm_output and calls:
-            from normfuse.passes.norm_linear import recompute_for_linears
-            recompute_for_linears(graph, calls)
-        for node in list(graph.nodes):  # parameters read only by a norm that is gone now
-            if node.op == "get_attr" and not node.users:
-                graph.erase_node(node)
+        if self.apply:
+            apply_plans(found, planning, self._as_op)
+        sites = site_records(found, planning, applied=self.apply)
         self._stage("verify")
         if self.apply:
             graph.lint()
-            gm.graph = graph
-            gm.recompile()
+            gm.graph = graph  # the setter recompiles the module's code
         return sites
-
-    def _rewrite(self, index: GraphIndex, states: list[SiteState], sites: list[Site]) -> dict:
-        """Rewrite the sites; returns each inserted fused call with its Site."""
-        config = self.config
-        calls = {}
-        claimed: set = set()
-        reserved = {s.in_add.node for s in states if s.in_add is not None and s.in_add.reason is None}
-        site_of = {id(state): site for state, site in zip(states, sites)}
-        # states no norm's call may take as its second norm: excluded by filter_fn, or taken already
-        unavailable: set = set()
-        for state, site in zip(states, sites):
-            if config.filter_fn is not None and not config.filter_fn(site):
-                site.reason = "excluded by filter_fn"
-                unavailable.add(id(state))
-        planned = 0         # calls planned so far: their ids
-        for state, site in zip(states, sites):
-            if id(state) in unavailable:
-                continue
-            plan, reason = rewrite.plan(index, state, claimed, reserved, config, self._as_op, unavailable)
-            if plan is None:
-                site.reason = reason
-                continue
-            if plan.op == "norm" and not config.standalone:
-                site.reason = "standalone norms not rewritten (standalone=False)"
-                continue
-            site.add_reason = rewrite.add_reason(state, plan, claimed, reserved, config)
-            # an add folded into one kernel is not folded into another, in analysis mode too
-            for node in (state.in_add.node if plan.op == "add_norm" else None, plan.output_add, *plan.branch.nodes):
-                if node is not None:
-                    claimed.add(node)
-            group = [site]
-            state.fold = plan.branch
-            if plan.partner is not None:
-                unavailable.add(id(plan.partner))
-                plan.partner.lead = state
-                partner_site = site_of[id(plan.partner)]
-                partner_site.add_reason = site.add_reason
-                group.append(partner_site)
-            call_id = f"g{site.graph}.c{planned}"
-            planned += 1
-            for member in group:  # what the call will compute (the audit reports it too)
-                member.call, member.op = call_id, plan.op
-            site.fused_dropout = bool(plan.branch.dropout_p)
-            site.fused_rowscale = plan.branch.rowscale is not None
-            site.fused_x1 = plan.branch.x1 is not None
-            if not self.apply:
-                for member in group:
-                    member.reason = "not applied (analysis only)"
-                continue
-            calls[rewrite.apply(index, plan, as_op=self._as_op)[0]] = site
-            for member in group:
-                member.fused = True
-                member.fused_add = plan.op in ("add_norm", "norm_add")
-                member.residual_scale = plan.residual_scale
-                member.sum_dtype = str(plan.sum_dtype) if plan.sum_dtype is not None else None
-                if plan.op == "add_norm" and not member.input_is_add:
-                    member.input_is_add = True
-        for site in sites:
-            if not site.fused and site.reason is None:
-                site.reason = "not rewritten"
-        return calls

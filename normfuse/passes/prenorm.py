@@ -10,7 +10,7 @@ learning-rate warm-up). Three parts, three modules:
   removes those of streams it leaves as they were (a Pre-Norm model gets no new parameter).
 - ``convert_graph(gm, config, model)`` (here; run by ``NormFusionPass`` before fusing)
   rewrites the captured graph.
-- ``check_structure(graph_modules)`` (normfuse/verify/structure.py) checks the promise on the rewritten graphs: from the
+- ``check_structure(graph_modules)`` (``normfuse/verify/structure.py``) checks the promise on the rewritten graphs: from the
   first converted block's input to the final norm, the residual stream passes through
   adds only.
 
@@ -41,21 +41,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from normfuse.config import FuseConfig
+from normfuse.passes.analysis import analyze
 from normfuse.passes.canonical import node_dtype, node_shape, same_shape, tensor_meta
 from normfuse.passes.find import is_pass_through
 from normfuse.passes.graph import GraphIndex, dependency_graph
-from normfuse.passes.prenorm_model import (FINAL_NORM_NAME, FINALS_ATTR, drop_unused_finals, final_norm_like,
-                                           final_norms, prepare_module, register_final)
+from normfuse.passes.prenorm_model import (FINALS_ATTR, drop_unused_finals, final_norm_like, final_norms,
+                                           prepare_module, register_final)
 from normfuse.passes.provenance import site_record
-from normfuse.verify.structure import check_structure
 from normfuse.reporting import FusionReport
-from normfuse.vocabulary import CONVERTED_META, FINAL_META, GRAPH_META
+from normfuse.vocabulary import CONVERTED_META, FINAL_META, FINAL_NORM_NAME, GRAPH_META, POST_FAMILY
 
-__all__ = ["prepare_module", "convert_graph", "check_structure", "final_norms", "FINAL_NORM_NAME",
-           "CONVERTED_META", "FINAL_META"]
+__all__ = ["prepare_module", "convert_graph", "final_norms"]
 
 
-CANDIDATES = ("post", "deepnorm")
+CANDIDATES = POST_FAMILY  # the placements a stream is converted from
 
 
 # --------------------------------------------------------------------------- planning
@@ -65,7 +64,7 @@ class _Block:
     """One Post-Norm site and how it will be converted."""
 
     number: int
-    state: Any                                  # SiteState
+    state: Any                                  # the site's SiteAnalysis
     fqn: str | None
     reason: str | None = None
     x: fx.Node | None = None                 # the stream operand of the residual add
@@ -336,21 +335,20 @@ def convert_graph(gm: fx.GraphModule, config: FuseConfig | None = None, model: n
 
 def _convert_graph(gm: fx.GraphModule, config: FuseConfig, model: nn.Module | None, report: FusionReport
                    ) -> None:
-    from normfuse.passes import pipeline
-
     graph = fx.Graph(owning_module=gm, tracer_cls=getattr(gm.graph, "_tracer_cls", None))
     graph.output(graph.graph_copy(gm.graph, {}))
-    index, states = pipeline.analyze(graph)
+    analysis = analyze(graph)
+    index, states = analysis.index, analysis.sites
     blocks = []
     for i, state in enumerate(states):
         if state.placement not in CANDIDATES:
             continue
-        site = site_record(index, state, i)
+        site = site_record(analysis, state)
         b = _Block(number=i, state=state, fqn=site.fqn)
         if config.filter_fn is not None and not config.filter_fn(site):
             b.reason = "excluded by filter_fn"
         blocks.append(b)
-    site_fqns = [site_record(index, state, i).fqn for i, state in enumerate(states)]
+    site_fqns = [site_record(analysis, state).fqn for state in states]
     if not blocks:
         report.notes.append("Pre-Norm: no Post-Norm block in this graph; nothing converted")
         if model is not None:

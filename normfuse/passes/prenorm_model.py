@@ -11,45 +11,16 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from normfuse.passes.blocks import block_lists, blocks_of, is_norm_module
 from normfuse.reporting import FusionReport
+from normfuse.vocabulary import FINAL_NORM_NAME
 
-__all__ = ["prepare_module", "unprepare_module", "final_norms", "block_lists", "blocks_of", "is_norm_module", "final_norm_like", "register_final",
-           "drop_unused_finals", "FINAL_NORM_NAME", "FINALS_ATTR"]
+__all__ = ["prepare_module", "unprepare_module", "final_norms", "final_norm_like", "register_final",
+           "drop_unused_finals", "FINALS_ATTR"]
 
-FINAL_NORM_NAME = "normfuse_final_norm"
 FINALS_ATTR = "_normfuse_prenorm_final"  # model attribute: {block list fqn: final norm fqn}
 _KEPT_ATTR = "_normfuse_prenorm_kept"     # model attribute: final norms a converted stream uses
 _HOOK_ATTR = "_normfuse_prenorm_hook"     # model attribute: the load_state_dict hook prepare_module added
-
-
-def is_norm_module(m: nn.Module) -> bool:
-    if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
-        return True
-    if isinstance(m, (nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm)):
-        return False
-    w = getattr(m, "weight", None)
-    return type(m).__name__.endswith("Norm") and isinstance(w, nn.Parameter) and w.ndim == 1
-
-
-BLOCK_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-
-
-def blocks_of(container: nn.Module) -> list[nn.Module]:
-    """The blocks of a block list, in order (a ModuleDict's values: torchtitan keys its layers "0", "1", ...)."""
-    return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
-
-
-def block_lists(model: nn.Module) -> list[str]:
-    """Outermost ModuleLists/Sequentials/ModuleDicts of >= 2 modules of one class that contain norms."""
-    found: list[str] = []
-    for name, mod in model.named_modules():
-        if any(name == f or name.startswith(f + ".") for f in found if f):
-            continue
-        blocks = blocks_of(mod) if isinstance(mod, BLOCK_CONTAINERS) else []
-        if len(blocks) >= 2 and len({type(c) for c in blocks}) == 1 \
-                and any(is_norm_module(m) for m in blocks[0].modules()):
-            found.append(name)
-    return found
 
 
 def _eps_of(m: nn.Module) -> float | None:

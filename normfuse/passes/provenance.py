@@ -10,13 +10,13 @@ import torch.fx as fx
 
 from normfuse.passes.canonical import node_dtype
 from normfuse.reporting import Site
-from normfuse.vocabulary import CONVERTED_META, COPY_FILE
+from normfuse.vocabulary import CONVERTED_META, COPY_FILE, TORCH_NORMS, Placement
 
 if TYPE_CHECKING:
-    from normfuse.passes.classify import SiteState
-    from normfuse.passes.graph import GraphIndex
+    from normfuse.passes.analysis import Analysis, SiteAnalysis
+    from normfuse.passes.planning import Planning
 
-__all__ = ["module_info", "module_class", "is_norm_module_class", "source_of", "site_record", "NORM_MODULES"]
+__all__ = ["module_info", "module_class", "source_of", "site_record", "site_records"]
 
 _FQN_PREFIX = re.compile(r"^L\[[^\]]*\](\[[^\]]*\])*\.?")
 
@@ -45,11 +45,6 @@ def module_class(node: fx.Node) -> type | None:
     return cls if isinstance(cls, type) else None
 
 
-NORM_MODULES = (torch.nn.LayerNorm, *((torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ()))
-
-
-def is_norm_module_class(cls: type | None) -> bool:
-    return isinstance(cls, type) and issubclass(cls, NORM_MODULES)
 
 
 def source_of(node: fx.Node) -> str | None:
@@ -67,23 +62,56 @@ def source_of(node: fx.Node) -> str | None:
     return f"{path}:{line}"
 
 
-def site_record(index: GraphIndex, state: SiteState, number: int) -> Site:
-    """The report's record of one site found in a graph (before any rewrite)."""
-    m = state.match
+def site_record(analysis: Analysis, site: SiteAnalysis) -> Site:
+    """The report's record of what was found at one site (before any decision about it)."""
+    m = site.match
     fqn, cls = module_info(m.output) if m.output.meta.get("nn_module_stack") else module_info(m.anchor or m.output)
     # a norm call made by a torch norm module (nn.LayerNorm, nn.RMSNorm) is reported as "module"
-    form = "module" if m.form in ("functional", "module") and is_norm_module_class(module_class(
-        m.output)) else m.form
+    cls_of_call = module_class(m.output)
+    form = "module" if m.form in ("functional", "module") and isinstance(cls_of_call, type) \
+        and issubclass(cls_of_call, TORCH_NORMS) else m.form
     # a norm moved by the Pre-Norm conversion (normfuse/passes/prenorm.py) is a pre-norm,
     # also the first one of a stream, which no add feeds
     converted = bool(m.output.meta.get(CONVERTED_META))
     return Site(
-        id=f"g0.s{number}", number=number, kind=m.kind, form=form,
-        placement="pre" if converted else state.placement, converted=converted,
-        input_is_add=state.input_is_add, output_feeds_add=state.output_feeds_add,
+        id=f"g0.s{site.number}", number=site.number, kind=m.kind, form=form,
+        placement=Placement.PRE if converted else site.placement, converted=converted,
+        input_is_add=site.input_is_add, output_feeds_add=site.output_feeds_add,
         hidden_size=m.hidden_size, dtype=str(node_dtype(m.input)) if node_dtype(m.input) else None,
         eps=m.eps, fqn=fqn, source=source_of(m.output) or source_of(m.anchor or m.output),
         weight_offset=m.weight_offset,
-        residual_scale=state.in_add.residual_scale if state.in_add is not None else 1.0,
+        residual_scale=site.in_add.residual_scale if site.in_add is not None else 1.0,
         norm_round_dtype=str(m.norm_round_dtype) if m.norm_round_dtype else None,
         out_dtype=str(m.out_dtype) if m.out_dtype else None, module_type=cls)
+
+
+def site_records(analysis: Analysis, planning: Planning | None = None, applied: bool = True) -> list[Site]:
+    """The report's record of every site of one graph: what was found, and what the plans made
+    of it (``applied``: the plans were applied; else the graph was only analysed, the audit)."""
+    sites = [site_record(analysis, s) for s in analysis.sites]
+    if planning is None:
+        return sites
+    for number, plan in enumerate(planning.plans):
+        call = f"g0.c{number}"
+        for k, member in enumerate(sites[n] for n in plan.sites):
+            member.call, member.op = call, plan.op
+            member.add_reason = planning.decisions[member.number].add_reason
+            if k == 0:  # what the call takes over from the add's branch is the lead's
+                member.fused_dropout = bool(plan.branch is not None and plan.branch.dropout_p)
+                member.fused_rowscale = plan.branch is not None and plan.branch.rowscale is not None
+                member.fused_x1 = plan.branch is not None and plan.branch.x1 is not None
+            if not applied:
+                member.reason = "not applied (analysis only)"
+                continue
+            member.fused = True
+            member.fused_add = plan.fused_add
+            member.residual_scale = plan.residual_scale
+            member.sum_dtype = str(plan.sum_dtype) if plan.sum_dtype is not None else None
+            member.input_is_add = member.input_is_add or plan.op == "add_norm"
+            member.residual_dtype = str(plan.residual_dtype) if plan.residual_dtype is not None else None
+            if k == 0:
+                member.recomputed_linears = len(plan.recompute)
+    for site, decision in zip(sites, planning.decisions):
+        if decision.plan is None:
+            site.reason = decision.reason or "not rewritten"
+    return sites

@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from normfuse.passes.canonical import canonical
 from normfuse.passes.find import live_dropout_p
-from normfuse.passes.pipeline import analyze
+from normfuse.passes.analysis import analyze
 from normfuse.passes.rewrite import fused_op_name, is_fused_call, output_index
 from normfuse.reporting import Site
 from normfuse.vocabulary import FOLDED_META, LAYOUT_META, ROWS_META
@@ -148,7 +148,8 @@ def _boundary(nodes: list[fx.Node]) -> list[fx.Node]:
 
 def pair_sites(original: fx.GraphModule, rewritten: fx.GraphModule, sites: list[Site]) -> list[SitePair]:
     """One SitePair per fused site of one graph (``sites``: the report's sites of that graph)."""
-    index, states = analyze(original.graph)
+    analysis = analyze(original.graph)
+    index, states = analysis.index, analysis.sites
     by_name = {n.name: n for n in original.graph.nodes}
     fused = sorted((s for s in sites if s.fused), key=site_order)
     calls = fused_calls(rewritten.graph)

@@ -21,7 +21,7 @@ from normfuse.passes.cross_block.runtime import (_ELEMENT, _KEY, _MARK, _RECOMPU
                                                  _StreamElement, _add_pair_first, _checkpoints_block, _enter_owner,
                                                  _inner_block, _leave_owner)
 from normfuse.passes.cross_block.source import NotFit, _analyze_owner, _new_forward
-from normfuse.passes.prenorm_model import block_lists, blocks_of
+from normfuse.passes.blocks import block_lists, blocks_of
 
 __all__ = ["StreamRewrite", "crosses_checkpoints", "rewrite_streams", "rewritten_streams", "undo_streams"]
 

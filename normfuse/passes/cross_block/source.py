@@ -28,7 +28,7 @@ from typing import Callable
 import torch.nn as nn
 
 from normfuse.passes.cross_block.runtime import _add_if_pair, _combine, _pair, _pair_reshaped
-from normfuse.passes.prenorm_model import is_norm_module
+from normfuse.passes.blocks import is_norm_module
 from normfuse.vocabulary import COPY_FILE
 
 

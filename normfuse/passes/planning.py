@@ -1,0 +1,446 @@
+"""Plan: every fused call of a graph decided before the graph changes.
+
+``plan(analysis, config) -> Planning`` reads the ``Analysis`` (never writes to it) and
+decides, site by site in graph order, which call each becomes:
+
+- add -> norm      : ``add_norm(x, residual, w, b, ...)``; the sum is an output when anything
+                     else still reads it;
+- norm -> add      : ``norm_add(f, stream, w, b, ...)`` for ``x + norm(f)`` (res-post, sandwich);
+- a norm alone     : ``add_norm(x, None, w, b, ...)``;
+- two norms of one value (parallel blocks): one call, the second norm as ``weight1``/``bias1``;
+- the add's branch: a second add, a per-sample scale or live dropout just before the add
+  become the kernel's ``x1``, ``rowscale``, ``dropout_p`` (``branch.py``).
+
+A ``Plan`` carries everything decided for one call: the sites it computes, the adds it
+claims, the branch fold, the operands, the rounding modes, where it goes (with the late
+operands moved up before it), whether it keeps the residual stream wider
+(``residual_dtype``), and the linears that recompute its output (``recompute_norm_output``).
+A site no call computes gets a ``Decision`` with the reason. The rewrite applies the plans
+(``rewrite.py``), the audit prices them (``cost.py``), the report is built from them
+(``provenance.site_records``). Each add is folded into at most one call (the first norm,
+in graph order, that claims it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from normfuse.passes.analysis import Analysis, SiteAnalysis
+from normfuse.passes.branch import BranchFold, fold_branch
+from normfuse.passes.canonical import canonical, mutates, node_dtype, node_shape, real_users, same_shape, tensor_meta
+from normfuse.passes.classify import stream_operand
+from normfuse.passes.graph import GraphIndex
+from normfuse.vocabulary import KERNEL_DTYPES, LOW_PRECISION, Placement
+
+__all__ = ["Plan", "Decision", "Planning", "Insertion", "plan"]
+
+
+@dataclass(frozen=True)
+class Insertion:
+    """Where a fused call goes: before ``first``, the first node that may read its outputs,
+    with each late operand and what it is computed from moved up before it (graph order)."""
+
+    first: fx.Node
+    moves: tuple[fx.Node, ...] = ()
+
+
+@dataclass
+class Plan:
+    """One fused call and everything decided for it (graph nodes are the analysed graph's)."""
+
+    op: str                                  # one of FUSED_OPS
+    sites: tuple[int, ...]                   # the sites it computes: the lead, then a paired norm
+    x: Any
+    residual: Any = None
+    output_add: fx.Node | None = None        # the add folded after the norm (norm_add)
+    residual_scale: float = 1.0
+    sum_dtype: torch.dtype | None = None
+    permute: tuple[int, ...] | None = None   # the kernel reads x and residual permuted by these dims
+    branch: BranchFold | None = None         # x1 / rowscale / dropout taken from the add's branch
+    claims: tuple[fx.Node, ...] = ()         # adds (and branch nodes) no other call may take
+    insertion: Insertion | None = None
+    residual_dtype: torch.dtype | None = None  # the call writes, or reads, a stream kept in this dtype
+    widens: bool = False                     # ... it writes the sum in residual_dtype
+    takes_wide: tuple[int, ...] = ()         # plans whose wide sum this call reads as it is
+    recompute: tuple[fx.Node, ...] = ()      # linears reading its output that recompute it in backward
+
+    @property
+    def lead(self) -> int:
+        return self.sites[0]
+
+    @property
+    def fused_add(self) -> bool:
+        return self.op in ("add_norm", "norm_add")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What became of one site: the plan computing it, or why none does; and why the add next
+    to it is not in its kernel (when there is one and it is not)."""
+
+    plan: int | None = None
+    reason: str | None = None
+    add_reason: str | None = None
+
+
+@dataclass
+class Planning:
+    """Every plan of one graph, in graph order, and a decision per site."""
+
+    plans: list[Plan] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+
+    def plan_of(self, number: int) -> Plan | None:
+        d = self.decisions[number]
+        return self.plans[d.plan] if d.plan is not None else None
+
+
+# --------------------------------------------------------------------------- the norm itself
+
+def refusal(site: SiteAnalysis) -> str | None:
+    """Why the norm itself cannot become a fused op (None when it can)."""
+    m = site.match
+    if m.reason:
+        return m.reason
+    if m.hidden_size is None:
+        return "hidden size unknown (no shape metadata on the graph, or a symbolic last dim)"
+    dt = node_dtype(m.input)
+    if dt not in KERNEL_DTYPES:
+        return f"input dtype {dt} is not one the kernels take ({', '.join(map(str, KERNEL_DTYPES))})"
+    for t, name in ((m.weight, "weight"), (m.bias, "bias")):
+        if t is not None and node_dtype(t) not in KERNEL_DTYPES:
+            return f"{name} dtype {node_dtype(t)} is not one the kernels take"
+    if m.out_dtype not in KERNEL_DTYPES:
+        return f"output dtype {m.out_dtype} is not one the kernels take"
+    # DTensor (tensor/sequence parallel) inputs: the rows must be whole (normfuse.kernels.sharding)
+    from normfuse.kernels.sharding import refusal as dtensor_refusal
+    return dtensor_refusal([n.meta.get("example_value", n.meta.get("val")) for n in (m.input, m.weight, m.bias)
+                            if isinstance(n, fx.Node)])
+
+
+def _same_modes(a: SiteAnalysis, b: SiteAnalysis) -> bool:
+    """Two norms one kernel can compute from one set of row statistics (weights may differ)."""
+    m, n = a.match, b.match
+    return (m.kind, m.eps, m.weight_offset, m.norm_round_dtype, m.out_dtype, m.hidden_size) == (
+        n.kind, n.eps, n.weight_offset, n.norm_round_dtype, n.out_dtype, n.hidden_size)
+
+
+def _partner(analysis: Analysis, site: SiteAnalysis, unavailable: set[int]) -> SiteAnalysis | None:
+    """Another norm reading the very value this one reads, with the same modes (parallel blocks:
+    GPT-NeoX, GPT-J, timm's parallel ViT); both need a weight, since the kernel's second output
+    exists when it has one."""
+    index, m = analysis.index, site.match
+    if m.weight is None:
+        return None
+    for number in site.group:
+        other = analysis.sites[number]
+        o = other.match
+        if other is site or number in unavailable or o.weight is None or refusal(other) is not None:
+            continue
+        if index.order[o.output] < index.order[m.output] or not index.same(o.input, m.input):
+            continue
+        if (site.in_add is None) != (other.in_add is None) or (
+                site.in_add is not None and site.in_add.node is not other.in_add.node):
+            continue
+        if _same_modes(site, other) and node_dtype(o.weight) is not None:
+            return other
+    return None
+
+
+# --------------------------------------------------------------------------- one site
+
+def _choose(analysis: Analysis, site: SiteAnalysis, claimed: set, reserved: set, config, as_op: bool
+            ) -> tuple[Plan | None, str | None]:
+    """The call a site becomes (before pairing and placing), or why none."""
+    reason = refusal(site)
+    if reason:
+        return None, reason
+    index, m, add, out = analysis.index, site.match, site.in_add, site.output_add
+    reshaped = add is not None and add.permute is None and not same_shape(node_shape(add.node),
+                                                                          node_shape(m.output))
+    static = all(isinstance(d, int) for d in (node_shape(m.output) or (None,)))
+    if add is not None and add.reason is None and add.node not in claimed and (static or not reshaped):
+        a, b = add.operands
+        # s = x + scale * residual: the scaled operand (DeepNorm) is the residual
+        if add.scaled is not None:
+            x, residual = (b, a) if add.scaled == 0 else (a, b)
+        else:
+            stream = stream_operand(index, add)
+            x, residual = (b, a) if stream == 0 else (a, b)
+        branch = None
+        if add.permute is None and config.fuse_branch:
+            # the kernel draws a rank's mask from its local row index: on DTensors, ranks holding
+            # different rows would draw the same pattern, so their dropout stays eager's
+            from normfuse.kernels.sharding import is_dtensor
+            local_rows = is_dtensor(tensor_meta(add.node))
+            modes = dict(second=True, rowscale=True, dropout=config.fuse_dropout and not as_op and not local_rows)
+            branch = fold_branch(index, add.node, x, **modes)
+            if not branch.folded and add.scaled is None:
+                # the stream may be unknown (an operand is another site's output): the other
+                # operand may be the branch; x and residual play the same part in the sum
+                other = fold_branch(index, add.node, residual, **modes)
+                if other.folded:
+                    branch, residual = other, x
+        return Plan("add_norm", (site.number,), branch.x if branch else x, residual, residual_scale=add.residual_scale,
+                    sum_dtype=node_dtype(add.node), permute=add.permute, branch=branch), None
+    if config.fuse_output_add and out is not None and out.reason is None and out.node not in claimed \
+            and out.node not in reserved and add is None and site.placement in (Placement.RES_POST,
+                                                                                Placement.SANDWICH) \
+            and not site.output_chain:
+        stream = stream_operand(index, out)
+        ops = out.node.all_input_nodes
+        if stream is not None and out.scaled in (None, stream) and same_shape(node_shape(ops[stream]),
+                                                                               node_shape(m.output)):
+            return Plan("norm_add", (site.number,), m.input, out.operands[stream], output_add=out.node,
+                        residual_scale=out.residual_scale), None
+    return Plan("norm", (site.number,), m.input, None, sum_dtype=node_dtype(m.input)), None
+
+
+def _add_reason(site: SiteAnalysis, p: Plan | None, claimed: set, reserved: set, config) -> str | None:
+    """Why the add next to a site is not in its kernel (None when the kernel holds an add, or no
+    add is next to it). Called before the site's own adds are claimed."""
+    if p is not None and p.fused_add:
+        return None
+    add, out = site.in_add, site.output_add
+    if add is not None:
+        return add.reason or ("the sum is folded into another norm's kernel" if add.node in claimed
+                              else "the add's operands change shape on the way to the norm")
+    if out is None:
+        return None
+    if out.reason is not None:
+        return out.reason
+    if out.node in claimed or out.node in reserved:
+        return "the add after the norm is folded into the kernel of the norm that reads its sum"
+    if not config.fuse_output_add:
+        return "adds after a norm are not folded (fuse_output_add=False)"
+    if site.output_chain:
+        return "views or dropout sit between the norm and the add after it"
+    if site.placement not in (Placement.RES_POST, Placement.SANDWICH):
+        return ("the add after the norm is not a residual add of the norm's output into a stream "
+                "(x + norm(F(x))): neither operand descends from the other")
+    return "the add after the norm does not keep the stream's shape"
+
+
+# --------------------------------------------------------------------------- where the call goes
+
+def _candidates(analysis: Analysis, p: Plan) -> list[fx.Node]:
+    """The nodes a call stands for that decide where it starts."""
+    lead = analysis.sites[p.lead]
+    nodes = list(lead.match.nodes) + [lead.match.output]
+    if p.op == "add_norm" and lead.in_add is not None:
+        nodes += [lead.in_add.node, *lead.in_add.chain]
+    if p.output_add is not None:
+        nodes.append(p.output_add)
+    for number in p.sites[1:]:
+        partner = analysis.sites[number].match
+        nodes += [*partner.nodes, partner.output]
+    return nodes
+
+
+def _place(analysis: Analysis, p: Plan) -> tuple[Insertion | None, str | None]:
+    """Where the call goes, or why it cannot go where the site starts. An operand computed
+    later (Nemotron's LayerNorm1P computes ``weight + 1`` after the residual add) moves up
+    together with what it is computed from, when that is pure and reads only values computed
+    before it."""
+    index = analysis.index
+    candidates = _candidates(analysis, p)
+    first = min(candidates, key=index.order.__getitem__)
+    lead = analysis.sites[p.lead].match
+    extra = (p.branch.x1, p.branch.rowscale) if p.branch is not None else ()
+    for number in p.sites[1:]:
+        extra += (analysis.sites[number].match.weight, analysis.sites[number].match.bias)
+    moves: list[fx.Node] = []
+    for operand in (p.x, p.residual, lead.weight, lead.bias, *extra):
+        if isinstance(operand, fx.Node) and index.order[operand] >= index.order[first]:
+            moved = _movable_up(index, operand, first, set(candidates))
+            if moved is None:
+                return None, (f"operand {operand.name} is computed after the site starts and cannot move before "
+                              "it (it reads a value of the site, is not a pure primitive, or a value it reads is "
+                              "written in place)")
+            moves += [n for n in moved if n not in moves]
+    return Insertion(first, tuple(sorted(moves, key=index.order.__getitem__))), None
+
+
+def _movable_up(index: GraphIndex, operand: fx.Node, first: fx.Node, site: set) -> list[fx.Node] | None:
+    """``operand`` and the nodes it is computed from that come at or after ``first``, in graph
+    order, when moving them all before ``first`` keeps every value: each is a get_attr or a
+    pure primitive (no in-place write, no random dropout), none is part of the site, and
+    nothing writes in place into them or into what they read before the site has read them
+    (the fused call reads them at ``first``). None otherwise."""
+    start, end = index.order[first], max(index.order[n] for n in site)
+    later, stack = set(), [operand]
+    while stack:
+        node = stack.pop()
+        if node in later or index.order[node] < start:
+            continue
+        if node in site or node.op not in ("get_attr", "call_function", "call_method"):
+            return None
+        if node.op != "get_attr":
+            c = index.view.get(node)
+            if c is None or c.multi_output or mutates(node) or c.prim == "dropout":
+                return None
+        later.add(node)
+        stack.extend(node.all_input_nodes)
+    values = later | {a for n in later for a in n.all_input_nodes}
+    if any(mutates(u) and start <= index.order.get(u, -1) <= end for a in values for u in a.users):
+        return None
+    return sorted(later, key=index.order.__getitem__)
+
+
+# --------------------------------------------------------------------------- the residual stream and the linears
+
+def sum_node(analysis: Analysis, p: Plan) -> fx.Node | None:
+    """The node whose value a call's stream output (the sum, or norm_add's result) replaces."""
+    lead = analysis.sites[p.lead]
+    if p.op == "add_norm" and p.residual is not None and lead.in_add is not None:
+        return lead.in_add.node
+    return p.output_add if p.op == "norm_add" else None
+
+
+def sum_escapes(analysis: Analysis, p: Plan) -> bool:
+    """Whether anything but the call reads its sum (so the call returns it)."""
+    lead = analysis.sites[p.lead]
+    add = lead.in_add if p.op == "add_norm" else None
+    if add is None:
+        return False
+    inside = set(add.chain) | set(lead.match.nodes)
+    return any(u not in inside for node in (add.node, *add.chain) for u in real_users(node))
+
+
+def _absorbed(analysis: Analysis, p: Plan) -> set[fx.Node]:
+    """The nodes a call stands for, whose readers of other values it becomes."""
+    lead = analysis.sites[p.lead]
+    nodes = set(lead.match.nodes)
+    for number in p.sites[1:]:
+        nodes |= set(analysis.sites[number].match.nodes)
+    if p.op == "add_norm" and lead.in_add is not None:
+        add = lead.in_add
+        nodes |= {add.node, *add.chain, *add.node.all_input_nodes}
+        branch = p.branch.nodes if p.branch is not None else []
+        nodes |= {*branch, *(n for b in branch for n in b.all_input_nodes)}
+    if p.output_add is not None:
+        nodes.add(p.output_add)
+    return nodes
+
+
+def _widen(analysis: Analysis, planning: Planning, dtype: torch.dtype) -> None:
+    """``residual_dtype``: each call writing a 16-bit stream sum writes it in ``dtype``; a call
+    that reads such a sum as its add's operand takes it as it is, every other reader gets it
+    rounded back (a fused call doing so is marked as reading the wide stream too)."""
+    widened: dict[fx.Node, int] = {}  # the analysed node a wide sum replaces -> its plan
+    for i, p in enumerate(planning.plans):
+        if p.op == "add_norm" and p.residual is not None:
+            old = p.sum_dtype
+        elif p.op == "norm_add":
+            old = node_dtype(p.output_add)
+        else:
+            continue
+        if old in LOW_PRECISION:
+            p.widens, p.residual_dtype = True, dtype
+            if sum_escapes(analysis, p) or p.op == "norm_add":
+                widened[sum_node(analysis, p)] = i
+    owner = {n: j for j, q in enumerate(planning.plans) for n in _absorbed(analysis, q)}
+    for node, i in widened.items():
+        writer = planning.plans[i]
+        for user in real_users(node):
+            j = owner.get(user)
+            if j is None or j == i:
+                continue
+            reader = planning.plans[j]
+            if _takes_wide(analysis, reader, node, widened, dtype):
+                reader.takes_wide += (i,)
+            else:
+                reader.residual_dtype = dtype
+        del writer
+
+
+def _takes_wide(analysis: Analysis, q: Plan, value: fx.Node, widened: dict, dtype: torch.dtype) -> bool:
+    """Whether call ``q`` can read the wide ``value`` as its add's operand: the residual add's x
+    or residual (norm_add: its residual), with weight and bias in a dtype the op pairs with its
+    operands (an operand's dtype, or fp32)."""
+    if q.residual is None or value not in ((q.x, q.residual) if q.op == "add_norm" else (q.residual,)):
+        return False
+    operand_dtypes = {dtype if op in widened else node_dtype(op) for op in (q.x, q.residual)}
+    lead = analysis.sites[q.lead].match
+    return all(t is None or node_dtype(t) in operand_dtypes | {torch.float32} for t in (lead.weight, lead.bias))
+
+
+def _linear_readers(analysis: Analysis, p: Plan) -> tuple[fx.Node, ...]:
+    """``recompute_norm_output``: the linears reading the call's output y, when nothing else
+    reads it and their weights come before the first of them; else ()."""
+    if p.op not in ("add_norm", "norm") or len(p.sites) > 1:
+        return ()  # norm_add's y is not the stream's; two norms share one call
+    y = analysis.sites[p.lead].match.output
+    users = real_users(y)
+    order = analysis.index.order
+    operands = []
+    for u in users:
+        c = canonical(u)
+        if c is None or c.prim != "linear" or c["input"] is not y or not isinstance(c["weight"], fx.Node) \
+                or y in (c["weight"], c["bias"]):
+            return ()
+        operands += [t for t in (c["weight"], c["bias"]) if isinstance(t, fx.Node)]
+    if not users or len(y.users) != len(users):
+        return ()
+    first = min(users, key=order.__getitem__)
+    if any(order.get(t, -1) > order[first] for t in operands):
+        return ()  # a weight computed after the first linear: leave these linears alone
+    return tuple(sorted(users, key=order.__getitem__))
+
+
+# --------------------------------------------------------------------------- the graph
+
+def plan(analysis: Analysis, config, as_op: bool = False, excluded: Callable[[int], bool] = lambda n: False
+         ) -> Planning:
+    """Decide every fused call of the analysed graph (see the module docstring).
+
+    ``config``: the FuseConfig; ``as_op``: the graph is ATen (Inductor's post-grad passes): the
+    calls will be the custom ops, with no seed drawn for a folded dropout and no stream
+    widening or linear recompute; ``excluded(number)``: the site is left as it was (filter_fn)."""
+    planning = Planning()
+    decisions: list[Decision | None] = [None] * len(analysis.sites)
+    claimed: set[fx.Node] = set()
+    reserved = {s.in_add.node for s in analysis.sites if s.in_add is not None and s.in_add.reason is None}
+    unavailable: set[int] = set()  # sites no call may take as its second norm: excluded, or taken already
+    for site in analysis.sites:
+        if excluded(site.number):
+            decisions[site.number] = Decision(reason="excluded by filter_fn")
+            unavailable.add(site.number)
+    for site in analysis.sites:
+        if site.number in unavailable:
+            continue
+        chosen, reason = _choose(analysis, site, claimed, reserved, config, as_op)
+        if chosen is not None and config.pair_norms and chosen.op in ("add_norm", "norm") and chosen.permute is None:
+            partner = _partner(analysis, site, unavailable)
+            if partner is not None:
+                chosen.sites = (site.number, partner.number)
+        if chosen is not None:
+            chosen.insertion, reason = _place(analysis, chosen)
+            if reason and len(chosen.sites) > 1:  # the second norm's parameters come too late: each its own call
+                chosen.sites = chosen.sites[:1]
+                chosen.insertion, reason = _place(analysis, chosen)
+        if reason is None and chosen.op == "norm" and not config.standalone:
+            reason = "standalone norms not rewritten (standalone=False)"
+        if reason is not None:
+            decisions[site.number] = Decision(reason=reason, add_reason=None)
+            continue
+        add_reason = _add_reason(site, chosen, claimed, reserved, config)
+        branch_nodes = chosen.branch.nodes if chosen.branch is not None else []
+        chosen.claims = tuple(n for n in (site.in_add.node if chosen.op == "add_norm" and site.in_add is not None
+                                          else None, chosen.output_add, *branch_nodes) if n is not None)
+        claimed.update(chosen.claims)  # an add folded into one kernel is not folded into another
+        if config.recompute_norm_output and not as_op:
+            chosen.recompute = _linear_readers(analysis, chosen)
+        number = len(planning.plans)
+        planning.plans.append(chosen)
+        for member in chosen.sites:
+            decisions[member] = Decision(plan=number, add_reason=add_reason)
+            unavailable.add(member)
+    planning.decisions = [d if d is not None else Decision(reason="not rewritten") for d in decisions]
+    if config.residual_dtype is not None and not as_op:
+        _widen(analysis, planning, config.residual_dtype)
+    return planning

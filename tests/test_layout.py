@@ -1,0 +1,94 @@
+"""The package's shape: no import cycle among its modules, an analysis nothing writes to,
+and every module saying what it is."""
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import networkx as nx
+import pytest
+import torch
+import torch.fx as fx
+
+import normfuse
+from normfuse.passes.analysis import analyze
+from normfuse.zoo import ToyTransformer
+
+PACKAGE = Path(normfuse.__file__).resolve().parent
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def import_graph() -> nx.DiGraph:
+    """module -> module it imports, at the top or inside a function; ``normfuse.name`` after an
+    ``import normfuse`` counts as importing the module the package resolves the name from."""
+    modules = _modules()
+    exports = normfuse._EXPORTS
+    graph = nx.DiGraph()
+    for name, path in modules.items():
+        graph.add_node(name)
+        tree = ast.parse(path.read_text())
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [base, *(f"{base}.{a.name}" for a in node.names)]
+                if base == "normfuse":
+                    targets += [exports[a.name] for a in node.names if a.name in exports]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id == "normfuse" and node.attr in exports:
+                targets = [exports[node.attr]]
+            for target in targets:
+                if target in modules and target != name and target != "normfuse":
+                    graph.add_edge(name, target)
+    return graph
+
+
+def test_no_import_cycle():
+    graph = import_graph()
+    assert len(graph) > 30
+    cycles = list(nx.simple_cycles(graph))
+    assert not cycles, f"import cycles: {cycles[:5]}"
+
+
+def test_passes_do_not_import_the_checker():
+    graph = import_graph()
+    for module in (m for m in graph if m.startswith("normfuse.passes")):
+        reached = nx.descendants(graph, module)
+        assert not any(m.startswith("normfuse.verify") and m != "normfuse.verify.structure" for m in reached), \
+            (module, sorted(m for m in reached if m.startswith("normfuse.verify")))
+
+
+def test_every_module_says_what_it_is():
+    for name, path in _modules().items():
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        assert doc and len(doc.split()) >= 4, f"{name} has no opening docstring"
+
+
+def test_the_analysis_is_read_only():
+    model = ToyTransformer(placement="pre", depth=2).eval()
+    gm = torch.export.export(model, (torch.randint(0, 64, (2, 8)),), strict=False).module()
+    analysis = analyze(gm.graph)
+    assert len(analysis.sites) == 5
+    site = analysis.sites[1]
+    for obj, attr in ((analysis, "sites"), (site, "placement"), (site.match, "eps"), (site.in_add, "operands")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, attr, None)
+    with pytest.raises(TypeError):
+        analysis.index.order[site.match.output] = 0
+    with pytest.raises((TypeError, AttributeError)):
+        analysis.index.norm_outputs.add(site.match.output)
+    assert isinstance(site.match.nodes, tuple) and all(isinstance(n, fx.Node) for n in site.match.nodes)
