@@ -443,14 +443,18 @@ def test_models_pickled_by_an_earlier_version_load_and_run():
     """tests/data/models_pickled_by_0.1.0.pt: torch.save of a model with its streams regrouped
     and of an optimized one, written by normfuse 0.1.0 (before the stream code and the model's
     forward moved between modules): they load, compute what they computed then, and the
-    optimized one reports its sites."""
+    optimized one reports its sites. The saved outputs were computed on another CPU, whose
+    kernels may round the last bit differently: here the two models agree bit for bit with each
+    other and with the saved outputs up to the tolerance table."""
     from pathlib import Path
 
     saved = torch.load(Path(__file__).parent / "data" / "models_pickled_by_0.1.0.pt", weights_only=False)
     regrouped, optimized, ids = saved["regrouped"], saved["optimized"], saved["ids"]
     with torch.no_grad():
-        assert torch.equal(regrouped(ids), saved["out_regrouped"])
-        assert torch.equal(optimized(ids), saved["out_optimized"])
+        out_regrouped, out_optimized = regrouped(ids), optimized(ids)
+    assert torch.equal(out_optimized, out_regrouped)
+    assert torch.equal(saved["out_optimized"], saved["out_regrouped"])
+    assert_close(out_regrouped, saved["out_regrouped"])
     assert isinstance(regrouped.blocks[0](ResidualPair(regrouped.tok(ids), None, None)), ResidualPair)
     rep = normfuse.report(optimized)
     assert [s.fqn for s in rep.sites] == ["blocks.0.norm1", "blocks.0.norm2", "blocks.1.norm1", "blocks.1.norm2",

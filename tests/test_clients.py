@@ -1,8 +1,10 @@
 """The programs users train with: HF Trainer, accelerate, PEFT (torchtitan: tests/test_torchtitan.py).
 
 In each, ``normfuse.optimize(model)`` goes in where the model is built, before the program
-wraps it; the losses of a few steps equal the unoptimized model's (on CPU the fused ops run
-the reference, which reproduces eager's rounding bit for bit), and the report counts the norms.
+wraps it; the first step's loss equals the unoptimized model's bit for bit (on CPU the fused ops
+run the reference, which reproduces eager's forward rounding), the later ones are equal up to the
+tolerance table (the fused backward sums the weight gradients in its own order, a last-bit
+difference the optimizer carries on), and the report counts the norms.
 """
 
 import copy
@@ -13,9 +15,16 @@ import torch
 
 import normfuse
 from normfuse.zoo import hf_config
+from tests.helpers import assert_close
 
 pytest.importorskip("accelerate")
 STEPS, BATCH, SEQ = 4, 4, 16
+
+
+def _assert_same_losses(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want) == STEPS
+    assert got[0] == want[0], (got, want)
+    assert_close(torch.tensor(got), torch.tensor(want), msg=f"losses {got} vs eager {want}")
 
 
 def _causal_lm(**overrides):
@@ -56,7 +65,7 @@ def test_hf_trainer(checkpointing):
     arguments = dict(gradient_checkpointing=checkpointing)
     eager = _trainer_losses(_causal_lm(), **arguments)
     model = normfuse.optimize(_causal_lm())
-    assert _trainer_losses(model, **arguments) == eager and len(eager) == STEPS
+    _assert_same_losses(_trainer_losses(model, **arguments), eager)
     counts = normfuse.report(model).counts()
     # 5 norms, 4 fed by an add; under gradient checkpointing each layer is a region of its own and
     # keeps the sum for its recompute: the add between the layers stays outside (documented)
@@ -83,7 +92,7 @@ def test_accelerate_prepare():
         return out
 
     model = normfuse.optimize(_causal_lm())
-    assert losses(model) == losses(_causal_lm())
+    _assert_same_losses(losses(model), losses(_causal_lm()))
     assert normfuse.report(model).counts()["fused_with_add"] == 4
 
 
@@ -112,7 +121,7 @@ def test_peft_lora():
     model = lora()
     keys, adapter_keys = list(model.state_dict()), list(get_peft_model_state_dict(model))
     normfuse.optimize(model)
-    assert losses(model) == eager
+    _assert_same_losses(losses(model), eager)
     assert list(model.state_dict()) == keys and list(get_peft_model_state_dict(model)) == adapter_keys
     rep = normfuse.report(model)
     assert [s.fqn for s in rep.sites][-1] == "base_model.model.model.norm"
