@@ -85,7 +85,7 @@ def rewrite_streams(model: nn.Module, cross_checkpoints: bool = False) -> list[S
     """Rewrite every Pre-Norm block stream of ``model`` to carry the residual pair across
     block boundaries (see normfuse/passes/cross_block/__init__.py). Streams that do not fit
     are left as they were, with the reason. Idempotent; a second call sets
-    ``cross_checkpoints`` (hand pairs into checkpointed blocks too, see runtime._hands_pair)."""
+    ``cross_checkpoints`` (hand pairs into checkpointed blocks too, see runtime._Stream.entry)."""
     results = []
     owner_of = {name: mod for name, mod in model.named_modules()}
     for fqn in block_lists(model):
@@ -96,6 +96,7 @@ def rewrite_streams(model: nn.Module, cross_checkpoints: bool = False) -> list[S
         if getattr(owner, _MARK, None):
             stream = owner.__dict__[_MARK]
             stream.cross_checkpoints = cross_checkpoints
+            stream.index(blocks_of(owner.get_submodule(attr)))
             _describe(result, stream, blocks_of(owner.get_submodule(attr)), parent_fqn)
             continue
         try:
@@ -124,6 +125,7 @@ def rewrite_streams(model: nn.Module, cross_checkpoints: bool = False) -> list[S
             _swap_class(element, _StreamElement)
             element.__dict__[_ELEMENT], element.__dict__[_KEY] = stream, str(index)
             stream.receivers[str(index)] = elements[index + 1] if index + 1 < len(elements) else None
+        stream.index(elements)
         norm = getattr(owner, loop.final_norm)
         try:
             _swap_class(norm, forward="entry_add")

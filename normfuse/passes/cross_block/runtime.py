@@ -22,15 +22,26 @@ from __future__ import annotations
 import operator
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional
+from types import MappingProxyType
+from typing import Any, Callable, ClassVar, Mapping, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
+from torch.nn.modules import module as _nn_module
 
 _MARK = "_normfuse_stream"            # on the owner of a rewritten stream
-_ELEMENT = "_normfuse_stream_element"  # on each of its list elements
+_ELEMENT = "_normfuse_stream_element"  # on each of its list elements (_StreamElement reads it by name)
 _KEY = "_normfuse_stream_key"          # and its key in _Stream.receivers
 _RECOMPUTED = "_normfuse_recomputed"  # on a block whose forward a checkpoint may run twice
+# nn.Module's global hook tables (hooks are added into them)
+_GLOBAL_HOOKS = (_nn_module._global_forward_hooks, _nn_module._global_forward_pre_hooks,
+                 _nn_module._global_backward_hooks, _nn_module._global_backward_pre_hooks)
+
+# What a list element hands on in its owner's loop (_Stream.entry):
+HANDS_PAIR = "pair"
+HANDS_SUM = "sum"
+HANDS_SUM_WITH_GRAD = "sum with grad"     # the next block runs under a checkpoint_wrapper
+HANDS_BY_NEXT = "sum if next checkpoints"  # the sum when the next block checkpoints now (training, grad on)
 
 
 class ResidualPair(NamedTuple):
@@ -54,6 +65,61 @@ class _Stream:
     cross_checkpoints: bool = False  # hand pairs into checkpointed blocks too
     entry_add: str | None = None     # where the add right before the owner's loop is (StreamRewrite)
     running: int = 0             # > 0 while the owner's forward runs
+    # element key -> what _StreamElement.__call__ reads, as one entry (``entry``): dynamo traces
+    # that for every block, and each helper it inlines or attribute it reads costs it time.
+    # Set per stream by ``index``; a stream loaded from a pickle of normfuse 0.1.0 starts empty.
+    plan: ClassVar[Mapping[str, tuple]] = MappingProxyType({})
+
+    def index(self, elements: list) -> None:
+        """Fill ``plan`` for the list elements (install time)."""
+        self.plan = {key: self.entry(element, key) for key, element in zip(self.receivers, elements)}
+
+    def entry(self, element: nn.Module, key: str) -> tuple:
+        """(What the element hands on in its owner's loop, the next block when that block's flags
+        decide, whether the element's class calls like nn.Module, its hook tables, its block.)
+        The element hands its block's pair on, but not into a block that keeps its inputs for a
+        recompute, unless asked (cross_checkpoints); the last block's pair goes to the final norm."""
+        # by a string key: dynamo would make an int index dynamic (an empty graph per block under
+        # FSDP2), and a module held by each element would chain deepcopy's recursion block to block
+        receiver = self.receivers[key]
+        nxt = None
+        if receiver is None:
+            hands = HANDS_PAIR
+        elif self.reentrant:  # a reentrant checkpoint's autograd sees only tensor arguments
+            hands = HANDS_SUM
+        elif self.cross_checkpoints:
+            hands = HANDS_PAIR
+        elif self.checkpointed:
+            hands = HANDS_SUM
+        elif _wraps_checkpoint(receiver):
+            hands = HANDS_SUM_WITH_GRAD
+        elif hasattr(_inner_block(receiver), "gradient_checkpointing"):  # transformers' GradientCheckpointingLayer
+            hands, nxt = HANDS_BY_NEXT, _inner_block(receiver)
+        else:
+            hands = HANDS_PAIR
+        hooks = (element._forward_hooks, element._forward_pre_hooks, element._backward_hooks,
+                 element._backward_pre_hooks)  # the tables hooks are added into
+        return hands, nxt, _calls_like_module(element), hooks, _inner_block(element)
+
+
+@torch._dynamo.assume_constant_result
+def _fixed(element: nn.Module) -> tuple[str, str, bool, bool]:
+    """What the element's ``__call__`` takes as fixed: (its key in the stream, what it hands on,
+    whether it may call forward directly as nn.Module's ``__call__`` does for a module without
+    hooks, whether transformers' output recorder hooks its block). Dynamo calls this once per
+    trace and does not trace it: it guards on module hooks no more than it does for any module
+    (a hook added after compiling is not seen until a recompile), and each attribute of a
+    module it reads costs it time, for every block."""
+    own = element.__dict__
+    stream, key = own[_ELEMENT], own[_KEY]
+    entry = stream.plan.get(key)
+    if entry is None:  # a stream loaded from a pickle of normfuse 0.1.0
+        entry = stream.entry(element, key)
+        stream.plan = {**stream.plan, key: entry}
+    hands, _, calls_like_module, hooks, block = entry
+    direct = calls_like_module and not any(hooks) and not any(_GLOBAL_HOOKS)
+    recorder = stream.transformers and _recorder_hooked(element, block)
+    return key, hands, direct, recorder
 
 
 # --------------------------------------------------------------------------- the owner
@@ -69,10 +135,11 @@ def _leave_owner(owner: nn.Module, args: tuple, output: Any) -> None:
 # --------------------------------------------------------------------------- the edited forwards
 
 def _pair(hidden: torch.Tensor, residual: torch.Tensor, combine: Callable, sum_out: bool) -> Any:
-    """What a rewritten block returns in place of ``combine(hidden, residual)``."""
+    """What a rewritten block returns in place of ``combine(hidden, residual)``: inside the owner's
+    loop a plain tuple (the list element hands a caller outside the loop a ResidualPair)."""
     if sum_out:
         return combine(hidden, residual)
-    return ResidualPair(hidden, residual, combine)
+    return hidden, residual, combine
 
 
 def _pair_reshaped(hidden: torch.Tensor, residual: torch.Tensor, combine: Callable, sum_out: bool,
@@ -81,7 +148,7 @@ def _pair_reshaped(hidden: torch.Tensor, residual: torch.Tensor, combine: Callab
     the operands reshaped (the same elements, added in the next block), when they have one shape."""
     if sum_out or hidden.shape != residual.shape:
         return getattr(combine(hidden, residual), method)(*shape)
-    return ResidualPair(hidden.reshape(*shape), residual.reshape(*shape), combine)
+    return hidden.reshape(*shape), residual.reshape(*shape), combine
 
 
 def _combine(hidden: torch.Tensor, residual: Optional[torch.Tensor], combine: Optional[Callable],
@@ -125,37 +192,34 @@ def _inner_block(element: nn.Module) -> nn.Module:
     return element
 
 
-def _in_stream(stream: _Stream, first_arg: Any) -> bool:
-    """Whether a block was called by its owner's loop (it hands a pair on) or by other code
-    (``model.layers[3](x)``: it returns the tensor, as before the rewrite)."""
-    if isinstance(first_arg, tuple) or stream.running:
-        return True
-    # a checkpoint in the owner's loop recomputes block 0 in backward, after the owner returned
-    return stream.checkpointed and torch._C._current_graph_task_id() != -1
+def _calls_like_module(element: nn.Module) -> bool:
+    """Whether nn.Module's ``__call__`` is the one under _StreamElement's (not a wrapper's own,
+    e.g. torch.compile's OptimizedModule)."""
+    mro = type(element).__mro__
+    for cls in mro[mro.index(_StreamElement) + 1:]:
+        if "__call__" in vars(cls):
+            return cls is nn.Module
+    return False
 
 
-def _checkpoints_block(element: nn.Module, stream: _Stream, now: bool = False) -> bool:
-    """Whether the element runs its block under a checkpoint when grad is on (``now``: and
-    in the block's current mode; transformers checkpoints in training mode only)."""
-    if stream.checkpointed:
-        return True
-    # plain dictionary reads: this runs inside traced frames, where a getattr that raises
+def _wraps_checkpoint(element: nn.Module) -> bool:
+    """Whether a checkpoint_wrapper is among the element's wrappers."""
+    # plain dictionary reads: this may run inside traced frames, where a getattr that raises
     # (nn.Module.__getattr__) costs dynamo a graph
     module = element
-    while module is not None:  # checkpoint_wrapper anywhere in the wrappers
+    while module is not None:
         if "_checkpoint_wrapped_module" in module._modules:
             return True
         module = module._modules.get("_orig_mod")
-    block = _inner_block(element)  # transformers' GradientCheckpointingLayer
-    return bool(block.__dict__.get("gradient_checkpointing", False)) and (block.training or not now)
+    return False
 
 
-def _keeps_inputs(element: nn.Module, stream: _Stream) -> bool:
-    """Whether the element runs its block under a checkpoint now, which keeps the block's
-    inputs for the recompute: a pair would be kept as two tensors where the sum is one.
-    (A checkpoint in the owner's loop decides alike in the forward, which a reentrant one
-    runs without grad, and in the recompute.)"""
-    return _checkpoints_block(element, stream, now=True) and (stream.checkpointed or torch.is_grad_enabled())
+def _checkpoints_block(element: nn.Module, stream: _Stream) -> bool:
+    """Whether the element runs its block under a checkpoint when grad is on (transformers'
+    GradientCheckpointingLayer: in training mode only)."""
+    if stream.checkpointed or _wraps_checkpoint(element):
+        return True
+    return bool(_inner_block(element).__dict__.get("gradient_checkpointing", False))
 
 
 # transformers' output recorder: the qualified name of the forward hook it puts on each layer
@@ -173,45 +237,56 @@ def _outputs_recorded() -> bool:
     return bool(collected) and any(key != "_hidden_states_layers" for key in collected)
 
 
-def _recorder_hooked(element: nn.Module) -> bool:
-    """Whether transformers' output recorder hooks the block: it installs its hooks the first
-    time outputs are asked for. Until then no output can be recorded, and the context variable
-    (which dynamo can only read through a graph break, when transformers set it outside the
-    traced frame) is not read."""
+def _recorder_hooked(element: nn.Module, block: nn.Module) -> bool:
+    """Whether transformers' output recorder hooks the element or its block: it installs its
+    hooks the first time outputs are asked for. Until then no output can be recorded, and the
+    context variable (which dynamo can only read through a graph break, when transformers set
+    it outside the traced frame) is not read."""
     return any(_RECORDER_HOOK in getattr(hook, "__qualname__", "")
-               for module in (element, _inner_block(element)) for hook in module._forward_hooks.values())
-
-
-def _hands_pair(element: nn.Module, stream: _Stream) -> bool:
-    """Whether the element hands its block's pair on, in its owner's loop: not into a block
-    that keeps its inputs for a recompute, unless asked (cross_checkpoints); the last block's
-    pair goes to the final norm."""
-    # by a string key: dynamo would make an int index dynamic (an empty graph per block under
-    # FSDP2), and a module held by each element would chain deepcopy's recursion block to block
-    receiver = stream.receivers[element.__dict__[_KEY]]
-    if receiver is None:
-        return True
-    if stream.reentrant:  # a reentrant checkpoint's autograd sees only tensor arguments
-        return False
-    return stream.cross_checkpoints or not _keeps_inputs(receiver, stream)
+               for module in (element, block) for hook in module._forward_hooks.values())
 
 
 class _StreamElement:
     """Mixin of the stream's list elements: a pair enters as three positional arguments, and
-    a fourth says whether the block returns the sum (see _in_stream, _outputs_recorded)."""
+    a fourth says whether the block returns the sum (see _Stream.entry, _outputs_recorded)."""
 
     def __call__(self, *args, **kwargs):
+        key, hands, direct, recorder = _fixed(self)
+        stream = self._normfuse_stream_element
         if args:
             hidden, args = args[0], args[1:]
         else:  # the stream passed by its name, e.g. block(hidden_states=x)
             hidden = kwargs.pop(type(_inner_block(self)).forward.nf_stream_arg)
-        stream = self.__dict__[_ELEMENT]
-        in_stream = _in_stream(stream, hidden)
-        sum_out = (not in_stream or not _hands_pair(self, stream)
-                   or (stream.transformers and _recorder_hooked(self) and _outputs_recorded()))
-        pair = _as_pair(hidden)
-        out = super().__call__(pair.hidden, pair.residual, pair.combine, sum_out, *args, **kwargs)
-        return out if sum_out else _as_pair(out)  # a sum goes on as the tensor it is
+        if isinstance(hidden, tuple) and len(hidden) == 3:  # a pair (a checkpoint may hand it back as a tuple)
+            hidden, residual, combine = hidden
+            sum_out = False
+        else:
+            residual = combine = None
+            # called by other code (``model.layers[3](x)``) the block returns the sum, as before the
+            # rewrite; a checkpoint in the owner's loop recomputes block 0 in backward, after the
+            # owner returned
+            sum_out = not (stream.running > 0 or (stream.checkpointed and torch._C._current_graph_task_id() != -1))
+        if not sum_out and hands != HANDS_PAIR:
+            if hands == HANDS_SUM:
+                sum_out = True
+            elif torch.is_grad_enabled():
+                nxt = stream.plan[key][1]
+                sum_out = hands == HANDS_SUM_WITH_GRAD or bool(nxt.gradient_checkpointing and nxt.training)
+        if not sum_out and recorder and _outputs_recorded():
+            sum_out = True
+        if direct and torch.compiler.is_compiling():
+            # dynamo takes this shortcut for a module whose class keeps nn.Module's __call__ (and
+            # would otherwise inline nn.Module's whole call machinery under this override)
+            out = self.forward(hidden, residual, combine, sum_out, *args, **kwargs)
+        else:
+            out = super().__call__(hidden, residual, combine, sum_out, *args, **kwargs)
+            if not sum_out and not (isinstance(out, tuple) and len(out) == 3):  # a wrapper changed the pair
+                out = tuple(_as_pair(out))
+        if sum_out:
+            return out  # a sum goes on as the tensor it is
+        # the edited forward returns a plain tuple (see source._defer_final_adds), which the
+        # owner's loop hands on; a caller outside it gets a ResidualPair
+        return out if stream.running > 0 else ResidualPair(*out)
 
 
 # --------------------------------------------------------------------------- the final norm

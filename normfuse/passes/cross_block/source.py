@@ -19,6 +19,7 @@ site still names the model's line.
 from __future__ import annotations
 
 import ast
+import copy
 import inspect
 import operator
 import textwrap
@@ -27,8 +28,8 @@ from typing import Callable
 
 import torch.nn as nn
 
-from normfuse.passes.cross_block.runtime import _add_if_pair, _combine, _pair, _pair_reshaped
 from normfuse.passes.blocks import is_norm_module
+from normfuse.passes.cross_block.runtime import _add_if_pair, _combine, _pair, _pair_reshaped
 from normfuse.vocabulary import COPY_FILE
 
 
@@ -335,13 +336,14 @@ def _switches_before(stmts: list, i: int) -> int:
 
 
 def _defer_final_adds(fn_node: ast.FunctionDef, raw: Callable) -> int:
-    """Make every ``return a + b`` (or ``h = a + b; return h``) return ``ResidualPair(a, b, add)``;
-    other returns stay (their value travels as a pair with no residual). Returns how many.
+    """Make every ``return a + b`` (or ``h = a + b; return h``) return the pair ``(a, b, add)``
+    unless asked for the sum; another return hands its value on as a pair with no residual.
+    Returns how many adds.
 
     Config switches between the add and ``return h`` (OPT: ``if not self.do_layer_norm_before:
     h = norm(h)``) keep their code on the path where one of them is on; the pair is
     returned where all are off."""
-    rewritten = 0
+    rewritten, pairs = 0, set()
     for stmts in list(_bodies(fn_node)):
         for i in range(len(stmts) - 1, -1, -1):
             ret = stmts[i]
@@ -359,7 +361,13 @@ def _defer_final_adds(fn_node: ast.FunctionDef, raw: Callable) -> int:
                 continue
             a, b, combine, reshape = split
             sum_out = ast.Name(id=_SUM_OUT, ctx=ast.Load())
-            if reshape is None:
+            if reshape is None and isinstance(combine, ast.Attribute):
+                # a plain add, written out: `(a + b) if sum_out else (a, b, add)`: no call for
+                # dynamo to inline (the list element makes the tuple a ResidualPair for callers
+                # outside the owner's loop)
+                pair = ast.IfExp(test=sum_out, body=ast.BinOp(left=a, op=ast.Add(), right=b),
+                                 orelse=ast.Tuple(elts=[copy.deepcopy(a), copy.deepcopy(b), combine], ctx=ast.Load()))
+            elif reshape is None:
                 pair = ast.Call(func=ast.Name(id="_nf_pair", ctx=ast.Load()), args=[a, b, combine, sum_out], keywords=[])
             else:
                 pair = ast.Call(func=ast.Name(id="_nf_pair_reshaped", ctx=ast.Load()),
@@ -368,6 +376,7 @@ def _defer_final_adds(fn_node: ast.FunctionDef, raw: Callable) -> int:
             tail = stmts[first:i + 1]
             switches = [stmt.test for stmt in tail[1:-1]]
             new = [ast.Return(value=pair)]
+            pairs.add(id(new[0]))
             if switches:  # the original tail where a switch is on
                 test = switches[0] if len(switches) == 1 else ast.BoolOp(op=ast.Or(), values=switches)
                 new.insert(0, ast.If(test=test, body=tail, orelse=[]))
@@ -379,6 +388,13 @@ def _defer_final_adds(fn_node: ast.FunctionDef, raw: Callable) -> int:
     if not rewritten:
         raise NotFit(f"{raw.__qualname__} does not return a two-operand add (`return a + b`, "
                      f"`h = a + b; return h`, `return torch.add(a, b)`)")
+    for node in list(_own_nodes(fn_node)):  # `v if sum_out else (v, None, None)`
+        if isinstance(node, ast.Return) and node.value is not None and id(node) not in pairs:
+            none = ast.Constant(value=None)
+            node.value = ast.IfExp(test=ast.Name(id=_SUM_OUT, ctx=ast.Load()), body=node.value,
+                                   orelse=ast.Tuple(elts=[copy.deepcopy(node.value), none, copy.deepcopy(none)],
+                                                    ctx=ast.Load()))
+            ast.fix_missing_locations(node)
     return rewritten
 
 
@@ -405,8 +421,11 @@ def _build_pair_forward(cls: type) -> Callable:
     stream = args.args[1].arg
     _defer_final_adds(fn_node, raw)
     args.args[1:2] = [ast.arg(arg=n) for n in (_HIDDEN, _RESIDUAL, _COMBINE, _SUM_OUT)]
-    # x = combine(hidden, residual): the moved add, right at the start of the block
-    entry = ast.parse(f"{stream} = _nf_combine({_HIDDEN}, {_RESIDUAL}, {_COMBINE}, {args.args[0].arg})").body[0]
+    # x = combine(hidden, residual): the moved add, right at the start of the block (a plain add
+    # written out, _combine called only for the block's own add function)
+    entry = ast.parse(f"{stream} = {_HIDDEN} if {_RESIDUAL} is None else ({_HIDDEN} + {_RESIDUAL} if {_COMBINE} is "
+                      f"_nf_operator.add else _nf_combine({_HIDDEN}, {_RESIDUAL}, {_COMBINE}, {args.args[0].arg}))"
+                      ).body[0]
     ast.copy_location(entry, fn_node.body[0])
     ast.fix_missing_locations(entry)
     fn_node.body.insert(0, entry)
