@@ -48,6 +48,9 @@ class FuseConfig:
                 compares such sites given the kernel's mask).
     pair_norms: two norms of the same value with the same modes (parallel blocks) become one
                 call that reads the value once and writes both outputs.
+    fuse_quant: a norm whose output the graph quantizes to fp8 for the next linear (a scale,
+                static or from each row's or group's amax; divide; clamp; cast) computes q and
+                its scale in the same call (normfuse/passes/quant.py lists the spellings read).
     """
 
     filter_fn: Callable[[Any], bool] | None = None
@@ -62,6 +65,7 @@ class FuseConfig:
     fuse_branch: bool = True
     fuse_dropout: bool = True
     pair_norms: bool = True
+    fuse_quant: bool = True
 
     def __post_init__(self):
         if self.filter_fn is not None and not callable(self.filter_fn):
@@ -74,7 +78,7 @@ class FuseConfig:
                 f"{self.residual_dtype!r}. Pass residual_dtype=torch.float32.")
         for name in ("standalone", "fuse_output_add", "prenorm", "check", "recompute_norm_output", "cross_block",
                      "cross_checkpoints",
-                     "fuse_branch", "fuse_dropout", "pair_norms"):
+                     "fuse_branch", "fuse_dropout", "pair_norms", "fuse_quant"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidOptionError(f"{name} must be True or False, got {value!r}.")

@@ -167,6 +167,8 @@ def _site_nodes(site: SiteAnalysis, plan: Plan | None) -> list[fx.Node]:
                 nodes.insert(0, scale)
     elif op == "norm_add" and site.output_add is not None:
         nodes = [*nodes, *site.output_chain, site.output_add.node]
+    if plan is not None and plan.quant is not None and site.number == plan.lead:  # eager: y read back to quantize
+        nodes = [*nodes, *plan.quant.nodes]
     seen: list[fx.Node] = []
     for n in nodes:
         if n not in seen:
@@ -263,6 +265,14 @@ def site_bytes(index, site: SiteAnalysis, plan: Plan | None, residual_dtype: tor
     else:  # "norm"
         fused.add(fwd=x_bytes + params + y_bytes + stats)
         fused.add(bwd=y_bytes + x_bytes + stats + 2 * params + x_bytes)
+    if plan.quant is not None:  # the call writes q and the dynamic scale; y only when still read
+        fused.add(fwd=_quant_outputs(plan) - (0 if _escapes(m.output, inside) else y_bytes))
     return eager, fused, nodes
+
+
+def _quant_outputs(plan: Plan) -> int:
+    """Bytes of the fp8 epilogue's outputs: q (one byte an element) and a dynamic scale."""
+    quant = plan.quant
+    return numel(quant.q) * quant.dtype.itemsize + (_bytes(quant.scale_node) if quant.scale_node is not None else 0)
 
 

@@ -4,7 +4,8 @@
 the graph:
 
 - canonicalize: the canonical view of every node (``canonical.py``, one table of spellings);
-- find: every norm, the residual add it reads and the add its output goes into (``find.py``);
+- find: every norm, the residual add it reads, the add its output goes into (``find.py``) and
+  the fp8 quantization of its output (``quant.py``);
 - classify: where each norm sits on the residual stream (``classify.py``).
 
 Everything after it reads the ``Analysis``: the planner decides the fused calls from it
@@ -24,6 +25,7 @@ from normfuse.passes.canonical import canonicalize
 from normfuse.passes.classify import Found, classify
 from normfuse.passes.find import AddMatch, NormMatch, find_input_add, find_norms, find_output_add
 from normfuse.passes.graph import GraphIndex
+from normfuse.passes.quant import QuantMatch, find_quant
 from normfuse.vocabulary import Placement
 
 __all__ = ["Analysis", "SiteAnalysis", "analyze"]
@@ -40,6 +42,7 @@ class SiteAnalysis:
     output_chain: tuple[fx.Node, ...]        # views / identity dropout between the norm and that add
     placement: Placement
     group: tuple[int, ...]                   # the norms that read the same value (itself included)
+    quant: QuantMatch | None = None          # the fp8 quantization of its output, when the graph has one
 
     @property
     def input_is_add(self) -> bool:
@@ -70,7 +73,8 @@ def analyze(graph: fx.Graph, stage: Callable[[str], None] = lambda name: None) -
         found.append(Found(match, find_input_add(index, match), *(out if out is not None else (None, ()))))
     stage("classify")
     placements, groups = classify(index, found)
-    sites = tuple(SiteAnalysis(number, f.match, f.in_add, f.output_add, tuple(f.output_chain), placement, group)
+    sites = tuple(SiteAnalysis(number, f.match, f.in_add, f.output_add, tuple(f.output_chain), placement, group,
+                               find_quant(index, f.match.output))
                   for number, (f, placement, group) in enumerate(zip(found, placements, groups)))
     index.freeze()
     return Analysis(index, sites)

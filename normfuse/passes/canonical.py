@@ -60,6 +60,10 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "layer_norm": ("input", "normalized_shape", "weight", "bias", "eps"),
     "rms_norm": ("input", "normalized_shape", "weight", "eps"),
     "linear": ("input", "weight", "bias"),
+    # the quantization of a norm's output (passes/quant.py)
+    "abs": ("input",),
+    "amax": ("input", "dim", "keepdim"),
+    "clamp": ("input", "min", "max"),
 }
 
 # Canonical primitive -> every spelling of it: call_function targets (callables, ATen
@@ -83,14 +87,19 @@ SPELLINGS: dict[str, list[Any]] = {
     "cast": ["to", "float", "half", "bfloat16", "double", "type", "type_as",
              *_aten("_to_copy.default", "to.dtype", "to.dtype_layout", "to.device", "type_as.default"),
              *([prims.convert_element_type.default] if hasattr(prims, "convert_element_type") else [])],
-    "view": ["view", "reshape", "contiguous", "clone", "view_as", "reshape_as", torch.reshape, torch.clone,
-             *_aten("view.default", "reshape.default", "_unsafe_view.default", "clone.default", "alias.default")],
+    "view": ["view", "reshape", "contiguous", "clone", "view_as", "reshape_as", "unflatten", torch.reshape, torch.clone,
+             torch.unflatten, *_aten("view.default", "reshape.default", "_unsafe_view.default", "clone.default",
+                                     "alias.default", "unflatten.int")],
     "permute": ["permute", torch.permute, *_aten("permute.default")],
     "dropout": [F.dropout, torch.dropout, "dropout", *_aten("dropout.default")],
     "layer_norm": [F.layer_norm, torch.layer_norm, *_aten("layer_norm.default", "native_layer_norm.default")],
     "linear": [F.linear, *_aten("linear.default")],
     "rms_norm": [F.rms_norm, *( [torch.rms_norm] if hasattr(torch, "rms_norm") else []),
                  *_aten("rms_norm.default", "_fused_rms_norm.default")],
+    "abs": [torch.abs, "abs", *_aten("abs.default")],
+    "amax": [torch.amax, "amax", *_aten("amax.default")],
+    "clamp": [torch.clamp, torch.clip, "clamp", "clip", *_aten("clamp.default", "clamp_min.default",
+                                                                  "clamp_max.default")],
 }
 
 # Ops returning a tuple of primitives: each ``getitem`` of their result is read as the
@@ -109,6 +118,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "dropout": {"p": 0.5, "training": True},
     "layer_norm": {"weight": None, "bias": None, "eps": 1e-5},
     "rms_norm": {"weight": None, "eps": None},
+    "amax": {"dim": (), "keepdim": False},
+    "clamp": {"min": None, "max": None},
 }
 
 # ATen spellings whose positional layout differs from the canonical one.
@@ -116,6 +127,7 @@ _ATEN_POSITIONAL = {
     "var.correction": ("input", "dim"),  # correction / keepdim are keyword-only
     "var_mean.correction": ("input", "dim"),
     "dropout.default": ("input", "p", "training"),
+    "clamp_max.default": ("input", "max"),
 }
 
 _FUNCTION_TABLE: dict[Any, str] = {}

@@ -82,7 +82,9 @@ def site_record(analysis: Analysis, site: SiteAnalysis) -> Site:
         weight_offset=m.weight_offset,
         residual_scale=site.in_add.residual_scale if site.in_add is not None else 1.0,
         norm_round_dtype=str(m.norm_round_dtype) if m.norm_round_dtype else None,
-        out_dtype=str(m.out_dtype) if m.out_dtype else None, module_type=cls)
+        out_dtype=str(m.out_dtype) if m.out_dtype else None, module_type=cls,
+        quant=site.quant.describe() if site.quant is not None and site.quant.reason is None
+        else ("fp8 (a spelling the epilogue does not compute)" if site.quant is not None else None))
 
 
 def site_records(analysis: Analysis, planning: Planning | None = None, applied: bool = True) -> list[Site]:
@@ -100,6 +102,7 @@ def site_records(analysis: Analysis, planning: Planning | None = None, applied: 
                 member.fused_dropout = bool(plan.branch is not None and plan.branch.dropout_p)
                 member.fused_rowscale = plan.branch is not None and plan.branch.rowscale is not None
                 member.fused_x1 = plan.branch is not None and plan.branch.x1 is not None
+                member.fused_quant = plan.quant is not None
             if not applied:
                 member.reason = "not applied (analysis only)"
                 continue
@@ -111,6 +114,9 @@ def site_records(analysis: Analysis, planning: Planning | None = None, applied: 
             member.residual_dtype = str(plan.residual_dtype) if plan.residual_dtype is not None else None
             if k == 0:
                 member.recomputed_linears = len(plan.recompute)
+    for site, decision in zip(sites, planning.decisions):
+        if site.quant is not None and not site.fused_quant:
+            site.quant_reason = decision.quant_reason or decision.reason or "not rewritten"
     for site, decision in zip(sites, planning.decisions):
         if decision.plan is None:
             site.reason = decision.reason or "not rewritten"

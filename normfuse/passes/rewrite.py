@@ -25,7 +25,7 @@ from normfuse.passes.canonical import canonical, node_dtype, node_shape, real_us
 from normfuse.passes.planning import Plan, Planning
 from normfuse.vocabulary import FOLDED_META, LAYOUT_META, ROWS_META
 
-__all__ = ["Rewriting", "apply_plans", "is_fused_call", "fused_op_name", "output_index"]
+__all__ = ["Rewriting", "apply_plans", "is_fused_call", "fused_op_name", "output_index", "is_quantized"]
 
 # What a rewritten graph calls: the functional API (graphs that run eagerly or go through
 # AOTAutograd, which traces it into the custom ops) or, in graphs Inductor already
@@ -120,12 +120,20 @@ def _fused_call(graph: fx.Graph, family: str, args: tuple, options: dict, as_op:
     return call
 
 
-def output_index(as_op: bool, paired: bool) -> dict[str, int]:
-    """Where y, y1 and s are among the outputs of a rewritten call: the functional API returns
-    (y, s), or (y, y1, s) with a second norm; the custom op (y, s, mean, rstd, y1)."""
+def output_index(as_op: bool, paired: bool, quantized: bool = False) -> dict[str, int]:
+    """Where y, y1, s (and q, scale) are among the outputs of a rewritten call: the functional
+    API returns (y, s), (y, y1, s) with a second norm, (q, scale, y, s) with the fp8 epilogue;
+    the custom op (y, s, mean, rstd, y1)."""
     if as_op:
         return {"y": 0, "s": 1, "y1": 4}
+    if quantized:
+        return {"q": 0, "scale": 1, "y": 2, "s": 3}
     return {"y": 0, "y1": 1, "s": 2} if paired else {"y": 0, "s": 1}
+
+
+def is_quantized(call: fx.Node) -> bool:
+    """A fused call with the fp8 epilogue (its outputs are (q, scale, y, s))."""
+    return call.kwargs.get("quant_dtype") is not None
 
 
 def _per_row(graph: fx.Graph, scale: fx.Node, shape: tuple, as_op: bool) -> list[fx.Node]:
@@ -214,9 +222,13 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
             extra, rows = _branch_and_partner_options(r, p)
             inserted += rows
             sum_dtype = p.residual_dtype if p.widens else p.sum_dtype
+            if p.quant is not None:  # q and its scale too; y while anything else reads it
+                extra.update(p.quant.options(), quant_scale=_fp32_scale(graph, r.resolve(p.quant.static_scale)),
+                             return_norm=True)
+                inserted += [extra["quant_scale"]] if extra["quant_scale"] is not None else []
             call = _fused_call(graph, "add_norm", (x, residual, m.weight, m.bias),
                                dict(modes, sum_dtype=sum_dtype, return_sum=s_used, **extra), as_op)
-            where = output_index(as_op, len(p.sites) > 1)
+            where = output_index(as_op, len(p.sites) > 1, p.quant is not None)
             y = graph.call_function(operator.getitem, (call, where["y"]))
             _copy_meta(y, m.output)
             inserted += [call, y]
@@ -234,6 +246,10 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
                 _copy_meta(result, m.output)
                 inserted.append(result)
             r.replace(m.output, result)
+            if p.quant is not None:
+                kernel_shape = node_shape(add.node) if add is not None else node_shape(m.output)
+                inserted += _quant_outputs(r, call, p.quant, kernel_shape, where)
+                old_nodes += p.quant.nodes
             if s_used:
                 s = graph.call_function(operator.getitem, (call, where["s"]))
                 _copy_meta(s, add.node)
@@ -259,7 +275,55 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
     call.meta["stack_trace"] = m.output.meta.get("stack_trace")
     call.meta["nn_module_stack"] = m.output.meta.get("nn_module_stack")
     _erase_dead(graph, old_nodes, r.order)
+    if p.quant is not None and not real_users(result):  # y was read only by its quantization
+        for node in (result, y) if result is not y else (y,):
+            if not real_users(node):
+                graph.erase_node(node)
+        call.kwargs = {**call.kwargs, "return_norm": False}
     return call
+
+
+def _fp32_scale(graph: fx.Graph, scale: fx.Node | None) -> fx.Node | None:
+    """A static scale as the kernel takes it, fp32 (the graph's division upcasts a 16-bit one, exactly)."""
+    if scale is None or node_dtype(scale) == torch.float32:
+        return scale
+    upcast = graph.call_method("to", (scale, torch.float32))
+    for key in ("val", "example_value"):
+        if isinstance(scale.meta.get(key), torch.Tensor):
+            upcast.meta[key] = scale.meta[key].to(torch.float32)
+    return upcast
+
+
+def _reshaped(graph: fx.Graph, value: fx.Node, like: fx.Node, shape: tuple) -> fx.Node:
+    """``value`` (the call's output, of ``shape``) in the shape of the node it replaces."""
+    for key in ("val", "example_value"):
+        if isinstance(like.meta.get(key), torch.Tensor):
+            value.meta[key] = like.meta[key].reshape(shape)
+    if same_shape(node_shape(like), tuple(shape)):
+        _copy_meta(value, like)
+        return value
+    out = graph.call_method("reshape", (value, *node_shape(like)))
+    _copy_meta(out, like)
+    return out
+
+
+def _quant_outputs(r: Rewriting, call: fx.Node, quant, kernel_shape: tuple, where: dict) -> list[fx.Node]:
+    """The graph's fp8 cast and its dynamic scale replaced by the call's q and scale."""
+    from normfuse.kernels.reference import quant_scale_shape
+
+    graph, inserted = r.graph, []
+    q = graph.call_function(operator.getitem, (call, where["q"]))
+    inserted.append(q)
+    q_out = _reshaped(graph, q, quant.q, kernel_shape)
+    inserted += [q_out] if q_out is not q else []
+    r.replace(quant.q, q_out)
+    if quant.scale_node is not None:
+        scale = graph.call_function(operator.getitem, (call, where["scale"]))
+        inserted.append(scale)
+        scale_out = _reshaped(graph, scale, quant.scale_node, quant_scale_shape(kernel_shape, quant.group))
+        inserted += [scale_out] if scale_out is not scale else []
+        r.replace(quant.scale_node, scale_out)
+    return inserted
 
 
 def _erase_dead(graph: fx.Graph, nodes: list[fx.Node], order: dict) -> None:
@@ -298,7 +362,7 @@ def _widen(r: Rewriting, planning: Planning, calls: list[fx.Node]) -> None:
         if not p.widens:
             continue
         call = calls[i]
-        out = _output(call, 0 if p.op == "norm_add" else output_index(False, len(p.sites) > 1)["s"])
+        out = _output(call, 0 if p.op == "norm_add" else output_index(False, len(p.sites) > 1, is_quantized(call))["s"])
         if out is None:
             continue
         old = node_dtype(out)

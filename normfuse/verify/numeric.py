@@ -223,8 +223,14 @@ def ulp_diff(candidate: torch.Tensor, baseline: torch.Tensor) -> tuple[float, fl
     if not dtype.is_floating_point or baseline.numel() == 0:
         return 0.0, 0.0
     c, b = candidate.to(dtype), baseline
+    if dtype.itemsize == 1:  # fp8 has no nextafter: its ulp from the exponent, in fp64
+        c, b = c.double(), b.double()
+        info = torch.finfo(dtype)
+        exponent = torch.floor(torch.log2(b.abs().clamp(min=info.smallest_normal)))
+        ulp = torch.exp2(exponent) * info.eps
+    else:
+        ulp = (torch.nextafter(b.abs(), torch.full_like(b, float("inf"))) - b.abs()).double()
     finite = b.isfinite() & c.isfinite()
-    ulp = (torch.nextafter(b.abs(), torch.full_like(b, float("inf"))) - b.abs()).double()
     diff = (c.double() - b.double()).abs()
     ulps = torch.where(finite, diff / ulp, torch.zeros_like(diff))
     differ = (c != b) & finite
@@ -408,6 +414,8 @@ def _call_arguments(pair: SitePair, env: dict[fx.Node, Any]) -> tuple[list, dict
         kwargs["rowscale"] = scale.reshape(scale.shape[:-1]).expand(x.shape[:-1])
     if kwargs.get("dropout_p"):
         kwargs["seed"] = torch.tensor(_CHECK_SEED)
+    if kwargs.get("quant_scale") is not None:  # the kernel takes a static scale in fp32 (an exact upcast)
+        kwargs["quant_scale"] = kwargs["quant_scale"].float()
     return args, kwargs
 
 

@@ -31,14 +31,14 @@ import torch.fx as fx
 from normfuse.passes.canonical import canonical
 from normfuse.passes.find import live_dropout_p
 from normfuse.passes.analysis import analyze
-from normfuse.passes.rewrite import fused_op_name, is_fused_call, output_index
+from normfuse.passes.rewrite import fused_op_name, is_fused_call, is_quantized, output_index
 from normfuse.reporting import Site
 from normfuse.vocabulary import FOLDED_META, LAYOUT_META, ROWS_META
 
 __all__ = ["SitePair", "pair_sites", "fused_calls", "site_order"]
 
 _ARG_ROLES = ("x", "residual", "weight", "bias")       # positional arguments of the fused call
-_OPTION_ROLES = ("x1", "rowscale", "weight1", "bias1")  # tensors it takes as keyword options
+_OPTION_ROLES = ("x1", "rowscale", "weight1", "bias1", "quant_scale")  # tensors it takes as keyword options
 
 
 @dataclass
@@ -92,17 +92,25 @@ def _operand_prep(index, add, operands) -> list[fx.Node]:
     return prep
 
 
-def _subgraph(index, state, op: str, reads: set, folded: list[fx.Node], partners: list
+def _subgraph(index, state, op: str, reads: set, folded: list[fx.Node], partners: list, quantized: bool = False
               ) -> tuple[list[fx.Node], list[tuple[int, fx.Node]]]:
     """Original nodes a fused call of ``op`` stands for, and which output replaced which node.
 
     ``reads``: the original values the call's arguments carry; the walk from an add to
     its operands stops there (an operand may be another site's output, casts included).
     ``folded``: branch nodes folded into the call; ``partners``: states of the other norms
-    it computes."""
+    it computes; ``quantized``: the call computes the fp8 quantization of y too."""
     m = state.match
     nodes = list(m.nodes)
-    where = output_index(False, bool(partners))
+    where = output_index(False, bool(partners), quantized)
+    quant_outputs = []
+    if quantized:
+        if state.quant is None or state.quant.reason is not None:
+            raise AttributeError("no quantization of the norm's output in the original graph")
+        nodes += state.quant.nodes
+        quant_outputs = [(where["q"], state.quant.q)]
+        if state.quant.scale_node is not None:
+            quant_outputs.append((where["scale"], state.quant.scale_node))
     for partner in partners:
         nodes += partner.match.nodes
     if op == "add_norm":
@@ -116,8 +124,8 @@ def _subgraph(index, state, op: str, reads: set, folded: list[fx.Node], partners
         nodes += [out.node, *_operand_prep(index, out.node, set(out.operands) | {m.output} | reads)]
         outputs = [(0, out.node), (1, m.output)]
     else:
-        outputs = [(0, m.output)]
-    outputs += [(where["y1"], partner.match.output) for partner in partners]
+        outputs = [(where["y"], m.output)]
+    outputs += [(where["y1"], partner.match.output) for partner in partners] + quant_outputs
     unique = sorted(set(nodes), key=index.order.__getitem__)
     return unique, outputs
 
@@ -192,6 +200,8 @@ def pair_sites(original: fx.GraphModule, rewritten: fx.GraphModule, sites: list[
             arg = call.kwargs.get(role)
             if isinstance(arg, fx.Node) and ROWS_META in arg.meta:  # the rewrite's per-row view of a scale
                 arg = arg.all_input_nodes[0].all_input_nodes[0]
+            if role == "quant_scale" and isinstance(arg, fx.Node) and arg.name not in by_name:
+                arg = arg.all_input_nodes[0]  # the rewrite's fp32 upcast of a 16-bit static scale
             if role in call.kwargs:
                 pair.args[role] = original_of(arg)
         reads = {a for a in pair.args.values() if isinstance(a, fx.Node)}
@@ -200,7 +210,8 @@ def pair_sites(original: fx.GraphModule, rewritten: fx.GraphModule, sites: list[
             pair.problem = pair.problem or "branch nodes folded into the call are missing from the original graph"
         others = [states[p.number] for p in partners if p.number < len(states)]
         try:
-            pair.nodes, outputs = _subgraph(index, state, site.op or op, reads, pair.folded, others)
+            pair.nodes, outputs = _subgraph(index, state, site.op or op, reads, pair.folded, others,
+                                            is_quantized(call))
         except AttributeError as error:  # the analysis found no add where the report says one was fused
             pair.problem = f"the original subgraph of {site.id} cannot be rebuilt ({error})"
             continue

@@ -164,12 +164,47 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym) -> Any:
         return _mean(val(c["input"]))
     if p == "var":
         return _var(val(c["input"]), bool(c["unbiased"]))
+    if p == "abs":
+        return _elementwise(sympy.Abs, val(c["input"]))
+    if p == "amax":  # over the last dim, keepdim (the matcher took no other): the row's maximum
+        return [sympy.Max(*val(c["input"]))]
+    if p == "clamp":
+        return _clamp(val(c["input"]), c["min"], c["max"], eps, eps_sym)
     if p in ("layer_norm", "rms_norm"):
         weight = val(c["weight"]) if c["weight"] is not None else None
         bias = val(c["bias"]) if p == "layer_norm" and c["bias"] is not None else None
         y = _norm(p, val(c["input"]), weight, bias, eps_sym)
         return (y, None, None) if c.multi_output else y
     raise _Unsupported(f"no symbolic rule for primitive {p!r} (node {node.name})")
+
+
+def _clamp(row: list, low: Any, high: Any, eps: float | None = None, eps_sym=None) -> list:
+    if low is not None:
+        row = _elementwise(lambda v: sympy.Max(v, _const(low, eps, eps_sym)), row)
+    if high is not None:
+        row = _elementwise(lambda v: sympy.Min(v, _const(high, eps, eps_sym)), row)
+    return row
+
+
+def _quantized(y: list, kw: dict, static_scale: list | None) -> list:
+    """q and the scale of the fp8 epilogue (normfuse/kernels/reference.py), in exact arithmetic:
+    the casts are identities, the clamps and the amax are Max/Min. A row of symbols stands for
+    one row, or for one group of a grouped scale."""
+    import torch
+
+    qmax = sympy.Rational(torch.finfo(kw["quant_dtype"]).max)
+    if static_scale is not None:
+        scale = static_scale[0]
+    else:
+        amax = _clamp([sympy.Max(*[sympy.Abs(v) for v in y])], kw.get("quant_amax_min"), None)[0]
+        scale = amax / qmax if kw.get("quant_scale_form", "amax/max") == "amax/max" else qmax / amax
+        scale = _clamp([scale], kw.get("quant_scale_min"), None)[0]
+    apply = kw.get("quant_apply", "div")
+    v = [yv / scale if apply == "div" else yv * scale if apply == "mul" else yv * (1 / scale) for yv in y]
+    clamp = kw.get("quant_clamp")
+    q = _clamp(v, -clamp, clamp) if clamp is not None else v
+    out = scale if kw.get("quant_scale_out", "scale") == "scale" else 1 / scale
+    return [q, [out]]
 
 
 def _leaf(node: fx.Node, name: str, hidden: int | None, layout: tuple[int, ...] | None = None) -> list:
@@ -224,6 +259,8 @@ def _fused(pair: SitePair, rows: dict[str, Any], eps_sym, eps: float | None) -> 
         x = _elementwise(operator.add, x, rows["x1"])
     s = x if r is None else _elementwise(lambda xv, rv: xv + scale * rv, x, r)
     y = _norm(kind, s, w, b, e, offset)
+    if kw.get("quant_dtype") is not None:  # (q, scale, y, s)
+        return [*_quantized(y, kw, rows.get("quant_scale")), y, s]
     if rows.get("weight1") is None:
         return [y, s]
     return [y, _norm(kind, s, rows["weight1"], rows.get("bias1"), e, offset), s]
@@ -271,7 +308,10 @@ def _random_point(symbols, rng: random.Random) -> dict:
 def _decide(lhs, rhs, rng: random.Random) -> tuple[str, str, str | None]:
     """(status, method, detail) for lhs == rhs."""
     (l2, r2), relations = _radicals_to_symbols([lhs, rhs])
-    method = _algebraic_zero(l2 - r2, relations)
+    try:
+        method = _algebraic_zero(l2 - r2, relations)
+    except sympy.PolynomialError:  # Max / Min / Abs (an fp8 scale, a clamp) are not polynomial in t
+        method = None
     if method:
         return "proved", method, None
     diff = lhs - rhs
@@ -289,7 +329,7 @@ def _decide(lhs, rhs, rng: random.Random) -> tuple[str, str, str | None]:
 
 # the symbols of each argument of the fused call: x0..x3, r0..r3, ...
 _SYMBOL_PREFIX = {"x": "x", "residual": "r", "weight": "w", "bias": "b", "x1": "xb", "rowscale": "k",
-                  "weight1": "wb", "bias1": "bb"}
+                  "weight1": "wb", "bias1": "bb", "quant_scale": "qs"}
 
 
 def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
