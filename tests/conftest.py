@@ -14,6 +14,12 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# one intra-op thread per xdist worker: the workers already fill the cores, and two workers
+# each running torch's default of one thread per core oversubscribe them (a model of many small
+# ops, Qwen3-Next's chunked delta rule, ran 15x slower next to another worker)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 from normfuse.zoo import prepare_torchvision  # noqa: E402
 
 # transformers imports torchvision whenever it is installed; a torchvision wheel whose C
