@@ -51,6 +51,8 @@ class FuseConfig:
     fuse_quant: a norm whose output the graph quantizes to fp8 for the next linear (a scale,
                 static or from each row's or group's amax; divide; clamp; cast) computes q and
                 its scale in the same call (normfuse/passes/quant.py lists the spellings read).
+    fuse_gate:  a gated RMSNorm, ``norm(x * act(z))`` (Mamba2) or ``norm(x) * act(z)`` (Qwen3-Next),
+                act silu or sigmoid in fp32, takes the gate into its call (normfuse/passes/gate.py).
     """
 
     filter_fn: Callable[[Any], bool] | None = None
@@ -66,6 +68,7 @@ class FuseConfig:
     fuse_dropout: bool = True
     pair_norms: bool = True
     fuse_quant: bool = True
+    fuse_gate: bool = True
 
     def __post_init__(self):
         if self.filter_fn is not None and not callable(self.filter_fn):
@@ -78,7 +81,7 @@ class FuseConfig:
                 f"{self.residual_dtype!r}. Pass residual_dtype=torch.float32.")
         for name in ("standalone", "fuse_output_add", "prenorm", "check", "recompute_norm_output", "cross_block",
                      "cross_checkpoints",
-                     "fuse_branch", "fuse_dropout", "pair_norms", "fuse_quant"):
+                     "fuse_branch", "fuse_dropout", "pair_norms", "fuse_quant", "fuse_gate"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidOptionError(f"{name} must be True or False, got {value!r}.")

@@ -46,6 +46,9 @@ class Site:
     fused_x1: bool = False      # a second branch (``x + attn + mlp``) summed in the kernel
     fused_rowscale: bool = False  # a per-sample scale of the branch (drop_path) applied in the kernel
     fused_dropout: bool = False   # the branch's dropout drawn in the kernel (another random stream)
+    norm_group: int | None = None  # statistics per group of this many columns (Mamba2, NemotronH)
+    gate: str | None = None       # a gated norm: "silu(z) before the norm" (Mamba2), "sigmoid(z) after" (Kimi)
+    fused_gate: bool = False      # ... and the call applies the gate
     quant: str | None = None      # the graph quantizes the norm's output: "float8_e4m3fn, dynamic per row", ...
     fused_quant: bool = False     # ... and the call computes that quantization (q and its scale) too
     quant_reason: str | None = None  # why it does not (when the graph quantizes and the site is fused)
@@ -125,6 +128,8 @@ class FusionReport:
             # norms whose output the graph quantizes to fp8, and those whose call computes it
             "quantized": sum(s.quant is not None for s in self.sites),
             "fused_quant": sum(s.fused_quant for s in self.fused),
+            "gated": sum(s.gate is not None for s in self.sites),
+            "fused_gate": sum(s.fused_gate for s in self.fused),
             "not_captured": len(self.uncaptured),
         }
 
@@ -217,7 +222,8 @@ def folded_steps(site: Site) -> str:
     """What the site's kernel took over besides the norm and its add, e.g. " + x1 + dropout":
     the add's branch, and the fp8 quantization of its output (or why not)."""
     steps = [name for name, on in (("x1", site.fused_x1), ("drop_path", site.fused_rowscale),
-                                   ("dropout", site.fused_dropout), ("fp8 quant", site.fused_quant)) if on]
+                                   ("dropout", site.fused_dropout), ("gate", site.fused_gate),
+                                   ("fp8 quant", site.fused_quant)) if on]
     text = "".join(f" + {step}" for step in steps)
     if site.quant is not None and not site.fused_quant and site.fused:
         text += f" (fp8 quantization left: {site.quant_reason})"

@@ -97,7 +97,7 @@ def test_a_planted_quantization_fault_is_caught_at_its_site(fault, monkeypatch):
     import test_check
 
     monkeypatch.setattr(test_check, "plant", _plant_quant)
-    model = Fp8Llama(recipe="row").to(torch.bfloat16)
+    model = Fp8Llama(dim=128, recipe="row").to(torch.bfloat16)
     torch._dynamo.reset()
     res = normfuse.check(model, _ids(), optimized=faulty_copy(model, 1, fault), backward=False)
     assert not res.ok
@@ -181,3 +181,31 @@ def test_a_quantization_autograd_differentiates_through_is_left_in_the_graph():
     sites = [s for s in normfuse.report(optimized).sites if s.quant is not None]
     assert len(sites) == 4 and not any(s.fused_quant for s in sites)
     assert all("differentiates through the quantization" in s.quant_reason for s in sites)
+
+
+def test_torchao_float8_training_linear_is_explained():
+    # torchao's float8 training linear quantizes inside one autograd.Function: nothing to take
+    # over in the graph, and the report says where the quantization went
+    pytest.importorskip("torchao.float8")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    class Block(nn.Module):
+        def __init__(self, dim=128):
+            super().__init__()
+            self.norm, self.linear = nn.RMSNorm(dim), nn.Linear(dim, dim, bias=False)
+
+        def forward(self, x, h):
+            x = x + h
+            return x, self.linear(self.norm(x))
+
+    model = Block().to(torch.bfloat16)
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"))
+    x, h = torch.randn(2, 8, 128, dtype=torch.bfloat16), torch.randn(2, 8, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = model(x, h)
+        optimized = _optimized(model)
+        got = optimized(x, h)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    (site,) = normfuse.report(optimized).sites
+    assert site.fused and site.fused_add and not site.fused_quant
+    assert site.quant == "fp8, inside torchao's float8 linear" and "autograd.Function" in site.quant_reason

@@ -4,8 +4,8 @@
 the graph:
 
 - canonicalize: the canonical view of every node (``canonical.py``, one table of spellings);
-- find: every norm, the residual add it reads, the add its output goes into (``find.py``) and
-  the fp8 quantization of its output (``quant.py``);
+- find: every norm, the residual add it reads, the add its output goes into (``find.py``),
+  its gate (``gate.py``) and the fp8 quantization of its output (``quant.py``);
 - classify: where each norm sits on the residual stream (``classify.py``).
 
 Everything after it reads the ``Analysis``: the planner decides the fused calls from it
@@ -25,6 +25,7 @@ from normfuse.passes.canonical import canonicalize
 from normfuse.passes.classify import Found, classify
 from normfuse.passes.find import AddMatch, NormMatch, find_input_add, find_norms, find_output_add
 from normfuse.passes.graph import GraphIndex
+from normfuse.passes.gate import GateMatch, find_gate
 from normfuse.passes.quant import QuantMatch, find_quant
 from normfuse.vocabulary import Placement
 
@@ -43,6 +44,7 @@ class SiteAnalysis:
     placement: Placement
     group: tuple[int, ...]                   # the norms that read the same value (itself included)
     quant: QuantMatch | None = None          # the fp8 quantization of its output, when the graph has one
+    gate: GateMatch | None = None            # its gate (Mamba2's and Qwen3-Next's gated norms)
 
     @property
     def input_is_add(self) -> bool:
@@ -74,7 +76,7 @@ def analyze(graph: fx.Graph, stage: Callable[[str], None] = lambda name: None) -
     stage("classify")
     placements, groups = classify(index, found)
     sites = tuple(SiteAnalysis(number, f.match, f.in_add, f.output_add, tuple(f.output_chain), placement, group,
-                               find_quant(index, f.match.output))
+                               find_quant(index, f.match.output), find_gate(index, f.match))
                   for number, (f, placement, group) in enumerate(zip(found, placements, groups)))
     index.freeze()
     return Analysis(index, sites)

@@ -64,6 +64,9 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "abs": ("input",),
     "amax": ("input", "dim", "keepdim"),
     "clamp": ("input", "min", "max"),
+    # the activation of a gated norm's gate (passes/gate.py)
+    "silu": ("input",),
+    "sigmoid": ("input",),
 }
 
 # Canonical primitive -> every spelling of it: call_function targets (callables, ATen
@@ -100,6 +103,8 @@ SPELLINGS: dict[str, list[Any]] = {
     "amax": [torch.amax, "amax", *_aten("amax.default")],
     "clamp": [torch.clamp, torch.clip, "clamp", "clip", *_aten("clamp.default", "clamp_min.default",
                                                                   "clamp_max.default")],
+    "silu": [F.silu, "silu", *_aten("silu.default")],
+    "sigmoid": [torch.sigmoid, F.sigmoid, "sigmoid", *_aten("sigmoid.default")],
 }
 
 # Ops returning a tuple of primitives: each ``getitem`` of their result is read as the

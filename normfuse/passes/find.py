@@ -47,6 +47,7 @@ class NormMatch:
     hidden_size: int | None = None
     reason: str | None = None        # set when the norm itself cannot be fused
     anchor: fx.Node | None = None    # the node that identified it (for ordering and messages)
+    group: int | None = None         # statistics per group of this many columns (Mamba2, NemotronH)
 
 
 @dataclass(frozen=True)
@@ -348,6 +349,28 @@ def _weight_operand(index: GraphIndex, operand: Any, n: int):
     return None
 
 
+def _ungrouped(index: GraphIndex, m: NormMatch) -> NormMatch:
+    """A norm over ``x.view(..., N // G, G)`` whose result is viewed back to (..., N) (Mamba2's
+    and NemotronH's grouped RMSNorm): the same norm over the rows of x, with statistics per group
+    of G columns (``group``); the tail (weight, casts) is then read after the view back."""
+    split = m.input
+    c = index.canon(split) if isinstance(split, fx.Node) else None
+    merge = _single_user(m.output)
+    if c is None or c.prim != "view" or merge is None or index.prim(merge) != "view" or m.weight is not None:
+        return m
+    source = c["input"]
+    rows, grouped, merged = node_shape(source), node_shape(split), node_shape(merge)
+    if not (isinstance(source, fx.Node) and rows and grouped and merged and len(grouped) == len(rows) + 1
+            and same_shape(merged, rows) and same_shape(grouped[:-2], rows[:-1])):
+        return m
+    width, group = dim_value(rows[-1]), dim_value(grouped[-1])
+    if not isinstance(width, int) or not isinstance(group, int) or group >= width or width % group \
+            or not same_dim(grouped[-2], width // group) or any(u not in m.nodes for u in real_users(split)):
+        return m
+    return replace(m, input=source, output=merge, hidden_size=width, group=group,
+                   nodes=(split, *m.nodes, merge))
+
+
 def _with_tail(index: GraphIndex, m: NormMatch) -> NormMatch:
     """Extend a matched normalization ``n`` with casts, ``* weight`` and ``+ bias`` while the
     fused op can reproduce every rounding point; stop before the first step it cannot.
@@ -355,6 +378,7 @@ def _with_tail(index: GraphIndex, m: NormMatch) -> NormMatch:
     The op computes ``round(out, [round(r, n)] * (w + offset) + b)``: at most one rounding
     of n before the weight (Llama) and one rounding at the end (Gemma, F.layer_norm).
     """
+    m = _ungrouped(index, m)
     n = m.hidden_size
     cur = m.output
     cur_dtype = node_dtype(cur) or F32

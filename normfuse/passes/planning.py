@@ -11,7 +11,8 @@ decides, site by site in graph order, which call each becomes:
 - the add's branch: a second add, a per-sample scale or live dropout just before the add
   become the kernel's ``x1``, ``rowscale``, ``dropout_p`` (``branch.py``);
 - the fp8 quantization of the norm's output (``quant.py``) becomes the call's epilogue: it
-  returns q and the scale as well.
+  returns q and the scale as well;
+- a gated norm's gate (``gate.py``) becomes the call's ``gate=``.
 
 A ``Plan`` carries everything decided for one call: the sites it computes, the adds it
 claims, the branch fold, the operands, the rounding modes, where it goes (with the late
@@ -36,6 +37,7 @@ from normfuse.passes.branch import BranchFold, fold_branch
 from normfuse.passes.canonical import canonical, mutates, node_dtype, node_shape, real_users, same_shape, tensor_meta
 from normfuse.passes.classify import stream_operand
 from normfuse.passes.graph import GraphIndex
+from normfuse.passes.gate import GateMatch
 from normfuse.passes.quant import QuantMatch
 from normfuse.vocabulary import KERNEL_DTYPES, LOW_PRECISION, Placement
 
@@ -71,6 +73,7 @@ class Plan:
     takes_wide: tuple[int, ...] = ()         # plans whose wide sum this call reads as it is
     recompute: tuple[fx.Node, ...] = ()      # linears reading its output that recompute it in backward
     quant: QuantMatch | None = None          # the fp8 quantization of y it computes too
+    gate: GateMatch | None = None            # the gate of a gated norm it applies
 
     @property
     def lead(self) -> int:
@@ -131,7 +134,7 @@ def _same_modes(a: SiteAnalysis, b: SiteAnalysis) -> bool:
     """Two norms one kernel can compute from one set of row statistics (weights may differ)."""
     m, n = a.match, b.match
     return (m.kind, m.eps, m.weight_offset, m.norm_round_dtype, m.out_dtype, m.hidden_size) == (
-        n.kind, n.eps, n.weight_offset, n.norm_round_dtype, n.out_dtype, n.hidden_size)
+        n.kind, n.eps, n.weight_offset, n.norm_round_dtype, n.out_dtype, n.hidden_size) and m.group is n.group is None
 
 
 def _partner(analysis: Analysis, site: SiteAnalysis, unavailable: set[int]) -> SiteAnalysis | None:
@@ -242,6 +245,8 @@ def _quant_refusal(site: SiteAnalysis, p: Plan, config, as_op: bool) -> str | No
         return "the norm's output goes into the add after it in the same call (norm_add): no epilogue there"
     if p.permute is not None:
         return "the call reads its operands permuted (a channel norm): the epilogue quantizes rows of y"
+    if p.gate is not None or site.match.group is not None:
+        return "a gated or grouped norm: the epilogue does not quantize its output"
     return None
 
 
@@ -273,6 +278,8 @@ def _place(analysis: Analysis, p: Plan) -> tuple[Insertion | None, str | None]:
     extra = (p.branch.x1, p.branch.rowscale) if p.branch is not None else ()
     if p.quant is not None:
         extra += (p.quant.static_scale,)
+    if p.gate is not None:
+        extra += (p.gate.gate,)
     for number in p.sites[1:]:
         extra += (analysis.sites[number].match.weight, analysis.sites[number].match.bias)
     moves: list[fx.Node] = []
@@ -437,11 +444,16 @@ def plan(analysis: Analysis, config, as_op: bool = False, excluded: Callable[[in
             continue
         chosen, reason = _choose(analysis, site, claimed, reserved, config, as_op)
         quant_reason = None
+        if chosen is not None and site.gate is not None and config.fuse_gate and not as_op and (
+                chosen.op == "norm" or (chosen.op == "add_norm" and site.gate.position == "after")):
+            chosen.gate = site.gate
+            if site.gate.position == "before":  # the call reads x and z, and gates x itself
+                chosen.x, chosen.sum_dtype = site.gate.x, node_dtype(site.gate.x)
         if chosen is not None and site.quant is not None:
             quant_reason = _quant_refusal(site, chosen, config, as_op)
             chosen.quant = site.quant if quant_reason is None else None
         if chosen is not None and config.pair_norms and chosen.op in ("add_norm", "norm") and chosen.permute is None \
-                and chosen.quant is None:
+                and chosen.quant is None and chosen.gate is None:
             partner = _partner(analysis, site, unavailable)
             if partner is not None:
                 chosen.sites = (site.number, partner.number)
@@ -464,7 +476,7 @@ def plan(analysis: Analysis, config, as_op: bool = False, excluded: Callable[[in
         chosen.claims = tuple(n for n in (site.in_add.node if chosen.op == "add_norm" and site.in_add is not None
                                           else None, chosen.output_add, *branch_nodes) if n is not None)
         claimed.update(chosen.claims)  # an add folded into one kernel is not folded into another
-        if config.recompute_norm_output and not as_op and chosen.quant is None:
+        if config.recompute_norm_output and not as_op and chosen.quant is None and chosen.gate is None:
             chosen.recompute = _linear_readers(analysis, chosen)
         number = len(planning.plans)
         planning.plans.append(chosen)

@@ -83,8 +83,9 @@ def site_record(analysis: Analysis, site: SiteAnalysis) -> Site:
         residual_scale=site.in_add.residual_scale if site.in_add is not None else 1.0,
         norm_round_dtype=str(m.norm_round_dtype) if m.norm_round_dtype else None,
         out_dtype=str(m.out_dtype) if m.out_dtype else None, module_type=cls,
-        quant=site.quant.describe() if site.quant is not None and site.quant.reason is None
-        else ("fp8 (a spelling the epilogue does not compute)" if site.quant is not None else None))
+        gate=f"{site.gate.activation}(z) {site.gate.position} the norm" if site.gate is not None else None,
+        norm_group=m.group,
+        quant=site.quant.describe() if site.quant is not None else None)
 
 
 def site_records(analysis: Analysis, planning: Planning | None = None, applied: bool = True) -> list[Site]:
@@ -103,6 +104,7 @@ def site_records(analysis: Analysis, planning: Planning | None = None, applied: 
                 member.fused_rowscale = plan.branch is not None and plan.branch.rowscale is not None
                 member.fused_x1 = plan.branch is not None and plan.branch.x1 is not None
                 member.fused_quant = plan.quant is not None
+                member.fused_gate = plan.gate is not None
             if not applied:
                 member.reason = "not applied (analysis only)"
                 continue

@@ -63,7 +63,11 @@ class QuantMatch:
 
     def describe(self) -> str:
         """What the report says of it, e.g. "float8_e4m3fn, dynamic per row"."""
+        if self.q is None:
+            return "fp8, inside torchao's float8 linear"
         name = str(self.dtype).removeprefix("torch.")
+        if self.reason is not None:
+            return f"{name}, in a spelling the epilogue does not compute"
         if self.static_scale is not None:
             return f"{name}, static per-tensor scale"
         return f"{name}, dynamic per row" if self.group is None else f"{name}, dynamic per group of {self.group}"
@@ -267,13 +271,30 @@ def _fp8_casts(index: GraphIndex, y: fx.Node) -> list[fx.Node]:
     return casts
 
 
+def _opaque_quantizer(y: fx.Node) -> fx.Node | None:
+    """A reader of y that quantizes it out of the graph's sight: torchao's float8 training linear
+    reaches a dynamo graph as one ``autograd.Function`` call taking y and torchao's configs."""
+    for user in real_users(y):
+        if user.op != "call_function":
+            continue
+        owners = [getattr(a.target, "__module__", None) or "" for a in user.all_input_nodes if a.op == "call_function"]
+        if any(owner.startswith("torchao.float8") for owner in owners):
+            return user
+    return None
+
+
 def find_quant(index: GraphIndex, y: fx.Node) -> QuantMatch | None:
     """The quantization of the norm output ``y`` (see the module docstring), or None when y is
     not quantized. More than one cast of y to fp8 (two linears quantizing it their own way) is
     refused: the call writes one q."""
     casts = _fp8_casts(index, y)
     if not casts:
-        return None
+        opaque = _opaque_quantizer(y)
+        if opaque is None:
+            return None
+        return QuantMatch(reason=f"torchao's float8 linear ({opaque.name}) takes the norm output as it is and "
+                                 "quantizes it inside its autograd.Function, out of the graph: the quantization "
+                                 "stays in torchao")
     if len(casts) > 1:
         return QuantMatch(dtype=node_dtype(casts[0]), q=casts[0],
                           reason=f"y is cast to fp8 {len(casts)} times ({', '.join(c.name for c in casts)}); "

@@ -192,6 +192,8 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
     first = _insertion_point(r, p)
     modes = dict(kind=m.kind, eps=m.eps, weight_offset=m.weight_offset, residual_scale=p.residual_scale,
                  norm_round_dtype=m.norm_round_dtype, out_dtype=m.out_dtype)
+    if m.group is not None:  # statistics per group of columns (only then: plain calls read as before)
+        modes["norm_group"] = m.group
     old_nodes = list(m.nodes)
     with graph.inserting_before(first):
         if p.op == "norm_add":
@@ -222,6 +224,9 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
             extra, rows = _branch_and_partner_options(r, p)
             inserted += rows
             sum_dtype = p.residual_dtype if p.widens else p.sum_dtype
+            if p.gate is not None:
+                extra.update(p.gate.options(), gate=r.resolve(p.gate.gate))
+                old_nodes += p.gate.nodes
             if p.quant is not None:  # q and its scale too; y while anything else reads it
                 extra.update(p.quant.options(), quant_scale=_fp32_scale(graph, r.resolve(p.quant.static_scale)),
                              return_norm=True)
@@ -230,7 +235,8 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
                                dict(modes, sum_dtype=sum_dtype, return_sum=s_used, **extra), as_op)
             where = output_index(as_op, len(p.sites) > 1, p.quant is not None)
             y = graph.call_function(operator.getitem, (call, where["y"]))
-            _copy_meta(y, m.output)
+            output = p.gate.output if p.gate is not None and p.gate.position == "after" else m.output
+            _copy_meta(y, output)
             inserted += [call, y]
             if len(p.sites) > 1:
                 partner = r.analysis.sites[p.sites[1]].match
@@ -240,12 +246,12 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
                 r.replace(partner.output, y1)
                 old_nodes += partner.nodes
             result = y
-            if add is not None and not same_shape(node_shape(add.node), node_shape(m.output)):
+            if add is not None and not same_shape(node_shape(add.node), node_shape(output)):
                 # the add and the norm see the rows in different shapes (a view between them)
-                result = graph.call_method("reshape", (y, *node_shape(m.output)))
-                _copy_meta(result, m.output)
+                result = graph.call_method("reshape", (y, *node_shape(output)))
+                _copy_meta(result, output)
                 inserted.append(result)
-            r.replace(m.output, result)
+            r.replace(output, result)
             if p.quant is not None:
                 kernel_shape = node_shape(add.node) if add is not None else node_shape(m.output)
                 inserted += _quant_outputs(r, call, p.quant, kernel_shape, where)

@@ -38,7 +38,7 @@ from normfuse.vocabulary import FOLDED_META, LAYOUT_META, ROWS_META
 __all__ = ["SitePair", "pair_sites", "fused_calls", "site_order"]
 
 _ARG_ROLES = ("x", "residual", "weight", "bias")       # positional arguments of the fused call
-_OPTION_ROLES = ("x1", "rowscale", "weight1", "bias1", "quant_scale")  # tensors it takes as keyword options
+_OPTION_ROLES = ("x1", "rowscale", "weight1", "bias1", "quant_scale", "gate")  # tensors it takes as keyword options
 
 
 @dataclass
@@ -92,16 +92,24 @@ def _operand_prep(index, add, operands) -> list[fx.Node]:
     return prep
 
 
-def _subgraph(index, state, op: str, reads: set, folded: list[fx.Node], partners: list, quantized: bool = False
-              ) -> tuple[list[fx.Node], list[tuple[int, fx.Node]]]:
+def _subgraph(index, state, op: str, reads: set, folded: list[fx.Node], partners: list, quantized: bool = False,
+              gated: bool = False) -> tuple[list[fx.Node], list[tuple[int, fx.Node]]]:
     """Original nodes a fused call of ``op`` stands for, and which output replaced which node.
 
     ``reads``: the original values the call's arguments carry; the walk from an add to
     its operands stops there (an operand may be another site's output, casts included).
     ``folded``: branch nodes folded into the call; ``partners``: states of the other norms
-    it computes; ``quantized``: the call computes the fp8 quantization of y too."""
+    it computes; ``quantized``: the call computes the fp8 quantization of y too; ``gated``: it
+    applies the norm's gate."""
     m = state.match
     nodes = list(m.nodes)
+    y_node = m.output
+    if gated:
+        if state.gate is None:
+            raise AttributeError("no gate of the norm in the original graph")
+        nodes += state.gate.nodes
+        if state.gate.position == "after":
+            y_node = state.gate.output
     where = output_index(False, bool(partners), quantized)
     quant_outputs = []
     if quantized:
@@ -118,13 +126,13 @@ def _subgraph(index, state, op: str, reads: set, folded: list[fx.Node], partners
         nodes += [add.node, *add.chain, *_operand_prep(index, add.node, set(add.operands) | reads)]
         for node in folded:
             nodes += [node, *_operand_prep(index, node, reads)]
-        outputs = [(where["y"], m.output), (where["s"], add.node)]
+        outputs = [(where["y"], y_node), (where["s"], add.node)]
     elif op == "norm_add":
         out = state.output_add
         nodes += [out.node, *_operand_prep(index, out.node, set(out.operands) | {m.output} | reads)]
         outputs = [(0, out.node), (1, m.output)]
     else:
-        outputs = [(where["y"], m.output)]
+        outputs = [(where["y"], y_node)]
     outputs += [(where["y1"], partner.match.output) for partner in partners] + quant_outputs
     unique = sorted(set(nodes), key=index.order.__getitem__)
     return unique, outputs
@@ -211,7 +219,7 @@ def pair_sites(original: fx.GraphModule, rewritten: fx.GraphModule, sites: list[
         others = [states[p.number] for p in partners if p.number < len(states)]
         try:
             pair.nodes, outputs = _subgraph(index, state, site.op or op, reads, pair.folded, others,
-                                            is_quantized(call))
+                                            is_quantized(call), call.kwargs.get("gate") is not None)
         except AttributeError as error:  # the analysis found no add where the report says one was fused
             pair.problem = f"the original subgraph of {site.id} cannot be rebuilt ({error})"
             continue

@@ -164,10 +164,12 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym) -> Any:
         return _mean(val(c["input"]))
     if p == "var":
         return _var(val(c["input"]), bool(c["unbiased"]))
+    if p in ("silu", "sigmoid"):
+        return _elementwise(lambda v: _activation(p, v), val(c["input"]))
     if p == "abs":
         return _elementwise(sympy.Abs, val(c["input"]))
     if p == "amax":  # over the last dim, keepdim (the matcher took no other): the row's maximum
-        return [sympy.Max(*val(c["input"]))]
+        return [_max(*val(c["input"]))]
     if p == "clamp":
         return _clamp(val(c["input"]), c["min"], c["max"], eps, eps_sym)
     if p in ("layer_norm", "rms_norm"):
@@ -178,11 +180,24 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym) -> Any:
     raise _Unsupported(f"no symbolic rule for primitive {p!r} (node {node.name})")
 
 
+def _activation(name: str, v: Any) -> Any:
+    """silu(v) = v * sigmoid(v), sigmoid(v) = 1 / (1 + exp(-v)), in exact arithmetic."""
+    sigmoid = 1 / (1 + sympy.exp(-v))
+    return v * sigmoid if name == "silu" else sigmoid
+
+
+def _max(*args: Any) -> Any:
+    """Max unevaluated: sympy's simplification of Max compares its arguments symbolically, which
+    takes seconds on a norm's expressions; both sides build it the same way, and the random
+    points evaluate it."""
+    return sympy.Max(*args, evaluate=False)
+
+
 def _clamp(row: list, low: Any, high: Any, eps: float | None = None, eps_sym=None) -> list:
     if low is not None:
-        row = _elementwise(lambda v: sympy.Max(v, _const(low, eps, eps_sym)), row)
+        row = _elementwise(lambda v: _max(v, _const(low, eps, eps_sym)), row)
     if high is not None:
-        row = _elementwise(lambda v: sympy.Min(v, _const(high, eps, eps_sym)), row)
+        row = _elementwise(lambda v: sympy.Min(v, _const(high, eps, eps_sym), evaluate=False), row)
     return row
 
 
@@ -196,7 +211,7 @@ def _quantized(y: list, kw: dict, static_scale: list | None) -> list:
     if static_scale is not None:
         scale = static_scale[0]
     else:
-        amax = _clamp([sympy.Max(*[sympy.Abs(v) for v in y])], kw.get("quant_amax_min"), None)[0]
+        amax = _clamp([_max(*[sympy.Abs(v) for v in y])], kw.get("quant_amax_min"), None)[0]
         scale = amax / qmax if kw.get("quant_scale_form", "amax/max") == "amax/max" else qmax / amax
         scale = _clamp([scale], kw.get("quant_scale_min"), None)[0]
     apply = kw.get("quant_apply", "div")
@@ -258,6 +273,12 @@ def _fused(pair: SitePair, rows: dict[str, Any], eps_sym, eps: float | None) -> 
     if rows.get("x1") is not None:
         x = _elementwise(operator.add, x, rows["x1"])
     s = x if r is None else _elementwise(lambda xv, rv: xv + scale * rv, x, r)
+    gate = rows.get("gate")
+    if gate is not None:  # act(z), before the norm (its input gated) or after it (its output)
+        act = _elementwise(lambda v: _activation(kw.get("gate_activation", "silu"), v), gate)
+        before = kw.get("gate_position", "before") == "before"
+        y = _norm(kind, _elementwise(operator.mul, s, act) if before else s, w, b, e, offset)
+        return [y if before else _elementwise(operator.mul, y, act), s]
     y = _norm(kind, s, w, b, e, offset)
     if kw.get("quant_dtype") is not None:  # (q, scale, y, s)
         return [*_quantized(y, kw, rows.get("quant_scale")), y, s]
@@ -308,10 +329,14 @@ def _random_point(symbols, rng: random.Random) -> dict:
 def _decide(lhs, rhs, rng: random.Random) -> tuple[str, str, str | None]:
     """(status, method, detail) for lhs == rhs."""
     (l2, r2), relations = _radicals_to_symbols([lhs, rhs])
-    try:
-        method = _algebraic_zero(l2 - r2, relations)
-    except sympy.PolynomialError:  # Max / Min / Abs (an fp8 scale, a clamp) are not polynomial in t
-        method = None
+    method = None
+    difference = l2 - r2
+    if difference == 0:
+        method = "algebra"
+    elif not difference.has(sympy.Max, sympy.Min, sympy.Abs):
+        # Max / Min / Abs (an fp8 scale, a clamp) are not polynomial: equal ones cancel above,
+        # others go to the points
+        method = _algebraic_zero(difference, relations)
     if method:
         return "proved", method, None
     diff = lhs - rhs
@@ -319,8 +344,8 @@ def _decide(lhs, rhs, rng: random.Random) -> tuple[str, str, str | None]:
     symbols = sorted(sympy.sympify(lhs).free_symbols | sympy.sympify(rhs).free_symbols, key=lambda s: s.name)
     for _ in range(_POINTS):
         point = _random_point(symbols, rng)
-        value = sympy.N(diff.subs(point), 40)
-        scale = abs(sympy.N(lhs.subs(point), 40)) + 1
+        value = sympy.N(diff.xreplace(point), 40)
+        scale = abs(sympy.N(sympy.sympify(lhs).xreplace(point), 40)) + 1
         if abs(value) > sympy.Float("1e-25") * scale:
             shown = ", ".join(f"{k}={v}" for k, v in list(point.items())[:6])
             return "refuted", "random rational points", f"differ by {sympy.N(value, 6)} at {shown}"
@@ -329,7 +354,7 @@ def _decide(lhs, rhs, rng: random.Random) -> tuple[str, str, str | None]:
 
 # the symbols of each argument of the fused call: x0..x3, r0..r3, ...
 _SYMBOL_PREFIX = {"x": "x", "residual": "r", "weight": "w", "bias": "b", "x1": "xb", "rowscale": "k",
-                  "weight1": "wb", "bias1": "bb", "quant_scale": "qs"}
+                  "weight1": "wb", "bias1": "bb", "quant_scale": "qs", "gate": "g"}
 
 
 def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:

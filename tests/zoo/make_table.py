@@ -21,7 +21,7 @@ GROUPS = ("encoder", "decoder", "moe", "hybrid", "encoder-decoder", "vision", "t
 
 def _entry_text(name: str, got: dict) -> str:
     keys = ("norms", "fused", "fused_with_add", "input_is_add", "placements", "eager_norms", "eager_input_is_add",
-            "check", "checked_sites", "bitwise")
+            "check", "checked_sites", "bitwise", "gated", "fused_gate")
     body = ", ".join(f"{k}={got[k]!r}" for k in keys if k in got)
     return f'    "{name}": dict({body}),'
 

@@ -68,6 +68,10 @@ HF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                  mamba_d_ssm=128)),
     "mamba": ("hybrid", dict(state_size=8)), "mamba2": ("hybrid", dict(state_size=8, num_heads=8, head_dim=16,
                                                                        n_groups=1)),
+    # gated norms: statistics per group of columns (NemotronH's 8 groups), the gate after the norm
+    "nemotron_h": ("hybrid", dict(hidden_size=64, mamba_num_heads=8, mamba_head_dim=16, n_groups=2,
+                                  ssm_state_size=8)),
+    "qwen3_next": ("hybrid", {}),
     "recurrent_gemma": ("hybrid", dict(lru_width=64, block_types=["recurrent", "attention"], attention_window_size=16)),
     "lfm2": ("hybrid", dict(layer_types=["conv", "full_attention"], block_ff_dim=128, block_auto_adjust_ff_dim=False)),
     "rwkv": ("hybrid", dict(attention_hidden_size=64, context_length=32)),

@@ -36,6 +36,8 @@ def measure(entry: ZooModel, check: bool = True) -> dict[str, Any]:
     c = report.counts()
     record.update(norms=c["sites"], fused=c["fused"], fused_with_add=c["fused_with_add"],
                   input_is_add=c["input_is_add"], placements=dict(sorted(Counter(s.placement for s in report.sites).items())))
+    if c["gated"]:  # gated norms (Mamba2, NemotronH, Qwen3-Next): found, and their gate in the call
+        record.update(gated=c["gated"], fused_gate=c["fused_gate"])
     if result is not None:
         forward = [o for o in result.outputs if not o.name.startswith("grad:")]
         record["check"] = "ok" if result.ok else "FAILS"

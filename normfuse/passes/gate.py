@@ -1,0 +1,125 @@
+"""Find the gate of a gated norm: ``norm(x * act(z))`` or ``norm(x) * act(z)``.
+
+Hybrid models gate the norm of their state-space or linear-attention mixer, right next to
+the residual stream: Mamba2 / NemotronH's ``MambaRMSNormGated`` multiplies the norm's input
+(``x.float() * silu(z.float())``, then the norm), Qwen3-Next's and Kimi-Linear's gated norms
+multiply its output (``y.float() * silu(z.float())`` or ``sigmoid``, then a cast). Eagerly the
+gate is two more kernels and one more round trip of the row; the fused call takes it
+(``gate=``, ``gate_position``, ``gate_activation``, ``gate_out_dtype``; the rounding points
+are in ``normfuse.kernels.reference``, "Gated norms").
+
+``find_gate(index, match)`` returns a ``GateMatch`` (the call's gate options, the nodes it
+replaces) or None when the norm is not gated in a way the kernel computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from normfuse.passes.canonical import is_exact_upcast, node_dtype, node_shape, real_users, same_shape
+from normfuse.passes.graph import GraphIndex
+from normfuse.vocabulary import KERNEL_DTYPES
+
+__all__ = ["GateMatch", "find_gate", "ACTIVATIONS"]
+
+ACTIVATIONS = ("silu", "sigmoid")  # canonical prims, named as the kernel's gate_activation
+F32 = torch.float32
+
+
+@dataclass(frozen=True)
+class GateMatch:
+    """The gate of one norm, as the fused call's options."""
+
+    position: str                        # "before": norm(x * act(z)); "after": norm(x) * act(z)
+    activation: str                      # one of ACTIVATIONS
+    gate: fx.Node                        # z (before its fp32 upcast)
+    x: fx.Node | None = None             # "before": the value gated (before its fp32 upcast)
+    output: fx.Node | None = None        # "after": the gated output the call's y replaces
+    out_dtype: torch.dtype | None = None  # "after": the dtype the gated output is rounded to
+    nodes: tuple[fx.Node, ...] = ()      # the gate's own nodes (the product, the activation, casts)
+
+    def options(self) -> dict[str, Any]:
+        options = dict(gate_position=self.position, gate_activation=self.activation)
+        if self.position == "after":
+            options["gate_out_dtype"] = self.out_dtype
+        return options
+
+
+def _upcast_source(index: GraphIndex, node: Any, taken: list) -> Any:
+    """The value ``node`` holds before exact upcasts to fp32 (fp32 itself: the node)."""
+    while index.prim(node) == "cast" and is_exact_upcast(node_dtype(index.canon(node)["input"]), node_dtype(node)):
+        taken.append(node)
+        node = index.canon(node)["input"]
+    return node
+
+
+def _gating(index: GraphIndex, product: Any) -> tuple[str, Any, Any, list] | None:
+    """``product`` = fp32(v) * act(fp32(z)) in fp32: (activation, v's node, z, nodes)."""
+    c = index.canon(product) if isinstance(product, fx.Node) else None
+    if c is None or c.prim != "mul" or node_dtype(product) != F32:
+        return None
+    for act, value in ((c["other"], c["input"]), (c["input"], c["other"])):
+        activation = index.prim(act)
+        if activation not in ACTIVATIONS:
+            continue
+        taken = [product, act]
+        z = _upcast_source(index, index.canon(act)["input"], taken)
+        if node_dtype(index.canon(act)["input"]) != F32 or not isinstance(z, fx.Node) \
+                or node_dtype(z) not in KERNEL_DTYPES:
+            continue  # the activation computed in 16 bits rounds where the kernel does not
+        if not isinstance(value, fx.Node) or not same_shape(node_shape(value), node_shape(z)):
+            continue
+        return activation, value, z, taken
+    return None
+
+
+def _only_read_by(node: fx.Node, readers: set) -> bool:
+    return all(u in readers for u in real_users(node))
+
+
+def find_gate(index: GraphIndex, match) -> GateMatch | None:
+    """The gate of a matched norm (see the module docstring), or None."""
+    if match.kind != "rms_norm" or match.bias is not None:
+        return None
+    inside = set(match.nodes)
+    # before: the norm normalizes fp32(x) * act(fp32(z)), which nothing else reads (Mamba2 views
+    # it as (..., groups, N / groups) first: with one group, the same rows)
+    normalized, views = match.input, []
+    if index.prim(normalized) == "view" and isinstance(index.canon(normalized)["input"], fx.Node) \
+            and (node_shape(normalized) or (None,))[-1:] == (node_shape(index.canon(normalized)["input"]) or (0,))[-1:]:
+        views.append(normalized)
+        normalized = index.canon(normalized)["input"]
+    gating = _gating(index, normalized)
+    if gating is not None:
+        activation, value, z, taken = gating
+        x = _upcast_source(index, value, taken)
+        readers = inside | set(views)
+        if node_dtype(x) in KERNEL_DTYPES and all(_only_read_by(n, readers) for n in (normalized, *views)):
+            return GateMatch("before", activation, z, x=x, nodes=tuple(views + taken))
+    # after: y (or its fp32 upcast) times act(fp32(z)), then maybe a cast; y read by nothing else
+    readers = real_users(match.output)
+    if len(readers) != 1:
+        return None
+    y_value = readers[0]
+    taken: list = []
+    if index.prim(y_value) == "cast":
+        if not is_exact_upcast(node_dtype(match.output), node_dtype(y_value)) or len(real_users(y_value)) != 1:
+            return None
+        taken.append(y_value)
+        product = real_users(y_value)[0]
+    else:
+        product, y_value = y_value, match.output
+    gating = _gating(index, product)
+    if gating is None or gating[1] is not y_value:
+        return None
+    activation, _, z, more = gating
+    output = product
+    readers = real_users(product)
+    if len(readers) == 1 and index.prim(readers[0]) == "cast" and node_dtype(readers[0]) in KERNEL_DTYPES:
+        output = readers[0]
+        more.append(output)
+    return GateMatch("after", activation, z, output=output, out_dtype=node_dtype(output), nodes=tuple(taken + more))
