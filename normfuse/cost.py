@@ -266,7 +266,7 @@ def site_bytes(index, site: SiteAnalysis, plan: Plan | None, residual_dtype: tor
         fused.add(fwd=x_bytes + params + y_bytes + stats)
         fused.add(bwd=y_bytes + x_bytes + stats + 2 * params + x_bytes)
     if plan.quant is not None:  # the call writes q and the dynamic scale; y only when still read
-        fused.add(fwd=_quant_outputs(plan) - (0 if _escapes(m.output, inside) else y_bytes))
+        fused.add(fwd=_quant_outputs(plan) - (0 if plan.quant.reads_y else y_bytes))
     return eager, fused, nodes
 
 

@@ -209,3 +209,28 @@ def test_torchao_float8_training_linear_is_explained():
     (site,) = normfuse.report(optimized).sites
     assert site.fused and site.fused_add and not site.fused_quant
     assert site.quant == "fp8, inside torchao's float8 linear" and "autograd.Function" in site.quant_reason
+
+
+def test_a_norm_output_read_besides_its_quantization_is_returned_too():
+    class Both(nn.Module):
+        def __init__(self, dim=64):
+            super().__init__()
+            self.norm = nn.RMSNorm(dim, eps=1e-6)
+
+        def forward(self, x, h):
+            y = self.norm(x + h)
+            amax = y.float().abs().amax(-1, keepdim=True)
+            scale = amax / 448.0
+            return (y.float() / scale).clamp(-448.0, 448.0).to(F8), scale, y * 2
+
+    model = Both().to(torch.bfloat16)
+    x, h = torch.randn(2, 8, 64, dtype=torch.bfloat16), torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = model(x, h)
+        optimized = _optimized(model)
+        got = optimized(x, h)
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(got, want))
+    (site,) = normfuse.report(optimized).sites
+    assert site.fused_quant
+    (call,) = fused_calls(normfuse.report(optimized).graph_modules[0].graph)
+    assert call.kwargs["return_norm"] is True

@@ -26,7 +26,8 @@ from normfuse.passes.canonical import (Canon, dim_value, is_exact_upcast, last_d
 from normfuse.passes.graph import GraphIndex
 from normfuse.vocabulary import KERNEL_DTYPES
 
-__all__ = ["NormMatch", "AddMatch", "find_norms", "find_input_add", "find_output_add", "as_add", "live_dropout_p"]
+__all__ = ["NormMatch", "AddMatch", "find_norms", "const_value", "upcasts", "strip_upcasts", "find_input_add",
+           "find_output_add", "as_add", "live_dropout_p"]
 
 F32 = torch.float32
 
@@ -63,7 +64,7 @@ class AddMatch:
 
 # --------------------------------------------------------------------------- helpers
 
-def _const(value: Any) -> float | None:
+def const_value(value: Any) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     return None
@@ -76,14 +77,21 @@ def _last_dim_only(dims: Any, ndim: int | None) -> bool:
     return len(dims) == 1 and isinstance(dims[0], int) and dims[0] in (-1, ndim - 1)
 
 
-def strip_upcasts(index: GraphIndex, node: Any) -> Any:
-    """The value before any chain of exact upcasts (casts that change no value)."""
+def upcasts(index: GraphIndex, node: Any) -> tuple[Any, list[fx.Node]]:
+    """(the value before any chain of exact upcasts (casts that change no value), those casts)."""
+    casts = []
     while index.prim(node) == "cast" and node not in index.norm_outputs:
         src = index.canon(node)["input"]
         if not isinstance(src, fx.Node) or not is_exact_upcast(node_dtype(src), node_dtype(node)):
             break
+        casts.append(node)
         node = src
-    return node
+    return node, casts
+
+
+def strip_upcasts(index: GraphIndex, node: Any) -> Any:
+    """The value before any chain of exact upcasts (casts that change no value)."""
+    return upcasts(index, node)[0]
 
 
 def _same_value(index: GraphIndex, a: Any, b: Any) -> bool:
@@ -117,7 +125,7 @@ def live_dropout_p(c: Canon | None) -> float | None:
     other node, an identity dropout, or a p the graph computes)."""
     if c is None or c.prim != "dropout" or c.multi_output or c["training"] is not True:
         return None
-    p = _const(c["p"])
+    p = const_value(c["p"])
     return p if p is not None and 0.0 < p < 1.0 else None
 
 
@@ -205,7 +213,7 @@ def _rstd_users(index: GraphIndex, denom_src: fx.Node):
             continue
         if c.prim == "rsqrt":
             yield "mul", u, [u]
-        elif c.prim == "pow" and c["input"] is denom_src and _const(c["exponent"]) == -0.5:
+        elif c.prim == "pow" and c["input"] is denom_src and const_value(c["exponent"]) == -0.5:
             yield "mul", u, [u]
         elif c.prim == "sqrt":
             for uu in u.users:
@@ -214,7 +222,7 @@ def _rstd_users(index: GraphIndex, denom_src: fx.Node):
                     continue
                 if cc.prim == "reciprocal":
                     yield "mul", uu, [u, uu]
-                elif cc.prim == "div" and cc["other"] is u and _const(cc["input"]) == 1.0:
+                elif cc.prim == "div" and cc["other"] is u and const_value(cc["input"]) == 1.0:
                     yield "mul", uu, [u, uu]
                 elif cc.prim == "div" and cc["other"] is u:
                     yield "div", uu, [u]
@@ -226,15 +234,15 @@ def _eps_of(index: GraphIndex, stat: fx.Node):
         c = index.canon(u)
         if c is not None and c.prim == "add" and c["alpha"] == 1:
             other = _other(c, stat)
-            if _const(other) is not None:
-                yield u, _const(other)
+            if const_value(other) is not None:
+                yield u, const_value(other)
 
 
 def _square_of(index: GraphIndex, node: Any) -> Any:
     c = index.canon(node)
     if c is None:
         return None
-    if c.prim == "pow" and _const(c["exponent"]) == 2.0:
+    if c.prim == "pow" and const_value(c["exponent"]) == 2.0:
         return c["input"]
     if c.prim == "square":
         return c["input"]
@@ -342,7 +350,7 @@ def _weight_operand(index: GraphIndex, operand: Any, n: int):
     c = index.canon(operand)
     if c is not None and c.prim == "add" and c["alpha"] == 1 and _vector_of(operand, n):
         a, b = c["input"], c["other"]
-        off, w = (_const(a), b) if _const(a) is not None else (_const(b), a)
+        off, w = (const_value(a), b) if const_value(a) is not None else (const_value(b), a)
         if off is not None and _is_param_like(index, w) and node_dtype(operand) == F32:
             inner = [x for x in [w] if index.prim(x) == "cast"]
             return strip_upcasts(index, w), off, [operand, *inner]
@@ -497,8 +505,8 @@ def as_add(index: GraphIndex, node: Any, n: int | None) -> AddMatch | None:
     for i, op in enumerate((a, b)):
         co = index.canon(op)
         if co is not None and co.prim == "mul" and scaled is None and len(op.users) == 1:
-            k = _const(co["other"]) if _const(co["other"]) is not None else _const(co["input"])
-            inner = co["input"] if _const(co["other"]) is not None else co["other"]
+            k = const_value(co["other"]) if const_value(co["other"]) is not None else const_value(co["input"])
+            inner = co["input"] if const_value(co["other"]) is not None else co["other"]
             if k is not None and isinstance(inner, fx.Node) and same_shape(node_shape(inner), sa) and \
                     node_dtype(inner) == node_dtype(op):
                 scaled, residual_scale = i, k

@@ -21,12 +21,12 @@ import torch
 import torch.fx as fx
 
 from normfuse.passes.canonical import is_exact_upcast, node_dtype, node_shape, real_users, same_shape
+from normfuse.passes.find import upcasts
 from normfuse.passes.graph import GraphIndex
-from normfuse.vocabulary import KERNEL_DTYPES
+from normfuse.vocabulary import GATE_ACTIVATIONS, KERNEL_DTYPES
 
-__all__ = ["GateMatch", "find_gate", "ACTIVATIONS"]
+__all__ = ["GateMatch", "find_gate"]
 
-ACTIVATIONS = ("silu", "sigmoid")  # canonical prims, named as the kernel's gate_activation
 F32 = torch.float32
 
 
@@ -35,7 +35,7 @@ class GateMatch:
     """The gate of one norm, as the fused call's options."""
 
     position: str                        # "before": norm(x * act(z)); "after": norm(x) * act(z)
-    activation: str                      # one of ACTIVATIONS
+    activation: str                      # one of GATE_ACTIVATIONS (canonical prims by the same names)
     gate: fx.Node                        # z (before its fp32 upcast)
     x: fx.Node | None = None             # "before": the value gated (before its fp32 upcast)
     output: fx.Node | None = None        # "after": the gated output the call's y replaces
@@ -49,14 +49,6 @@ class GateMatch:
         return options
 
 
-def _upcast_source(index: GraphIndex, node: Any, taken: list) -> Any:
-    """The value ``node`` holds before exact upcasts to fp32 (fp32 itself: the node)."""
-    while index.prim(node) == "cast" and is_exact_upcast(node_dtype(index.canon(node)["input"]), node_dtype(node)):
-        taken.append(node)
-        node = index.canon(node)["input"]
-    return node
-
-
 def _gating(index: GraphIndex, product: Any) -> tuple[str, Any, Any, list] | None:
     """``product`` = fp32(v) * act(fp32(z)) in fp32: (activation, v's node, z, nodes)."""
     c = index.canon(product) if isinstance(product, fx.Node) else None
@@ -64,10 +56,10 @@ def _gating(index: GraphIndex, product: Any) -> tuple[str, Any, Any, list] | Non
         return None
     for act, value in ((c["other"], c["input"]), (c["input"], c["other"])):
         activation = index.prim(act)
-        if activation not in ACTIVATIONS:
+        if activation not in GATE_ACTIVATIONS:
             continue
-        taken = [product, act]
-        z = _upcast_source(index, index.canon(act)["input"], taken)
+        z, casts = upcasts(index, index.canon(act)["input"])
+        taken = [product, act, *casts]
         if node_dtype(index.canon(act)["input"]) != F32 or not isinstance(z, fx.Node) \
                 or node_dtype(z) not in KERNEL_DTYPES:
             continue  # the activation computed in 16 bits rounds where the kernel does not
@@ -96,7 +88,8 @@ def find_gate(index: GraphIndex, match) -> GateMatch | None:
     gating = _gating(index, normalized)
     if gating is not None:
         activation, value, z, taken = gating
-        x = _upcast_source(index, value, taken)
+        x, casts = upcasts(index, value)
+        taken += casts
         readers = inside | set(views)
         if node_dtype(x) in KERNEL_DTYPES and all(_only_read_by(n, readers) for n in (normalized, *views)):
             return GateMatch("before", activation, z, x=x, nodes=tuple(views + taken))

@@ -28,12 +28,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from normfuse.kernels.reference import quant_max
 from normfuse.passes.canonical import is_exact_upcast, node_dtype, node_shape, real_users, tensor_meta
+from normfuse.passes.find import const_value, strip_upcasts, upcasts
 from normfuse.passes.graph import GraphIndex
+from normfuse.vocabulary import QUANT_DTYPES
 
-__all__ = ["QuantMatch", "find_quant", "QUANT_DTYPES"]
+__all__ = ["QuantMatch", "find_quant"]
 
-QUANT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 F32 = torch.float32
 _SEARCH_DEPTH = 8  # nodes between y and its fp8 cast that are still read as its quantization
 
@@ -53,6 +55,7 @@ class QuantMatch:
     apply: str = "div"
     clamp: float | None = None
     nodes: tuple[fx.Node, ...] = ()        # every node of the quantization, graph order
+    reads_y: bool = False                  # y (or an upcast or view of it) is read outside it too
     reason: str | None = None              # why the call cannot take it over
 
     def options(self) -> dict[str, Any]:
@@ -73,10 +76,6 @@ class QuantMatch:
         return f"{name}, dynamic per row" if self.group is None else f"{name}, dynamic per group of {self.group}"
 
 
-def _const(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
 class _Refused(Exception):
     """The fp8 cast is there, but the way to it is not one the epilogue computes."""
 
@@ -87,6 +86,7 @@ class _Reader:
     def __init__(self, index: GraphIndex, y: fx.Node):
         self.index, self.y = index, y
         self.nodes: list[fx.Node] = []
+        self.sources: set[fx.Node] = set()  # the upcasts and views of y it reads (others may read them too)
 
     def prim(self, node: Any) -> str | None:
         return self.index.prim(node) if isinstance(node, fx.Node) else None
@@ -128,6 +128,7 @@ class _Reader:
                            f"power-of-two group of them")
         for node in path:
             self.take(node)
+        self.sources.update(path)
         return group
 
     # ------------------------------------------------------------------ the scale
@@ -136,35 +137,38 @@ class _Reader:
         """The options of a scale computed from the amax of ``values``."""
         found: dict[str, Any] = {}
         c = self.canon(scale)
-        if c is not None and c.prim == "clamp" and c["max"] is None and _const(c["min"]) is not None:
-            found["scale_min"] = _const(c["min"])
-            scale = self.take(scale) and c["input"]
+        if c is not None and c.prim == "clamp" and c["max"] is None and const_value(c["min"]) is not None:
+            found["scale_min"] = const_value(c["min"])
+            self.take(scale)
+            scale = c["input"]
             c = self.canon(scale)
         if c is None or node_dtype(scale) != F32:
             raise _Refused(f"the scale {getattr(scale, 'name', scale)} is not an fp32 value computed from an amax")
         amax, number = None, None
-        if c.prim == "div" and _const(c["other"]) is not None:
-            found["scale_form"], amax, number = "amax/max", c["input"], _const(c["other"])
-        elif c.prim == "div" and _const(c["input"]) is not None:
+        if c.prim == "div" and const_value(c["other"]) is not None:
+            found["scale_form"], amax, number = "amax/max", c["input"], const_value(c["other"])
+        elif c.prim == "div" and const_value(c["input"]) is not None:
             # Python's ``qmax / amax`` (Tensor.__rtruediv__) is a reciprocal, then a multiply
-            found["scale_form"], amax, number = "max*(1/amax)", c["other"], _const(c["input"])
+            found["scale_form"], amax, number = "max*(1/amax)", c["other"], const_value(c["input"])
         elif c.prim == "mul":
             a, b = c["input"], c["other"]
-            number_side, other = (a, b) if _const(a) is not None else (b, a)
-            if _const(number_side) is not None and self.prim(other) == "reciprocal":
-                found["scale_form"], number = "max*(1/amax)", _const(number_side)
-                amax = self.take(other) and self.canon(other)["input"]
+            number_side, other = (a, b) if const_value(a) is not None else (b, a)
+            if const_value(number_side) is not None and self.prim(other) == "reciprocal":
+                found["scale_form"], number = "max*(1/amax)", const_value(number_side)
+                amax = self.canon(self.take(other))["input"]
         if amax is None:
             raise _Refused(f"the scale {scale.name} is not amax / qmax, qmax / amax or amax.reciprocal() * qmax")
         if number != qmax:
             raise _Refused(f"the scale divides by {number:g}, not by the fp8 dtype's largest value {qmax:g}")
         self.take(scale)
         c = self.canon(amax) if isinstance(amax, fx.Node) else None
-        if c is not None and c.prim == "clamp" and c["max"] is None and _const(c["min"]) is not None:
-            found["amax_min"] = _const(c["min"])
-            amax = self.take(amax) and c["input"]
-        while self.prim(amax) == "cast" and is_exact_upcast(node_dtype(self.canon(amax)["input"]), node_dtype(amax)):
-            amax = self.take(amax) and self.canon(amax)["input"]
+        if c is not None and c.prim == "clamp" and c["max"] is None and const_value(c["min"]) is not None:
+            found["amax_min"] = const_value(c["min"])
+            self.take(amax)
+            amax = c["input"]
+        amax, casts = upcasts(self.index, amax)  # an amax of the 16-bit y, upcast: exact either way
+        for cast in casts:
+            self.take(cast)
         c = self.canon(amax) if isinstance(amax, fx.Node) else None
         if c is None or c.prim != "amax" or self.prim(c["input"]) != "abs":
             raise _Refused(f"the scale is not computed from the amax of |y| ({getattr(amax, 'name', amax)})")
@@ -185,7 +189,7 @@ class _Reader:
 
     def read(self, cast: fx.Node) -> QuantMatch:
         dtype = node_dtype(cast)
-        qmax = torch.finfo(dtype).max
+        qmax = quant_max(dtype)
         found: dict[str, Any] = {"dtype": dtype, "q": cast}
         if getattr(tensor_meta(cast), "requires_grad", False):
             raise _Refused("the graph differentiates through the quantization (autograd records the cast to fp8); "
@@ -194,11 +198,12 @@ class _Reader:
         v = self.canon(cast)["input"]
         c = self.canon(v) if isinstance(v, fx.Node) else None
         if c is not None and c.prim == "clamp":
-            low, high = _const(c["min"]), _const(c["max"])
+            low, high = const_value(c["min"]), const_value(c["max"])
             if low is None or high is None or low != -high or high <= 0:
                 raise _Refused(f"the clamp before the cast is not symmetric, [-c, c] ({c['min']}, {c['max']})")
             found["clamp"] = high
-            v = self.take(v) and c["input"]
+            self.take(v)
+            v = c["input"]
             c = self.canon(v) if isinstance(v, fx.Node) else None
         if c is None or c.prim not in ("div", "mul"):
             raise _Refused("the value cast to fp8 is not the norm output divided or multiplied by a scale")
@@ -215,10 +220,8 @@ class _Reader:
         self.take(v)
         if c.prim == "mul" and self.prim(scale) == "reciprocal":
             found["apply"] = "mul_reciprocal"
-            scale = self.take(scale) and self.canon(scale)["input"]
-        given = scale
-        while self.prim(given) == "cast" and is_exact_upcast(node_dtype(self.canon(given)["input"]), node_dtype(given)):
-            given = self.canon(given)["input"]  # a buffer's .float(): the graph keeps it, the call reads the buffer
+            scale = self.canon(self.take(scale))["input"]
+        given = strip_upcasts(self.index, scale)  # a buffer's .float(): the graph keeps it, the call reads the buffer
         if isinstance(given, fx.Node) and given.op in ("placeholder", "get_attr"):
             scale = given
             meta = tensor_meta(scale)
@@ -234,23 +237,18 @@ class _Reader:
             raise _Refused(f"the scale is the constant {scale!r}, not a tensor")
         self.take(cast)
         self.check_readers(found)
-        return QuantMatch(**found, nodes=tuple(sorted(self.nodes, key=self.index.order.__getitem__)))
+        inside = set(self.nodes)
+        reads_y = any(u not in inside for n in (self.y, *self.sources) for u in real_users(n))
+        return QuantMatch(**found, nodes=tuple(sorted(inside, key=self.index.order.__getitem__)), reads_y=reads_y)
 
     def check_readers(self, found: dict[str, Any]) -> None:
         """Only the cast and the scale are read outside the epilogue: the call computes the rest."""
         inside = set(self.nodes)
-        sources = {n for n in self.nodes if self.rows_of_quietly(n)}
         for node in self.nodes:
-            if node in (found["q"], found.get("scale_node")) or node in sources:
+            if node in (found["q"], found.get("scale_node")) or node in self.sources:
                 continue
             if any(u not in inside for u in real_users(node)):
                 raise _Refused(f"the graph reads {node.name}, a step of the quantization, elsewhere")
-
-    def rows_of_quietly(self, node: fx.Node) -> bool:
-        try:
-            return self.rows_of(node) is not None
-        except _Refused:
-            return False
 
 
 def _fp8_casts(index: GraphIndex, y: fx.Node) -> list[fx.Node]:

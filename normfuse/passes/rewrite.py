@@ -229,29 +229,31 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
                 old_nodes += p.gate.nodes
             if p.quant is not None:  # q and its scale too; y while anything else reads it
                 extra.update(p.quant.options(), quant_scale=_fp32_scale(graph, r.resolve(p.quant.static_scale)),
-                             return_norm=True)
+                             return_norm=p.quant.reads_y)
                 inserted += [extra["quant_scale"]] if extra["quant_scale"] is not None else []
             call = _fused_call(graph, "add_norm", (x, residual, m.weight, m.bias),
                                dict(modes, sum_dtype=sum_dtype, return_sum=s_used, **extra), as_op)
             where = output_index(as_op, len(p.sites) > 1, p.quant is not None)
-            y = graph.call_function(operator.getitem, (call, where["y"]))
-            output = p.gate.output if p.gate is not None and p.gate.position == "after" else m.output
-            _copy_meta(y, output)
-            inserted += [call, y]
-            if len(p.sites) > 1:
-                partner = r.analysis.sites[p.sites[1]].match
-                y1 = graph.call_function(operator.getitem, (call, where["y1"]))
-                _copy_meta(y1, partner.output)
-                inserted.append(y1)
-                r.replace(partner.output, y1)
-                old_nodes += partner.nodes
-            result = y
-            if add is not None and not same_shape(node_shape(add.node), node_shape(output)):
-                # the add and the norm see the rows in different shapes (a view between them)
-                result = graph.call_method("reshape", (y, *node_shape(output)))
-                _copy_meta(result, output)
-                inserted.append(result)
-            r.replace(output, result)
+            inserted.append(call)
+            if p.quant is None or p.quant.reads_y:  # else y was read only by its quantization
+                y = graph.call_function(operator.getitem, (call, where["y"]))
+                output = p.gate.output if p.gate is not None and p.gate.position == "after" else m.output
+                _copy_meta(y, output)
+                inserted.append(y)
+                if len(p.sites) > 1:
+                    partner = r.analysis.sites[p.sites[1]].match
+                    y1 = graph.call_function(operator.getitem, (call, where["y1"]))
+                    _copy_meta(y1, partner.output)
+                    inserted.append(y1)
+                    r.replace(partner.output, y1)
+                    old_nodes += partner.nodes
+                result = y
+                if add is not None and not same_shape(node_shape(add.node), node_shape(output)):
+                    # the add and the norm see the rows in different shapes (a view between them)
+                    result = graph.call_method("reshape", (y, *node_shape(output)))
+                    _copy_meta(result, output)
+                    inserted.append(result)
+                r.replace(output, result)
             if p.quant is not None:
                 kernel_shape = node_shape(add.node) if add is not None else node_shape(m.output)
                 inserted += _quant_outputs(r, call, p.quant, kernel_shape, where)
@@ -281,11 +283,6 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
     call.meta["stack_trace"] = m.output.meta.get("stack_trace")
     call.meta["nn_module_stack"] = m.output.meta.get("nn_module_stack")
     _erase_dead(graph, old_nodes, r.order)
-    if p.quant is not None and not real_users(result):  # y was read only by its quantization
-        for node in (result, y) if result is not y else (y,):
-            if not real_users(node):
-                graph.erase_node(node)
-        call.kwargs = {**call.kwargs, "return_norm": False}
     return call
 
 
@@ -302,12 +299,12 @@ def _fp32_scale(graph: fx.Graph, scale: fx.Node | None) -> fx.Node | None:
 
 def _reshaped(graph: fx.Graph, value: fx.Node, like: fx.Node, shape: tuple) -> fx.Node:
     """``value`` (the call's output, of ``shape``) in the shape of the node it replaces."""
-    for key in ("val", "example_value"):
-        if isinstance(like.meta.get(key), torch.Tensor):
-            value.meta[key] = like.meta[key].reshape(shape)
     if same_shape(node_shape(like), tuple(shape)):
         _copy_meta(value, like)
         return value
+    for key in ("val", "example_value"):
+        if isinstance(like.meta.get(key), torch.Tensor):
+            value.meta[key] = like.meta[key].reshape(shape)
     out = graph.call_method("reshape", (value, *node_shape(like)))
     _copy_meta(out, like)
     return out

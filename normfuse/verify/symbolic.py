@@ -24,6 +24,7 @@ from typing import Any
 import sympy
 import torch.fx as fx
 
+from normfuse.kernels.reference import quant_max
 from normfuse.passes.canonical import canonical, node_shape
 from normfuse.passes.find import live_dropout_p
 from normfuse.passes.rewrite import fused_op_name
@@ -205,9 +206,7 @@ def _quantized(y: list, kw: dict, static_scale: list | None) -> list:
     """q and the scale of the fp8 epilogue (normfuse/kernels/reference.py), in exact arithmetic:
     the casts are identities, the clamps and the amax are Max/Min. A row of symbols stands for
     one row, or for one group of a grouped scale."""
-    import torch
-
-    qmax = sympy.Rational(torch.finfo(kw["quant_dtype"]).max)
+    qmax = sympy.Rational(quant_max(kw["quant_dtype"]))
     if static_scale is not None:
         scale = static_scale[0]
     else:
