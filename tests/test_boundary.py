@@ -7,6 +7,7 @@ moved add lands next to the norm it feeds, where the pass fuses it.
 """
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -285,6 +286,27 @@ def test_optimize_applies_it_by_default_and_says_so():
     assert isinstance(model.blocks[0](model.tok(IDS)), torch.Tensor)  # called by other code: as before
     off = normfuse.optimize(_toy(), cross_block=False)
     assert type(off.blocks[0]) is type(_toy().blocks[0]) and not normfuse.report(off).notes
+
+
+def test_compiled_blocks_hand_pairs_as_eager_does():
+    """Under dynamo a list element takes a shortcut for the plain tuple its owner's loop hands
+    on; a block called by other code, with a ResidualPair or a tensor, goes the general way."""
+    original = _toy()
+    model = copy.deepcopy(original)
+    rewrite_streams(model)
+    x = original.tok(IDS)
+    eager_pair = model.blocks[1](ResidualPair(x, x * 0.5, operator.add))
+    compiled_pair = torch.compile(lambda p: model.blocks[1](p), backend="eager", fullgraph=True)(
+        ResidualPair(x, x * 0.5, operator.add))
+    assert isinstance(compiled_pair, ResidualPair) and isinstance(eager_pair, ResidualPair)
+    assert all(torch.equal(a, b) for a, b in zip(compiled_pair[:2], eager_pair[:2]))
+    compiled_sum = torch.compile(lambda t: model.blocks[1](t), backend="eager", fullgraph=True)(x)
+    assert isinstance(compiled_sum, torch.Tensor) and torch.equal(compiled_sum, original.blocks[1](x))
+    # the owner's loop, one graph: the same outputs and gradients as the original, bit for bit
+    torch._dynamo.reset()
+    compiled = copy.deepcopy(model)
+    compiled.compile(backend="eager", fullgraph=True)
+    _assert_identical(_run(original, IDS), _run(compiled, IDS))
 
 
 def test_rewritten_model_pickles_and_deep_copies():

@@ -122,6 +122,18 @@ def _fixed(element: nn.Module) -> tuple[str, str, bool, bool]:
     return key, hands, direct, recorder
 
 
+@torch._dynamo.assume_constant_result
+def _fast_path(element: nn.Module) -> bool | None:
+    """Whether ``__call__`` may hand a pair straight to the block's forward: None when it may
+    not (hooks, a wrapper's own ``__call__``, transformers' recorder, a hand-off other than
+    the pair), False when it may, True when it may only with grad off (the next block checks
+    whether it checkpoints). Read once per trace, as ``_fixed``."""
+    _, hands, direct, recorder = _fixed(element)
+    if not direct or recorder or hands not in (HANDS_PAIR, HANDS_BY_NEXT):
+        return None
+    return hands == HANDS_BY_NEXT
+
+
 # --------------------------------------------------------------------------- the owner
 
 def _enter_owner(owner: nn.Module, args: tuple) -> None:
@@ -251,6 +263,14 @@ class _StreamElement:
     a fourth says whether the block returns the sum (see _Stream.entry, _outputs_recorded)."""
 
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling() and args and type(args[0]) is tuple and len(args[0]) == 3:
+            # a pair in the owner's loop (a plain tuple: blocks hand callers outside it a
+            # ResidualPair), under dynamo: what the general path below decides for it, in the
+            # fewest steps and guards (dynamo traces this for every block; it is most of what
+            # the rewrite costs at capture)
+            grad_off = _fast_path(self)
+            if grad_off is not None and not (grad_off and torch.is_grad_enabled()):
+                return self.forward(*args[0], False, *args[1:], **kwargs)
         key, hands, direct, recorder = _fixed(self)
         stream = self._normfuse_stream_element
         if args:
