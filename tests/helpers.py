@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from normfuse.tolerances import atol, within_tolerance
@@ -36,7 +38,9 @@ def _rank_main(rank: int, init_file: str, out_dir: str, body, args: tuple) -> No
         # destroys the group while the other still communicates ends in gloo's C++ terminate
         # ("terminate called without an active exception", no Python traceback)
         dist.barrier()
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        path = os.path.join(out_dir, f"rank{rank}.pt")
+        torch.save(result, path + ".part")
+        os.replace(path + ".part", path)  # whole or absent: the parent may read it after a teardown death
     except Exception:  # noqa: BLE001 - the parent reads this file and fails with it
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
@@ -58,10 +62,16 @@ def run_on_ranks(body, *args) -> list:
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this build")
     with tempfile.TemporaryDirectory() as tmp:
+        results = [os.path.join(tmp, f"rank{r}.pt") for r in range(WORLD)]
         try:
             mp.spawn(_rank_main, args=(os.path.join(tmp, "init"), tmp, body, args), nprocs=WORLD, join=True)
         except Exception as error:  # a rank that dies without a Python error (a signal) writes no traceback
             errors = [open(os.path.join(tmp, f)).read() for f in os.listdir(tmp) if f.endswith(".err")]
-            raise AssertionError(f"a rank failed ({type(error).__name__}: {error}):\n"
-                                 + ("\n".join(errors) or "no traceback written")) from None
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+            if errors or not all(os.path.exists(path) for path in results):
+                raise AssertionError(f"a rank failed ({type(error).__name__}: {error}):\n"
+                                     + ("\n".join(errors) or "no traceback written")) from None
+            # every rank passed the barrier and saved its result: the death came in gloo's
+            # teardown ("terminate called without an active exception", seen under a loaded
+            # machine: two xdist workers, two ranks each), after the work this test checks
+            warnings.warn(f"a rank died after saving its result ({error}); its result is used", RuntimeWarning)
+        return [torch.load(path, weights_only=False) for path in results]
