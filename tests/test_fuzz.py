@@ -21,6 +21,7 @@ The default run keeps a few hundred examples (derandomized, so CI is stable); th
 """
 
 import copy
+import itertools
 import os
 import warnings
 
@@ -76,11 +77,17 @@ def stacks(draw, spellings=None):
     )
 
 
+def _stack(cfg, spelling=None):
+    """The ToyTransformer ``cfg`` draws (its norms written ``spelling`` when given)."""
+    return ToyTransformer(hidden=cfg["hidden"], heads=2, depth=cfg["depth"], placement=cfg["placement"],
+                          kind=cfg["kind"], spelling=spelling or cfg["spelling"], eps=cfg["eps"],
+                          embed_norm=cfg["embed_norm"], final_norm=cfg["final_norm"], add_order=cfg["add_order"],
+                          dropout=cfg["dropout"])
+
+
 def _build(cfg):
     torch.manual_seed(cfg["seed"])
-    model = ToyTransformer(hidden=cfg["hidden"], heads=2, depth=cfg["depth"], placement=cfg["placement"],
-                           kind=cfg["kind"], spelling=cfg["spelling"], eps=cfg["eps"], embed_norm=cfg["embed_norm"],
-                           final_norm=cfg["final_norm"], add_order=cfg["add_order"], dropout=cfg["dropout"])
+    model = _stack(cfg)
     with torch.no_grad():  # weights of exactly 1 (or 0 for Gemma) hide rounding-order faults
         for p in model.parameters():
             if p.ndim == 1:
@@ -99,9 +106,7 @@ def _torch_layer_norm_twin(model, cfg):
     hidden 4: rows with std 0.03)."""
     if cfg["kind"] != "layer_norm" or not cfg["spelling"].startswith("manual"):
         return None
-    twin = ToyTransformer(hidden=cfg["hidden"], heads=2, depth=cfg["depth"], placement=cfg["placement"],
-                          kind="layer_norm", spelling="module", eps=cfg["eps"], embed_norm=cfg["embed_norm"],
-                          final_norm=cfg["final_norm"], add_order=cfg["add_order"], dropout=cfg["dropout"])
+    twin = _stack(cfg, spelling="module")
     twin.load_state_dict(model.state_dict())
     return twin.to(cfg["dtype"]).train(model.training)
 
@@ -279,8 +284,8 @@ def _fuzz_optimize(cfg):
     for m, y in ((model, out), (eager_model, eager), (ref_model, ref64), (twin, twin_out)):
         if m is not None:
             (y * proj.to(y.dtype)).sum().backward()
-    twins = twin.parameters() if twin is not None else [None] * len(list(model.parameters()))
-    grads = [(name, p.grad, _less_accurate(q.grad, t.grad if t is not None else None, r.grad), r.grad)
+    twins = twin.parameters() if twin is not None else itertools.repeat(None)
+    grads = [(name, p.grad, _less_accurate(q.grad, t, r.grad), r.grad)
              for (name, p), q, t, r in zip(model.named_parameters(), eager_model.parameters(), twins,
                                            ref_model.parameters()) if r.grad is not None]
     floor = _two_column_noise(grads, conditioning) if cfg["hidden"] == 2 or _few_rows_16bit(cfg) else 0.0
@@ -288,9 +293,10 @@ def _fuzz_optimize(cfg):
         _check_outputs(got, base, ref, cfg["dtype"], cfg, what=f"grad of {name}", noise=floor)
 
 
-def _less_accurate(eager, twin, ref):
-    """Of two eager baselines (the model as written, and with torch's LayerNorm), the one further
-    from the fp64 reference (see _torch_layer_norm_twin)."""
+def _less_accurate(eager, twin_param, ref):
+    """Of two eager gradients (the model as written, and the twin's parameter with torch's
+    LayerNorm, or None), the one further from the fp64 reference (see _torch_layer_norm_twin)."""
+    twin = twin_param.grad if twin_param is not None else None
     if twin is None or not (eager.isfinite().all() and twin.isfinite().all()):
         return eager
     return twin if (twin.double() - ref).abs().max() > (eager.double() - ref).abs().max() else eager
