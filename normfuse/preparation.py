@@ -57,13 +57,22 @@ def prepare(model: nn.Module, config: FuseConfig | None = None, **options: Any) 
         raise InvalidModelError(f"prepare takes a torch.nn.Module, got {type(model).__name__}.")
     cfg = make_config(config, **options)
     done = Preparation(model)
-    if cfg.prenorm:
-        from normfuse.passes.prenorm_model import FINALS_ATTR, prepare_module
-        done.finals = FINALS_ATTR not in model.__dict__
-        prepare_module(model)
-    if cfg.cross_block:
-        from normfuse.passes.cross_block import rewrite_streams, rewritten_streams
-        before = set(rewritten_streams(model))
-        done.notes += [stream.describe() for stream in rewrite_streams(model, cfg.cross_checkpoints)]
-        done.streams = [fqn for fqn in rewritten_streams(model) if fqn not in before]
+    before: set[str] = set()
+    try:
+        if cfg.prenorm:
+            from normfuse.passes.prenorm_model import FINALS_ATTR, prepare_module
+            done.finals = FINALS_ATTR not in model.__dict__
+            prepare_module(model)
+        if cfg.cross_block:
+            from normfuse.passes.cross_block import rewrite_streams, rewritten_streams
+            before = set(rewritten_streams(model))
+            done.notes += [stream.describe() for stream in rewrite_streams(model, cfg.cross_checkpoints)]
+            done.streams = [fqn for fqn in rewritten_streams(model) if fqn not in before]
+    except Exception as error:  # noqa: BLE001 - the user's model must never break: put it back
+        if cfg.cross_block:
+            from normfuse.passes.cross_block import rewritten_streams
+            done.streams = [fqn for fqn in rewritten_streams(model) if fqn not in before]
+        done.undo()
+        done.notes.append(f"prepare: failed ({type(error).__name__}: {error}); the model's code is as it was "
+                          f"(its graphs are still captured and fused)")
     return done

@@ -20,6 +20,7 @@ from normfuse.passes.cross_block import ResidualPair, rewrite_streams, undo_stre
 from normfuse.zoo import CheckpointedStack, ToyTransformer, checkpointed_stack, hf_model
 
 from helpers import assert_close
+from loops import FLAGGED_LOOPS, HelperMethodLoop, flagged_loop
 
 IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 
@@ -112,56 +113,16 @@ def test_pair_crosses_checkpoint_wrapper_of_each_block():
     _assert_identical(_run(original, IDS), _run(model, IDS))
 
 
-# The loop spellings models use to checkpoint their blocks or not (a flag of the model decides)
-class _IfElseLoop(CheckpointedStack):
-    checkpointing = True
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for layer in self.blocks:
-            if self.checkpointing:
-                x = checkpoint(layer, x, use_reentrant=False)
-            else:
-                x = layer(x)
-        return self.head(self.final_norm(x))
-
-
-class _ConditionalExpressionLoop(CheckpointedStack):
-    checkpointing = True
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for layer in self.blocks:
-            x = checkpoint(layer, x, use_reentrant=False) if self.checkpointing else layer(x)
-        return self.head(self.final_norm(x))
-
-
-class _HelperMethodLoop(CheckpointedStack):
-    checkpointing = True
-
-    def run_layer(self, layer, hidden):
-        if self.checkpointing:
-            return checkpoint(layer, hidden, use_reentrant=False)
-        return layer(hidden)
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for layer in self.blocks:
-            x = self.run_layer(layer, x)
-        return self.head(self.final_norm(x))
-
-
-class _HelperReadingTheStream(_HelperMethodLoop):
+class _HelperReadingTheStream(HelperMethodLoop):
     def run_layer(self, layer, hidden):
         return layer(hidden) * 1.0
 
 
-@pytest.mark.parametrize("cls", [_IfElseLoop, _ConditionalExpressionLoop, _HelperMethodLoop])
+@pytest.mark.parametrize("loop", list(FLAGGED_LOOPS))
 @pytest.mark.parametrize("checkpointing", [True, False])
-def test_loop_spellings_hand_every_pair_on_with_cross_checkpoints(cls, checkpointing):
+def test_loop_spellings_hand_every_pair_on_with_cross_checkpoints(loop, checkpointing):
     torch._dynamo.reset()
-    original = cls(depth=4).train()
-    original.checkpointing = checkpointing
+    original = flagged_loop(loop, checkpointing, depth=4).train()
     regrouped = copy.deepcopy(original)
     assert rewrite_streams(regrouped, cross_checkpoints=True)[0].applied
     _assert_identical(_run(original, IDS), _run(regrouped, IDS))  # the same adds and norms, regrouped
@@ -174,6 +135,84 @@ def test_loop_spellings_hand_every_pair_on_with_cross_checkpoints(cls, checkpoin
     counts = rep.counts()
     assert (counts["sites"], counts["fused"], counts["fused_with_add"]) == (9, 9, 8), str(rep)
     assert any("4 blocks hand the residual pair" in note for note in rep.notes), rep.notes
+
+
+def _per_block_compiled(model, form):
+    """torchtitan's apply_compile in the two forms users write, the final norm compiled too
+    (so that the last pair's add is in a graph). Returns prepare's notes."""
+    notes = normfuse.prepare(model).notes
+    for i, block in enumerate(model.blocks):
+        if form == "module.compile":
+            block.compile(backend="normfuse")
+        else:
+            model.blocks.register_module(str(i), torch.compile(block, backend="normfuse"))
+    model.final_norm.compile(backend="normfuse")
+    return notes
+
+
+@pytest.mark.parametrize("form", ["optimize", "module.compile", "register_module"])
+@pytest.mark.parametrize("loop", list(FLAGGED_LOOPS))
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_checkpoint_flag_is_read_when_the_model_runs(form, loop, checkpointing):
+    """Whether the loop checkpoints is decided at each forward from the model's own test: with
+    the flag off every add is fused with the norm it feeds, as for a plain loop; with it on
+    (training, grad on) each checkpointed block gets the sum, as before."""
+    torch._dynamo.reset()
+    original = flagged_loop(loop, checkpointing, depth=4).train()
+    model = copy.deepcopy(original)
+    notes = normfuse.report(normfuse.optimize(model)).notes if form == "optimize" else \
+        _per_block_compiled(model, form)
+    (out, grads), (want, want_grads) = _run(model, IDS), _run(original, IDS)
+    assert_close(out, want)
+    for name, grad in grads.items():
+        assert_close(grad, want_grads[name], name)
+    rep = normfuse.report(model)
+    # per norm module (under per-block compile a checkpoint's recompute runs graphs of its own,
+    # which the report lists as runs of the same modules)
+    fused = {s.fqn: (s.fused, s.fused and s.fused_add, s.input_is_add) for s in rep.sites}
+    assert len(fused) == 9 and all(f for f, _, _ in fused.values()), str(rep)
+    # 8 add-fed norms: with checkpoints on, only the last pair crosses (to the final norm)
+    assert sum(a for _, a, _ in fused.values()) == (5 if checkpointing else 8), str(rep)
+    [note] = [n for n in notes if n.startswith("cross-block")]
+    assert ("checkpointed blocks" in note) == checkpointing, note
+    assert f"({'holds' if checkpointing else 'does not hold'} now)" in note, note
+    if form == "register_module":
+        # dynamo compiles the element's own __call__ as that form's frame: each flip recompiles
+        # it, and past dynamo's recompile limit a recompute would run it eagerly
+        return
+    # the same model, the flag turned the other way, in the next forward (a recompile under dynamo)
+    model.checkpointing = original.checkpointing = not checkpointing
+    (out, grads), (want, want_grads) = _run(model, IDS), _run(original, IDS)
+    assert_close(out, want)
+
+
+def test_an_eval_forward_without_grad_hands_pairs_into_a_checkpointing_loop():
+    """A checkpoint without grad keeps nothing for a recompute: the pair goes in."""
+    model = flagged_loop("if_else", True, depth=3).eval()
+    original = copy.deepcopy(model)
+    rewrite_streams(model)
+    seen = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda module, args: seen.append(args[1] is not None))
+    with torch.no_grad():
+        assert torch.equal(model(IDS), original(IDS))
+    assert seen == [False, True, True]
+    seen.clear()
+    model(IDS)  # grad on: the loop checkpoints, each block gets the sum
+    assert seen == [False, False, False]
+
+
+def test_a_test_reading_the_loop_variable_is_taken_as_checkpointing_always():
+    class EveryOther(HelperMethodLoop):
+        def forward(self, ids):
+            x = self.embed(ids)
+            for i, layer in enumerate(self.blocks):
+                x = checkpoint(layer, x, use_reentrant=False) if i % 2 else layer(x)
+            return self.head(self.final_norm(x))
+
+    model = EveryOther(depth=3).train()
+    [result] = rewrite_streams(model)
+    assert result.applied and result.checkpointed and "read at each forward" not in result.describe()
 
 
 def test_a_loop_the_analysis_cannot_take_is_named_in_the_report():
@@ -512,3 +551,130 @@ def test_new_pickles_name_the_cross_block_modules_and_old_names_still_resolve():
     for module, name in swapped:
         assert getattr(boundary, name) is getattr(sys.modules[module], name)
     _assert_identical(_run(original, IDS), _run(loaded, IDS))
+
+
+class _TwoStreams(nn.Module):
+    """One owner, two block lists run one after the other, each into its own norm (videoprism's
+    vision model: spatial layers, then temporal layers)."""
+
+    def __init__(self):
+        super().__init__()
+        first, second = _toy(depth=2), _toy(depth=3, kind="layer_norm", spelling="module")
+        self.tok, self.spatial, self.norm1 = first.tok, first.blocks, first.final_norm
+        self.temporal, self.norm2 = second.blocks, second.final_norm
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        for block in self.spatial:
+            x = block(x)
+        features = self.norm1(x) * 0.5
+        for block in self.temporal:
+            features = block(features)
+        return self.norm2(features)
+
+
+def _model_state(model):
+    """What a rewrite may change on a model: classes, instance attributes, hooks."""
+    return [(name, type(m), sorted(m.__dict__), list(m._forward_pre_hooks), list(m._forward_hooks))
+            for name, m in model.named_modules()]
+
+
+def test_an_owner_with_two_block_lists_gets_a_stream_for_each():
+    original = _TwoStreams()
+    model = copy.deepcopy(original)
+    state = _model_state(model)
+    results = rewrite_streams(model)
+    assert [(r.fqn, r.applied, r.blocks, r.final_norm) for r in results] == [("spatial", True, 2, "norm1"),
+                                                                             ("temporal", True, 3, "norm2")]
+    seen = []
+    for block in (*model.spatial, *model.temporal):
+        block.register_forward_pre_hook(lambda module, args: seen.append(args[1] is not None))
+    _assert_identical(_run(original, IDS), _run(model, IDS))
+    assert seen == [False, True, False, True, True]  # each list's first block gets a tensor
+    rewrite_streams(model)  # idempotent: each list keeps its stream
+    undo_streams(model)
+    for block in (*model.spatial, *model.temporal):
+        block._forward_pre_hooks.clear()
+    assert _model_state(model) == state
+    normfuse.optimize(model)
+    assert torch.equal(model(IDS), original(IDS))
+    counts = normfuse.report(model).counts()
+    assert (counts["sites"], counts["fused"], counts["fused_with_add"]) == (12, 12, 10)
+
+
+def test_hf_videoprism_two_block_lists_in_one_forward():
+    transformers = pytest.importorskip("transformers")
+    from normfuse.zoo import hf_config
+    config = hf_config("videoprism").vision_config
+    for key, value in dict(hidden_size=64, num_spatial_layers=2, num_temporal_layers=2, num_attention_heads=4,
+                           intermediate_size=128, image_size=32, num_frames=2).items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    original = transformers.VideoPrismVisionModel(config).eval()
+    videos = torch.randn(1, 2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    want = original(pixel_values_videos=videos).last_hidden_state
+    model = normfuse.optimize(copy.deepcopy(original))
+    assert torch.equal(model(pixel_values_videos=videos).last_hidden_state, want)
+    rep = normfuse.report(model)
+    counts = rep.counts()
+    assert (counts["sites"], counts["fused"], counts["fused_with_add"]) == (10, 10, 9), str(rep)
+    assert [n.split(":")[1].strip() for n in rep.notes if n.startswith("cross-block")] == \
+        ["spatial_layers", "temporal_layers"], rep.notes
+
+
+def test_a_rewrite_that_fails_midway_leaves_the_stream_as_it_was(monkeypatch):
+    from normfuse.passes.cross_block import install
+    original = _TwoStreams()
+    model = copy.deepcopy(original)
+    state = _model_state(model)
+    swap, calls = install._swap_class, []
+
+    def failing_swap(module, *args, **kwargs):  # the temporal list's second block fails to swap
+        calls.append(module)
+        if module is model.temporal[1]:
+            raise RuntimeError("planted")
+        swap(module, *args, **kwargs)
+
+    monkeypatch.setattr(install, "_swap_class", failing_swap)
+    spatial, temporal = rewrite_streams(model)
+    assert spatial.applied and not temporal.applied
+    assert "not rewritten (RuntimeError: planted); the stream is as it was" in temporal.describe()
+    assert model.temporal[0] in calls  # swapped before the failure, and put back
+    undo_streams(model)
+    assert _model_state(model) == state
+
+
+def test_a_preparation_that_fails_leaves_the_model_exactly_as_it_was(monkeypatch):
+    from normfuse.passes.cross_block import install
+    original = _TwoStreams()
+    model = copy.deepcopy(original)
+    state = _model_state(model)
+    describe = install._describe
+
+    def failing_describe(result, *args):  # after the first stream is installed: a failure outside any stream
+        if result.fqn == "temporal":
+            raise RuntimeError("planted")
+        describe(result, *args)
+
+    monkeypatch.setattr(install, "_describe", failing_describe)
+    done = normfuse.prepare(model)
+    assert _model_state(model) == state and not done.streams
+    assert any("prepare: failed (RuntimeError: planted); the model's code is as it was" in n for n in done.notes)
+    normfuse.optimize(model)  # optimize still captures and fuses, with the note in its report
+    assert torch.equal(model(IDS), original(IDS))
+    assert any("prepare: failed" in n for n in normfuse.report(model).notes)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_reentrant_checkpoint_behind_a_flag_gets_the_sum_only_while_the_flag_is_on(checkpointing):
+    from loops import ReentrantIfElseLoop
+    original = ReentrantIfElseLoop(depth=3).train()
+    original.checkpointing = checkpointing
+    model = copy.deepcopy(original)
+    rewrite_streams(model, cross_checkpoints=True)  # never into a reentrant checkpoint
+    seen = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda module, args: seen.append(args[1] is not None))
+    _assert_identical(_run(original, IDS), _run(model, IDS))
+    # the block's recompute in backward (reentrant: last block first) is called as in the forward
+    assert seen == ([False, False, False] * 2 if checkpointing else [False, True, True])

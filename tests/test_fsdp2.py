@@ -250,3 +250,66 @@ def test_titan_layout_under_fsdp2_every_norm_fused(name, titan_results, titan_re
             for pname, grad in grads.items():
                 ok, err, base, bound = within_tolerance(grad, eager[step][pname], exact[step][pname], dtype)
                 assert ok, (rank, step, pname, err, base, bound)
+
+
+# --------------------------------------------------------------------------- a checkpoint flag
+
+# The loops that checkpoint when a flag of the model says so (tests/loops.py), under FSDP2 per
+# block + root, then optimize, with the flag off: whether the loop checkpoints is read at each
+# forward, so every add is fused as in a plain loop. (With the flag on, torch.utils.checkpoint
+# runs its block with dynamo disabled once FSDP2's hooks have broken the owner's graph: the
+# blocks run eagerly and the report lists them as not captured; torchtitan's checkpoint_wrapper
+# per block is the form that compiles, tested above.)
+FLAG_CASES = [(loop, False) for loop in ("if_else", "conditional_expression", "helper_method")]
+
+
+def flagged_model(loop, checkpointing, dtype=torch.float32):
+    from loops import flagged_loop
+    model = flagged_loop(loop, checkpointing, depth=DEPTH)
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            torch.nn.init.normal_(p, 1.0, 0.2)
+    return model.to(dtype).train()
+
+
+def _flagged_sharded(rank, cases):
+    from torch.distributed.fsdp import fully_shard
+
+    results = {}
+    for loop, flag in cases:
+        torch._dynamo.reset()
+        model = flagged_model(loop, flag)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        notes = normfuse.prepare(model).notes
+        normfuse.optimize(model)
+        shard = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+        grads = train(model, shard, gather=lambda g: g.full_tensor())
+        rep = normfuse.report(model)
+        results[loop, flag] = {"grads": grads, "notes": notes, "text": str(rep),
+                               "sites": [(s.fqn, s.fused, s.fused_add, s.input_is_add) for s in rep.sites]}
+    return results
+
+
+@pytest.fixture(scope="module")
+def flagged_results():
+    return run_on_ranks(_flagged_sharded, FLAG_CASES)
+
+
+@pytest.mark.parametrize("loop,flag", FLAG_CASES)
+def test_fsdp2_with_a_checkpoint_flag_fuses_as_the_flag_says(loop, flag, flagged_results):
+    eager, exact = train(flagged_model(loop, flag)), train(flagged_model(loop, flag, torch.float64))
+    norms = [f"blocks.{i}.norm{j}" for i in range(DEPTH) for j in (1, 2)] + ["final_norm"]
+    for rank, res in enumerate(r[loop, flag] for r in flagged_results):
+        sites = {s[0]: s for s in res["sites"]}  # per module (a checkpoint's recompute may run a graph of its own)
+        assert sorted(sites) == sorted(norms) and all(s[1] for s in sites.values()), res["text"]
+        with_add = sorted(fqn for fqn, s in sites.items() if s[2])
+        assert with_add == sorted(norms[1:]), res["text"]  # every add-fed norm with its add, as in a plain loop
+        [note] = [n for n in res["notes"] if n.startswith("cross-block")]
+        assert "checkpointed blocks" not in note and "(does not hold now)" in note, note
+        for step, grads in enumerate(res["grads"]):
+            for name, grad in grads.items():
+                ok, err, base, bound = within_tolerance(grad, eager[step][name], exact[step][name], torch.float32)
+                assert ok, (rank, step, name, err, base, bound)

@@ -22,7 +22,8 @@ How, generically:
 - the owner's forward (read from its source) must pass the stream value only from
   block to block, then straight into a norm module: ``x = block(x, ...)`` or
   ``x = checkpoint(block, x, ..., use_reentrant=False)`` (or ``True``) in the loop (or an
-  if/else, a conditional expression or a method of the owner made of those), ``self.norm(x)``
+  if/else, a conditional expression or a method of the owner made of those; whether it
+  checkpoints is read at each forward from its test, source.py ``_Loop.checkpoint_if``), ``self.norm(x)``
   next; anything else that reads the value between blocks leaves the stream as it was;
 - each block's forward (read from its source) must end by returning a two-operand add:
   ``return a + b``, ``return torch.add(a, b)``, ``h = a + b; return h``, or a call of a

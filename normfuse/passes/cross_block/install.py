@@ -38,6 +38,7 @@ class StreamRewrite:
     cross_checkpoints: bool = False
     reentrant: bool = False       # ... reentrant ones, in the owner's loop
     entry_add: str | None = None  # "file:line" of the add right before the loop (it feeds the first block)
+    checkpoint_if: str | None = None  # the owner's test for checkpointing, decided at run time (e.g. "(self.gc)")
 
     @property
     def applied(self) -> bool:
@@ -45,13 +46,17 @@ class StreamRewrite:
 
     def describe(self) -> str:
         text = self._describe()
+        if self.applied and self.checkpoint_if and (self.reentrant or not self.cross_checkpoints):
+            now = "holds" if self.checkpointed else "does not hold"
+            text += (f"; the loop checkpoints when {self.checkpoint_if}, read at each forward ({now} now): while it "
+                     f"does, with grad on, each block hands on the sum, otherwise the pair")
         if self.applied and self.checkpointed and self.entry_add:
             text += (f"; the add before the loop ({self.entry_add}) stays outside the first block's checkpoint, so "
                      "the first block's first norm is fused without it (the owner's own forward is not rewritten)")
         return text
 
     def _describe(self) -> str:
-        if self.applied and self.reentrant:
+        if self.applied and self.checkpointed and self.reentrant:
             return (f"cross-block: {self.fqn}: the last of {self.blocks} checkpointed blocks hands the residual pair "
                     f"to {self.final_norm}; the others hand on the sum (a reentrant checkpoint would hide a pair "
                     f"from autograd)")
@@ -83,9 +88,11 @@ def _check_output_hooks(element: nn.Module, fqn: str) -> None:
 
 def rewrite_streams(model: nn.Module, cross_checkpoints: bool = False) -> list[StreamRewrite]:
     """Rewrite every Pre-Norm block stream of ``model`` to carry the residual pair across
-    block boundaries (see normfuse/passes/cross_block/__init__.py). Streams that do not fit
-    are left as they were, with the reason. Idempotent; a second call sets
-    ``cross_checkpoints`` (hand pairs into checkpointed blocks too, see runtime._Stream.entry)."""
+    block boundaries (see normfuse/passes/cross_block/__init__.py); an owner may hold several
+    (a vision model looping over spatial, then temporal blocks), each its own stream. Streams
+    that do not fit, or whose rewrite fails, are left as they were, with the reason.
+    Idempotent; a second call sets ``cross_checkpoints`` (hand pairs into checkpointed blocks
+    too, see runtime._Stream.entry)."""
     results = []
     owner_of = {name: mod for name, mod in model.named_modules()}
     for fqn in block_lists(model):
@@ -93,11 +100,11 @@ def rewrite_streams(model: nn.Module, cross_checkpoints: bool = False) -> list[S
         results.append(result)
         parent_fqn, _, attr = fqn.rpartition(".")
         owner = owner_of.get(parent_fqn, model) if fqn else model
-        if getattr(owner, _MARK, None):
-            stream = owner.__dict__[_MARK]
+        stream = _marked_streams(owner).get(attr)
+        if stream is not None:
             stream.cross_checkpoints = cross_checkpoints
             stream.index(blocks_of(owner.get_submodule(attr)))
-            _describe(result, stream, blocks_of(owner.get_submodule(attr)), parent_fqn)
+            _describe(result, stream, blocks_of(owner.get_submodule(attr)), owner, parent_fqn)
             continue
         try:
             if not fqn:
@@ -113,49 +120,100 @@ def rewrite_streams(model: nn.Module, cross_checkpoints: bool = False) -> list[S
         except Exception as error:  # noqa: BLE001 - reading unusual source must not break the model
             result.reason = f"not analysed ({type(error).__name__}: {error})"
             continue
-        stream = _Stream(loop.final_norm, checkpointed=loop.checkpointed, reentrant=loop.reentrant,
-                         entry_add=loop.entry_add,
-                         transformers=_base_class(_inner_block(elements[0])).__module__.startswith("transformers."),
-                         cross_checkpoints=cross_checkpoints)
-        for index, element in enumerate(elements):
-            inner = _inner_block(element)
-            _swap_class(inner, forward="pair")
-            if loop.checkpointed or hasattr(element, "_checkpoint_wrapped_module"):
-                inner.__dict__[_RECOMPUTED] = True
-            _swap_class(element, _StreamElement)
-            element.__dict__[_ELEMENT], element.__dict__[_KEY] = stream, str(index)
-            stream.receivers[str(index)] = elements[index + 1] if index + 1 < len(elements) else None
-        stream.index(elements)
-        norm = getattr(owner, loop.final_norm)
         try:
-            _swap_class(norm, forward="entry_add")
-        except NotFit:
-            pass  # the pre-hook adds the pair
-        # first of its pre-hooks: a SequenceParallel (or other) input hook then sees a tensor
-        stream.hooks = (norm.register_forward_pre_hook(_add_pair_first, prepend=True).id,
-                        owner.register_forward_pre_hook(_enter_owner, prepend=True).id,
-                        owner.register_forward_hook(_leave_owner, always_call=True).id)
-        object.__setattr__(owner, _MARK, stream)
-        _describe(result, stream, elements, parent_fqn)
+            stream = _install(owner, attr, loop, elements, cross_checkpoints)
+        except Exception as error:  # noqa: BLE001 - the model must not break: put back what was changed
+            _uninstall(owner, attr, elements, getattr(owner, loop.final_norm))
+            result.reason = f"not rewritten ({type(error).__name__}: {error}); the stream is as it was"
+            continue
+        _describe(result, stream, elements, owner, parent_fqn)
     return results
 
 
-def _describe(result: StreamRewrite, stream: _Stream, elements: list, parent_fqn: str) -> None:
+def _install(owner: nn.Module, attr: str, loop, elements: list, cross_checkpoints: bool) -> _Stream:
+    """Swap the classes of the list's elements, blocks and final norm, and hook the owner."""
+    stream = _Stream(loop.final_norm, checkpointed=loop.checkpointed, reentrant=loop.reentrant,
+                     entry_add=loop.entry_add, checkpoint_if=loop.checkpoint_if,
+                     transformers=_base_class(_inner_block(elements[0])).__module__.startswith("transformers."),
+                     cross_checkpoints=cross_checkpoints)
+    for index, element in enumerate(elements):
+        inner = _inner_block(element)
+        _swap_class(inner, forward="pair")
+        if loop.checkpointed or hasattr(element, "_checkpoint_wrapped_module"):
+            inner.__dict__[_RECOMPUTED] = True
+        _swap_class(element, _StreamElement)
+        element.__dict__[_ELEMENT], element.__dict__[_KEY] = stream, str(index)
+        stream.receivers[str(index)] = elements[index + 1] if index + 1 < len(elements) else None
+    stream.index(elements)
+    norm = getattr(owner, loop.final_norm)
+    try:
+        _swap_class(norm, forward="entry_add")
+    except NotFit:
+        pass  # the pre-hook adds the pair
+    streams = owner.__dict__.get(_MARK)
+    if isinstance(streams, dict) and streams:  # the owner's hooks count for all its streams
+        owner_hooks = next(iter(streams.values())).hooks[1:]
+    else:
+        owner_hooks = (owner.register_forward_pre_hook(_enter_owner, prepend=True).id,
+                       owner.register_forward_hook(_leave_owner, always_call=True).id)
+        object.__setattr__(owner, _MARK, {})
+    # first of its pre-hooks: a SequenceParallel (or other) input hook then sees a tensor
+    stream.hooks = (norm.register_forward_pre_hook(_add_pair_first, prepend=True).id, *owner_hooks)
+    owner.__dict__[_MARK][attr] = stream
+    return stream
+
+
+def _marked_streams(owner: nn.Module) -> dict:
+    """The owner's rewritten streams by block list attribute. (normfuse 0.1.0 marked an owner
+    with its one stream, which pickled models still hold: found through its list's elements.)"""
+    mark = owner.__dict__.get(_MARK)
+    if isinstance(mark, _Stream):
+        return {name: mark for name, child in owner.named_children()
+                if any(m.__dict__.get(_ELEMENT) is mark for m in child.children())}
+    return dict(mark or {})
+
+
+def _uninstall(owner: nn.Module, attr: str, elements: list, norm: nn.Module, stream: _Stream | None = None) -> None:
+    """Take one stream off: its classes, marks and hooks (the owner's hooks go with its last stream)."""
+    streams = owner.__dict__.get(_MARK)
+    if isinstance(streams, dict):
+        stream = streams.pop(attr, stream)
+    if stream is not None:
+        for hook_id in stream.hooks[:1]:
+            norm._forward_pre_hooks.pop(hook_id, None)
+        if not streams:  # the last (or a 0.1.0 owner's only) stream: the owner's hooks and mark too
+            owner.__dict__.pop(_MARK, None)
+            for hook_id in stream.hooks[1:]:
+                owner._forward_pre_hooks.pop(hook_id, None)
+                owner._forward_hooks.pop(hook_id, None)
+                owner._forward_hooks_always_called.pop(hook_id, None)
+    _unswap_class(norm)
+    for element in elements:
+        element.__dict__.pop(_ELEMENT, None)
+        element.__dict__.pop(_KEY, None)
+        _inner_block(element).__dict__.pop(_RECOMPUTED, None)
+        _unswap_class(_inner_block(element))
+        _unswap_class(element)
+
+
+def _describe(result: StreamRewrite, stream: _Stream, elements: list, owner: nn.Module, parent_fqn: str) -> None:
     result.blocks = len(elements)
     result.final_norm = f"{parent_fqn + '.' if parent_fqn else ''}{stream.final_norm}"
-    result.checkpointed = any(_checkpoints_block(e, stream) for e in elements)
+    result.checkpointed = any(_checkpoints_block(e, stream, owner) for e in elements)
+    if stream.checkpointed and stream.checkpoint_if not in (None, "True"):
+        result.checkpoint_if = stream.checkpoint_if
     result.cross_checkpoints, result.reentrant = stream.cross_checkpoints, stream.reentrant
     result.entry_add = stream.entry_add
 
 
 def rewritten_streams(model: nn.Module) -> list[str]:
     """The owners of ``model``'s rewritten streams, by module path."""
-    return [fqn for fqn, module in model.named_modules() if _MARK in module.__dict__]
+    return [fqn for fqn, module in model.named_modules() if _marked_streams(module)]
 
 
 def crosses_checkpoints(model: nn.Module) -> bool:
     """Whether a rewritten stream of ``model`` hands pairs into checkpointed blocks."""
-    return any(_MARK in m.__dict__ and m.__dict__[_MARK].cross_checkpoints for m in model.modules())
+    return any(stream.cross_checkpoints for m in model.modules() for stream in _marked_streams(m).values())
 
 
 def undo_streams(model: nn.Module, owners: Optional[list[str]] = None) -> None:
@@ -166,18 +224,6 @@ def undo_streams(model: nn.Module, owners: Optional[list[str]] = None) -> None:
         if owners is not None and parent_fqn not in owners:
             continue
         owner = model.get_submodule(parent_fqn) if parent_fqn else model
-        stream = owner.__dict__.pop(_MARK, None)
-        if stream is None:
-            continue
-        norm = getattr(owner, stream.final_norm)
-        for hooks in (norm._forward_pre_hooks, owner._forward_pre_hooks, owner._forward_hooks):
-            for hook_id in stream.hooks:
-                hooks.pop(hook_id, None)
-        owner._forward_hooks_always_called.pop(stream.hooks[2], None)
-        _unswap_class(norm)
-        for element in blocks_of(owner.get_submodule(attr)):
-            element.__dict__.pop(_ELEMENT, None)
-            element.__dict__.pop(_KEY, None)
-            _inner_block(element).__dict__.pop(_RECOMPUTED, None)
-            _unswap_class(_inner_block(element))
-            _unswap_class(element)
+        stream = _marked_streams(owner).get(attr)
+        if stream is not None:
+            _uninstall(owner, attr, blocks_of(owner.get_submodule(attr)), getattr(owner, stream.final_norm), stream)

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as _nn_module
 
-_MARK = "_normfuse_stream"            # on the owner of a rewritten stream
+_MARK = "_normfuse_stream"            # on the owner of rewritten streams: {block list attribute: _Stream}
 _ELEMENT = "_normfuse_stream_element"  # on each of its list elements (_StreamElement reads it by name)
 _KEY = "_normfuse_stream_key"          # and its key in _Stream.receivers
 _RECOMPUTED = "_normfuse_recomputed"  # on a block whose forward a checkpoint may run twice
@@ -42,6 +42,7 @@ HANDS_PAIR = "pair"
 HANDS_SUM = "sum"
 HANDS_SUM_WITH_GRAD = "sum with grad"     # the next block runs under a checkpoint_wrapper
 HANDS_BY_NEXT = "sum if next checkpoints"  # the sum when the next block checkpoints now (training, grad on)
+HANDS_BY_LOOP = "sum if the loop checkpoints"  # the sum when the owner's loop checkpoints in this forward
 
 
 class ResidualPair(NamedTuple):
@@ -59,8 +60,12 @@ class _Stream:
     final_norm: str
     receivers: dict = field(default_factory=dict)  # element key -> the next element (None: the final norm)
     hooks: tuple = ()            # ids of the owner's two hooks and the final norm's pre-hook
-    checkpointed: bool = False   # the owner's loop calls the blocks through checkpoint(...)
+    checkpointed: bool = False   # the owner's loop may call the blocks through checkpoint(...)
     reentrant: bool = False      # ... with use_reentrant=True: only the sum goes into a block
+    # when the loop checkpoints, an expression over the owner (source.py, _Loop.checkpoint_if);
+    # None: not known before the call, so a checkpointing loop is taken to checkpoint always
+    checkpoint_if: str | None = None
+    loop_checkpoints: bool = True  # checkpoint_if's value in the owner's running forward
     transformers: bool = False   # the blocks are transformers layers (see _outputs_recorded)
     cross_checkpoints: bool = False  # hand pairs into checkpointed blocks too
     entry_add: str | None = None     # where the add right before the owner's loop is (StreamRewrite)
@@ -86,11 +91,11 @@ class _Stream:
         if receiver is None:
             hands = HANDS_PAIR
         elif self.reentrant:  # a reentrant checkpoint's autograd sees only tensor arguments
-            hands = HANDS_SUM
+            hands = HANDS_SUM if self.checkpoint_if is None else HANDS_BY_LOOP
         elif self.cross_checkpoints:
             hands = HANDS_PAIR
         elif self.checkpointed:
-            hands = HANDS_SUM
+            hands = HANDS_SUM if self.checkpoint_if is None else HANDS_BY_LOOP
         elif _wraps_checkpoint(receiver):
             hands = HANDS_SUM_WITH_GRAD
         elif hasattr(_inner_block(receiver), "gradient_checkpointing"):  # transformers' GradientCheckpointingLayer
@@ -136,12 +141,37 @@ def _fast_path(element: nn.Module) -> bool | None:
 
 # --------------------------------------------------------------------------- the owner
 
+def _owner_streams(owner: nn.Module):
+    """The streams of an owner: by block list (normfuse 0.1.0 marked an owner with its one stream)."""
+    mark = owner.__dict__[_MARK]
+    return mark.values() if isinstance(mark, dict) else (mark,)
+
+
 def _enter_owner(owner: nn.Module, args: tuple) -> None:
-    owner.__dict__[_MARK].running += 1
+    for stream in _owner_streams(owner):
+        stream.running += 1
+        if stream.checkpoint_if is not None:
+            # whether the loop checkpoints in this forward: its own test (a flag, training mode)
+            # and the grad mode, read once before the first block hands anything on (a reentrant
+            # checkpoint runs its block with grad off: the block must still hand on the sum)
+            stream.loop_checkpoints = torch.is_grad_enabled() and bool(_checkpoint_test(stream.checkpoint_if)(owner))
+
+
+_CHECKPOINT_TESTS: dict[str, Callable] = {}
+
+
+def _checkpoint_test(expression: str) -> Callable:
+    """``lambda self: <expression>``, compiled once per expression (the stream keeps the text,
+    which pickles)."""
+    test = _CHECKPOINT_TESTS.get(expression)
+    if test is None:
+        test = _CHECKPOINT_TESTS[expression] = eval(f"lambda self: {expression}", {"__builtins__": {}})  # noqa: S307
+    return test
 
 
 def _leave_owner(owner: nn.Module, args: tuple, output: Any) -> None:
-    owner.__dict__[_MARK].running -= 1
+    for stream in _owner_streams(owner):
+        stream.running -= 1
 
 
 # --------------------------------------------------------------------------- the edited forwards
@@ -226,10 +256,14 @@ def _wraps_checkpoint(element: nn.Module) -> bool:
     return False
 
 
-def _checkpoints_block(element: nn.Module, stream: _Stream) -> bool:
+def _checkpoints_block(element: nn.Module, stream: _Stream, owner: nn.Module | None = None) -> bool:
     """Whether the element runs its block under a checkpoint when grad is on (transformers'
-    GradientCheckpointingLayer: in training mode only)."""
-    if stream.checkpointed or _wraps_checkpoint(element):
+    GradientCheckpointingLayer: in training mode only; an owner's loop whose test is known:
+    when that test holds for ``owner`` now)."""
+    if stream.checkpointed and (stream.checkpoint_if is None or owner is None
+                                or _checkpoint_test(stream.checkpoint_if)(owner)):
+        return True
+    if _wraps_checkpoint(element):
         return True
     return bool(_inner_block(element).__dict__.get("gradient_checkpointing", False))
 
@@ -289,6 +323,8 @@ class _StreamElement:
         if not sum_out and hands != HANDS_PAIR:
             if hands == HANDS_SUM:
                 sum_out = True
+            elif hands == HANDS_BY_LOOP:
+                sum_out = stream.loop_checkpoints
             elif torch.is_grad_enabled():
                 nxt = stream.plan[key][1]
                 sum_out = hands == HANDS_SUM_WITH_GRAD or bool(nxt.gradient_checkpointing and nxt.training)

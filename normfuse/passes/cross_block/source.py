@@ -84,9 +84,12 @@ class _Loop:
     stream: str          # the stream variable, e.g. "hidden_states"
     list_attr: str       # self.<list_attr> is the block list
     final_norm: str      # self.<final_norm>(stream) follows the loop
-    checkpointed: bool   # the loop calls the blocks through checkpoint(...)
+    checkpointed: bool   # the loop may call the blocks through checkpoint(...)
     reentrant: bool      # with use_reentrant=True: a pair going in would be hidden from autograd
     entry_add: str | None = None  # "file:line" of ``x = a + b`` right before the loop, when it is one
+    # when the loop checkpoints, as an expression over the owner (``self``) only, e.g.
+    # "self.checkpointing" or "True"; None when the condition reads more than the owner
+    checkpoint_if: str | None = None
 
 
 def _loop_block(loop: ast.For, list_attr: str) -> str | None:
@@ -124,11 +127,11 @@ def _analyze_owner(owner: nn.Module, list_attr: str) -> _Loop:
     loop = loops[0]
     block_var = _loop_block(loop, list_attr)
     stream, calls, reads = None, [], []
-    for stmt in _loop_statements(loop.body):
+    for stmt, when in _loop_statements(loop.body):
         if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
             continue
         target = stmt.targets[0].id
-        found = _block_calls(owner, stmt.value, block_var, target, raw)
+        found = _block_calls(owner, stmt.value, block_var, target, raw, when)
         if found is None:
             continue
         if stream is not None and target != stream:
@@ -149,6 +152,8 @@ def _analyze_owner(owner: nn.Module, list_attr: str) -> _Loop:
                      f"({_where(raw, others[0])})")
     checkpointed = any(c.checkpoint for c in calls)
     reentrant = any(c.reentrant for c in calls)
+    stores = [n for n in ast.walk(loop) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)]
+    checkpoint_if = None if stores else _checkpoint_condition(calls)
     # The first read of the stream after the loop must be the final norm.
     after = [n for n in _own_nodes(fn_node) if getattr(n, "lineno", 0) > (loop.end_lineno or loop.lineno)]
     after.sort(key=lambda n: (n.lineno, n.col_offset))
@@ -158,7 +163,27 @@ def _analyze_owner(owner: nn.Module, list_attr: str) -> _Loop:
     if norm is None or not is_norm_module(getattr(owner, norm, None) or nn.Identity()):
         raise NotFit(f"after the loop over self.{list_attr}, `{stream}` does not go straight into a norm module "
                      f"({_where(raw, first or loop)})")
-    return _Loop(stream, list_attr, norm, checkpointed, reentrant, _entry_add(fn_node, raw, loop, stream))
+    return _Loop(stream, list_attr, norm, checkpointed, reentrant, _entry_add(fn_node, raw, loop, stream),
+                 checkpoint_if)
+
+
+def _checkpoint_condition(calls: list[_BlockCall]) -> str | None:
+    """When the loop runs a block under a checkpoint, as one expression over the owner: the
+    conditions of its checkpoint calls joined by ``or`` ("True" for a call made always, "False"
+    when there is none); None when one of them reads more than the owner (a loop variable, a
+    local), so that it cannot be evaluated before the next block is called."""
+    sides = []
+    for call in calls:
+        if not call.checkpoint:
+            continue
+        if not all(_reads_only_self(test) for test in call.when):
+            return None
+        sides.append(_joined("and", [ast.unparse(test) for test in call.when]) or "True")
+    return _joined("or", sides) or "False"
+
+
+def _joined(op: str, terms: list[str]) -> str:
+    return terms[0] if len(terms) == 1 else f" {op} ".join(f"({term})" for term in terms)
 
 
 def _entry_add(fn_node: ast.FunctionDef, raw: Callable, loop: ast.For, stream: str) -> str | None:
@@ -180,18 +205,26 @@ class _BlockCall:
     node: ast.Call
     checkpoint: bool = False   # checkpoint(block, x, ..., use_reentrant=<literal>)
     reentrant: bool = False
+    when: tuple[ast.expr, ...] = ()  # the tests (all true) under which the code makes this call
 
 
-def _loop_statements(stmts: list):
+def _negated(test: ast.expr) -> ast.expr:
+    return ast.UnaryOp(op=ast.Not(), operand=test)
+
+
+def _loop_statements(stmts: list, when: tuple[ast.expr, ...] = ()):
     """The loop body's statements, with those inside if/else and with-blocks (not nested loops
-    or functions: a block run there is not the stream's next block)."""
+    or functions: a block run there is not the stream's next block), each with the tests under
+    which it runs. After ``if c: ... return`` (no else), what follows runs when ``not c``."""
     for stmt in stmts:
-        yield stmt
+        yield stmt, when
         if isinstance(stmt, ast.If):
-            yield from _loop_statements(stmt.body)
-            yield from _loop_statements(stmt.orelse)
+            yield from _loop_statements(stmt.body, (*when, stmt.test))
+            yield from _loop_statements(stmt.orelse, (*when, _negated(stmt.test)))
+            if not stmt.orelse and stmt.body and isinstance(stmt.body[-1], (ast.Return, ast.Continue, ast.Break)):
+                when = (*when, _negated(stmt.test))
         elif isinstance(stmt, ast.With):
-            yield from _loop_statements(stmt.body)
+            yield from _loop_statements(stmt.body, when)
 
 
 def _is_block(node: ast.AST, block_var: str) -> bool:
@@ -199,48 +232,51 @@ def _is_block(node: ast.AST, block_var: str) -> bool:
                                          and _is_name(node.value, block_var))
 
 
-def _block_call(call: ast.AST, block_var: str, stream: str, raw: Callable) -> _BlockCall | None:
+def _block_call(call: ast.AST, block_var: str, stream: str, raw: Callable, when: tuple = ()) -> _BlockCall | None:
     """``block(x, ...)`` or ``checkpoint(block, x, ..., use_reentrant=<literal>)``; None for another call."""
     if not isinstance(call, ast.Call):
         return None
     if _is_block(call.func, block_var) and call.args and _is_name(call.args[0], stream):
-        return _BlockCall(call)
+        return _BlockCall(call, when=when)
     if len(call.args) >= 2 and _is_block(call.args[0], block_var) and _is_name(call.args[1], stream):
         flag = [k.value.value for k in call.keywords if k.arg == "use_reentrant" and isinstance(k.value, ast.Constant)]
         if flag not in ([False], [True]):
             raise NotFit(f"the blocks are called through a function that may hide a pair from autograd "
                          f"({_where(raw, call)}): only checkpointing with a literal use_reentrant passes it")
-        return _BlockCall(call, checkpoint=True, reentrant=flag == [True])
+        return _BlockCall(call, checkpoint=True, reentrant=flag == [True], when=when)
     return None
 
 
-def _block_calls(owner: nn.Module, value: ast.expr, block_var: str, stream: str, raw: Callable
-                 ) -> tuple[list[_BlockCall], list[ast.Name]] | None:
+def _block_calls(owner: nn.Module, value: ast.expr, block_var: str, stream: str, raw: Callable,
+                 when: tuple = ()) -> tuple[list[_BlockCall], list[ast.Name]] | None:
     """How ``stream = <value>`` runs the block: the block calls it makes and the reads of the
     stream they make (None when ``value`` runs no block on the stream). ``value`` is a block
     call, a conditional expression of block calls, or ``self.<method>(..., block, x, ...)``
-    whose every return is one of those."""
+    whose every return is one of those. ``when``: the tests under which the code evaluates
+    ``value``; each call found carries them, and those of the branches that lead to it."""
     if isinstance(value, ast.IfExp):
-        sides = [_block_calls(owner, side, block_var, stream, raw) for side in (value.body, value.orelse)]
+        sides = [_block_calls(owner, side, block_var, stream, raw, (*when, test))
+                 for side, test in ((value.body, value.test), (value.orelse, _negated(value.test)))]
         if all(side is None for side in sides):
             return None
         if any(side is None for side in sides):
             raise NotFit(f"one side of the conditional expression at {_where(raw, value)} does not run the block")
         return [c for side in sides for c in side[0]], [r for side in sides for r in side[1]]
-    helper = _helper_calls(owner, value, block_var, stream, raw)
+    helper = _helper_calls(owner, value, block_var, stream, raw, when)
     if helper is not None:
         return helper
-    single = _block_call(value, block_var, stream, raw)
+    single = _block_call(value, block_var, stream, raw, when)
     if single is not None:
         arg = single.node.args[1 if single.checkpoint else 0]
         return [single], [arg]
     return None
 
 
-def _helper_calls(owner: nn.Module, call: ast.expr, block_var: str, stream: str, raw: Callable
-                  ) -> tuple[list[_BlockCall], list[ast.Name]] | None:
+def _helper_calls(owner: nn.Module, call: ast.expr, block_var: str, stream: str, raw: Callable,
+                  when: tuple = ()) -> tuple[list[_BlockCall], list[ast.Name]] | None:
     """``self.<method>(block, x)`` (the two passed positionally) whose body only runs the block
-    on the stream and returns what the block returns."""
+    on the stream and returns what the block returns. Its ``self`` is the owner, so the tests
+    in its body are tests of the owner too."""
     name = _is_self_attr(call.func) if isinstance(call, ast.Call) else None
     if name is None or call.keywords:
         return None
@@ -256,8 +292,13 @@ def _helper_calls(owner: nn.Module, call: ast.expr, block_var: str, stream: str,
         return None
     block_param, stream_param = params[positions[block_var]], params[positions[stream]]
     calls, reads = [], []
-    for ret in (n for n in _own_nodes(fn_node) if isinstance(n, ast.Return)):
-        found = _block_calls(owner, ret.value, block_param, stream_param, helper) if ret.value is not None else None
+    returns = [(stmt, (*when, *tests)) for stmt, tests in _loop_statements(fn_node.body)
+               if isinstance(stmt, ast.Return)]
+    if len(returns) != sum(isinstance(n, ast.Return) for n in _own_nodes(fn_node)):
+        raise NotFit(f"{type(owner).__name__}.{name} ({_where(helper, fn_node)}) returns from inside a loop or a try")
+    for ret, tests in returns:
+        found = _block_calls(owner, ret.value, block_param, stream_param, helper, tests) \
+            if ret.value is not None else None
         if found is None:
             raise NotFit(f"{type(owner).__name__}.{name} ({_where(helper, ret)}) returns something else than what "
                          f"the block returns")
