@@ -46,7 +46,8 @@ from torch import Tensor
 from normfuse.errors import InvalidOptionError, ShapeMismatchError, UnsupportedDtypeError, closest
 from normfuse.kernels import reference
 from normfuse.kernels import triton as triton_backend
-from normfuse.kernels.reference import CPU_ONLY_DTYPES, KINDS, SUPPORTED_DTYPES, acc_dtype, quant_scale_shape
+from normfuse.kernels.reference import (CPU_ONLY_DTYPES, KINDS, SUPPORTED_DTYPES, acc_dtype, channel_split,
+                                        quant_scale_shape, sum_like)
 from normfuse.vocabulary import (GATE_ACTIVATIONS, GATE_POSITIONS, QUANT_APPLY, QUANT_DTYPES, QUANT_SCALE_FORMS,
                                  QUANT_SCALE_OUT)
 
@@ -331,15 +332,25 @@ def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
     return like.new_empty(0, dtype=dtype)
 
 
-def _op_outputs(outputs, empty_dtypes, like: Tensor, inputs) -> tuple:
+def _op_outputs(outputs, empty_dtypes, like: Tensor, inputs, sum_index: Optional[int] = None,
+                sum_layout: Optional[Tensor] = None) -> tuple:
     """What a custom op may return: an empty tensor of the fake's dtype for each None, and no
     output that is an input or another output (e.g. dx is also dresidual when residual_scale
-    == 1 and the dtypes agree): such outputs are cloned; all are made contiguous."""
+    == 1 and the dtypes agree): such outputs are cloned; all are made contiguous, but the sum
+    (output ``sum_index``), which takes ``sum_layout``'s layout when that is channels-first
+    (``reference.sum_like``)."""
     seen = {t.data_ptr() for t in inputs if isinstance(t, Tensor) and t.numel()}
     fresh = []
-    for t, dtype in zip(outputs, empty_dtypes):
+    for i, t in enumerate(outputs):
+        dtype = empty_dtypes[i]
         if t is None:
             t = _empty(like, dtype)
+        elif i == sum_index and channel_split(sum_layout) is not None:
+            if t.stride() != sum_like(sum_layout, t.dtype).stride() or t.data_ptr() in seen:
+                t = sum_like(sum_layout, t.dtype).copy_(t)
+            seen.add(t.data_ptr())
+            fresh.append(t)
+            continue
         elif t.numel() == 0 or t.data_ptr() in seen:  # empty tensors can share a storage unseen
             t = t.clone(memory_format=torch.contiguous_format)
         seen.add(t.data_ptr())
@@ -393,7 +404,8 @@ def add_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor]
                                    bias1, dropout_p, seed, gate, gate_position, gate_activation, norm_group,
                                    gate_out_dtype)
     return _op_outputs(outputs, (None, sum_dtype, None, None, out_dtype), x,
-                       (x, residual, weight, bias, x1, rowscale, weight1, bias1, gate))
+                       (x, residual, weight, bias, x1, rowscale, weight1, bias1, gate), sum_index=1,
+                       sum_layout=x if residual is None else residual)
 
 
 @add_norm_fwd.register_fake
@@ -404,7 +416,7 @@ def _add_norm_fwd_fake(x, residual, weight, bias, kind, eps, weight_offset, resi
     check_shapes(x, residual, weight, bias, x1, rowscale, weight1, bias1)
     _check_seed(dropout_p, seed)
     stored = store_sum and reference.has_sum(residual, x1, rowscale, dropout_p)
-    s = x.new_empty(x.shape, dtype=sum_dtype) if stored else _empty(x, sum_dtype)
+    s = sum_like(x if residual is None else residual, sum_dtype) if stored else _empty(x, sum_dtype)
     y1 = _empty(x, out_dtype) if weight1 is None else x.new_empty(x.shape, dtype=out_dtype)
     y_dtype = y_dtype_of(out_dtype, gate, gate_position, gate_out_dtype)
     mean, rstd = _stats_fake(x, kind, sum_dtype, norm_group)
@@ -444,7 +456,8 @@ def add_norm_quant_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[T
     y, s, mean, rstd, y1, q, scale = outputs
     return _op_outputs((y, s, mean, rstd, y1, q.view(torch.uint8), scale),
                        (out_dtype, sum_dtype, None, None, out_dtype, None, torch.float32), x,
-                       (x, residual, weight, bias, x1, rowscale, weight1, bias1, quant_scale))
+                       (x, residual, weight, bias, x1, rowscale, weight1, bias1, quant_scale), sum_index=1,
+                       sum_layout=x if residual is None else residual)
 
 
 @add_norm_quant_fwd.register_fake

@@ -111,6 +111,12 @@ per row, (*y.shape[:-1], N // G) per group), or ``fp32(1 / scale)`` with quant_s
 scaling per tensor is not row-local and is not offered. Backward: q and scale are not
 differentiable; y (when returned) and s are differentiated exactly as without the epilogue.
 
+Layouts (values never depend on them). x and residual may be strided views; a channel norm's
+operands arrive as ``t.permute(0, 2, 3, 1)`` of NCHW tensors, rows strided, positions contiguous
+(``channel_split``). y (and y1, q) and the gradients have contiguous rows, as a norm call returns
+them; s has the residual's layout (x's without one) when that is stored so (``sum_like``), as the
+add it stands for returned it (eager's add takes its first operand's layout: the stream's).
+
 Backend interface (shared with ``triton.py``; positional arguments as in the custom
 ops, None for an output that does not exist): ``add_norm_fwd``, ``add_norm_quant_fwd``,
 ``norm_add_fwd``, ``add_norm_bwd``, and ``dropout_keep``. Where one of eager's fused CPU kernels computes exactly the
@@ -140,6 +146,26 @@ CPU_ONLY_DTYPES = (torch.float64,)
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Statistics accumulate in fp32; fp64 inputs (gradcheck, fp64 references) stay fp64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---- layouts ---------------------------------------------------------------------------
+
+def channel_split(t: Tensor) -> Optional[int]:
+    """j such that t, of shape (*outer, *positions, C) with outer = t.shape[:j], is stored
+    channels-first: ``t.movedim(-1, j)`` is contiguous while t's last dim is not (e.g. an NCHW
+    tensor permuted to NHWC: j = 1). None for any other layout (rows contiguous, or neither)."""
+    if t.dim() < 2 or t.stride(-1) == 1 or t.shape[-1] == 1:
+        return None
+    return next((j for j in range(t.dim() - 1) if t.movedim(-1, j).is_contiguous()), None)
+
+
+def sum_like(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """An empty tensor of x's shape in x's layout when x is stored channels-first, else with
+    contiguous rows: the sum s, in its residual's layout (x's without one)."""
+    j = channel_split(x)
+    if j is None:
+        return x.new_empty(x.shape, dtype=dtype)
+    return x.new_empty(x.movedim(-1, j).shape, dtype=dtype).movedim(j, -1)
 
 
 # ---- default dtypes (resolved once per call, by the functional API and the *_ref functions) ----

@@ -9,6 +9,7 @@ interpreter when NORMFUSE_TRITON_CPU=1 (the tests do).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Optional
@@ -16,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from normfuse.kernels.reference import quant_scale_shape
+from normfuse.kernels.reference import channel_split, quant_scale_shape, sum_like
 from normfuse.vocabulary import QUANT_APPLY, QUANT_SCALE_FORMS
 
 
@@ -928,6 +929,10 @@ def add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_s
                  out_dtype, store_sum, round_sum_first=True, x1=None, rowscale=None, weight1=None, bias1=None,
                  dropout_p=0.0, seed=None, gate=None, gate_position="before", gate_activation="silu",
                  norm_group=None, gate_out_dtype=None):
+    j = strided_fwd_ok(x, residual, x1, rowscale, weight1, dropout_p, gate, norm_group)
+    if j is not None:  # a channel norm: x or the residual stored channels-first
+        return _add_norm_fwd_strided(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
+                                     norm_round_dtype, out_dtype, store_sum, round_sum_first, j)
     gated_after = gate is not None and gate_position == "after"
     y = x.new_empty(x.shape, dtype=(gate_out_dtype or out_dtype) if gated_after else out_dtype)
     s = x.new_empty(x.shape, dtype=sum_dtype) if store_sum else None
@@ -983,6 +988,11 @@ def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, resid
                  residual_dtype, bias_dtype, dy1=None, weight1=None, bias1_dtype=None, x1_dtype=None, rowscale=None,
                  dropout_p=0.0, seed=None, gate=None, gate_position="before", gate_activation="silu",
                  norm_group=None, bias=None):
+    j = strided_bwd_ok(inp, dy1 if weight1 is not None else None, rowscale, dropout_p, gate, norm_group,
+                       add_after_norm, x1_dtype)
+    if j is not None:  # a channel norm: its input stored channels-first
+        return _add_norm_bwd_strided(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale,
+                                     x_dtype, residual_dtype, bias_dtype, j)
     n_cols = inp.shape[-1]
     inp2, dy2, de2, dy12, z2 = (_rows_2d(t, n_cols) for t in (inp, dy, dextra, dy1, gate))
     n_rows = inp2.shape[0]
@@ -1047,3 +1057,237 @@ def dropout_keep(seed, n_rows: int, n_cols: int, p: float, device) -> Tensor:
     if numel:
         _dropout_keep_kernel[(triton.cdiv(numel, block),)](keep.view(torch.int8), int(seed), p, numel, BLOCK=block)
     return keep
+
+
+# --------------------------------------------------------------------------------------
+# Channel norms: the normalized dim read with a stride
+# --------------------------------------------------------------------------------------
+# A vision model normalizes an NCHW tensor over C through ``x.permute(0, 2, 3, 1)``: the
+# rows (one per position) are not contiguous, the positions are. These kernels read every
+# tensor as (outer, positions, channels) with its own three strides, e.g. NCHW over C:
+# row m = (n, hw), element (m, c) at n*C*HW + c*HW + hw. A program takes a tile of BLOCK_HW
+# consecutive positions of one outer index and all channels, so loads run along the
+# contiguous positions. The arithmetic is the row kernels' (the same helpers, the same
+# rounding points); only the addressing differs. The modes (x1, rowscale, dropout, gate,
+# groups, second norm, fp8 epilogue) and the norm-then-add order keep the row kernels: a
+# channel norm comes without them, and such a call copies its operands to rows first.
+
+if triton is not None:
+
+    @triton.jit
+    def _add_norm_fwd_strided_kernel(
+        X, R, W, B, Y, S, MEAN, RSTD,
+        sx_o, sx_h, sx_c, sr_o, sr_h, sr_c, sy_o, sy_h, sy_c, ss_o, ss_h, ss_c,  # (outer, position, channel)
+        HW, N, eps, weight_offset, residual_scale, tiles_per_outer,
+        SUM_DTYPE: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
+        ROUND_FIRST: tl.constexpr, STORE_SUM: tl.constexpr, SCALE_RESIDUAL: tl.constexpr,
+        ROUND_SUM_FIRST: tl.constexpr, BLOCK_HW: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """One tile of BLOCK_HW rows x all N channels: one read of each input, one write of each output."""
+        pid = tl.program_id(0)
+        outer = (pid // tiles_per_outer).to(tl.int64)
+        hw = (pid % tiles_per_outer) * BLOCK_HW + tl.arange(0, BLOCK_HW)
+        cols = tl.arange(0, BLOCK_N)
+        hw_ok = hw < HW
+        mask = hw_ok[:, None] & (cols < N)[None, :]
+        h = hw.to(tl.int64)[:, None]
+        c = cols.to(tl.int64)[None, :]
+        row = outer * HW + hw.to(tl.int64)                       # (BLOCK_HW,): the row-major index of the rows
+        s, u = _load_norm_input(X, R, X, RSTD, row, hw_ok, outer * sx_o + h * sx_h + c * sx_c,
+                                outer * sr_o + h * sr_h + c * sr_c, 0, 0, mask, N, residual_scale, 0, 0.0, 1.0,
+                                HAS_RESIDUAL, SCALE_RESIDUAL, SUM_DTYPE, ROUND_SUM_FIRST, False, False, False,
+                                SUM_DTYPE)
+        if STORE_SUM:
+            tl.store(S + outer * ss_o + h * ss_h + c * ss_c, s, mask=mask)
+        if IS_RMS:
+            mean = 0.0
+            var = tl.sum(u * u, axis=1) / N
+        else:
+            mean = tl.sum(u, axis=1) / N
+            d = tl.where(mask, u - mean[:, None], 0.0)
+            var = tl.sum(d * d, axis=1) / N
+            tl.store(MEAN + row, mean, mask=hw_ok)
+            mean = mean[:, None]
+        rstd = tl.rsqrt(var + eps)
+        tl.store(RSTD + row, rstd, mask=hw_ok)
+        w, b = _load_params(W, B, cols, cols < N, weight_offset, HAS_WEIGHT, HAS_BIAS)
+        if HAS_WEIGHT:
+            w = w[None, :]
+        if HAS_BIAS:
+            b = b[None, :]
+        _normalize_and_store(u, mean, rstd[:, None], w, b, Y, S, R, outer * sy_o + h * sy_h + c * sy_c, 0, 0, 0,
+                             mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS, ROUND_FIRST, NORM_ROUND_DTYPE,
+                             OUT_DTYPE, True, False, False)
+
+    @triton.jit
+    def _add_norm_bwd_strided_kernel(
+        DY, DE, INP, MEAN, RSTD, W, DX, DRES, DW_PART, DB_PART,   # DE: the gradient of s
+        sdy_o, sdy_h, sdy_c, sde_o, sde_h, sde_c, si_o, si_h, si_c, sdx_o, sdx_h, sdx_c, sdr_o, sdr_h, sdr_c,
+        HW, N, n_tiles, tiles_per_outer, tiles_per_program, weight_offset, residual_scale,
+        HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr,
+        IS_RMS: tl.constexpr, BLOCK_HW: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """Each program takes a run of tiles and writes fp32 dw/db partials to row `pid` of
+        [programs, N] buffers, summed on the host (the row kernels' formulas, per tile)."""
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_N)
+        c = cols.to(tl.int64)[None, :]
+        w, _ = _load_params(W, W, cols, cols < N, weight_offset, HAS_WEIGHT, False)
+        if HAS_WEIGHT:
+            w = w[None, :]
+        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for i in range(tiles_per_program):
+            tile = pid * tiles_per_program + i
+            outer = (tile // tiles_per_outer).to(tl.int64)
+            hw = (tile % tiles_per_outer) * BLOCK_HW + tl.arange(0, BLOCK_HW)
+            hw_ok = (hw < HW) & (tile < n_tiles)
+            mask = hw_ok[:, None] & (cols < N)[None, :]
+            h = hw.to(tl.int64)[:, None]
+            row = outer * HW + hw.to(tl.int64)
+            rstd = tl.load(RSTD + row, mask=hw_ok, other=0.0)[:, None]
+            u = tl.load(INP + outer * si_o + h * si_h + c * si_c, mask=mask, other=0.0).to(tl.float32)
+            if IS_RMS:
+                xhat = u * rstd
+            else:
+                xhat = (u - tl.load(MEAN + row, mask=hw_ok, other=0.0)[:, None]) * rstd
+            xhat = tl.where(mask, xhat, 0.0)
+            dy = tl.load(DY + outer * sdy_o + h * sdy_h + c * sdy_c, mask=mask, other=0.0).to(tl.float32)
+            g = dy
+            if HAS_WEIGHT:
+                g = dy * w
+            c1 = tl.sum(g * xhat, axis=1)[:, None] / N
+            if IS_RMS:
+                du = (g - xhat * c1) * rstd
+            else:
+                du = (g - tl.sum(g, axis=1)[:, None] / N - xhat * c1) * rstd
+            if HAS_DEXTRA:
+                du += tl.load(DE + outer * sde_o + h * sde_h + c * sde_c, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + outer * sdx_o + h * sdx_h + c * sdx_c, _round(du, DX.dtype.element_ty), mask=mask)
+            if HAS_DRES:
+                tl.store(DRES + outer * sdr_o + h * sdr_h + c * sdr_c,
+                         _round(du * residual_scale, DRES.dtype.element_ty), mask=mask)
+            dw += tl.sum(dy * xhat, axis=0)
+            db += tl.sum(dy, axis=0)
+        part = pid.to(tl.int64) * N + cols
+        if HAS_WEIGHT:
+            tl.store(DW_PART + part, dw, mask=cols < N)
+        if HAS_BIAS:
+            tl.store(DB_PART + part, db, mask=cols < N)
+
+
+# Tile sizes: BLOCK_HW positions x next_pow2(C) channels, up to this many elements (forward /
+# backward, whose tile holds x_hat, dy and g in fp32 at once); channels past one tile (C > 4096
+# forward, 2048 backward) take the row kernels on a copy. num_warps: one per 512 elements, 1 to 8.
+_STRIDED_TILE = 4096
+_STRIDED_TILE_BWD = 2048
+
+
+def _as_3d(t: Optional[Tensor], j: int) -> Optional[Tensor]:
+    """(outer, positions, channels) view of t, copying t to rows when its dims do not collapse so."""
+    if t is None:
+        return None
+    shape = (math.prod(t.shape[:j]), math.prod(t.shape[j:-1]), t.shape[-1])
+    try:
+        return t.view(shape)
+    except RuntimeError:
+        return t.contiguous().view(shape)
+
+
+def _strides_3d(t: Optional[Tensor]) -> tuple:
+    return (0, 0, 0) if t is None else tuple(t.stride())
+
+
+def _strided_tile(positions: int, n_cols: int, backward: bool) -> tuple[int, int, int]:
+    """(BLOCK_HW, BLOCK_N, num_warps) of a channel-norm tile (C within one tile: strided_*_ok)."""
+    block_n = triton.next_power_of_2(n_cols)
+    tile = _STRIDED_TILE_BWD if backward else _STRIDED_TILE
+    block_hw = max(1, min(tile // block_n, triton.next_power_of_2(max(positions, 1))))
+    return block_hw, block_n, min(max(block_hw * block_n // 512, 1), 8)
+
+
+def strided_fwd_ok(x: Tensor, residual, x1, rowscale, weight1, dropout_p, gate, norm_group) -> Optional[int]:
+    """The split j (channel_split) of x or the residual when an add_norm call runs the
+    channel-norm kernel, else None."""
+    if x1 is not None or rowscale is not None or weight1 is not None or dropout_p > 0 or gate is not None \
+            or norm_group or triton is None or triton.next_power_of_2(x.shape[-1]) > _STRIDED_TILE:
+        return None
+    j = channel_split(x)
+    return j if j is not None or residual is None else channel_split(residual)
+
+
+def _add_norm_fwd_strided(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
+                          norm_round_dtype, out_dtype, store_sum, round_sum_first, j):
+    """add_norm_fwd's outputs for x or the residual stored channels-first (split j): y with contiguous rows (what
+    a norm call returns), s in its residual's layout (reference.sum_like)."""
+    n_cols = x.shape[-1]
+    y = x.new_empty(x.shape, dtype=out_dtype)
+    s = sum_like(x if residual is None else residual, sum_dtype) if store_sum else None
+    x3, r3, y3, s3 = (_as_3d(t, j) for t in (x, residual, y, s))
+    n_rows = x.numel() // n_cols
+    mean = x.new_empty((n_rows,) if kind == "layer_norm" else (0,), dtype=torch.float32)
+    rstd = x.new_empty((n_rows,), dtype=torch.float32)
+    if n_rows == 0:
+        return y, s, mean, rstd, None
+    positions = x3.shape[1]
+    block_hw, block_n, num_warps = _strided_tile(positions, n_cols, backward=False)
+    tiles_per_outer = triton.cdiv(positions, block_hw)
+    dummy = rstd
+    _add_norm_fwd_strided_kernel[(x3.shape[0] * tiles_per_outer,)](
+        x3, dummy if r3 is None else r3, dummy if weight is None else _param(weight),
+        dummy if bias is None else _param(bias), y3, dummy if s3 is None else s3,
+        mean if kind == "layer_norm" else dummy, rstd,
+        *_strides_3d(x3), *_strides_3d(r3), *_strides_3d(y3), *_strides_3d(s3),
+        positions, n_cols, eps, weight_offset, residual_scale, tiles_per_outer,
+        SUM_DTYPE=TL_DTYPES[sum_dtype], NORM_ROUND_DTYPE=TL_DTYPES[norm_round_dtype or out_dtype],
+        OUT_DTYPE=TL_DTYPES[out_dtype], HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None, IS_RMS=kind == "rms_norm", ROUND_FIRST=norm_round_dtype is not None,
+        STORE_SUM=s is not None, SCALE_RESIDUAL=residual_scale != 1.0, ROUND_SUM_FIRST=round_sum_first,
+        BLOCK_HW=block_hw, BLOCK_N=block_n, num_warps=num_warps)
+    return y, s, mean, rstd, None
+
+
+def _add_norm_bwd_strided(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, x_dtype,
+                          residual_dtype, bias_dtype, j):
+    """add_norm_bwd's gradients for a norm input stored channels-first (split j); dx and dresidual
+    with contiguous rows, as the row kernels write them."""
+    n_cols = inp.shape[-1]
+    dx = inp.new_empty(inp.shape, dtype=x_dtype)
+    dres = inp.new_empty(inp.shape, dtype=residual_dtype) if residual_dtype is not None else None
+    i3, dy3, de3, dx3, dr3 = (_as_3d(t, j) for t in (inp, dy, dextra, dx, dres))
+    positions = i3.shape[1]
+    block_hw, block_n, num_warps = _strided_tile(positions, n_cols, backward=True)
+    tiles_per_outer = triton.cdiv(positions, block_hw)
+    n_tiles = i3.shape[0] * tiles_per_outer
+    k = 4 if block_hw * block_n <= 1024 else 2
+    programs = max(1, min(n_tiles, k * _sm_count(inp.device)))
+    tiles_per_program = triton.cdiv(n_tiles, programs) if n_tiles else 0
+    alloc = torch.empty if n_tiles else torch.zeros  # zero rows: the sums below must be zero
+
+    def partials(exists):
+        return alloc((programs, n_cols), dtype=torch.float32, device=inp.device) if exists else None
+    dw_part, db_part = partials(weight is not None), partials(bias_dtype is not None)
+    if n_tiles:
+        dummy = rstd
+        _add_norm_bwd_strided_kernel[(programs,)](
+            dy3, dummy if de3 is None else de3, i3, mean if kind == "layer_norm" else dummy, rstd,
+            dummy if weight is None else _param(weight), dx3, dummy if dr3 is None else dr3,
+            dummy if dw_part is None else dw_part, dummy if db_part is None else db_part,
+            *_strides_3d(dy3), *_strides_3d(de3), *_strides_3d(i3), *_strides_3d(dx3), *_strides_3d(dr3),
+            positions, n_cols, n_tiles, tiles_per_outer, tiles_per_program, weight_offset, residual_scale,
+            HAS_DEXTRA=dextra is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias_dtype is not None,
+            HAS_DRES=dres is not None, IS_RMS=kind == "rms_norm", BLOCK_HW=block_hw, BLOCK_N=block_n,
+            num_warps=num_warps)
+    # the [programs, N] fp32 partials are summed in fp32, rounded once to the parameter's dtype
+    return (dx, dres, None if dw_part is None else dw_part.sum(0).to(weight.dtype),
+            None if db_part is None else db_part.sum(0).to(bias_dtype), None, None, None, None)
+
+
+def strided_bwd_ok(inp: Tensor, dy1, rowscale, dropout_p, gate, norm_group, add_after_norm, x1_dtype) -> Optional[int]:
+    """The split j when an add_norm backward runs the channel-norm kernel, else None."""
+    if dy1 is not None or rowscale is not None or dropout_p > 0 or gate is not None or norm_group \
+            or add_after_norm or x1_dtype is not None or triton is None \
+            or triton.next_power_of_2(inp.shape[-1]) > _STRIDED_TILE_BWD:
+        return None
+    return channel_split(inp)

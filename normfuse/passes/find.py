@@ -535,21 +535,53 @@ def _is_contiguous(shape: tuple, strides: tuple) -> bool:
     return True
 
 
-def permuted_layout_reason(operands: tuple, dims: tuple[int, ...]) -> str | None:
-    """Why the kernel cannot read the operands, permuted by ``dims``, as contiguous rows of the
-    normalized dim without a copy (None when it can: e.g. NCHW tensors in channels_last format)."""
-    for op in operands:
+def _channels_first(shape: tuple, strides: tuple) -> bool:
+    """A permuted view whose last dim (the channels) is strided and whose other dims are stored
+    channels-first (an NCHW tensor read as NHWC): the channel-norm kernels' layout."""
+    return any(_is_contiguous((*shape[:j], shape[-1], *shape[j:-1]), (*strides[:j], strides[-1], *strides[j:-1]))
+               for j in range(len(shape) - 1))
+
+
+def permuted_layout(value: Any, dims: tuple[int, ...]) -> tuple | None:
+    """The layout the kernels read ``value.permute(*dims)`` in, from its tensor metadata: ("rows",)
+    (rows contiguous: an NCHW tensor in channels_last format), ("channels-first", strides) (the
+    channels strided, the positions contiguous: a contiguous NCHW tensor), or None (neither, or
+    no metadata)."""
+    t = tensor_meta(value)
+    if not isinstance(t, torch.Tensor) or t.dim() != len(dims):
+        return None
+    shape = tuple(dim_value(t.shape[d]) for d in dims)
+    strides = tuple(dim_value(t.stride(d)) for d in dims)
+    if _is_contiguous(shape, strides):
+        return ("rows",)
+    if _channels_first(shape, strides):  # (a size-1 dim's stride is arbitrary)
+        return ("channels-first", tuple(0 if same_dim(n, 1) else st for n, st in zip(shape, strides)))
+    return None
+
+
+def permuted_layout_reason(am: AddMatch, dims: tuple[int, ...]) -> str | None:
+    """Why the kernels cannot read the add's operands, permuted by ``dims``, without a copy, or
+    cannot hand the sum back in the layout the add gave it (None when they can). The fused call
+    returns the sum in its residual's layout; the residual is the operand stored as the sum is
+    (eager's add takes the first operand's layout), the scaled one when there is one."""
+    layouts = []
+    for op in am.operands:
         t = tensor_meta(op)
         if not isinstance(t, torch.Tensor) or t.dim() != len(dims):
             return (f"the layout of {getattr(op, 'name', op)} is unknown (no tensor metadata), so the permuted "
                     "normalized dim is not known to be contiguous")
-        shape = tuple(dim_value(t.shape[d]) for d in dims)
-        strides = tuple(dim_value(t.stride(d)) for d in dims)
-        if not _is_contiguous(shape, strides):
-            return (f"the normalized dim is not contiguous: the norm reads {op.name}.permute{dims} "
-                    f"(shape {tuple(map(dim_value, t.shape))}, strides {tuple(map(dim_value, t.stride()))}), "
-                    f"whose dim {dims[-1]} has stride {strides[-1]}; the kernel reads contiguous rows "
-                    "(a channels_last model and input, .to(memory_format=torch.channels_last), make them so)")
+        layout = permuted_layout(op, dims)
+        if layout is None:
+            return (f"the normalized dim is neither contiguous nor stored channels-first: the norm reads "
+                    f"{op.name}.permute{dims} (shape {tuple(map(dim_value, t.shape))}, strides "
+                    f"{tuple(map(dim_value, t.stride()))}); the kernels read contiguous rows or NCHW-style "
+                    "channels (.contiguous() or .to(memory_format=torch.channels_last) make it one of them)")
+        layouts.append(layout)
+    total = permuted_layout(am.node, dims)
+    candidates = layouts if am.scaled is None else [layouts[am.scaled]]
+    if total is None or total not in candidates:
+        return (f"the add returns its sum in another layout ({total}) than the operand the fused call would "
+                f"take it from ({', '.join(str(lay) for lay in candidates)})")
     return None
 
 
@@ -568,7 +600,7 @@ def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
                 if any(index.prim(p) == "view" for p in chain):
                     reason = "a reshape and a permute both sit between the residual add and the norm"
                 else:
-                    reason = permuted_layout_reason(am.operands, permute)
+                    reason = permuted_layout_reason(am, permute)
             if reason is None:
                 for p in chain:
                     if index.prim(p) == "cast" and not is_exact_upcast(node_dtype(p.args[0]) if p.args else None,

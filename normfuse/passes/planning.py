@@ -36,6 +36,7 @@ from normfuse.passes.analysis import Analysis, SiteAnalysis
 from normfuse.passes.branch import BranchFold, fold_branch
 from normfuse.passes.canonical import canonical, mutates, node_dtype, node_shape, real_users, same_shape, tensor_meta
 from normfuse.passes.classify import stream_operand
+from normfuse.passes.find import permuted_layout
 from normfuse.passes.graph import GraphIndex
 from normfuse.passes.gate import GateMatch
 from normfuse.passes.quant import QuantMatch
@@ -179,6 +180,9 @@ def _choose(analysis: Analysis, site: SiteAnalysis, claimed: set, reserved: set,
         else:
             stream = stream_operand(index, add)
             x, residual = (b, a) if stream == 0 else (a, b)
+        if add.permute is not None and add.scaled is None \
+                and permuted_layout(residual, add.permute) != permuted_layout(add.node, add.permute):
+            x, residual = residual, x  # the call returns the sum in its residual's layout: the add's
         branch = None
         if add.permute is None and config.fuse_branch:
             # the kernel draws a rank's mask from its local row index: on DTensors, ranks holding

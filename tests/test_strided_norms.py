@@ -1,0 +1,171 @@
+"""Channel norms over a strided dim: NCHW tensors normalized over C through ``permute(0, 2, 3, 1)``.
+
+The operands of such a norm's add are contiguous NCHW tensors, so the normalized dim has
+stride H*W. The channel-norm kernels (normfuse/kernels/triton.py) read them in place: rows are
+the positions, a tile is BLOCK_HW positions x all channels, loads run along the positions. The
+grid below holds them, forward and backward, to the fp64 reference under the tolerance table;
+the CPU path is held to eager's composition bit for bit. The pass tests count add-fed norms
+fused with their add on timm's CoAtNet and MaxViT, before (on the rows-only layout rule) and
+after.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import normfuse
+from normfuse.kernels import triton as triton_backend
+from normfuse.kernels.add_norm import add_norm, add_norm_ref
+from normfuse.kernels.reference import channel_split
+from normfuse.tolerances import within_tolerance
+
+BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+NHWC = (0, 2, 3, 1)
+SPATIAL = {1: (1, 1), 7: (7, 1), 64: (8, 8)}  # HW -> (H, W)
+
+
+def _eager(a, b, w, bias, kind, eps, residual):
+    """The graph's composition: ``s = a + b`` on NCHW, the norm of ``s.permute(0, 2, 3, 1)``."""
+    s = a + b if residual else a
+    v = s.permute(NHWC)
+    y = F.layer_norm(v, (v.shape[-1],), w, bias, eps) if kind == "layer_norm" else F.rms_norm(v, (v.shape[-1],), w,
+                                                                                               eps)
+    return y, (s if residual else None)
+
+
+def _inputs(c, hw, dtype, affine, kind, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    h, w_ = SPATIAL[hw]
+
+    def randn(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=gen) * scale + shift).to(dtype)
+    a, b = randn(2, c, h, w_, shift=0.5), randn(2, c, h, w_)
+    w = randn(c, scale=0.2, shift=1.0) if affine else None
+    bias = randn(c, scale=0.2) if affine and kind == "layer_norm" else None
+    gy, gs = randn(2, h, w_, c), randn(2, c, h, w_)
+    return a, b, w, bias, gy, gs
+
+
+def _run(fn, tensors, gy, gs):
+    """fn's (y, s) and the gradients of sum(y * gy) + sum(s * gs) into every tensor."""
+    leaves = [None if t is None else t.detach().clone().requires_grad_(True) for t in tensors]
+    y, s = fn(*leaves)
+    loss = (y.double() * gy.double()).sum() + (0 if s is None else (s.double() * gs.double()).sum())
+    loss.backward()
+    return y.detach(), (None if s is None else s.detach()), [None if t is None else t.grad for t in leaves]
+
+
+@pytest.fixture
+def strided_calls(monkeypatch):
+    """How often the channel-norm launchers ran (forward, backward)."""
+    calls = {"fwd": 0, "bwd": 0}
+    for name, key in (("_add_norm_fwd_strided", "fwd"), ("_add_norm_bwd_strided", "bwd")):
+        original = getattr(triton_backend, name)
+
+        def counted(*args, _original=original, _key=key):
+            calls[_key] += 1
+            return _original(*args)
+        monkeypatch.setattr(triton_backend, name, counted)
+    return calls
+
+
+# 3 dtypes x 4 channel counts x 3 position counts x 2 kinds x 2 forms = 144 cases; a form is
+# "residual, weight and bias" or "a plain norm without parameters" (the two ends of the modes)
+@pytest.mark.parametrize("form", ["add_affine", "plain"])
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("hw", [1, 7, 64])
+@pytest.mark.parametrize("c", [3, 64, 96, 257])
+@pytest.mark.parametrize("dtype", [FP32, BF16, FP16], ids=str)
+def test_strided_kernels_against_fp64(triton_cpu, strided_calls, dtype, c, hw, kind, form):
+    residual, affine = form == "add_affine", form == "add_affine"
+    a, b, w, bias, gy, gs = _inputs(c, hw, dtype, affine, kind)
+    eps = 1e-5
+
+    def fused(a, b, w, bias):
+        x, r = a.permute(NHWC), (b.permute(NHWC) if residual else None)
+        y, s = add_norm(x, r, w, bias, kind=kind, eps=eps)
+        return y, (None if s is None else s.permute(0, 3, 1, 2))  # the sum back in NCHW
+
+    def eager(a, b, w, bias):
+        return _eager(a, b, w, bias, kind, eps, residual)
+    tensors = (a, b, w, bias)
+    got_y, got_s, got_grads = _run(fused, tensors, gy, gs)
+    base_y, base_s, base_grads = _run(eager, tensors, gy, gs)
+    want_y, want_s, want_grads = _run(eager, [None if t is None else t.double() for t in tensors], gy, gs)
+
+    strided = hw > 1 and c > 1  # one position (or one channel): the rows are contiguous
+    assert strided_calls == {"fwd": int(strided), "bwd": int(strided)}
+    assert got_y.is_contiguous()
+    if residual:  # the sum comes back in its operands' layout, NCHW
+        assert got_s.is_contiguous()
+        assert torch.equal(got_s, base_s)  # one rounding of an exact sum
+    ok, err, err_eager, bound = within_tolerance(got_y, base_y, want_y, dtype)
+    assert ok, ("y", err, err_eager, bound)
+    names = ("da", "db", "dweight", "dbias")
+    for name, got, base, want in zip(names, got_grads, base_grads, want_grads):
+        if want is None:
+            assert got is None, name
+            continue
+        ok, err, err_eager, bound = within_tolerance(got, base, want, got.dtype)
+        assert ok, (name, err, err_eager, bound)
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+def test_mixed_layouts_and_round_then_multiply(triton_cpu, strided_calls, dtype, kind):
+    """x with contiguous rows (a channels_last NCHW tensor), the residual channels-first: the sum
+    takes the residual's layout; HF Llama's rounding (norm_round_dtype) and a scaled residual."""
+    a, b, w, bias, gy, gs = _inputs(96, 64, dtype, True, kind)
+    a = a.contiguous(memory_format=torch.channels_last)
+
+    def fused(a, b, w):
+        y, s = add_norm(a.permute(NHWC), b.permute(NHWC), w, kind=kind, eps=1e-6, residual_scale=0.5,
+                        norm_round_dtype=dtype)
+        return y, s
+
+    def composed(a, b, w):  # the reference's own statement on contiguous rows
+        y, s = add_norm_ref(a.permute(NHWC).contiguous(), b.permute(NHWC).contiguous(), w, kind=kind,
+                                     eps=1e-6, residual_scale=0.5, norm_round_dtype=a.dtype)
+        return y, s
+    got_y, got_s, got_grads = _run(fused, (a, b, w), gy, gs.permute(NHWC))
+    base_y, base_s, base_grads = _run(composed, (a, b, w), gy, gs.permute(NHWC))
+    want_y, want_s, want_grads = _run(composed, (a.double(), b.double(), w.double()), gy, gs.permute(NHWC))
+    assert strided_calls == {"fwd": 1, "bwd": 1}
+    assert channel_split(got_s) == 1 and torch.equal(got_s, base_s)
+    ok, err, err_eager, bound = within_tolerance(got_y, base_y, want_y, dtype)
+    assert ok, ("y", err, err_eager, bound)
+    for got, base, want in zip(got_grads, base_grads, want_grads):
+        ok, err, err_eager, bound = within_tolerance(got, base, want, got.dtype)
+        assert ok, (err, err_eager, bound)
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", [FP32, BF16, FP16], ids=str)
+def test_cpu_path_is_eagers_composition_bit_for_bit(dtype, kind):
+    """The op on CPU (the reference backend) reads the permuted views as they are: y and s equal
+    eager's ``norm((a + b).permute(0, 2, 3, 1))`` exactly, and s keeps the NCHW layout."""
+    a, b, w, bias, _, _ = _inputs(96, 64, dtype, True, kind)
+    want_y, want_s = _eager(a, b, w, bias, kind, 1e-5, True)
+    bias_arg = (bias,) if kind == "layer_norm" else (None,)
+    y, s, _, _, _ = torch.ops.normfuse.add_norm_fwd(a.permute(NHWC), b.permute(NHWC), w, *bias_arg, kind, 1e-5, 0.0,
+                                                    1.0, dtype, None, dtype, True)
+    assert torch.equal(y, want_y) and torch.equal(s.permute(0, 3, 1, 2), want_s)
+    assert s.permute(0, 3, 1, 2).is_contiguous() and y.is_contiguous()
+
+
+def test_fake_matches_the_layouts_of_the_op():
+    """The fake declares what the op returns: s in the residual's layout, y with contiguous rows."""
+    a, b = torch.randn(2, 16, 4, 4), torch.randn(2, 16, 4, 4)
+    args = (a.permute(NHWC), b.permute(NHWC), None, None, "rms_norm", 1e-6, 0.0, 1.0, FP32, None, FP32, True)
+    torch.library.opcheck(torch.ops.normfuse.add_norm_fwd, args)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = torch.ops.normfuse.add_norm_fwd(*(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+                                                 for t in args))
+    real = torch.ops.normfuse.add_norm_fwd(*args)
+    assert [t.stride() for t in fake[:2]] == [t.stride() for t in real[:2]]
