@@ -5,12 +5,16 @@
     y, s = normfuse.add_rms_norm(x, residual, w)     # or the fused ops directly
 
 The import is lean: no CUDA query, no Triton import, no graph machinery until a
-name below is first used.
+name below is first used. It declares the ``torch.ops.normfuse`` operators (their
+schemas; the implementations load on first use), so that a program normfuse rewrote and
+``torch.export.save`` or AOTInductor packaged loads and runs in a process that only
+imported normfuse: at once when torch is imported, else right after torch's import.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 
 __version__ = "0.1.0"
 
@@ -61,3 +65,56 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(__all__)
+
+
+# --------------------------------------------------------------------------------------
+# The operators' declarations (normfuse/kernels/library.py), which need torch
+# --------------------------------------------------------------------------------------
+
+def _declare_ops() -> None:
+    try:
+        from normfuse.kernels import library
+        library.declare()
+    except Exception as error:  # noqa: BLE001 - the import must not fail on it; the ops' modules raise when used
+        import warnings
+        warnings.warn(f"normfuse could not declare its torch.ops.normfuse operators ({type(error).__name__}: "
+                      f"{error}); saved programs that call them load only after normfuse.kernels.ops is imported.",
+                      RuntimeWarning, stacklevel=3)
+
+
+class _AfterTorchLoader:
+    """torch's own loader, then the declarations (once torch is whole)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        module.__loader__ = module.__spec__.loader = self.loader  # torch keeps its own loader
+        _declare_ops()
+
+
+class _AfterTorchImport:
+    """A one-shot import hook for when normfuse is imported before torch: it leaves finding and
+    loading torch to the other finders and adds the declarations after torch's import
+    (importing torch here would cost every ``import normfuse`` about 1.5 s)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        from importlib.util import find_spec
+
+        spec = find_spec(name)
+        if spec is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _AfterTorchLoader(spec.loader)
+        return spec
+
+
+if "torch" in sys.modules:
+    _declare_ops()
+elif not any(isinstance(finder, _AfterTorchImport) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _AfterTorchImport())

@@ -65,12 +65,20 @@ _CONTAINER_ATTRS = ("__dict__", "_modules")
 
 
 def _source_path(source: Any) -> tuple[str, bool] | None:
-    """(path under the source's root, whether it is a parameter or buffer) of a dynamo source."""
+    """(path under the source's root module, whether it is a parameter or buffer) of a dynamo source.
+
+    The root module is the first module on the way from the frame's local or global: the local
+    itself (``L['self']``), or a module the frame reached inside an argument, as in a compiled
+    bound method whose decorator takes ``(*args, **kwargs)`` (``L['args'][0]``, HF's forwards);
+    dynamo names the modules of the graph relative to it too."""
     from torch._dynamo import source as sources
 
     parts: list[str] = []
+    in_root_module: int | None = None  # how many parts lie under the outermost module seen so far
     param = False
     while source is not None:
+        if isinstance(source, sources.NNModuleSource):
+            in_root_module = len(parts)
         if isinstance(source, sources.UnspecializedParamBufferSource):
             param = True
         if isinstance(source, (sources.AttrSource, sources.DictGetItemSource, sources.GetItemSource)):
@@ -82,6 +90,8 @@ def _source_path(source: Any) -> tuple[str, bool] | None:
             elif part not in _CONTAINER_ATTRS:
                 parts.append(str(part))
         elif isinstance(source, (sources.LocalSource, sources.GlobalSource)):
+            if in_root_module is not None:
+                parts = parts[:in_root_module]
             return ".".join(reversed(parts)), param
         elif not isinstance(source, sources.ChainedSource):
             return None

@@ -34,6 +34,7 @@ from torch import Tensor
 from normfuse.errors import InvalidOptionError, ShapeMismatchError, UnsupportedDtypeError
 from normfuse.kernels.add_norm import _one_call_when_fx_traced
 from normfuse.kernels import reference
+from normfuse.kernels.library import implement
 from normfuse.kernels.ops import _eager_cpu, _grad_needed, check_shapes, validate
 from normfuse.kernels.reference import SUPPORTED_DTYPES
 
@@ -97,7 +98,7 @@ def _linear_out_shape(y: Tensor, w: Tensor) -> tuple:
     return (*y.shape[:-1], w.shape[0])
 
 
-@torch.library.custom_op("normfuse::norm_linears", mutates_args=())
+@implement("norm_linears")
 def norm_linears_op(y: Tensor, inp: Tensor, norm_weight: Optional[Tensor], norm_bias: Optional[Tensor],
                     weights: list[Tensor], biases: list[Tensor], has_bias: list[bool], kind: str, eps: float,
                     weight_offset: float, sum_dtype: torch.dtype, norm_round_dtype: Optional[torch.dtype],

@@ -45,6 +45,7 @@ from torch import Tensor
 
 from normfuse.errors import InvalidOptionError, ShapeMismatchError, UnsupportedDtypeError, closest
 from normfuse.kernels import reference
+from normfuse.kernels.library import implement
 from normfuse.kernels import triton as triton_backend
 from normfuse.kernels.reference import (CPU_ONLY_DTYPES, KINDS, SUPPORTED_DTYPES, acc_dtype, channel_split,
                                         quant_scale_shape, sum_like)
@@ -378,7 +379,7 @@ def _check_seed(dropout_p: float, seed: Optional[Tensor]) -> None:
                                  f"tensor of shape () (normfuse.add_norm draws one when it is not given).")
 
 
-@torch.library.custom_op("normfuse::add_norm_fwd", mutates_args=())
+@implement("add_norm_fwd")
 def add_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
                  kind: str, eps: float, weight_offset: float, residual_scale: float, sum_dtype: torch.dtype,
                  norm_round_dtype: Optional[torch.dtype], out_dtype: torch.dtype, store_sum: bool,
@@ -428,7 +429,7 @@ def y_dtype_of(out_dtype, gate, gate_position, gate_out_dtype) -> torch.dtype:
     return (gate_out_dtype or out_dtype) if gate is not None and gate_position == "after" else out_dtype
 
 
-@torch.library.custom_op("normfuse::add_norm_quant_fwd", mutates_args=())
+@implement("add_norm_quant_fwd")
 def add_norm_quant_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
                        kind: str, eps: float, weight_offset: float, residual_scale: float, sum_dtype: torch.dtype,
                        norm_round_dtype: Optional[torch.dtype], out_dtype: torch.dtype, store_sum: bool,
@@ -474,7 +475,7 @@ def _add_norm_quant_fwd_fake(x, residual, weight, bias, kind, eps, weight_offset
     return y, s, mean, rstd, y1, x.new_empty(x.shape, dtype=torch.uint8), scale
 
 
-@torch.library.custom_op("normfuse::dropout_keep_mask", mutates_args=())
+@implement("dropout_keep_mask")
 def dropout_keep_mask_op(x: Tensor, p: float, seed: Tensor, on_reference: bool = False) -> Tensor:
     """The keep mask (bool, x's shape) the backend running x draws for dropout_p=p and this seed;
     on_reference: the reference backend's (where the forward ran it for its dtypes)."""
@@ -503,7 +504,7 @@ def dropout_keep_mask(x: Tensor, p: float, seed) -> Tensor:
     return torch.ops.normfuse.dropout_keep_mask(x, float(p), seed_tensor(seed))
 
 
-@torch.library.custom_op("normfuse::norm_add_fwd", mutates_args=())
+@implement("norm_add_fwd")
 def norm_add_fwd(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], kind: str,
                  eps: float, weight_offset: float, residual_scale: float, norm_round_dtype: Optional[torch.dtype],
                  out_dtype: torch.dtype, add_dtype: torch.dtype, store_norm: bool,
@@ -523,7 +524,7 @@ def _norm_add_fwd_fake(x, residual, weight, bias, kind, eps, weight_offset, resi
     return (x.new_empty(x.shape, dtype=add_dtype), y, *_stats_fake(x, kind, x.dtype))
 
 
-@torch.library.custom_op("normfuse::add_norm_bwd", mutates_args=())
+@implement("add_norm_bwd")
 def add_norm_bwd(dy: Tensor, dextra: Optional[Tensor], inp: Tensor, mean: Tensor, rstd: Tensor,
                  weight: Optional[Tensor], kind: str, weight_offset: float, residual_scale: float, add_after_norm: bool,
                  x_dtype: torch.dtype, residual_dtype: Optional[torch.dtype], bias_dtype: Optional[torch.dtype],
