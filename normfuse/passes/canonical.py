@@ -64,6 +64,8 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "abs": ("input",),
     "amax": ("input", "dim", "keepdim"),
     "clamp": ("input", "min", "max"),
+    "neg": ("input",),
+    "unsqueeze": ("input", "dim"),  # a new dim of size 1: x.unsqueeze(d), x[:, None], x[..., None]
     # the activation of a gated norm's gate (passes/gate.py)
     "silu": ("input",),
     "sigmoid": ("input",),
@@ -89,7 +91,8 @@ SPELLINGS: dict[str, list[Any]] = {
     "var": [torch.var, "var", *_aten("var.correction", "var.dim")],
     "cast": ["to", "float", "half", "bfloat16", "double", "type", "type_as",
              *_aten("_to_copy.default", "to.dtype", "to.dtype_layout", "to.device", "type_as.default"),
-             *([prims.convert_element_type.default] if hasattr(prims, "convert_element_type") else [])],
+             *([prims.convert_element_type.default] if hasattr(prims, "convert_element_type") else []),
+             torch.as_tensor],  # of a tensor, with a dtype (vLLM's as_float32_tensor); of a number: a constant
     "view": ["view", "reshape", "contiguous", "clone", "view_as", "reshape_as", "unflatten", torch.reshape, torch.clone,
              torch.unflatten, *_aten("view.default", "reshape.default", "_unsafe_view.default", "clone.default",
                                      "alias.default", "unflatten.int")],
@@ -103,6 +106,8 @@ SPELLINGS: dict[str, list[Any]] = {
     "amax": [torch.amax, "amax", *_aten("amax.default")],
     "clamp": [torch.clamp, torch.clip, "clamp", "clip", *_aten("clamp.default", "clamp_min.default",
                                                                   "clamp_max.default")],
+    "neg": [torch.neg, operator.neg, "neg", "__neg__", *_aten("neg.default")],
+    "unsqueeze": [torch.unsqueeze, "unsqueeze", *_aten("unsqueeze.default")],
     "silu": [F.silu, "silu", *_aten("silu.default")],
     "sigmoid": [torch.sigmoid, F.sigmoid, "sigmoid", *_aten("sigmoid.default")],
 }
@@ -113,6 +118,7 @@ SPELLINGS: dict[str, list[Any]] = {
 TUPLE_SPELLINGS: dict[Any, tuple[str, ...]] = {
     torch.var_mean: ("var", "mean"),
     **{op: ("var", "mean") for op in _aten("var_mean.correction", "var_mean.dim")},
+    torch.max: ("amax",), "max": ("amax",), **{op: ("amax",) for op in _aten("max.dim")},  # (values, indices)
 }
 
 # Defaults of optional parameters, per primitive (only those the matchers read).
@@ -194,12 +200,14 @@ def _module_norm(node: fx.Node) -> Canon | None:
 def _tuple_item(source: fx.Node, index: Any) -> Canon | None:
     """``source[index]`` where ``source`` is a tuple-returning op of TUPLE_SPELLINGS."""
     try:
-        prims_out = TUPLE_SPELLINGS.get(source.target) if source.op == "call_function" else None
+        prims_out = TUPLE_SPELLINGS.get(source.target) if source.op in ("call_function", "call_method") else None
     except TypeError:  # unhashable target
         return None
     if prims_out is None or not isinstance(index, int) or index >= len(prims_out):
         return None
     prim = prims_out[index]
+    if prim == "amax":  # torch.max(x, dim, keepdim)[0] / .values: the maximum over dim
+        return Canon("amax", _bind(source, PARAMS["amax"]))
     names = PARAMS["var"]
     if isinstance(source.target, torch._ops.OpOverload):
         names = _ATEN_POSITIONAL.get(f"{source.target._opname}.{source.target._overloadname}", names)
@@ -207,6 +215,17 @@ def _tuple_item(source: fx.Node, index: Any) -> Canon | None:
     if prim == "mean":  # mean takes (input, dim, keepdim): no correction
         args = {k: v for k, v in args.items() if k in PARAMS["mean"]}
     return Canon(prim, args)
+
+
+def _new_dim(index: Any) -> int | None:
+    """The dim ``x[index]`` inserts when the index is full slices and one None (``x[:, None]``,
+    ``x[..., None]``): an unsqueeze; None for any other index."""
+    items = index if isinstance(index, tuple) else (index,)
+    full = lambda i: i is Ellipsis or isinstance(i, slice) and i == slice(None)
+    if sum(i is None for i in items) != 1 or not all(i is None or full(i) for i in items):
+        return None
+    at = items.index(None)
+    return at - len(items) if Ellipsis in items[:at] else at
 
 
 def _bind(node: fx.Node, names: tuple[str, ...]) -> dict[str, Any]:
@@ -224,6 +243,8 @@ def canonical(node: fx.Node) -> Canon | None:
     """The canonical view of one node, or None when its target is not in the table."""
     if node.op == "call_module":
         return _module_norm(node)
+    if node.op == "call_function" and node.target is operator.getitem and _new_dim(node.args[1]) is not None:
+        return Canon("unsqueeze", {"input": node.args[0], "dim": _new_dim(node.args[1])})
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         return _tuple_item(node.args[0], node.args[1])
     if node.op == "call_function":

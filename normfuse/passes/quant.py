@@ -8,12 +8,22 @@ rounding points: ``normfuse.kernels.reference``, "Quantization epilogue").
 
 ``find_quant(index, match)`` reads, on the canonical view, these spellings of it::
 
-    ys    = y.float() | y | either viewed as (..., N // G, G)      # the value quantized
+    ys    = y.float() | y | either viewed as (..., N // G, G) or (M, N)   # the value quantized
     amax  = ys.abs().amax(-1, keepdim=True) [.float()] [.clamp(min=a)]
+            (max(-1, keepdim=True)[0] / .values, torch.max: the same amax; keepdim=False
+            with the dim put back later, x[:, None], unsqueeze(-1): vLLM's reference)
     scale = amax / qmax | qmax / amax (Python: 1/amax * qmax) | amax.reciprocal() * qmax
             [.clamp(min=m)]                       # or a static scale: a graph input / buffer
-    v     = ys / scale | ys * scale | ys * scale.reciprocal()
+            (computed in fp64 from the exact upcast of the amax, then rounded to fp32:
+            torchao's amax_to_scale)
+    v     = ys / scale | ys * scale | ys * scale.reciprocal() (or 1 / scale)
     q     = v [.clamp(-c, c)] .to(float8_e4m3fn | float8_e5m2)
+
+The amax is read by a rule, not a list of spellings: an exact upcast (``canonical.is_exact_upcast``)
+changes no value, so abs, neg, max and a clamp by a constant give the same values on either
+side of it (a clamp before the upcast clamps to the constant as the 16-bit dtype holds it). The
+numbers may be tensors the graph builds from numbers (``torch.as_tensor(448.0)``, ``1 / (qmax *
+512)``): they are evaluated as the graph computes them.
 
 and returns a ``QuantMatch``: the call's quantization options, the nodes it replaces (the
 cast giving q, and the scale node the graph reads on), or why the quantization cannot be
@@ -25,18 +35,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import operator
+
 import torch
 import torch.fx as fx
 
-from normfuse.kernels.reference import quant_max
-from normfuse.passes.canonical import is_exact_upcast, node_dtype, node_shape, real_users, tensor_meta
+from normfuse.kernels.reference import quant_max, quantize
+from normfuse.passes.canonical import is_exact_upcast, node_dtype, node_shape, real_users, same_shape, tensor_meta
 from normfuse.passes.find import const_value, strip_upcasts, upcasts
 from normfuse.passes.graph import GraphIndex
 from normfuse.vocabulary import QUANT_DTYPES
 
 __all__ = ["QuantMatch", "find_quant"]
 
-F32 = torch.float32
+F32, F64 = torch.float32, torch.float64
 _SEARCH_DEPTH = 8  # nodes between y and its fp8 cast that are still read as its quantization
 
 
@@ -80,6 +92,21 @@ class _Refused(Exception):
     """The fp8 cast is there, but the way to it is not one the epilogue computes."""
 
 
+# What a number the graph builds from numbers may be made of (vLLM's reference writes its
+# constants as torch.as_tensor(448.0, dtype=torch.float32) and computes 1 / (qmax * 512) of them)
+_CONSTANT_MAKERS = (torch.as_tensor, torch.tensor, torch.scalar_tensor)
+_CONSTANT_PRIMS = ("cast", "mul", "div", "add", "sub", "reciprocal", "neg")
+
+
+def _run(node: fx.Node, value) -> Any:
+    """Run one node on CPU with its node arguments replaced by ``value(arg)``."""
+    args = fx.node.map_arg(node.args, value)
+    kwargs = {k: ("cpu" if k == "device" else fx.node.map_arg(v, value)) for k, v in node.kwargs.items()}
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    return node.target(*args, **kwargs)
+
+
 class _Reader:
     """Walks one norm output's quantization on the canonical view."""
 
@@ -87,6 +114,9 @@ class _Reader:
         self.index, self.y = index, y
         self.nodes: list[fx.Node] = []
         self.sources: set[fx.Node] = set()  # the upcasts and views of y it reads (others may read them too)
+        self.constants: dict[fx.Node, torch.Tensor] = {}  # numbers the graph builds (others may read them too)
+        self.unsqueezed: fx.Node | None = None  # the scale's unsqueeze of an amax without keepdim
+        self.dtype: torch.dtype | None = None   # the fp8 dtype
 
     def prim(self, node: Any) -> str | None:
         return self.index.prim(node) if isinstance(node, fx.Node) else None
@@ -119,7 +149,7 @@ class _Reader:
         if shape is None or n is None or not all(isinstance(d, int) for d in (*shape, *n)):
             raise _Refused("the shape of the value quantized is not static")
         cols, width = shape[-1], n[-1]
-        if cols == width and tuple(shape[:-1]) == tuple(n[:-1]):
+        if cols == width:  # the rows of y, maybe with the leading dims flattened (vLLM's 2-D view)
             group = width
         elif cols < width and width % cols == 0 and (cols & (cols - 1)) == 0:
             group = cols
@@ -133,62 +163,196 @@ class _Reader:
 
     # ------------------------------------------------------------------ the scale
 
+    def number(self, value: Any) -> float | None:
+        """A number the graph computes with: a Python number, or a one-element tensor the graph
+        builds from numbers, evaluated as the graph computes it (the nodes are taken along)."""
+        if const_value(value) is not None:
+            return const_value(value)
+        tensor = self.constant(value)
+        if tensor is None or tensor.dtype.is_complex:
+            return None
+        return float(tensor.reshape(()))
+
+    def constant(self, node: Any, depth: int = 0) -> torch.Tensor | None:
+        if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method") or depth > _SEARCH_DEPTH:
+            return None
+        if node in self.constants:
+            return self.constants[node]
+        maker = node.op == "call_function" and node.target in _CONSTANT_MAKERS
+        if not maker and self.prim(node) not in _CONSTANT_PRIMS or any(
+                self.constant(a, depth + 1) is None for a in node.all_input_nodes):
+            return None
+        try:
+            value = _run(node, self.constants.__getitem__)
+        except Exception:  # noqa: BLE001 - a call that does not run on CPU numbers is no constant
+            return None
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            return None
+        self.constants[node] = value
+        return value
+
+    def reciprocal_of(self, node: Any) -> fx.Node | None:
+        """s when ``node`` is 1 / s: ``s.reciprocal()``, or 1 divided by s (a Python 1 is a
+        reciprocal times 1, a one-element 1 one IEEE division: both the correctly rounded 1 / s)."""
+        c = self.canon(node)
+        if c is not None and c.prim == "reciprocal":
+            return c["input"]
+        if c is not None and c.prim == "div" and self.number(c["input"]) == 1.0 and isinstance(c["other"], fx.Node):
+            return c["other"]
+        return None
+
+    def skip(self, node: Any) -> Any:
+        """Past the steps that leave a scale's values as they are: exact upcasts (same dtype
+        included), and the one unsqueeze putting back the dim an amax without keepdim dropped."""
+        while True:
+            node, casts = upcasts(self.index, node)
+            for cast in casts:
+                self.take(cast)
+            c = self.canon(node)
+            if c is None or c.prim != "unsqueeze" or self.unsqueezed is not None:
+                return node
+            before, after = node_shape(c["input"]), node_shape(node)
+            if before is None or after != (*before, 1):
+                raise _Refused(f"{node.name} adds a dim of size 1 elsewhere than after the last dim")
+            self.unsqueezed = self.take(node)
+            node = c["input"]
+
+    def floor(self, node: fx.Node, c) -> float:
+        """The fp32 floor the epilogue applies to |y|'s amax for the graph's ``clamp(amax, min=m)``
+        computed in the clamp's dtype."""
+        m, dtype = self.number(c["min"]), node_dtype(node)
+        if dtype == F32:
+            return m
+        if dtype in (torch.float16, torch.bfloat16):
+            # clamped before the upcast: to m as the 16-bit dtype holds it (an exact fp32 value)
+            return float(torch.tensor(m, dtype=dtype))
+        raise _Refused(f"the amax is clamped in {dtype}")
+
+    def wide_floor(self, clamp: fx.Node, scale: fx.Node, m: float, found: dict[str, Any]) -> None:
+        """An amax floored in fp64 (torchao: clamp(amax.double(), min=1e-12)) where the epilogue
+        floors in fp32: every row's scale agrees except, maybe, those whose amax is below m, whose
+        scale comes from m as fp64 holds it in the graph and as fp32 holds it in the epilogue.
+        Those two are computed here, each as its side computes it; they must be equal."""
+        values = {clamp: torch.tensor([m], dtype=F64)}
+        order, node = [], scale
+        while node is not clamp:
+            order.append(node)
+            node = next(a for a in node.all_input_nodes if a is clamp or self.index.is_ancestor(clamp, a))
+        try:
+            for node in reversed(order):
+                values[node] = _run(node, lambda a: values.get(a, self.constants.get(a)))
+        except Exception as error:  # noqa: BLE001 - then its scale cannot be compared: refused
+            raise _Refused(f"the amax is floored at {m:g} in float64, and the scale of a row below it could not "
+                           f"be computed here ({type(error).__name__})") from None
+        graph = values[scale].to(F32)
+        epilogue = quantize(torch.zeros(1, 1), self.dtype, None, None, found["scale_form"], m, None, "div", None,
+                            "scale")[1]
+        if not torch.equal(graph.reshape(-1), epilogue.reshape(-1)):
+            raise _Refused(f"the amax is floored at {m:g} in float64: a row below it gets the scale "
+                           f"{graph.item():.9g}, the epilogue (flooring in fp32) {epilogue.item():.9g}")
+
+    def magnitude(self, node: Any) -> tuple[fx.Node, list[fx.Node]] | None:
+        """(X, the steps) when ``node`` is |X| through abs, neg and exact upcasts in any order under
+        its outer abs (|-v| = |v| = ||v||, and |upcast(v)| = upcast(|v|)); None otherwise."""
+        node, steps = upcasts(self.index, node)
+        if self.prim(node) != "abs":
+            return None
+        while self.prim(node) in ("abs", "neg"):
+            steps.append(node)
+            below, casts = upcasts(self.index, self.canon(node)["input"])
+            if self.prim(below) not in ("abs", "neg"):
+                return self.canon(node)["input"], steps  # its upcasts of y are read as the value's path
+            steps += casts
+            node = below
+        return None
+
     def dynamic_scale(self, scale: fx.Node, values: fx.Node, qmax: float) -> dict[str, Any]:
         """The options of a scale computed from the amax of ``values``."""
         found: dict[str, Any] = {}
-        c = self.canon(scale)
-        if c is not None and c.prim == "clamp" and c["max"] is None and const_value(c["min"]) is not None:
-            found["scale_min"] = const_value(c["min"])
-            self.take(scale)
-            scale = c["input"]
-            c = self.canon(scale)
-        if c is None or node_dtype(scale) != F32:
-            raise _Refused(f"the scale {getattr(scale, 'name', scale)} is not an fp32 value computed from an amax")
+        self.unsqueezed = None
+        node = self.skip(scale)
+        c = self.canon(node)
+        if c is not None and c.prim == "clamp" and c["max"] is None and self.number(c["min"]) is not None:
+            if node_dtype(node) != F32:
+                raise _Refused(f"the scale is clamped in {node_dtype(node)}; the epilogue computes it in fp32")
+            found["scale_min"] = self.number(c["min"])
+            self.take(node)
+            node = self.skip(c["input"])
+            c = self.canon(node)
+        wide = c is not None and c.prim == "cast" and node_dtype(node) == F32 and node_dtype(c["input"]) == F64
+        top = node
+        if wide:  # torchao: the scale computed in fp64, then rounded to fp32
+            self.take(node)
+            node = self.skip(c["input"])
+            c = self.canon(node)
+        if c is None or node_dtype(node) != (F64 if wide else F32):
+            raise _Refused(f"the scale {getattr(node, 'name', node)} is not an fp32 value computed from an amax")
         amax, number = None, None
-        if c.prim == "div" and const_value(c["other"]) is not None:
-            found["scale_form"], amax, number = "amax/max", c["input"], const_value(c["other"])
+        if c.prim == "div" and self.number(c["other"]) is not None:
+            found["scale_form"], amax, number = "amax/max", c["input"], self.number(c["other"])
         elif c.prim == "div" and const_value(c["input"]) is not None:
             # Python's ``qmax / amax`` (Tensor.__rtruediv__) is a reciprocal, then a multiply
             found["scale_form"], amax, number = "max*(1/amax)", c["other"], const_value(c["input"])
+        elif c.prim == "div" and self.number(c["input"]) is not None:  # a one-element qmax: one division
+            found["scale_form"], amax, number = "max/amax", c["other"], self.number(c["input"])
         elif c.prim == "mul":
             a, b = c["input"], c["other"]
-            number_side, other = (a, b) if const_value(a) is not None else (b, a)
-            if const_value(number_side) is not None and self.prim(other) == "reciprocal":
-                found["scale_form"], number = "max*(1/amax)", const_value(number_side)
-                amax = self.canon(self.take(other))["input"]
+            number_side, other = (a, b) if self.number(a) is not None else (b, a)
+            if self.number(number_side) is not None and self.reciprocal_of(other) is not None:
+                found["scale_form"], number = "max*(1/amax)", self.number(number_side)
+                amax = self.reciprocal_of(self.take(other))
         if amax is None:
-            raise _Refused(f"the scale {scale.name} is not amax / qmax, qmax / amax or amax.reciprocal() * qmax")
+            raise _Refused(f"the scale {node.name} is not amax / qmax, qmax / amax or amax.reciprocal() * qmax")
         if number != qmax:
             raise _Refused(f"the scale divides by {number:g}, not by the fp8 dtype's largest value {qmax:g}")
-        self.take(scale)
-        c = self.canon(amax) if isinstance(amax, fx.Node) else None
-        if c is not None and c.prim == "clamp" and c["max"] is None and const_value(c["min"]) is not None:
-            found["amax_min"] = const_value(c["min"])
+        if wide and found["scale_form"] != "amax/max":
+            # fp64's quotient of an fp32 amax a and q = 7 * 2^k (one division, or Python's
+            # reciprocal and multiply: within 2^-52 of the exact one) rounds to fp32 as the exact
+            # quotient does, which is never that near an fp32 rounding midpoint (q / a at least
+            # 2^-49 away: a * midpoint has a 49-bit significand and cannot be q; a / q at least
+            # 2^-28 away). So q / a is the epilogue's one fp32 division, and a / q its "amax/max"
+            # (test_quant_spellings: every bf16 and fp16 amax and a million fp32 ones)
+            found["scale_form"] = "max/amax"
+        self.take(node)
+        amax = self.skip(amax)
+        c = self.canon(amax)
+        if c is not None and c.prim == "clamp" and c["max"] is None and self.number(c["min"]) is not None:
+            if node_dtype(amax) == F64:
+                found["amax_min"] = self.number(c["min"])
+                self.wide_floor(amax, top, found["amax_min"], found)
+            else:
+                found["amax_min"] = self.floor(amax, c)
             self.take(amax)
-            amax = c["input"]
-        amax, casts = upcasts(self.index, amax)  # an amax of the 16-bit y, upcast: exact either way
-        for cast in casts:
-            self.take(cast)
-        c = self.canon(amax) if isinstance(amax, fx.Node) else None
-        if c is None or c.prim != "amax" or self.prim(c["input"]) != "abs":
+            amax = self.skip(c["input"])
+            c = self.canon(amax)
+        if c is None or c.prim != "amax":
             raise _Refused(f"the scale is not computed from the amax of |y| ({getattr(amax, 'name', amax)})")
-        ndim = len(node_shape(amax) or ())
+        read = self.magnitude(c["input"])
+        if read is None:
+            raise _Refused(f"the scale is not computed from the amax of |y| ({amax.name} is not of an abs)")
+        measured, steps = read
+        ndim = len(node_shape(c["input"]) or ())
         dims = list(c["dim"]) if isinstance(c["dim"], (list, tuple)) else [c["dim"]]
-        if dims not in ([-1], [ndim - 1]) or c["keepdim"] is not True:
+        if dims not in ([-1], [ndim - 1]) or c["keepdim"] is not (self.unsqueezed is None):
             raise _Refused("the amax is not over the last dim with keepdim=True (a per-tensor amax is not "
                            "row-local: the kernel computes one scale per row or group)")
-        absolute = c["input"]
-        measured = self.canon(absolute)["input"]
-        if not self.index.same(measured, values) or self.rows_of(measured) is None:  # rows_of takes its path
+        group = self.rows_of(measured)  # takes its path
+        if group is None or group != self.rows_of(values) or not same_shape(node_shape(measured), node_shape(values)):
             raise _Refused("the amax is taken of another value than the one divided by the scale")
         self.take(amax)
-        self.take(absolute)
+        if amax.op == "call_function" and amax.target is operator.getitem:  # max(..., dim)[0]
+            self.take(amax.args[0])  # the max whose values it reads, and its indices if nothing reads them
+            for item in real_users(amax.args[0]):
+                if item.target is operator.getitem and not real_users(item):
+                    self.take(item)
+        for step in steps:
+            self.take(step)
         return found
 
     # ------------------------------------------------------------------ the whole epilogue
 
     def read(self, cast: fx.Node) -> QuantMatch:
-        dtype = node_dtype(cast)
+        dtype = self.dtype = node_dtype(cast)
         qmax = quant_max(dtype)
         found: dict[str, Any] = {"dtype": dtype, "q": cast}
         if getattr(tensor_meta(cast), "requires_grad", False):
@@ -198,7 +362,7 @@ class _Reader:
         v = self.canon(cast)["input"]
         c = self.canon(v) if isinstance(v, fx.Node) else None
         if c is not None and c.prim == "clamp":
-            low, high = const_value(c["min"]), const_value(c["max"])
+            low, high = self.number(c["min"]), self.number(c["max"])
             if low is None or high is None or low != -high or high <= 0:
                 raise _Refused(f"the clamp before the cast is not symmetric, [-c, c] ({c['min']}, {c['max']})")
             found["clamp"] = high
@@ -218,9 +382,12 @@ class _Reader:
         found["group"] = None if columns == node_shape(self.y)[-1] else columns
         found["apply"] = "div" if c.prim == "div" else "mul"
         self.take(v)
-        if c.prim == "mul" and self.prim(scale) == "reciprocal":
+        inverted, casts = upcasts(self.index, scale)
+        if c.prim == "mul" and self.reciprocal_of(inverted) is not None:
             found["apply"] = "mul_reciprocal"
-            scale = self.canon(self.take(scale))["input"]
+            for node in (*casts, inverted):
+                self.take(node)
+            scale = self.reciprocal_of(inverted)
         given = strip_upcasts(self.index, scale)  # a buffer's .float(): the graph keeps it, the call reads the buffer
         if isinstance(given, fx.Node) and given.op in ("placeholder", "get_attr"):
             scale = given
@@ -237,6 +404,8 @@ class _Reader:
             raise _Refused(f"the scale is the constant {scale!r}, not a tensor")
         self.take(cast)
         self.check_readers(found)
+        for node in self.constants:  # erased with the rest where nothing else reads them
+            self.take(node)
         inside = set(self.nodes)
         reads_y = any(u not in inside for n in (self.y, *self.sources) for u in real_users(n))
         return QuantMatch(**found, nodes=tuple(sorted(inside, key=self.index.order.__getitem__)), reads_y=reads_y)
@@ -245,7 +414,7 @@ class _Reader:
         """Only the cast and the scale are read outside the epilogue: the call computes the rest."""
         inside = set(self.nodes)
         for node in self.nodes:
-            if node in (found["q"], found.get("scale_node")) or node in self.sources:
+            if node in (found["q"], found.get("scale_node")) or node in self.sources or node in self.constants:
                 continue
             if any(u not in inside for u in real_users(node)):
                 raise _Refused(f"the graph reads {node.name}, a step of the quantization, elsewhere")

@@ -25,7 +25,7 @@ import sympy
 import torch.fx as fx
 
 from normfuse.kernels.reference import quant_max
-from normfuse.passes.canonical import canonical, node_shape
+from normfuse.passes.canonical import TUPLE_SPELLINGS, canonical, node_shape
 from normfuse.passes.find import live_dropout_p
 from normfuse.passes.rewrite import fused_op_name
 from normfuse.verify.sites import SitePair
@@ -133,8 +133,12 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym) -> Any:
         value = load(src)
         if isinstance(value, tuple):
             return value[idx]
+        if getattr(canonical(node), "prim", None) == "unsqueeze":  # x[:, None]: the row as it is
+            return value
         raise _Unsupported(f"{node.name} indexes a value that is not a tuple")
     c = canonical(node)
+    if c is None and _max_values(node):  # torch.max(x, dim) returns (values, indices): the row's maximum
+        return [_max(*val(node.args[0]))], None
     if c is None:
         raise _Unsupported(f"no symbolic rule for node {node.name} ({node.op} {getattr(node.target, '__name__', node.target)})")
     p = c.prim
@@ -169,16 +173,37 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym) -> Any:
         return _elementwise(lambda v: _activation(p, v), val(c["input"]))
     if p == "abs":
         return _elementwise(sympy.Abs, val(c["input"]))
+    if p == "neg":
+        return _elementwise(operator.neg, val(c["input"]))
+    if p == "unsqueeze":  # the dim an amax without keepdim dropped, put back: the row as it is
+        return val(c["input"])
     if p == "amax":  # over the last dim, keepdim (the matcher took no other): the row's maximum
         return [_max(*val(c["input"]))]
     if p == "clamp":
-        return _clamp(val(c["input"]), c["min"], c["max"], eps, eps_sym)
+        return _clamp(val(c["input"]), _bound(c["min"], val), _bound(c["max"], val), eps, eps_sym)
     if p in ("layer_norm", "rms_norm"):
         weight = val(c["weight"]) if c["weight"] is not None else None
         bias = val(c["bias"]) if p == "layer_norm" and c["bias"] is not None else None
         y = _norm(p, val(c["input"]), weight, bias, eps_sym)
         return (y, None, None) if c.multi_output else y
     raise _Unsupported(f"no symbolic rule for primitive {p!r} (node {node.name})")
+
+
+def _bound(bound: Any, val) -> Any:
+    """A clamp's bound: a number, or the one value of a one-element tensor the graph computes
+    (vLLM's ``1 / (qmax * 512)``)."""
+    if not isinstance(bound, fx.Node):
+        return bound
+    value = val(bound)
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+def _max_values(node: fx.Node) -> bool:
+    """A max over a dim returning (values, indices), which TUPLE_SPELLINGS reads as an amax."""
+    try:
+        return node.op in ("call_function", "call_method") and TUPLE_SPELLINGS.get(node.target) == ("amax",)
+    except TypeError:  # unhashable target
+        return False
 
 
 def _activation(name: str, v: Any) -> Any:
