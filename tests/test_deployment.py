@@ -87,22 +87,6 @@ def test_saved_program_loads_and_runs_after_import_normfuse(tmp_path, imports):
         torch.testing.assert_close(loaded["grads"][name], grad, rtol=0, atol=atol(torch.float32), msg=name)
 
 
-def test_import_declares_the_ops_without_their_implementations():
-    code = (
-        "import sys\n"
-        "import normfuse\n"
-        "assert 'torch' not in sys.modules\n"
-        "import torch\n"
-        "from normfuse.kernels.library import SCHEMAS\n"
-        "for name in SCHEMAS:\n"
-        "    assert torch._C._jit_get_schemas_for_operator(f'normfuse::{name}'), name\n"
-        "assert 'triton' not in sys.modules and 'normfuse.kernels.ops' not in sys.modules\n"
-        "import normfuse.kernels.norm_linear\n"  # implement() checks each function against its schema
-        "print(sorted(SCHEMAS))\n"
-    )
-    assert "add_norm_fwd" in _in_fresh_process(code)
-
-
 def test_an_implementation_must_match_its_declared_schema():
     from normfuse.kernels.library import implement
 
@@ -113,7 +97,7 @@ def test_an_implementation_must_match_its_declared_schema():
         implement("dropout_keep_mask")(dropout_keep_mask)
 
 
-@pytest.mark.slow  # compiling the package with the system C++ compiler: 124 s here (2 cores, shared)
+@pytest.mark.slow  # compiling the package with the system C++ compiler: 72 s to 124 s here (2 shared cores)
 def test_aoti_package_loads_and_runs_after_import_normfuse(tmp_path):
     model, program = _fused_program()
     start = time.perf_counter()

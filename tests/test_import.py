@@ -36,6 +36,29 @@ def test_importing_normfuse_declares_no_operator():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+_LEAN = """
+import sys
+{imports}
+from normfuse.kernels.library import SCHEMAS
+for name in SCHEMAS:  # declared, so that saved programs calling them load
+    assert torch._C._jit_get_schemas_for_operator(f"normfuse::{{name}}"), name
+loaded = sorted(m for m in sys.modules if m.startswith("normfuse"))
+assert loaded == ["normfuse", "normfuse.kernels", "normfuse.kernels.library"], loaded
+assert "triton" not in sys.modules
+import normfuse.kernels.norm_linear  # registers every implementation: each is checked against its schema
+print("ok")
+"""
+
+
+def test_import_is_lean_and_declares_the_ops():
+    # normfuse first: no torch until the user imports it; the ops are declared right after it
+    normfuse_first = ("import normfuse\nassert 'torch' not in sys.modules\nimport torch\n"
+                      "assert 'normfuse' not in type(torch.__spec__.loader).__module__")  # torch keeps its loader
+    for imports in (normfuse_first, "import torch\nimport normfuse"):
+        out = _run(_LEAN.format(imports=imports))
+        assert out.returncode == 0 and out.stdout.strip() == "ok", (imports, out.stderr[-3000:])
+
+
 def test_cli_works_when_another_package_declared_the_torchvision_namespace():
     # another package declared torchvision's namespace (a DEF library) and one of its ops first:
     # normfuse declares only what is missing, as a fragment, and the CLI runs

@@ -2,12 +2,13 @@
 
     reference.py   the semantics in plain PyTorch (the reference backend)
     triton.py      the Triton kernels and launchers (the Triton backend)
+    library.py     the ops' schemas, declared at ``import normfuse`` (saved programs load)
     ops.py         the custom ops, their fakes and autograd, and which path a call runs
     add_norm.py    the functional API (add_norm, norm_add, add_rms_norm, ...)
     norm_linear.py norm_linears: linears on a norm output that is recomputed in backward
 
 The functional API is re-exported lazily, so importing this package neither
-imports triton nor registers the ops until a name is used.
+imports triton nor registers the ops' implementations until a name is used.
 """
 
 from __future__ import annotations

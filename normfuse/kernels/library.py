@@ -99,7 +99,8 @@ def _on_first_use(name: str) -> tuple[Callable, Callable]:
 
 
 def declare() -> None:
-    """Declare every ``torch.ops.normfuse`` op (idempotent; about 1 ms per op, no import beyond torch)."""
+    """Declare every ``torch.ops.normfuse`` op (idempotent; about 4 ms per op in torch's custom_op, no import
+    beyond torch)."""
     for name, (schema, _) in SCHEMAS.items():
         if name in _DECLARED:
             continue
