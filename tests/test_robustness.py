@@ -306,46 +306,6 @@ def test_rms_norm_default_eps_in_bf16():
         assert torch.equal(model(x), ref(x))
 
 
-def test_norm_upcast_by_autocast_is_left_with_a_reason():
-    # CUDA autocast runs F.layer_norm in fp32 on a bf16 input and records a float32 output.
-    # The graph below is what dynamo records there; the fused op keeps the input dtype, so
-    # the pass must leave the site and say why.
-    class AddNorm(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm = nn.LayerNorm(16)
-
-        def forward(self, x, r):
-            return self.norm(x + r)
-
-    gm = fx.symbolic_trace(AddNorm())
-    x = torch.randn(2, 16, dtype=torch.bfloat16)
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" or node.target == "add" or getattr(node.target, "__name__", "") == "add":
-            node.meta["val"] = x
-        elif node.op == "get_attr":
-            node.meta["val"] = torch.ones(16)
-        elif node.op == "call_module":
-            node.meta["val"] = torch.empty(2, 16, dtype=torch.float32)
-    _, rep = normfuse.fuse_graph(gm)
-    assert len(rep.sites) == 1 and not rep.sites[0].fused
-    assert "autocast" in rep.sites[0].reason and "float32" in rep.sites[0].reason
-
-
-@pytest.mark.gpu
-def test_cuda_autocast_keeps_fp32_layer_norm():
-    model = nn.Sequential(nn.Linear(64, 64), LowPrecisionStream(64)).cuda()
-    model, ref = _optimized(model)
-    x = torch.randn(4, 8, 64, device="cuda")
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        out, expected = model(x), ref(x)
-    assert out.dtype == expected.dtype
-    ok, err, base, bound = within_tolerance(out.float(), expected.float(), expected.double(), torch.bfloat16)
-    assert ok, (err, base, bound)
-    ln = [s for s in normfuse.report(model).sites if s.kind == "layer_norm"]
-    assert len(ln) == 1 and not ln[0].fused and "autocast" in ln[0].reason
-
-
 # --------------------------------------------------------------------------- shapes and graphs
 
 def test_varying_sequence_lengths_do_not_recompile_per_length():

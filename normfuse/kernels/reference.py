@@ -333,6 +333,10 @@ def _normalize(u: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], kind
     if u.numel() == 0:  # zero rows (kept differentiable for autograd through the reference)
         return (u.to(acc) * 0).to(out_dtype), u.new_empty(0, dtype=acc), u.new_empty(0, dtype=acc)
     w = _effective_weight(weight, weight_offset, acc)
+    if fast and norm_round_dtype is None and out_dtype == acc != u.dtype:
+        # a 16-bit input normalized into fp32 (autocast's fp32 policy): the norm of the exact fp32
+        # upcasts of u, weight and bias, as eager computes it then
+        u, w, bias = (t if t is None else t.to(acc) for t in (u, w, bias))
     if fast and norm_round_dtype is None and out_dtype == u.dtype:
         # Fast paths with identical semantics: eager's own fused CPU kernels (one pass).
         if kind == "layer_norm" and _native_layer_norm_ok(u, w, bias):

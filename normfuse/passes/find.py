@@ -21,13 +21,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from normfuse.passes.canonical import (Canon, dim_value, is_exact_upcast, last_dim, node_dtype, node_shape,
-                                       real_users, same_dim, same_shape, tensor_meta)
+from normfuse.passes.canonical import (Canon, canonical, dim_value, is_exact_upcast, last_dim, node_dtype,
+                                       node_shape, real_users, same_dim, same_shape, tensor_meta)
 from normfuse.passes.graph import GraphIndex
-from normfuse.vocabulary import KERNEL_DTYPES
+from normfuse.vocabulary import KERNEL_DTYPES, LOW_PRECISION, TORCH_NORMS
 
 __all__ = ["NormMatch", "AddMatch", "find_norms", "const_value", "upcasts", "strip_upcasts", "find_input_add",
-           "find_output_add", "as_add", "live_dropout_p"]
+           "find_output_add", "as_add", "live_dropout_p", "autocast_upcast"]
 
 F32 = torch.float32
 
@@ -195,10 +195,32 @@ def _match_norm_call(index: GraphIndex, node: fx.Node, c: Canon) -> NormMatch | 
                   weight=c["weight"], bias=c["bias"] if c.prim == "layer_norm" else None,
                   out_dtype=node_dtype(output), hidden_size=n, reason=reason, anchor=node)
     if reason is None and node_dtype(output) is not None and node_dtype(x) is not None \
-            and node_dtype(output) != node_dtype(x):
-        m = replace(m, reason=f"the norm returns {node_dtype(output)} for a {node_dtype(x)} input (autocast?); "
-                              "the fused op keeps the input dtype")
+            and node_dtype(output) != node_dtype(x) and not autocast_upcast(node):
+        m = replace(m, reason=f"the norm returns {node_dtype(output)} for a {node_dtype(x)} input; the fused op "
+                              "returns the input dtype, or fp32 for a 16-bit input (autocast's fp32 policy)")
     return m
+
+
+def autocast_upcast(node: fx.Node) -> bool:
+    """A norm call the capture recorded returning fp32 for a 16-bit input: CUDA autocast's fp32
+    policy (layer_norm, rms_norm), which casts the input, weight and bias to fp32 and runs the
+    norm there. Without autocast a norm returns its input's dtype, whatever its weight's, so the
+    recorded dtypes alone tell it (a graph captured under an ambient autocast holds no
+    ``_enter_autocast`` node). The fused op computes the same from the 16-bit sum with
+    ``out_dtype=float32``: its statistics are fp32 and it upcasts the weight and bias itself."""
+    if node_dtype(node) != F32:
+        return False
+    if node.op == "call_module":  # not canonical(): it adds get_attr nodes for the module's parameters
+        owner = node.graph.owning_module
+        try:
+            module = owner.get_submodule(node.target) if owner is not None else None
+        except AttributeError:
+            module = None
+        x = node.args[0] if isinstance(module, TORCH_NORMS) and node.args else None
+    else:
+        c = canonical(node)
+        x = c["input"] if c is not None and c.prim in ("layer_norm", "rms_norm") and not c.multi_output else None
+    return x is not None and node_dtype(x) in LOW_PRECISION
 
 
 # --------------------------------------------------------------------------- decomposed norms

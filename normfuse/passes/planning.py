@@ -416,6 +416,8 @@ def _linear_readers(analysis: Analysis, p: Plan) -> tuple[fx.Node, ...]:
         if c is None or c.prim != "linear" or c["input"] is not y or not isinstance(c["weight"], fx.Node) \
                 or y in (c["weight"], c["bias"]):
             return ()
+        if node_dtype(u) != node_dtype(y):
+            return ()  # autocast runs the linear on y cast to 16 bits (the fp32 y of an autocast norm)
         operands += [t for t in (c["weight"], c["bias"]) if isinstance(t, fx.Node)]
     if not users or len(y.users) != len(users):
         return ()
