@@ -224,6 +224,19 @@ def test_a_loop_the_analysis_cannot_take_is_named_in_the_report():
     assert "returns something else than what the block returns" in text
 
 
+class _StreamReturnedToo(nn.Module):
+    def __init__(self):
+        super().__init__()
+        toy = _toy()
+        self.tok, self.blocks, self.norm = toy.tok, toy.blocks, toy.final_norm
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x), x  # the stream's last value, returned as is besides its norm
+
+
 class _HiddenStatesCollector(nn.Module):
     def __init__(self):
         super().__init__()
@@ -267,6 +280,7 @@ def test_reentrant_checkpoint_in_the_loop_gets_the_sum_and_the_final_norm_the_pa
 
 @pytest.mark.parametrize("model,reason", [
     (_HiddenStatesCollector(), "reads `x` other than to call the next block"),
+    (_StreamReturnedToo(), "`x` is read again besides the final norm"),
     (_UnknownWrapperLoop(), "only checkpointing with a literal use_reentrant passes it"),
     (ToyTransformer(final_norm=False), "does not go straight into a norm module"),
 ])
@@ -618,8 +632,12 @@ def test_hf_videoprism_two_block_lists_in_one_forward():
     rep = normfuse.report(model)
     counts = rep.counts()
     assert (counts["sites"], counts["fused"], counts["fused_with_add"]) == (10, 10, 9), str(rep)
-    assert [n.split(":")[1].strip() for n in rep.notes if n.startswith("cross-block")] == \
-        ["spatial_layers", "temporal_layers"], rep.notes
+    # each list is read as its own stream; both are left as they were: the model also returns each
+    # list's last value as is (last_spatial_hidden_state), which would be the un-added pair
+    notes = [n for n in rep.notes if n.startswith("cross-block")]
+    assert [n.split(":")[1].strip() for n in notes] == ["spatial_layers", "temporal_layers"], rep.notes
+    assert all("is read again besides the final norm" in n for n in notes), notes
+    assert all(isinstance(v, torch.Tensor) for v in model(pixel_values_videos=videos).values())
 
 
 def test_a_rewrite_that_fails_midway_leaves_the_stream_as_it_was(monkeypatch):

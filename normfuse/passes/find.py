@@ -632,16 +632,47 @@ def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
                         reason = "live dropout (training mode) sits between the residual add and the norm"
             return replace(am, chain=tuple(chain), permute=permute if am.reason is None else None, reason=reason)
         c = index.canon(cur)
-        if c is not None and c.prim == "permute" and permute is None and permute_dims(index, cur) is not None:
-            permute = permute_dims(index, cur)
-            n = None  # above the permute the rows are not in the last dim: views do not pass
+        if c is not None and c.prim == "permute" and permute_dims(index, cur) is not None:
+            # the norm reads cur.permute(permute) = input.permute(dims).permute(permute)
+            dims = permute_dims(index, cur)
+            permute = dims if permute is None else tuple(dims[p] for p in permute)
+            if permute == tuple(range(len(permute))):  # inverse permutes cancel (vitdet's block boundary)
+                permute, n = None, m.hidden_size
+            else:
+                n = None  # above the permute the rows are not in the last dim: views do not pass
         else:
             live_dropout = c is not None and c.prim == "dropout" and (n is None or same_dim(last_dim(cur), n))
             if not is_pass_through(index, cur, n) and not live_dropout:
-                return None
+                return _add_behind_reshape(index, cur, chain)
         chain.append(cur)
         cur = index.canon(cur)["input"]
     return None
+
+
+def _add_behind_reshape(index: GraphIndex, node: fx.Node, chain: list) -> AddMatch | None:
+    """An add the norm reads through a view that moves the rows (it splits or merges the last
+    dim: a per-head norm of ``(a + b).view(..., heads, head_dim)``) or a permute the kernels do
+    not follow: found, so the report says why it stays outside the kernel; None when there is
+    no add behind it."""
+    what = index.prim(node)
+    cur = node
+    while isinstance(cur, fx.Node) and cur not in index.norm_outputs and index.prim(cur) in ("view", "permute",
+                                                                                            "cast", "dropout"):
+        cur = index.canon(cur)["input"]
+    am = as_add(index, cur, None) if isinstance(cur, fx.Node) else None
+    if am is None:
+        return None
+    if what == "view":
+        reason = (f"the add reaches the norm through a view that moves the normalized dim ({_shape_text(cur)} -> "
+                  f"{_shape_text(node)}): the kernels normalize rows of the add's own last dim")
+    else:
+        reason = f"the add reaches the norm through {what} {node.name}, which the kernels do not read through"
+    return AddMatch(node=am.node, operands=am.operands, chain=tuple(chain), reason=am.reason or reason)
+
+
+def _shape_text(node: Any) -> str:
+    shape = node_shape(node)
+    return str(tuple(dim_value(d) for d in shape)) if shape is not None else "?"
 
 
 def find_output_add(index: GraphIndex, m: NormMatch) -> tuple[AddMatch, list[fx.Node]] | None:

@@ -163,6 +163,16 @@ def _analyze_owner(owner: nn.Module, list_attr: str) -> _Loop:
     if norm is None or not is_norm_module(getattr(owner, norm, None) or nn.Identity()):
         raise NotFit(f"after the loop over self.{list_attr}, `{stream}` does not go straight into a norm module "
                      f"({_where(raw, first or loop)})")
+    # Any later read must see a new value (``x = self.norm(x)``, then ``return x``): the loop's own
+    # value is the pair, which only the final norm adds (videoprism also returns the stream as is).
+    assigned = [(n.end_lineno, n.end_col_offset) for n in after if isinstance(n, (ast.Assign, ast.AugAssign))
+                and n.lineno >= first.lineno and any(_is_name(t, stream) for t in
+                                                     (n.targets if isinstance(n, ast.Assign) else [n.target]))]
+    again = next((n for n in after if _is_name(n, stream) and isinstance(n.ctx, ast.Load) and n is not first
+                  and not any(end <= (n.lineno, n.col_offset) for end in assigned)), None)
+    if again is not None:
+        raise NotFit(f"after the loop over self.{list_attr}, `{stream}` is read again besides the final norm "
+                     f"({_where(raw, again)})")
     return _Loop(stream, list_attr, norm, checkpointed, reentrant, _entry_add(fn_node, raw, loop, stream),
                  checkpoint_if)
 
