@@ -453,19 +453,19 @@ def test_cuda_autocast_fuses_module_norms(params):
 
 
 @pytest.mark.gpu
-def test_cuda_autocast_training_step_matches_eager():
-    # HF torch_dtype=bfloat16 plus Trainer bf16=True: bf16 weights, a forward under autocast
+def test_cuda_autocast_bf16_hf_model_matches_eager():
+    # HF torch_dtype=bfloat16 plus Trainer bf16=True: bf16 weights, the forward under CUDA autocast
     model = _hf_bf16("gpt2")
     ref = copy.deepcopy(model)
     normfuse.optimize(model)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), device="cuda")
     with torch.autocast("cuda", dtype=BF16):
-        loss, loss_ref = model(ids, labels=ids).loss, ref(ids, labels=ids).loss
-    loss.backward(), loss_ref.backward()
-    assert abs(loss.item() - loss_ref.item()) <= 1e-2 * max(1.0, abs(loss_ref.item()))
+        out, out_ref = model(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state
+    assert out.dtype == out_ref.dtype == F32  # ln_f, run in fp32 by autocast
     ln = [s for s in normfuse.report(model).sites if s.kind == "layer_norm"]
-    assert ln and all(s.fused and s.out_dtype == "torch.float32" for s in ln), ln
-    assert sum(s.fused_add for s in ln) >= len(ln) - 1  # the first norm reads the embedding sum
-    with torch.autocast("cuda", dtype=BF16):
-        res = normfuse.check(copy.deepcopy(ref), ids)
-    assert res.ok, res
+    assert ln and all(s.fused and s.out_dtype == "torch.float32" and s.sum_dtype == "torch.bfloat16"
+                      for s in ln), ln
+    assert sum(s.fused_add for s in ln) >= len(ln) - 1
+    with torch.autocast("cuda", dtype=BF16):  # forward and backward vs fp64, each site vs its subgraph
+        res = normfuse.check(copy.deepcopy(ref), input_ids=ids)
+    assert res.ok and all(s.numeric.passed and s.symbolic.status == "proved" for s in res.sites), res
