@@ -696,3 +696,37 @@ def test_a_reentrant_checkpoint_behind_a_flag_gets_the_sum_only_while_the_flag_i
     _assert_identical(_run(original, IDS), _run(model, IDS))
     # the block's recompute in backward (reentrant: last block first) is called as in the forward
     assert seen == ([False, False, False] * 2 if checkpointing else [False, True, True])
+
+
+@pytest.mark.parametrize("form", ["optimize", "module.compile", "register_module"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_hf_gradient_checkpointing_layer_is_read_when_the_model_runs(form, checkpointing):
+    """transformers' GradientCheckpointingLayer checkpoints in its own __call__ while
+    ``gradient_checkpointing`` is set and the model trains: the flag, read per call."""
+    torch._dynamo.reset()
+    original = hf_model("llama", num_hidden_layers=3).train()
+    if checkpointing:
+        original.gradient_checkpointing_enable()
+    model = copy.deepcopy(original)
+    if form == "optimize":
+        normfuse.optimize(model)
+    else:
+        normfuse.prepare(model)
+        for i, layer in enumerate(model.layers):
+            if form == "module.compile":
+                layer.compile(backend="normfuse")
+            else:
+                model.layers.register_module(str(i), torch.compile(layer, backend="normfuse"))
+        model.norm.compile(backend="normfuse")
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    (out, grads), (want, want_grads) = _run(model, input_ids=ids), _run(original, input_ids=ids)
+    assert_close(out, want)
+    for name, grad in grads.items():
+        assert_close(grad, want_grads[name], name)
+    rep = normfuse.report(model)
+    with_add = {s.fqn for s in rep.sites if s.fused and s.fused_add}
+    # 6 add-fed norms (layer 0's first norm reads the embedding): a checkpointed layer keeps the sum
+    expected = {f"layers.{i}.post_attention_layernorm" for i in range(3)} | {"norm"}
+    if not checkpointing:
+        expected |= {f"layers.{i}.input_layernorm" for i in (1, 2)}
+    assert with_add == expected, str(rep)
