@@ -75,10 +75,10 @@ def _declare_ops() -> None:
     try:
         from normfuse.kernels import library
         library.declare()
-    except Exception as error:  # noqa: BLE001 - the import must not fail on it; the ops' modules raise when used
+    except Exception as error:  # noqa: BLE001 - `import normfuse` (and torch's import) must not fail on it
         import warnings
         warnings.warn(f"normfuse could not declare its torch.ops.normfuse operators ({type(error).__name__}: "
-                      f"{error}); saved programs that call them load only after normfuse.kernels.ops is imported.",
+                      f"{error}); the fused ops and programs saved with them will not load in this process.",
                       RuntimeWarning, stacklevel=3)
 
 

@@ -87,6 +87,21 @@ def test_saved_program_loads_and_runs_after_import_normfuse(tmp_path, imports):
         torch.testing.assert_close(loaded["grads"][name], grad, rtol=0, atol=atol(torch.float32), msg=name)
 
 
+def test_saved_program_exports_again_in_a_fresh_process(tmp_path):
+    # tracing first: the ops' fakes load their implementations as their kernels do
+    _, program = _fused_program()
+    torch.export.save(program, tmp_path / "fused.pt2")
+    code = (
+        "import normfuse\n"
+        "import torch\n"
+        "ids = torch.randint(0, 64, (2, 8))\n"
+        f"program = torch.export.export(torch.export.load({str(tmp_path / 'fused.pt2')!r}).module(), (ids,))\n"
+        "calls = [str(n.target) for n in program.graph.nodes if str(n.target).startswith('normfuse.')]\n"
+        "print(len(calls), set(calls))\n"
+    )
+    assert _in_fresh_process(code).strip() == "5 {'normfuse.add_norm_fwd.default'}"
+
+
 def test_an_implementation_must_match_its_declared_schema():
     from normfuse.kernels.library import implement
 
