@@ -169,3 +169,152 @@ def test_fake_matches_the_layouts_of_the_op():
                                                  for t in args))
     real = torch.ops.normfuse.add_norm_fwd(*args)
     assert [t.stride() for t in fake[:2]] == [t.stride() for t in real[:2]]
+
+
+# --------------------------------------------------------------------------- the pass
+
+class SamLayerNorm2d(nn.Module):
+    """SAM's LayerNorm2d: the statistics over dim 1 of NCHW, written out."""
+
+    def __init__(self, c, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(c))
+        self.bias = nn.Parameter(0.1 * torch.randn(c))
+        self.eps = eps
+
+    def forward(self, x):
+        u = x.mean(1, keepdim=True)
+        s = (x - u).pow(2).mean(1, keepdim=True)
+        x = (x - u) / torch.sqrt(s + self.eps)
+        return self.weight[:, None, None] * x + self.bias[:, None, None]
+
+
+class RmsNorm2d(nn.Module):
+    """timm's RmsNorm2d (timm.layers.fast_norm.rms_norm2d, which gemma3n's vision tower runs)."""
+
+    def __init__(self, c, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(c))
+        self.eps = eps
+
+    def forward(self, x):
+        v = torch.mean(x.pow(2), dim=1, keepdim=True)
+        x = x * torch.rsqrt(v + self.eps)
+        return x * self.weight.reshape(1, -1, 1, 1)
+
+
+class ConvStack(nn.Module):
+    """Two residual conv blocks, each normalized over channels first: ``x + conv(norm(x))``; the
+    second norm reads the first block's sum. ``view``: the output is flattened with ``.view``."""
+
+    def __init__(self, norm, c=16, view=False):
+        super().__init__()
+        self.n1, self.n2 = norm(c), norm(c)
+        self.conv1, self.conv2 = nn.Conv2d(c, c, 3, padding=1), nn.Conv2d(c, c, 1)
+        self.view = view
+
+    def forward(self, x):
+        x = x + self.conv1(self.n1(x))
+        x = x + self.conv2(self.n2(x))
+        return x.view(x.shape[0], -1) if self.view else x
+
+
+def _timm_rms_norm2d(c):
+    timm_layers = pytest.importorskip("timm.layers")
+    return timm_layers.RmsNorm2d(c)
+
+
+NORMS_2D = {"sam_layer_norm2d": SamLayerNorm2d, "rms_norm2d": RmsNorm2d, "timm_rms_norm2d": _timm_rms_norm2d}
+
+
+@pytest.mark.parametrize("name", sorted(NORMS_2D))
+def test_written_out_channel_norms_are_sites_and_fuse(name):
+    """A norm written out over dim 1 of NCHW (mean over dim 1, keepdim; the weight reshaped to
+    (1, C, 1, 1) or indexed [:, None, None]) is a site: before, none was found and the report was
+    silent. Both fuse, the second with the add before it; the checker proves both."""
+    torch.manual_seed(0)
+    model, x = ConvStack(NORMS_2D[name]).eval(), torch.randn(2, 16, 8, 8)
+    ref64, eager = copy.deepcopy(model).double(), copy.deepcopy(model)
+    res = normfuse.check(copy.deepcopy(model), x)
+    assert res.ok, str(res)
+    assert [(s.op, s.symbolic.status) for s in res.sites] == [("norm", "proved"), ("add_norm", "proved")]
+    normfuse.optimize(model)
+    with torch.no_grad():
+        out, want, base = model(x), ref64(x.double()), eager(x)
+    counts = normfuse.report(model).counts()
+    assert (counts["sites"], counts["fused"], counts["fused_with_add"], counts["input_is_add"]) == (2, 2, 1, 1)
+    ok, err, err_eager, bound = within_tolerance(out, base, want)
+    assert ok, (err, err_eager, bound)
+
+
+def test_a_view_downstream_gets_the_layout_eager_gave():
+    """The fused call returns y with its channels last; a ``.view()`` later in the graph that needs
+    eager's NCHW layout gets it back (the rewrite makes that y contiguous), so the model runs."""
+    torch.manual_seed(0)
+    model, x = ConvStack(RmsNorm2d, view=True).eval(), torch.randn(2, 16, 8, 8)
+    with torch.no_grad():
+        ref = model(x)
+        normfuse.optimize(model)
+        out = model(x)
+    assert normfuse.report(model).counts()["fused_with_add"] == 1
+    ok, err, err_eager, bound = within_tolerance(out, ref, ref.double())
+    assert ok, (err, err_eager, bound)
+
+
+def test_triton_path_on_a_written_out_stack(triton_cpu, strided_calls):
+    """The optimized stack on the Triton kernels: both calls take the channel-norm kernels."""
+    torch.manual_seed(0)
+    model, x = ConvStack(SamLayerNorm2d).eval(), torch.randn(2, 16, 8, 8)
+    want = copy.deepcopy(model).double()(x.double())
+    base = copy.deepcopy(model)(x)
+    normfuse.optimize(model)
+    out = model(x)
+    out.sum().backward()
+    assert strided_calls["fwd"] == 2 and strided_calls["bwd"] == 2
+    ok, err, err_eager, bound = within_tolerance(out.detach(), base.detach(), want.detach())
+    assert ok, (err, err_eager, bound)
+
+
+def _rows_only(monkeypatch):
+    """The layout rule before channel-norm kernels: the permuted operands had to be contiguous rows."""
+    from normfuse.passes import find
+    rule = find.permuted_layout_reason
+
+    def rows_only(am, dims):
+        if any(find.permuted_layout(op, dims) != ("rows",) for op in am.operands):
+            return "the normalized dim is not contiguous"
+        return rule(am, dims)
+    monkeypatch.setattr(find, "permuted_layout_reason", rows_only)
+
+
+# timm model, its small configuration, (add-fed norms fused with their add on the rows-only rule,
+# with the channel-norm kernels, add-fed norms)
+TIMM_CHANNEL_NORMS = {
+    "coatnet_nano_rw_224": (dict(img_size=64), (0, 19, 19)),
+    "maxvit_tiny_tf_224": (dict(img_size=64, depths=(1, 1, 1, 1)), (12, 16, 16)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TIMM_CHANNEL_NORMS))
+@pytest.mark.parametrize("rule", ["rows_only", "strided"])
+def test_timm_channel_norms_fuse_with_their_add(monkeypatch, name, rule):
+    if importlib.util.find_spec("timm") is None:
+        pytest.skip("timm is not installed")
+    import timm
+    kwargs, (before, after, with_add) = TIMM_CHANNEL_NORMS[name]
+    if rule == "rows_only":
+        _rows_only(monkeypatch)
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, **kwargs).eval()
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(x)
+        normfuse.optimize(model)
+        out = model(x)
+    report = normfuse.report(model)
+    counts = report.counts()
+    assert (counts["fused_with_add"], counts["input_is_add"]) == (before if rule == "rows_only" else after, with_add)
+    if rule == "strided":
+        assert all(s.add_reason is None for s in report.sites)
+    ok, err, err_eager, bound = within_tolerance(out, ref, ref.double())
+    assert ok, (err, err_eager, bound)

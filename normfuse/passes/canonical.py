@@ -228,6 +228,14 @@ def _new_dim(index: Any) -> int | None:
     return at - len(items) if Ellipsis in items[:at] else at
 
 
+def _new_dims(index: Any) -> bool:
+    """``x[index]`` only inserts dims: full slices (no Ellipsis) and two or more Nones (a channel
+    norm's ``w[:, None, None]``)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return sum(i is None for i in items) >= 2 and all(
+        i is None or isinstance(i, slice) and i == slice(None) for i in items)
+
+
 def _bind(node: fx.Node, names: tuple[str, ...]) -> dict[str, Any]:
     args = dict(zip(names, node.args))
     for key, value in node.kwargs.items():
@@ -245,6 +253,8 @@ def canonical(node: fx.Node) -> Canon | None:
         return _module_norm(node)
     if node.op == "call_function" and node.target is operator.getitem and _new_dim(node.args[1]) is not None:
         return Canon("unsqueeze", {"input": node.args[0], "dim": _new_dim(node.args[1])})
+    if node.op == "call_function" and node.target is operator.getitem and _new_dims(node.args[1]):
+        return Canon("view", {"input": node.args[0]})  # x[:, None, None]: the same values, reshaped
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         return _tuple_item(node.args[0], node.args[1])
     if node.op == "call_function":

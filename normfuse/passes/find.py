@@ -49,6 +49,8 @@ class NormMatch:
     reason: str | None = None        # set when the norm itself cannot be fused
     anchor: fx.Node | None = None    # the node that identified it (for ordering and messages)
     group: int | None = None         # statistics per group of this many columns (Mamba2, NemotronH)
+    layout: tuple[int, ...] | None = None  # a channel norm written out over dim d != last (LayerNorm2d,
+    #                                  RmsNorm2d): the norm of ``input.permute(*layout)`` (d moved last), permuted back
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,21 @@ def _last_dim_only(dims: Any, ndim: int | None) -> bool:
         return False
     dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
     return len(dims) == 1 and isinstance(dims[0], int) and dims[0] in (-1, ndim - 1)
+
+
+def _reduced_dim(dims: Any, ndim: int | None) -> int | None:
+    """The one dim a reduction takes, made non-negative (None: several, none, or not a constant)."""
+    if dims is None or ndim is None:
+        return None
+    dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
+    if len(dims) != 1 or not isinstance(dims[0], int) or isinstance(dims[0], bool) or not -ndim <= dims[0] < ndim:
+        return None
+    return dims[0] % ndim
+
+
+def channel_layout(d: int, ndim: int) -> tuple[int, ...]:
+    """The permute that moves dim d last (NCHW, d = 1: (0, 2, 3, 1))."""
+    return (*range(d), *range(d + 1, ndim), d)
 
 
 def upcasts(index: GraphIndex, node: Any) -> tuple[Any, list[fx.Node]]:
@@ -104,10 +121,33 @@ def _is_param_like(index: GraphIndex, node: Any) -> bool:
     return isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr")
 
 
-def _vector_of(node: Any, n: int | None) -> bool:
+def _vector_of(node: Any, n: int | None, layout: tuple[int, ...] | None = None) -> bool:
+    """A vector of n values along the normalized dim, broadcast over the others: (..., 1, n), or
+    for a channel norm (``layout``) n along its dim, e.g. ``w.reshape(1, -1, 1, 1)`` / ``w[:, None, None]``."""
     shape = node_shape(node)
-    return shape is not None and n is not None and len(shape) >= 1 and same_dim(last_dim(node), n) and all(
-        same_dim(d, 1) for d in shape[:-1])
+    if shape is None or n is None or len(shape) < 1:
+        return False
+    at = len(shape) - 1 if layout is None else len(shape) - (len(layout) - layout[-1])
+    return at >= 0 and same_dim(shape[at], n) and all(same_dim(d, 1) for i, d in enumerate(shape) if i != at)
+
+
+def _channel_param(index: GraphIndex, operand: Any, n: int, layout: tuple[int, ...]):
+    """A channel norm's ``w.reshape(1, -1, 1, 1)`` / ``w[:, None, None]`` (exact upcasts allowed on
+    the way) -> (w, the nodes between), or None."""
+    if not _vector_of(operand, n, layout):
+        return None
+    cur, nodes = operand, []
+    while isinstance(cur, fx.Node) and index.prim(cur) in ("view", "unsqueeze", "cast") \
+            and not (cur.op in ("placeholder", "get_attr")):
+        src = index.canon(cur)["input"]
+        if index.prim(cur) == "cast" and not (isinstance(src, fx.Node)
+                                              and is_exact_upcast(node_dtype(src), node_dtype(cur))):
+            return None
+        nodes.append(cur)
+        cur = src
+    if isinstance(cur, fx.Node) and cur.op in ("placeholder", "get_attr") and _vector_of(cur, n):
+        return cur, nodes
+    return None
 
 
 def _other(c: Canon, node: Any) -> Any:
@@ -292,7 +332,8 @@ def _find_normalized(index: GraphIndex, denom: fx.Node, value: Any):
 
 
 def _finish_decomposed(index: GraphIndex, kind: str, source: Any, stat: fx.Node, value: Any,
-                       stat_nodes: list[fx.Node], n: int, anchor: fx.Node) -> NormMatch | None:
+                       stat_nodes: list[fx.Node], n: int, anchor: fx.Node,
+                       layout: tuple[int, ...] | None = None) -> NormMatch | None:
     """From a row statistic (mean of squares, or variance) to ``value * rsqrt(stat + eps)``;
     ``source`` is the normalized input as the graph holds it (maybe upcast)."""
     for denom, eps in _eps_of(index, stat):
@@ -301,21 +342,29 @@ def _finish_decomposed(index: GraphIndex, kind: str, source: Any, stat: fx.Node,
             upcast = [source] if source is not strip_upcasts(index, source) else []
             return _with_tail(index, NormMatch(
                 kind=kind, form="decomposed", input=strip_upcasts(index, source), output=normed,
-                nodes=(*upcast, *stat_nodes, denom, *extra, normed), eps=eps, hidden_size=n, anchor=anchor))
+                nodes=(*upcast, *stat_nodes, denom, *extra, normed), eps=eps, hidden_size=n, anchor=anchor,
+                layout=layout))
     return None
 
 
 def _match_decomposed(index: GraphIndex, mean: fx.Node, c: Canon) -> NormMatch | None:
-    """Anchored at ``mean(t, -1, keepdim=True)``: RMSNorm when t = u^2, LayerNorm when ``u - mean`` follows."""
+    """Anchored at ``mean(t, -1, keepdim=True)``: RMSNorm when t = u^2, LayerNorm when ``u - mean`` follows.
+    A mean over another single dim d (``mean(t, dim=1, keepdim=True)`` of NCHW: timm's RmsNorm2d, SAM's
+    LayerNorm2d) is a channel norm: the same norm of t with d moved last (``layout``)."""
     t = c["input"]
     shape = node_shape(t)
-    n = last_dim(t)
-    if shape is None or n is None or not _last_dim_only(c["dim"], len(shape)) or not c["keepdim"]:
+    d = _reduced_dim(c["dim"], None if shape is None else len(shape))
+    if d is None or not c["keepdim"]:
+        return None
+    layout = None if d == len(shape) - 1 else channel_layout(d, len(shape))
+    n = last_dim(t) if layout is None else dim_value(shape[d])
+    if n is None:
         return None
     sq = _square_of(index, t)
     if sq is not None:  # RMSNorm: u * rsqrt(mean(u^2) + eps)
-        return _finish_decomposed(index, "rms_norm", sq, mean, sq, [t, mean], n, mean)
+        return _finish_decomposed(index, "rms_norm", sq, mean, sq, [t, mean], n, mean, layout)
     # LayerNorm: d = u - mean(u); var = mean(d^2); n = d * rsqrt(var + eps)
+    dim = d
     for d in mean.users:
         cd = index.canon(d)
         if cd is None or cd.prim != "sub" or not index.same(cd["other"], mean) \
@@ -324,9 +373,9 @@ def _match_decomposed(index: GraphIndex, mean: fx.Node, c: Canon) -> NormMatch |
         for sqn in (u for u in d.users if index.same(_square_of(index, u), d)):
             for var in sqn.users:
                 cv = index.canon(var)
-                if cv is None or cv.prim != "mean" or not _last_dim_only(cv["dim"], len(shape)) or not cv["keepdim"]:
+                if cv is None or cv.prim != "mean" or _reduced_dim(cv["dim"], len(shape)) != dim or not cv["keepdim"]:
                     continue
-                m = _finish_decomposed(index, "layer_norm", t, var, d, [mean, d, sqn, var], n, mean)
+                m = _finish_decomposed(index, "layer_norm", t, var, d, [mean, d, sqn, var], n, mean, layout)
                 if m is not None:
                     return m
     return None
@@ -360,8 +409,12 @@ def _match_var_layer_norm(index: GraphIndex, var: fx.Node, c: Canon, claimed: se
 
 # --------------------------------------------------------------------------- the tail
 
-def _weight_operand(index: GraphIndex, operand: Any, n: int):
-    """``w``, ``w.float()`` or ``offset + w`` (in fp32) -> (w, offset, nodes) or None."""
+def _weight_operand(index: GraphIndex, operand: Any, n: int, layout: tuple[int, ...] | None = None):
+    """``w``, ``w.float()`` or ``offset + w`` (in fp32) -> (w, offset, nodes) or None; a channel
+    norm's (``layout``): ``w.reshape(1, -1, 1, 1)``, ``w[:, None, None]``."""
+    if layout is not None:
+        found = _channel_param(index, operand, n, layout)
+        return None if found is None else (found[0], 0.0, found[1])
     if _is_param_like(index, operand) and _vector_of(operand, n):
         nodes = []
         cur = operand
@@ -408,7 +461,7 @@ def _with_tail(index: GraphIndex, m: NormMatch) -> NormMatch:
     The op computes ``round(out, [round(r, n)] * (w + offset) + b)``: at most one rounding
     of n before the weight (Llama) and one rounding at the end (Gemma, F.layer_norm).
     """
-    m = _ungrouped(index, m)
+    m = _ungrouped(index, m) if m.layout is None else m
     n = m.hidden_size
     cur = m.output
     cur_dtype = node_dtype(cur) or F32
@@ -437,7 +490,7 @@ def _with_tail(index: GraphIndex, m: NormMatch) -> NormMatch:
             else:
                 break
         elif c.prim == "mul" and phase == "n":
-            wm = _weight_operand(index, _other(c, cur), n)
+            wm = _weight_operand(index, _other(c, cur), n, m.layout)
             if wm is None:
                 break
             weight, offset, wnodes = wm
@@ -446,7 +499,13 @@ def _with_tail(index: GraphIndex, m: NormMatch) -> NormMatch:
         elif c.prim == "add" and c["alpha"] == 1 and phase in ("n", "w") and bias is None \
                 and m.kind == "layer_norm" and cur_dtype == F32:
             other = _other(c, cur)
-            if other is None or not _is_param_like(index, other) or not _vector_of(other, n):
+            if m.layout is not None:
+                channel_bias = None if other is None else _channel_param(index, other, n, m.layout)
+                if channel_bias is None:
+                    break
+                other = channel_bias[0]
+                added += channel_bias[1]
+            elif other is None or not _is_param_like(index, other) or not _vector_of(other, n):
                 break
             bias = strip_upcasts(index, other)
             phase = "w"
@@ -612,8 +671,8 @@ def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
     permute (an add commutes with permuting both operands: the channel norms of vision models)."""
     chain = []
     cur = m.input
-    n = m.hidden_size
-    permute = None
+    permute = m.layout  # a channel norm written out reads its input with the channels moved last
+    n = m.hidden_size if permute is None else None
     while isinstance(cur, fx.Node) and cur not in index.norm_outputs:
         am = as_add(index, cur, n)
         if am is not None:

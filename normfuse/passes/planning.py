@@ -200,6 +200,7 @@ def _choose(analysis: Analysis, site: SiteAnalysis, claimed: set, reserved: set,
         return Plan("add_norm", (site.number,), branch.x if branch else x, residual, residual_scale=add.residual_scale,
                     sum_dtype=node_dtype(add.node), permute=add.permute, branch=branch), None
     if config.fuse_output_add and out is not None and out.reason is None and out.node not in claimed \
+            and m.layout is None \
             and out.node not in reserved and add is None and site.placement in (Placement.RES_POST,
                                                                                 Placement.SANDWICH) \
             and not site.output_chain:
@@ -209,7 +210,7 @@ def _choose(analysis: Analysis, site: SiteAnalysis, claimed: set, reserved: set,
                                                                                node_shape(m.output)):
             return Plan("norm_add", (site.number,), m.input, out.operands[stream], output_add=out.node,
                         residual_scale=out.residual_scale), None
-    return Plan("norm", (site.number,), m.input, None, sum_dtype=node_dtype(m.input)), None
+    return Plan("norm", (site.number,), m.input, None, sum_dtype=node_dtype(m.input), permute=m.layout), None
 
 
 def _add_reason(site: SiteAnalysis, p: Plan | None, claimed: set, reserved: set, config) -> str | None:

@@ -96,6 +96,30 @@ def _permuted(graph: fx.Graph, value: fx.Node, dims: tuple[int, ...], as_op: boo
     return node
 
 
+_VIEWS = ("view", "view_as", torch.Tensor.view, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _viewed_later(node: fx.Node) -> bool:
+    """Whether a value computed from ``node`` (through any op: convolutions and elementwise ops
+    keep a channels_last input's layout) reaches a ``.view()``, which may need the layout eager gave it."""
+    seen, todo = set(), [node]
+    while todo:
+        for user in todo.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.op in ("call_method", "call_function") and user.target in _VIEWS:
+                return True
+            todo.append(user)
+    return False
+
+
+def _contiguous(graph: fx.Graph, value: fx.Node, as_op: bool) -> fx.Node:
+    if as_op:
+        return graph.call_function(torch.ops.aten.clone.default, (value,), {"memory_format": torch.contiguous_format})
+    return graph.call_method("contiguous", (value,))
+
+
 def _fused_call(graph: fx.Graph, family: str, args: tuple, options: dict, as_op: bool) -> fx.Node:
     """One call of the functional API, or (``as_op``) of its custom op with every option
     spelled out and the fake result as its ``val`` (Inductor lowers from that)."""
@@ -248,7 +272,18 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
                     r.replace(partner.output, y1)
                     old_nodes += partner.nodes
                 result = y
-                if add is not None and not same_shape(node_shape(add.node), node_shape(output)):
+                if m.layout is not None:  # a channel norm written out: y comes with its channels last
+                    y.meta.update({k: v.permute(m.layout) for k, v in y.meta.items()
+                                   if k in ("val", "example_value") and isinstance(v, torch.Tensor)})
+                    inverse = tuple(sorted(range(len(m.layout)), key=m.layout.__getitem__))
+                    result = _permuted(graph, y, inverse, as_op)
+                    _copy_meta(result, output)
+                    inserted.append(result)
+                    if _viewed_later(output):  # eager's y had x's layout: a .view() downstream may need it
+                        result = _contiguous(graph, result, as_op)
+                        _copy_meta(result, output)
+                        inserted.append(result)
+                elif add is not None and not same_shape(node_shape(add.node), node_shape(output)):
                     # the add and the norm see the rows in different shapes (a view between them)
                     result = graph.call_method("reshape", (y, *node_shape(output)))
                     _copy_meta(result, output)

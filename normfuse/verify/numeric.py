@@ -510,10 +510,9 @@ def check_site(gm: fx.GraphModule, pair: SitePair, env: dict[fx.Node, Any]) -> S
     args, kwargs = _call_arguments(pair, env)
     with torch.no_grad():
         got = pair.call.target(*args, **kwargs)
-    s_index = 2 if pair.partners else 1
-    if pair.layout is not None and got[s_index] is not None:
-        inverse = sorted(range(len(pair.layout)), key=pair.layout.__getitem__)
-        got = tuple(g.permute(inverse) if i == s_index else g for i, g in enumerate(got))
+    # outputs the rewrite permutes back (the sum of an add moved through a permute, a channel norm's y)
+    got = tuple(g.permute(pair.permuted_back[i]) if i in pair.permuted_back and g is not None else g
+                for i, g in enumerate(got))
     replay = {}
     dropout = pair.dropout
     if dropout is not None:

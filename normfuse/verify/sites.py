@@ -51,6 +51,8 @@ class SitePair:
     args: dict[str, Any] = field(default_factory=dict)   # role -> original node / None / constant
     eps: float | None = None                     # the eps the original subgraph uses
     layout: tuple[int, ...] | None = None        # the call reads args["x"/"residual"].permute(*layout)
+    permuted_back: dict[int, tuple[int, ...]] = field(default_factory=dict)  # output -> the dims the rewrite
+    #                                              permutes it back by (the sum; a channel norm's y)
     problem: str | None = None                   # why the pair could not be formed
     partners: list[Site] = field(default_factory=list)  # other sites the same call computes
     folded: list[fx.Node] = field(default_factory=list)  # original branch nodes the call computes
@@ -241,6 +243,8 @@ def pair_sites(original: fx.GraphModule, rewritten: fx.GraphModule, sites: list[
                 if user.name not in by_name and user.op == "call_method" and user.target == "reshape" \
                         or LAYOUT_META in user.meta:
                     produced[user] = orig
+                if LAYOUT_META in user.meta:
+                    pair.permuted_back[k] = user.meta[LAYOUT_META]
     return pairs
 
 

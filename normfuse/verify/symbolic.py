@@ -133,8 +133,8 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym) -> Any:
         value = load(src)
         if isinstance(value, tuple):
             return value[idx]
-        if getattr(canonical(node), "prim", None) == "unsqueeze":  # x[:, None]: the row as it is
-            return value
+        if getattr(canonical(node), "prim", None) in ("unsqueeze", "view"):  # x[:, None], w[:, None, None]:
+            return value                                                       # the row as it is
         raise _Unsupported(f"{node.name} indexes a value that is not a tuple")
     c = canonical(node)
     if c is None and _max_values(node):  # torch.max(x, dim) returns (values, indices): the row's maximum
