@@ -194,6 +194,21 @@ def test_a_zero_row_gets_the_graphs_scale_and_the_options_say_how(spelling):
     assert {k: call.kwargs[k] for k in OPTIONS[spelling]} == OPTIONS[spelling]
 
 
+@pytest.mark.parametrize("spelling", sorted(SPELLINGS))
+def test_torch_export_graphs_too(spelling):
+    # ATen spellings: aten.max.dim with its unread indices, aten.unsqueeze, aten.clamp.Tensor, and the
+    # constants torch.export lifts into plain attributes (read through aten.lift_fresh_copy)
+    model = _Quantizes(SPELLINGS[spelling]).to(torch.bfloat16)
+    x, h = _inputs()
+    with torch.no_grad():
+        want = model(x, h)
+        gm, rep = normfuse.fuse_graph(torch.export.export(model, (x, h)).module())
+        got = gm(x, h)
+    (site,) = rep.sites
+    assert site.fused_quant, site.quant_reason
+    assert all(torch.equal(a.float(), b.float()) and a.dtype == b.dtype for a, b in zip(got, want))
+
+
 @pytest.mark.parametrize("spelling", ["per_token", "max_values", "neg", "vllm", "torchao"])
 def test_check_compares_and_proves_the_site(spelling):
     model = _Quantizes(SPELLINGS[spelling]).to(torch.bfloat16)

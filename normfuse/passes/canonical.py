@@ -95,7 +95,8 @@ SPELLINGS: dict[str, list[Any]] = {
              torch.as_tensor],  # of a tensor, with a dtype (vLLM's as_float32_tensor); of a number: a constant
     "view": ["view", "reshape", "contiguous", "clone", "view_as", "reshape_as", "unflatten", torch.reshape, torch.clone,
              torch.unflatten, *_aten("view.default", "reshape.default", "_unsafe_view.default", "clone.default",
-                                     "alias.default", "unflatten.int")],
+                                     "alias.default", "unflatten.int"),
+             *_aten("lift_fresh_copy.default")],  # torch.export's copy of a constant it lifted
     "permute": ["permute", torch.permute, *_aten("permute.default")],
     "dropout": [F.dropout, torch.dropout, "dropout", *_aten("dropout.default")],
     "layer_norm": [F.layer_norm, torch.layer_norm, *_aten("layer_norm.default", "native_layer_norm.default")],
@@ -105,7 +106,8 @@ SPELLINGS: dict[str, list[Any]] = {
     "abs": [torch.abs, "abs", *_aten("abs.default")],
     "amax": [torch.amax, "amax", *_aten("amax.default")],
     "clamp": [torch.clamp, torch.clip, "clamp", "clip", *_aten("clamp.default", "clamp_min.default",
-                                                                  "clamp_max.default")],
+                                                                  "clamp_max.default"),
+              *_aten("clamp.Tensor", "clamp_min.Tensor", "clamp_max.Tensor")],  # bounds as tensors
     "neg": [torch.neg, operator.neg, "neg", "__neg__", *_aten("neg.default")],
     "unsqueeze": [torch.unsqueeze, "unsqueeze", *_aten("unsqueeze.default")],
     "silu": [F.silu, "silu", *_aten("silu.default")],
@@ -139,6 +141,7 @@ _ATEN_POSITIONAL = {
     "var_mean.correction": ("input", "dim"),
     "dropout.default": ("input", "p", "training"),
     "clamp_max.default": ("input", "max"),
+    "clamp_max.Tensor": ("input", "max"),
 }
 
 _FUNCTION_TABLE: dict[Any, str] = {}

@@ -39,6 +39,7 @@ import operator
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
 from normfuse.kernels.reference import quant_max, quantize
 from normfuse.passes.canonical import is_exact_upcast, node_dtype, node_shape, real_users, same_shape, tensor_meta
@@ -95,7 +96,24 @@ class _Refused(Exception):
 # What a number the graph builds from numbers may be made of (vLLM's reference writes its
 # constants as torch.as_tensor(448.0, dtype=torch.float32) and computes 1 / (qmax * 512) of them)
 _CONSTANT_MAKERS = (torch.as_tensor, torch.tensor, torch.scalar_tensor)
-_CONSTANT_PRIMS = ("cast", "mul", "div", "add", "sub", "reciprocal", "neg")
+_CONSTANT_PRIMS = ("cast", "view", "mul", "div", "add", "sub", "reciprocal", "neg")
+
+
+def _attribute_constant(node: fx.Node) -> torch.Tensor | None:
+    """The tensor a get_attr node reads when it is a constant of the graph, a plain attribute
+    (torch.export lifts the tensors a forward builds, torch.as_tensor(448.0), into these); not a
+    parameter or a buffer, which a user may change."""
+    owner, *path, name = [node.graph.owning_module, *str(node.target).split(".")]
+    try:
+        for part in path:
+            owner = getattr(owner, part)
+        value = getattr(owner, name)
+    except AttributeError:
+        return None
+    if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter) or value.is_meta \
+            or name in getattr(owner, "_buffers", {}):
+        return None
+    return value.detach().cpu()
 
 
 def _run(node: fx.Node, value) -> Any:
@@ -174,17 +192,22 @@ class _Reader:
         return float(tensor.reshape(()))
 
     def constant(self, node: Any, depth: int = 0) -> torch.Tensor | None:
-        if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method") or depth > _SEARCH_DEPTH:
+        if not isinstance(node, fx.Node) or depth > _SEARCH_DEPTH:
             return None
         if node in self.constants:
             return self.constants[node]
-        maker = node.op == "call_function" and node.target in _CONSTANT_MAKERS
-        if not maker and self.prim(node) not in _CONSTANT_PRIMS or any(
-                self.constant(a, depth + 1) is None for a in node.all_input_nodes):
-            return None
-        try:
-            value = _run(node, self.constants.__getitem__)
-        except Exception:  # noqa: BLE001 - a call that does not run on CPU numbers is no constant
+        if node.op == "get_attr":
+            value = _attribute_constant(node)
+        elif node.op in ("call_function", "call_method"):
+            maker = node.op == "call_function" and node.target in _CONSTANT_MAKERS
+            if not maker and self.prim(node) not in _CONSTANT_PRIMS or any(
+                    self.constant(a, depth + 1) is None for a in node.all_input_nodes):
+                return None
+            try:
+                value = _run(node, self.constants.__getitem__)
+            except Exception:  # noqa: BLE001 - a call that does not run on CPU numbers is no constant
+                return None
+        else:
             return None
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             return None
