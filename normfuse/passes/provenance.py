@@ -66,6 +66,12 @@ def site_record(analysis: Analysis, site: SiteAnalysis) -> Site:
     """The report's record of what was found at one site (before any decision about it)."""
     m = site.match
     fqn, cls = module_info(m.output) if m.output.meta.get("nn_module_stack") else module_info(m.anchor or m.output)
+    if m.anchor is not None:
+        # the match may end past the norm module (a cast its caller applies, taken into the tail):
+        # the statistic is computed inside it, so a deeper module of the anchor names the norm
+        inner, inner_cls = module_info(m.anchor)
+        if inner and (fqn is None or inner.startswith(fqn + ".") or not fqn):
+            fqn, cls = inner, inner_cls
     # a norm call made by a torch norm module (nn.LayerNorm, nn.RMSNorm) is reported as "module"
     cls_of_call = module_class(m.output)
     form = "module" if m.form in ("functional", "module") and isinstance(cls_of_call, type) \

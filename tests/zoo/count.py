@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -33,6 +33,7 @@ NORM_CLASS = re.compile(r"(LayerNorm|RMSNorm|RmsNorm)(2d|Fp32|Gated)?$", re.IGNO
 class EagerCounts:
     norms: int = 0          # norm calls in one forward
     input_is_add: int = 0   # of those, the ones whose input is an add's result
+    modules: list = field(default_factory=list)  # module paths of the norm modules that ran, in call order
 
     def as_dict(self) -> dict[str, int]:
         return {"norms": self.norms, "input_is_add": self.input_is_add}
@@ -65,11 +66,14 @@ def count_eager(model: nn.Module, args: tuple, kwargs: dict) -> EagerCounts:
     """Norm calls and add-fed norm calls in one forward of ``model`` (no grad, eager)."""
     counter = _Counter()
     handles = []
+    names = {module: name for name, module in model.named_modules()}
 
     def enter(module, inputs):
         counter.frames.append([0])
 
     def leave(module, inputs, output):
+        if names[module] not in counter.counts.modules:
+            counter.counts.modules.append(names[module])
         inner = counter.frames.pop()[0]
         if inner == 0:  # written out by hand: the module itself is the norm
             counter.note_norm(inputs[0] if inputs else None)

@@ -338,6 +338,15 @@ EXPECTED = {
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
     "hf:focalnet": dict(norms=7, fused=7, fused_with_add=3, input_is_add=3, placements={"pre": 3, "standalone": 4},
         eager_norms=7, eager_input_is_add=3, check="ok", checked_sites=7, bitwise=True),
+    "hf:vitdet": dict(norms=4, fused=4, fused_with_add=3, input_is_add=4, placements={"pre": 4},
+        eager_norms=4, eager_input_is_add=2, check="ok", checked_sites=4, bitwise=True,
+        note="a block ends with (x + mlp).permute(0, 3, 1, 2), the next begins with .permute(0, 2, 3, 1): the pass "
+             "sees the inverse permutes cancel and fuses that add; the eager count does not follow an add through "
+             "a permute"),
+    "hf:videoprism_vision": dict(norms=10, fused=10, fused_with_add=8, input_is_add=10, placements={"pre": 10},
+        eager_norms=10, eager_input_is_add=10, check="ok", checked_sites=10, bitwise=True,
+        note="two block lists in one forward (spatial, then temporal layers); each list's first norm reads an "
+             "embedding add that broadcasts (fused alone)"),
     "timm:vit_tiny_patch16_224": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
         eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
     "timm:deit_tiny_patch16_224": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},

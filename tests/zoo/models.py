@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from normfuse.zoo import example_inputs, hf_model
+from normfuse.zoo import example_inputs, hf_config, hf_model
 
 # --------------------------------------------------------------------------- HF families
 
@@ -97,9 +97,27 @@ HF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                               image_size=32)),
     "dinov2_with_registers": ("vision", {}), "siglip_vision_model": ("vision", {}),
     "clip_vision_model": ("vision", {}),
-    "dinov3_vit": ("vision", {}), "focalnet": ("vision", dict(embed_dim=16, depths=[1, 1], focal_levels=[2, 2],
+    "dinov3_vit": ("vision", {}),
+    # a block ends NCHW, the next begins NHWC: the inverse permutes between the add and the norm cancel
+    "vitdet": ("vision", {}),
+    "focalnet": ("vision", dict(embed_dim=16, depths=[1, 1], focal_levels=[2, 2],
                                                                focal_windows=[3, 3], image_size=32, patch_size=4)),
 }
+
+
+def _videoprism():
+    """VideoPrism's video encoder: one forward loops over two block lists (spatial, then temporal
+    layers), each ending in its own norm."""
+    import transformers
+
+    config = hf_config("videoprism").vision_config
+    for key, value in dict(hidden_size=64, num_spatial_layers=2, num_temporal_layers=2, num_attention_heads=4,
+                           intermediate_size=128, image_size=32, num_frames=2).items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = transformers.VideoPrismVisionModel(config).eval()
+    videos = torch.randn(2, 2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    return model, (), {"pixel_values_videos": videos}
 
 
 def _hf(name: str, overrides: dict[str, Any]):
@@ -209,6 +227,7 @@ class ZooModel:
 
 def zoo_models() -> dict[str, ZooModel]:
     models = [ZooModel(f"hf:{n}", group, _hf(n, o), "transformers") for n, (group, o) in HF_FAMILIES.items()]
+    models.append(ZooModel("hf:videoprism_vision", "vision", _videoprism, "transformers"))
     models += [ZooModel(f"timm:{n}", "vision", _timm(n, k), "timm") for n, k in TIMM_MODELS.items()]
     models += [ZooModel(f"tv:{n}", "vision", _tv(n), "torchvision")
                for n in ("vit", "swin_t", "swin_v2_t", "convnext", "maxvit")]

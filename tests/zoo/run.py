@@ -46,6 +46,12 @@ def measure(entry: ZooModel, check: bool = True) -> dict[str, Any]:
         if not result.ok:
             record["check_detail"] = str(result).splitlines()[0]
     record["unfused"] = sorted({s.reason for s in report.unfused if s.reason})
+    # no silent site: every norm module that ran is a site or listed as not captured, and every
+    # add-fed site whose add stays outside the kernel says why
+    sites = {s.fqn for s in report.sites}
+    record["silent"] = [fqn for fqn in eager.modules if fqn not in sites and fqn not in report.uncaptured]
+    record["unexplained_adds"] = [s.fqn or s.id for s in report.sites
+                                  if s.fused and s.input_is_add and not s.fused_add and not s.add_reason]
     record["seconds"] = round(time.perf_counter() - start, 2)
     return record
 

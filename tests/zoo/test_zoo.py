@@ -33,6 +33,10 @@ def _run(name: str) -> None:
     got = measure(entry)
     mismatched = {k: (got.get(k), want[k]) for k in ASSERTED if k in want and got.get(k) != want[k]}
     assert not mismatched, f"{name}: (measured, expected) {mismatched}; unfused: {got['unfused']}"
+    # the report's promise: no norm module that ran goes unlisted, no add stays out without a reason
+    assert not got["silent"], f"{name}: norm modules neither a site nor listed as not captured: {got['silent']}"
+    assert not got["unexplained_adds"], f"{name}: add-fed sites fused without their add, no reason: " \
+                                        f"{got['unexplained_adds']}"
 
 
 def test_table_covers_the_zoo():
