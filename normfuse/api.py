@@ -3,59 +3,29 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch.fx as fx
 import torch.nn as nn
 
+from normfuse.backends import FusingBackend
 from normfuse.capture import ModelForward
 from normfuse.config import FuseConfig, make_config
 from normfuse.errors import InvalidModelError
+# OptimizedForward, _NotPickled: models pickled by 0.1.0 name them at this path (normfuse/legacy.py)
+from normfuse.legacy import OptimizedForward, _NotPickled, forward_log  # noqa: F401
 from normfuse.preparation import prepare
 from normfuse.reporting import FusionReport
 from normfuse.runs import RunLog, belongs_to, model_report, norm_module_paths, parameter_paths
 
-__all__ = ["optimize", "fuse_graph", "report", "OptimizedForward", "LOG_ATTR"]
+__all__ = ["optimize", "fuse_graph", "report", "LOG_ATTR"]
 
 LOG_ATTR = "_normfuse_runs"   # on an optimized model: its RunLog
-
-@dataclass
-class FusingBackend:
-    """Makes the normfuse backend of one optimized model: its graphs' records go to the
-    model's log. A plain object, so that a copied or unpickled model gets its own."""
-
-    config: FuseConfig
-    log: RunLog
-    model: nn.Module
-
-    def __call__(self):
-        from normfuse.backends import make_backend
-        return make_backend(self.config, sink=self.log.add, model=self.model)
-
-
-class OptimizedForward(ModelForward):
-    """The forward of an optimized model as normfuse 0.1.0 pickled it (``normfuse.api.OptimizedForward``
-    holding its config and report): loaded, it is a ``ModelForward`` with that config's backend
-    and a fresh log, and compiles afresh on its first call."""
-
-    def __setstate__(self, state: dict) -> None:
-        if "config" in state:  # the 0.1.0 layout
-            config, old_report = state.pop("config"), state.pop("report", None)
-            log = RunLog(notes=list(getattr(old_report, "notes", None) or []))
-            state.update(make_backend=FusingBackend(config, log, state["module"]), on_warning=log.warn)
-        self.__dict__.update(state)
-        self._compiled = None
-
-
-_NotPickled = list  # 0.1.0 pickled its report's graph list as ``normfuse.api._NotPickled()``: an empty list
-
 
 def _log_of(model: nn.Module) -> RunLog | None:
     """The RunLog of an optimized model (one loaded from a 0.1.0 pickle keeps it in its forward)."""
     run_log = model.__dict__.get(LOG_ATTR)
-    backend = getattr(model.__dict__.get("forward"), "make_backend", None)
-    return run_log if run_log is not None else getattr(backend, "log", None)
+    return run_log if run_log is not None else forward_log(model)
 
 
 def fuse_graph(gm: fx.GraphModule, config: FuseConfig | None = None, **options: Any

@@ -14,17 +14,19 @@ from __future__ import annotations
 import logging
 import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
 from normfuse.config import FuseConfig
 from normfuse.reporting import FusionReport
-from normfuse.runs import GraphRecord, find_anchor, model_report, tracked
+from normfuse.runs import GraphRecord, RunLog, find_anchor, model_report, tracked
 
-__all__ = ["normfuse_backend", "normfuse_inductor_backend", "make_backend", "last_report", "registered_records",
-           "eager_checkpoints"]
+__all__ = ["normfuse_backend", "normfuse_inductor_backend", "make_backend", "FusingBackend", "last_report",
+           "registered_records", "eager_checkpoints"]
 
 log = logging.getLogger("normfuse")
 
@@ -94,6 +96,20 @@ def make_backend(config: FuseConfig | None = None, *, sink: Callable[[GraphRecor
 
     backend.normfuse_pass = fusion  # type: ignore[attr-defined]
     return backend
+
+
+@dataclass
+class FusingBackend:
+    """Makes the normfuse backend of one optimized model: its graphs' records go to the
+    model's log. A plain object, so that a copied or unpickled model gets its own. (Models
+    pickled before it moved here name it ``normfuse.api.FusingBackend``, which still resolves.)"""
+
+    config: FuseConfig
+    log: RunLog
+    model: nn.Module
+
+    def __call__(self):
+        return make_backend(self.config, sink=self.log.add, model=self.model)
 
 
 def _graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:

@@ -6,7 +6,8 @@ rewrite by this module's path: the stream it shares between its modules (``_Stre
 owner's and the final norm's hooks, and the swapped classes of its blocks and final norm
 (``_nf_swapped_<hex>``, rebuilt by ``__getattr__`` below). pickle looks each of them up
 here, so each name must stay. Code imports normfuse.passes.cross_block instead; models
-pickled since name that package's modules.
+pickled since name that package's modules. normfuse/legacy.py lists every path 0.1.0
+pickles name.
 """
 
 # every name a saved model may give (and the public ones, for code written against this path)
