@@ -47,6 +47,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from normfuse.kernels import add_norm as K
+from normfuse.kernels import triton as KT
 
 TARGETS = {"cuda90": GPUTarget("cuda", 90, 32), "cuda80": GPUTarget("cuda", 80, 32),
            "gfx942": GPUTarget("hip", "gfx942", 64)}
@@ -365,6 +366,119 @@ def check(row: dict, op: Op) -> list[str]:
     return problems
 
 
+# ------------------------------------------------------------------ channel norms (strided kernels)
+
+# The channel-norm kernels (a tile of BLOCK_HW positions x all C channels, the channels strided):
+# their tile comes from ``_strided_tile`` for C up to one tile (forward 4096, backward 2048); the
+# positions are many (56 x 56 = 3136, a multiple of 16). Strides as a launch on NCHW-contiguous
+# operands specializes them: the positions' stride is 1 (a constexpr), the channels' H*W and the
+# outer C*H*W divisible by 16; y, dy, dx and dresidual have contiguous rows (channel stride 1).
+STRIDED_CS = [64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096]
+STRIDED_POSITIONS = 3136
+# (op, backward, flags, {tensor: "channels-first" | "rows"}, inputs, outputs)
+STRIDED_OPS = [
+    ("channel add_layer_norm (timm LayerNorm2d after x + f(x))", False,
+     dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=True, IS_RMS=False, ROUND_FIRST=False, STORE_SUM=True,
+          SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True),
+     {"x": "channels-first", "r": "channels-first", "y": "rows", "s": "channels-first"}, ("X", "R"), ("Y", "S")),
+    ("channel rms_norm (RmsNorm2d written out: y in x's layout)", False,
+     dict(HAS_RESIDUAL=False, HAS_WEIGHT=True, HAS_BIAS=False, IS_RMS=True, ROUND_FIRST=False, STORE_SUM=False,
+          SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True),
+     {"x": "channels-first", "r": "channels-first", "y": "rows", "s": "channels-first"}, ("X",), ("Y",)),
+    ("channel add_layer_norm backward", True,
+     dict(HAS_DEXTRA=True, HAS_WEIGHT=True, HAS_BIAS=True, HAS_DRES=True, IS_RMS=False),
+     {"dy": "rows", "de": "channels-first", "i": "channels-first", "dx": "rows", "dr": "rows"},
+     ("DY", "DE", "INP"), ("DX", "DRES")),
+    ("channel add_rms_norm backward", True,
+     dict(HAS_DEXTRA=True, HAS_WEIGHT=True, HAS_BIAS=False, HAS_DRES=True, IS_RMS=True),
+     {"dy": "rows", "de": "channels-first", "i": "channels-first", "dx": "rows", "dr": "rows"},
+     ("DY", "DE", "INP"), ("DX", "DRES")),
+]
+
+
+def strided_source(fn, flags: dict, layouts: dict, dtype: str, block_hw: int, block_n: int) -> ASTSource:
+    """A channel-norm kernel as a launch on NCHW operands specializes it (see STRIDED_OPS)."""
+    tl_dtype = DTYPES[dtype][1]
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if fn.params[i].is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[name] = (block_hw if name == "BLOCK_HW" else block_n if name == "BLOCK_N"
+                                else tl_dtype if name.endswith("_DTYPE") else flags[name])
+        elif name in FLOAT_ARGS:
+            signature[name] = "fp32"
+        elif name[:1] == "s" and name[-2:] in ("_o", "_h", "_c"):  # (outer, position, channel) strides
+            unit = {"channels-first": "_h", "rows": "_c"}[layouts[name[1:-2]]]
+            if name.endswith(unit):  # the contiguous dim: the stride 1 a launch specializes
+                signature[name], constexprs[name] = "constexpr", 1
+            else:
+                signature[name] = "i32"
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name.isupper() and name not in ("HW", "N"):
+            signature[name] = "*fp32" if name in STAT_PTRS else f"*{_ptr_type(tl_dtype)}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            if name in ("HW", "N"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
+def strided_rows(dtypes: list[str], targets: list[str]) -> list[dict]:
+    """Registers, spills and global accesses per element of the channel-norm kernels."""
+    rows, compiled = [], {}
+    for name, backward, flags, layouts, inputs, outputs in STRIDED_OPS:
+        fn = KT._add_norm_bwd_strided_kernel if backward else KT._add_norm_fwd_strided_kernel
+        for dtype in dtypes:
+            elem = DTYPES[dtype][0].itemsize
+            for c in STRIDED_CS:
+                if triton.next_power_of_2(c) > (KT._STRIDED_TILE_BWD if backward else KT._STRIDED_TILE):
+                    continue  # past one tile: the row kernels on a copy
+                block_hw, block_n, warps = KT._strided_tile(STRIDED_POSITIONS, c, backward)
+                for target in targets:
+                    key = (name, dtype, block_hw, block_n, warps, target)
+                    if key not in compiled:
+                        t0 = time.perf_counter()
+                        kernel = triton.compile(strided_source(fn, flags, layouts, dtype, block_hw, block_n),
+                                                target=TARGETS[target], options={"num_warps": warps})
+                        row = {"compile_s": time.perf_counter() - t0, "shared": kernel.metadata.shared}
+                        threads = warps * TARGETS[target].warp_size
+                        if target.startswith("cuda"):
+                            res = cuda_resources(kernel.asm["cubin"])
+                            row.update(res)
+                            row["occupancy"] = cuda_occupancy(res["regs"], warps, kernel.metadata.shared,
+                                                              TARGETS[target].arch)
+                            for tensor, rec in ptx_accesses(kernel.asm["ptx"], fn.arg_names).items():
+                                if tensor in STAT_PTRS or tensor == "?":
+                                    continue
+                                per_tile = block_hw * block_n * elem
+                                if rec["load_bytes"]:
+                                    row[f"ld_{tensor}"] = rec["load_bytes"] * threads / per_tile
+                                if rec["store_bytes"]:
+                                    row[f"st_{tensor}"] = rec["store_bytes"] * threads / per_tile
+                                row[f"vec_bytes_{tensor}"] = max(rec["load_bytes"] // max(rec["loads"], 1),
+                                                                 rec["store_bytes"] // max(rec["stores"], 1))
+                        else:
+                            res = hip_resources(kernel.asm["amdgcn"])
+                            row.update(res)
+                            row["occupancy"] = hip_occupancy(res["regs"], res["agprs"], warps)
+                        compiled[key] = row
+                    row = {"op": name, "dtype": dtype, "C": c, "target": target, "BLOCK_HW": block_hw,
+                           "BLOCK_N": block_n, "warps": warps, **compiled[key]}
+                    problems = []
+                    if row["local"] + row.get("stack", 0) > 0:
+                        problems.append(f"spills {row['local'] + row.get('stack', 0)}")
+                    if target.startswith("cuda") and block_n == c:  # no masked-off channels in the tile
+                        problems += [f"{t} read {row[f'ld_{t}']:g}x" for t in inputs
+                                     if abs(row.get(f"ld_{t}", 1.0) - 1.0) > 1e-6]
+                        problems += [f"{t} written {row[f'st_{t}']:g}x" for t in outputs
+                                     if abs(row.get(f"st_{t}", 1.0) - 1.0) > 1e-6]
+                    row["problems"] = "; ".join(problems)
+                    rows.append(row)
+            print(f"  {name:58s} {dtype} done", flush=True)
+    return rows
+
+
 def main(argv=None) -> dict:
     args = parse_args(__doc__.splitlines()[0], argv, lambda p: (
         p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS)),
@@ -394,8 +508,14 @@ def main(argv=None) -> dict:
             print(f"  {op.name:42s} {dtype} N={n:6d} block={block:6d} warps={warps:2d} looped={looped!s:5s} "
                   f"regs(sm90)={compiled.get((op.name, dtype, block, warps, looped, 'cuda90'), {}).get('regs')}",
                   flush=True)
+    strided = strided_rows(dtypes, targets) if not args.ops or any("channel" in w for w in args.ops) else []
     problems = [r for r in rows if r["problems"]]
     verdict = {
+        "channel_norm_kernels_no_spills": not any("spills" in r["problems"] for r in strided),
+        "channel_norm_kernels_max_regs_cuda90": max((r["regs"] for r in strided if r["target"] == "cuda90"),
+                                                    default=None),
+        "channel_norm_problems": [f"{r['op']} {r['dtype']} C={r['C']} {r['target']}: {r['problems']}"
+                                  for r in strided if r["problems"]],
         "kernels_compiled": len(compiled), "rows": len(rows), "seconds": time.perf_counter() - t_start,
         "no_spills_single_pass_bf16_to_32768": not any(
             "spills" in r["problems"] for r in rows if not r["looped"] and r["dtype"] == "bf16" and r["N"] <= 32768),
@@ -405,7 +525,7 @@ def main(argv=None) -> dict:
         "problems": [f"{r['op']} {r['dtype']} N={r['N']} {r['target']}: {r['problems']}" for r in problems],
     }
     write_csv(args.out / "static_kernels.csv", rows)
-    payload = {"machine": machine(), "verdict": verdict, "rows": rows}
+    payload = {"machine": machine(), "verdict": verdict, "rows": rows, "channel_norm_rows": strided}
     write_json(args.out / "static_kernels.json", payload)
 
     def draw(ax):
@@ -421,7 +541,13 @@ def main(argv=None) -> dict:
     cols = ["op", "dtype", "N", "target", "BLOCK_N", "warps", "looped", "regs", "local", "shared", "occupancy",
             "ld_X", "ld_R", "st_Y", "st_S", "st_Q", "ld_DY", "ld_INP", "st_DX", "problems"]
     print(markdown_table([r for r in rows if r["target"] == "cuda90" and r["dtype"] == "bf16"], cols))
-    print("verdict:", {k: v for k, v in verdict.items() if k != "problems"})
+    print(markdown_table([r for r in strided if r["target"] == "cuda90" and r["dtype"] == "bf16"],
+                         ["op", "dtype", "C", "BLOCK_HW", "BLOCK_N", "warps", "regs", "local", "stack", "occupancy",
+                          "ld_X", "ld_R", "st_Y", "st_S", "vec_bytes_X", "vec_bytes_Y", "ld_DY", "ld_INP", "st_DX",
+                          "vec_bytes_INP", "problems"]))
+    print("verdict:", {k: v for k, v in verdict.items() if k not in ("problems", "channel_norm_problems")})
+    for p in verdict["channel_norm_problems"][:40]:
+        print("  problem:", p)
     for p in verdict["problems"][:40]:
         print("  problem:", p)
     return payload

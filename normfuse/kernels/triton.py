@@ -1179,7 +1179,9 @@ if triton is not None:
 
 # Tile sizes: BLOCK_HW positions x next_pow2(C) channels, up to this many elements (forward /
 # backward, whose tile holds x_hat, dy and g in fp32 at once); channels past one tile (C > 4096
-# forward, 2048 backward) take the row kernels on a copy. num_warps: one per 512 elements, 1 to 8.
+# forward, 2048 backward) take the row kernels on a copy. num_warps: one per 512 elements, 1 to 8
+# (forward: 40-79 registers, sm90); backward one per 128, up to 16 (with one per 256 it took
+# 80-127 registers and kept occupancy at 0.25; benchmarks/bench_static_kernels.py).
 _STRIDED_TILE = 4096
 _STRIDED_TILE_BWD = 2048
 
@@ -1204,6 +1206,9 @@ def _strided_tile(positions: int, n_cols: int, backward: bool) -> tuple[int, int
     block_n = triton.next_power_of_2(n_cols)
     tile = _STRIDED_TILE_BWD if backward else _STRIDED_TILE
     block_hw = max(1, min(tile // block_n, triton.next_power_of_2(max(positions, 1))))
+    if backward:  # 4 elements a thread (at 8, fp32 LayerNorm's 4 x 512 tile kept a stack frame on sm90), 8
+        # for a tile of one position (at 4, fp32 RMSNorm's 1 x 2048 one did)
+        return block_hw, block_n, min(max(block_hw * block_n // (128 if block_hw > 1 else 256), 1), 16)
     return block_hw, block_n, min(max(block_hw * block_n // 512, 1), 8)
 
 

@@ -146,6 +146,7 @@ TIMM_MODELS: dict[str, dict[str, Any]] = {
     "convnext_atto": dict(depths=(1, 1, 1, 1)),
     "convnextv2_atto": dict(depths=(1, 1, 1, 1)),
     "coatnet_nano_rw_224": dict(img_size=64),
+    "maxvit_tiny_tf_224": dict(img_size=64, depths=(1, 1, 1, 1)),
     "edgenext_xx_small": dict(),
     "efficientformer_l1": dict(),  # attention biases sized for 224 x 224 inputs
     "levit_128s": dict(img_size=64),
