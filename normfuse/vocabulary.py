@@ -11,7 +11,7 @@ from enum import StrEnum
 import torch
 
 __all__ = ["KINDS", "TORCH_NORMS", "Placement", "PLACEMENTS", "PRE_FAMILY", "POST_FAMILY", "LOW_PRECISION", "FINAL_NORM_NAME", "FORMS", "FUSED_OPS", "KERNEL_DTYPES", "CONVERTED_META", "FINAL_META",
-           "GRAPH_META", "LAYOUT_META", "FOLDED_META", "ROWS_META", "QUANT_DTYPES", "QUANT_SCALE_FORMS",
+           "GRAPH_META", "QUANT_DTYPES", "QUANT_SCALE_FORMS",
            "QUANT_APPLY", "QUANT_SCALE_OUT", "GATE_POSITIONS", "GATE_ACTIVATIONS", "COPY_FILE"]
 
 # what a norm computes
@@ -59,9 +59,6 @@ FINAL_META = "normfuse_final_norm"        # on a final norm node: its fqn
 FINAL_NORM_NAME = FINAL_META              # the attribute name of a final norm the conversion registers
 GRAPH_META = "normfuse_prenorm"           # on the graph module: the streams converted in it
 # node.meta key of the rewrite
-LAYOUT_META = "normfuse_layout"           # on a permute the rewrite inserted around a fused call: its dims
-FOLDED_META = "normfuse_folded"           # on a fused call: names of the branch nodes it computes (x1, drop path, dropout)
-ROWS_META = "normfuse_rows"               # on the view the rewrite made of a per-sample scale: the kernel's rowscale
 
 # the quantization epilogue of add_norm (normfuse/kernels/reference.py): the fp8 dtypes it writes,
 # how a dynamic scale is formed from the amax, how it is applied, and which scale is returned

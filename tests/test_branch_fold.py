@@ -193,7 +193,7 @@ def _site_checks_after(model, tamper, *args, **kwargs):
     gm, inputs = _captured(model, *args, **kwargs)
     original = normfuse.passes.graph.copy_graph_module(gm)
     rewritten, rep = normfuse.fuse_graph(gm)
-    calls = [n for n in rewritten.graph.nodes if normfuse.passes.rewrite.is_fused_call(n)]
+    calls = [n for n in rewritten.graph.nodes if normfuse.passes.record.is_fused_call(n)]
     changed = tamper(calls)
     rewritten.recompile()
     checks, _ = check_graph_sites(original, list(inputs), rewritten, rep.sites)

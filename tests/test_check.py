@@ -333,3 +333,14 @@ def test_fuse_graph_checks_at_the_first_call():
     plant(bad, 1, "cast_order")
     with pytest.warns(RuntimeWarning, match=r"first diverging site: g0\.s1"):
         bad(*inputs)
+
+
+def test_a_rewritten_graph_without_its_record_is_not_passed(monkeypatch):
+    """The checker pairs calls with what they replaced only through the rewrite's record
+    (normfuse/passes/record.py); a graph that lost it is not checked by guesswork."""
+    from normfuse.passes import pipeline
+    monkeypatch.setattr(pipeline, "attach_records", lambda gm, records: None)
+    model = _model("llama", torch.float32)
+    res = normfuse.check(model, backward=False)
+    assert not res.ok and res.sites
+    assert all(not s.passed and "no record of them" in s.numeric.reason for s in res.sites), str(res)

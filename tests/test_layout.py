@@ -26,15 +26,19 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def import_graph() -> nx.DiGraph:
+def import_graph(run_time: bool = False) -> nx.DiGraph:
     """module -> module it imports, at the top or inside a function; ``normfuse.name`` after an
-    ``import normfuse`` counts as importing the module the package resolves the name from."""
+    ``import normfuse`` counts as importing the module the package resolves the name from.
+    ``run_time``: without the imports under ``if TYPE_CHECKING:`` (names for annotations only)."""
     modules = _modules()
     exports = normfuse._EXPORTS
     graph = nx.DiGraph()
     for name, path in modules.items():
         graph.add_node(name)
         tree = ast.parse(path.read_text())
+        if run_time:
+            for block in [n for n in ast.walk(tree) if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]:
+                block.body = []
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(tree):
             targets = []
@@ -92,3 +96,14 @@ def test_the_analysis_is_read_only():
     with pytest.raises((TypeError, AttributeError)):
         analysis.index.norm_outputs.add(site.match.output)
     assert isinstance(site.match.nodes, tuple) and all(isinstance(n, fx.Node) for n in site.match.nodes)
+
+
+def test_the_checker_reads_the_rewrite_s_record_and_runs_no_analysis():
+    """verify/ pairs each fused call with what it replaced from the record the rewrite left
+    (normfuse/passes/record.py): none of its modules reaches the analysis (``check`` itself,
+    which optimizes the model it is given, is the entry point and may)."""
+    graph = import_graph(run_time=True)
+    for module in (m for m in graph if m.startswith("normfuse.verify") and m != "normfuse.verify.check"):
+        reached = nx.descendants(graph, module)
+        assert "normfuse.passes.analysis" not in reached, (module, nx.shortest_path(graph, module,
+                                                                                    "normfuse.passes.analysis"))

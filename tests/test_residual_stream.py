@@ -10,7 +10,7 @@ import torch
 import normfuse
 from normfuse.errors import InvalidOptionError
 from normfuse.kernels.add_norm import add_norm
-from normfuse.passes.rewrite import fused_op_name
+from normfuse.passes.record import fused_op_name
 from normfuse.zoo import ToyTransformer, example_inputs, hf_model
 
 from helpers import assert_close

@@ -40,7 +40,8 @@ from normfuse.passes.dtensor_graph import hoist_from_local
 from normfuse.passes.graph import copy_graph, copy_graph_module
 from normfuse.passes.planning import Planning, plan
 from normfuse.passes.provenance import site_record, site_records
-from normfuse.passes.rewrite import apply_plans, is_fused_call
+from normfuse.passes.record import attach_records, is_fused_call
+from normfuse.passes.rewrite import apply_plans
 from normfuse.reporting import FusionReport, Region, Site
 
 __all__ = ["NormFusionPass", "PassResult", "PassFailure", "STAGES", "ENTERED_REGIONS", "code_files"]
@@ -263,11 +264,11 @@ class NormFusionPass(CustomGraphPass):
         planning = plan(found, config, self._as_op, excluded)
         analysis.append((found, planning))
         self._stage("rewrite")
-        if self.apply:
-            apply_plans(found, planning, self._as_op)
+        records = apply_plans(found, planning, self._as_op) if self.apply else []
         sites = site_records(found, planning, applied=self.apply)
         self._stage("verify")
         if self.apply:
             graph.lint()
             gm.graph = graph  # the setter recompiles the module's code
+            attach_records(gm, records)  # what each call replaced, for the checker (record.py)
         return sites

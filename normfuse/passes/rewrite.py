@@ -7,12 +7,13 @@ Values an earlier call replaced are looked up through ``Rewriting.resolve``. The
 stream sums a plan keeps wider (``residual_dtype``) are widened, and the linears a plan
 recomputes its output for become one ``norm_linears`` call.
 
-``fused_op_name`` says what a node of a rewritten graph is ("add_norm", "norm_add", "norm").
+Each call leaves its record (``record.py``): the original nodes it stands for, the value each
+argument carries and the node each output replaced; ``apply_plans`` returns them and the
+pipeline hands them to the checker on the rewritten graph module.
 """
 
 from __future__ import annotations
 
-import functools
 import operator
 from typing import Any
 
@@ -23,34 +24,9 @@ from normfuse.kernels.add_norm import add_norm, norm_add
 from normfuse.passes.analysis import Analysis
 from normfuse.passes.canonical import canonical, node_dtype, node_shape, real_users, same_shape, tensor_meta
 from normfuse.passes.planning import Plan, Planning
-from normfuse.vocabulary import FOLDED_META, LAYOUT_META, ROWS_META
+from normfuse.passes.record import CallRecord, record_call
 
-__all__ = ["Rewriting", "apply_plans", "is_fused_call", "fused_op_name", "output_index", "is_quantized"]
-
-# What a rewritten graph calls: the functional API (graphs that run eagerly or go through
-# AOTAutograd, which traces it into the custom ops) or, in graphs Inductor already
-# lowered to ATen (custom post-grad passes), the custom ops themselves.
-_FUNCTIONS = {add_norm: "add_norm", norm_add: "norm_add"}
-
-
-@functools.cache
-def _op_overloads() -> dict:
-    return {torch.ops.normfuse.add_norm_fwd.default: "add_norm", torch.ops.normfuse.norm_add_fwd.default: "norm_add"}
-
-
-def fused_op_name(node: fx.Node) -> str | None:
-    """"add_norm", "norm_add" or "norm" for a call of a fused op; None for any other node."""
-    if node.op != "call_function":
-        return None
-    family = _FUNCTIONS.get(node.target) or _op_overloads().get(node.target)
-    if family == "add_norm" and node.args[1] is None:
-        return "norm"
-    return family
-
-
-def is_fused_call(node: fx.Node) -> bool:
-    return fused_op_name(node) is not None
-
+__all__ = ["Rewriting", "apply_plans", "output_index"]
 
 
 class Rewriting:
@@ -64,6 +40,7 @@ class Rewriting:
         self.as_op = as_op
         self.order: dict[fx.Node, float] = dict(analysis.index.order)
         self.replaced: dict[fx.Node, fx.Node] = {}  # old node -> node holding its value now
+        self.records: list[CallRecord] = []         # per call, what it replaced (record.py)
 
     def resolve(self, node: Any) -> Any:
         """The node that now holds the value ``node`` held before earlier rewrites."""
@@ -83,7 +60,7 @@ def _copy_meta(dst: fx.Node, src: fx.Node) -> None:
 
 
 def _permuted(graph: fx.Graph, value: fx.Node, dims: tuple[int, ...], as_op: bool) -> fx.Node:
-    """``value.permute(*dims)``, tagged with ``LAYOUT_META`` so the checker knows the rewrite made it."""
+    """``value.permute(*dims)``, its fake value permuted too."""
     if as_op:
         node = graph.call_function(torch.ops.aten.permute.default, (value, list(dims)))
     else:
@@ -92,7 +69,6 @@ def _permuted(graph: fx.Graph, value: fx.Node, dims: tuple[int, ...], as_op: boo
     for key in ("val", "example_value"):
         if key in value.meta and isinstance(val, torch.Tensor):
             node.meta[key] = val.permute(dims)
-    node.meta[LAYOUT_META] = tuple(dims)
     return node
 
 
@@ -155,11 +131,6 @@ def output_index(as_op: bool, paired: bool, quantized: bool = False) -> dict[str
     return {"y": 0, "y1": 1, "s": 2} if paired else {"y": 0, "s": 1}
 
 
-def is_quantized(call: fx.Node) -> bool:
-    """A fused call with the fp8 epilogue (its outputs are (q, scale, y, s))."""
-    return call.kwargs.get("quant_dtype") is not None
-
-
 def _per_row(graph: fx.Graph, scale: fx.Node, shape: tuple, as_op: bool) -> list[fx.Node]:
     """A (B, 1, ..., 1) scale as the kernel's one number per row: reshaped and expanded to
     shape[:-1] (a view; the op reads it as rows)."""
@@ -175,7 +146,6 @@ def _per_row(graph: fx.Graph, scale: fx.Node, shape: tuple, as_op: bool) -> list
         if isinstance(val, torch.Tensor):
             flat.meta[key] = val.reshape(flat_shape)
             rows.meta[key] = flat.meta[key].expand(rows_shape)
-    rows.meta[ROWS_META] = True
     return [flat, rows]
 
 
@@ -208,11 +178,18 @@ def _insertion_point(r: Rewriting, p: Plan) -> fx.Node:
 
 
 def apply(r: Rewriting, p: Plan) -> fx.Node:
-    """Insert the plan's call and reroute the users of what it computes; returns the call."""
+    """Insert the plan's call and reroute the users of what it computes; returns the call and
+    adds its record to ``r.records``."""
     graph, as_op = r.graph, r.as_op
     lead = r.analysis.sites[p.lead]
     m = lead.match
     x, residual = r.resolve(p.x), r.resolve(p.residual)
+    # for the call's record: the original values its arguments carry, the node each output
+    # replaces, the original value each node inserted here holds
+    reads: set = {p.x, p.residual, m.weight, m.bias}
+    stands_for: list[tuple[int, fx.Node]] = []
+    holds: dict[fx.Node, fx.Node] = {}
+    permuted_back: dict[int, tuple[int, ...]] = {}
     first = _insertion_point(r, p)
     modes = dict(kind=m.kind, eps=m.eps, weight_offset=m.weight_offset, residual_scale=p.residual_scale,
                  norm_round_dtype=m.norm_round_dtype, out_dtype=m.out_dtype)
@@ -229,7 +206,9 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
             out = graph.call_function(operator.getitem, (call, 0))
             _copy_meta(out, post)
             inserted = [call, out]
+            stands_for.append((0, post))
             if y_used:
+                stands_for.append((1, m.output))
                 y = graph.call_function(operator.getitem, (call, 1))
                 _copy_meta(y, m.output)
                 inserted.append(y)
@@ -245,16 +224,27 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
             if p.permute is not None:  # the add moves through the permute: sum(a, b).permute == a.permute + b.permute
                 x, residual = (None if v is None else _permuted(graph, v, p.permute, as_op) for v in (x, residual))
                 inserted += [v for v in (x, residual) if v is not None]
+                holds.update({v: orig for v, orig in ((x, p.x), (residual, p.residual)) if v is not None})
             extra, rows = _branch_and_partner_options(r, p)
             inserted += rows
+            if p.branch is not None:
+                reads |= {p.branch.x1, p.branch.rowscale}
+                holds.update({view: p.branch.rowscale for view in rows})
+            if len(p.sites) > 1:
+                partner = r.analysis.sites[p.sites[1]].match
+                reads |= {partner.weight, partner.bias}
             sum_dtype = p.residual_dtype if p.widens else p.sum_dtype
             if p.gate is not None:
                 extra.update(p.gate.options(), gate=r.resolve(p.gate.gate))
+                reads.add(p.gate.gate)
                 old_nodes += p.gate.nodes
             if p.quant is not None:  # q and its scale too; y while anything else reads it
                 extra.update(p.quant.options(), quant_scale=_fp32_scale(graph, r.resolve(p.quant.static_scale)),
                              return_norm=p.quant.reads_y)
                 inserted += [extra["quant_scale"]] if extra["quant_scale"] is not None else []
+                reads.add(p.quant.static_scale)
+                if extra["quant_scale"] is not None:
+                    holds[extra["quant_scale"]] = p.quant.static_scale
             call = _fused_call(graph, "add_norm", (x, residual, m.weight, m.bias),
                                dict(modes, sum_dtype=sum_dtype, return_sum=s_used, **extra), as_op)
             where = output_index(as_op, len(p.sites) > 1, p.quant is not None)
@@ -264,8 +254,10 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
                 output = p.gate.output if p.gate is not None and p.gate.position == "after" else m.output
                 _copy_meta(y, output)
                 inserted.append(y)
+                stands_for.append((where["y"], output))
                 if len(p.sites) > 1:
                     partner = r.analysis.sites[p.sites[1]].match
+                    stands_for.append((where["y1"], partner.output))
                     y1 = graph.call_function(operator.getitem, (call, where["y1"]))
                     _copy_meta(y1, partner.output)
                     inserted.append(y1)
@@ -277,6 +269,7 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
                                    if k in ("val", "example_value") and isinstance(v, torch.Tensor)})
                     inverse = tuple(sorted(range(len(m.layout)), key=m.layout.__getitem__))
                     result = _permuted(graph, y, inverse, as_op)
+                    permuted_back[where["y"]] = inverse
                     _copy_meta(result, output)
                     inserted.append(result)
                     if _viewed_later(output):  # eager's y had x's layout: a .view() downstream may need it
@@ -292,13 +285,18 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
             if p.quant is not None:
                 kernel_shape = node_shape(add.node) if add is not None else node_shape(m.output)
                 inserted += _quant_outputs(r, call, p.quant, kernel_shape, where)
+                stands_for.append((where["q"], p.quant.q))
+                if p.quant.scale_node is not None:
+                    stands_for.append((where["scale"], p.quant.scale_node))
                 old_nodes += p.quant.nodes
             if s_used:
                 s = graph.call_function(operator.getitem, (call, where["s"]))
                 _copy_meta(s, add.node)
                 inserted.append(s)
+                stands_for.append((where["s"], add.node))
                 if p.permute is not None:  # hand the sum back in the add's layout
                     inverse = tuple(sorted(range(len(p.permute)), key=p.permute.__getitem__))
+                    permuted_back[where["s"]] = inverse
                     s.meta.update({k: v.permute(p.permute) for k, v in s.meta.items()
                                    if k in ("val", "example_value") and isinstance(v, torch.Tensor)})
                     s = _permuted(graph, s, inverse, as_op)
@@ -313,8 +311,18 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
                 old_nodes += [n for b in branch for n in b.all_input_nodes]
     for i, node in enumerate(inserted):  # keep graph order known for later ancestor queries
         r.order[node] = r.order[first] - 0.5 + i * 1e-3
-    if p.branch is not None and p.branch.nodes:
-        call.meta[FOLDED_META] = [n.name for n in p.branch.nodes]
+    # the call's outputs, and what the rewrite made of them (reshaped, permuted back), hold the
+    # values of the nodes they replaced
+    outputs = dict(stands_for)
+    for node in inserted:  # in insertion order: an output before what is made of it
+        if node is call or node in holds:
+            continue
+        if node.target is operator.getitem and node.args[0] is call and node.args[1] in outputs:
+            holds[node] = outputs[node.args[1]]
+        elif node.all_input_nodes and node.all_input_nodes[0] in holds:
+            holds[node] = holds[node.all_input_nodes[0]]
+    reads = {a for a in reads if isinstance(a, fx.Node)}
+    r.records.append(record_call(r.analysis, p, call, reads, stands_for, holds, permuted_back))
     call.meta["stack_trace"] = m.output.meta.get("stack_trace")
     call.meta["nn_module_stack"] = m.output.meta.get("nn_module_stack")
     _erase_dead(graph, old_nodes, r.order)
@@ -400,7 +408,7 @@ def _widen(r: Rewriting, planning: Planning, calls: list[fx.Node]) -> None:
         if not p.widens:
             continue
         call = calls[i]
-        out = _output(call, 0 if p.op == "norm_add" else output_index(False, len(p.sites) > 1, is_quantized(call))["s"])
+        out = _output(call, 0 if p.op == "norm_add" else output_index(False, len(p.sites) > 1, p.quant is not None)["s"])
         if out is None:
             continue
         old = node_dtype(out)
@@ -461,8 +469,8 @@ def _recompute(r: Rewriting, planning: Planning, calls: list[fx.Node]) -> None:
             graph.erase_node(linear)
 
 
-def apply_plans(analysis: Analysis, planning: Planning, as_op: bool = False) -> list[fx.Node]:
-    """Rewrite the analysed graph (in place) as planned; returns each plan's call."""
+def apply_plans(analysis: Analysis, planning: Planning, as_op: bool = False) -> list[CallRecord]:
+    """Rewrite the analysed graph (in place) as planned; returns each plan's call record."""
     r = Rewriting(analysis, as_op)
     calls = [apply(r, p) for p in planning.plans]
     _widen(r, planning, calls)
@@ -470,4 +478,4 @@ def apply_plans(analysis: Analysis, planning: Planning, as_op: bool = False) -> 
     for node in list(r.graph.nodes):  # parameters read only by a norm that is gone now
         if node.op == "get_attr" and not node.users:
             r.graph.erase_node(node)
-    return calls
+    return r.records

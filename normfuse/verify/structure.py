@@ -19,7 +19,7 @@ __all__ = ["check_structure"]
 
 def _is_fused(node: Any, family: str) -> bool:
     """A call of the fused op family "add_norm" (a plain norm included) or "norm_add"."""
-    from normfuse.passes.rewrite import fused_op_name
+    from normfuse.passes.record import fused_op_name
     name = fused_op_name(node) if isinstance(node, fx.Node) else None
     return name is not None and (name == family or (family == "add_norm" and name == "norm"))
 

@@ -27,7 +27,7 @@ import torch.fx as fx
 from normfuse.kernels.reference import quant_max
 from normfuse.passes.canonical import TUPLE_SPELLINGS, canonical, node_shape
 from normfuse.passes.find import live_dropout_p
-from normfuse.passes.rewrite import fused_op_name
+from normfuse.passes.record import fused_op_name
 from normfuse.verify.sites import SitePair
 
 __all__ = ["ROW", "SymbolicResult", "prove_site"]

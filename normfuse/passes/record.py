@@ -1,0 +1,169 @@
+"""The record of each fused call: what the rewrite replaced, handed to the checker.
+
+The rewrite (``rewrite.apply``) knows, for every call it inserts, which original nodes the
+call stands for, which original node each output replaced, and which original value each node
+it inserted holds (a permuted operand, a per-row view of a scale, an output reshaped back).
+It writes that down here, by node name (the pass rewrites a copy of the graph that keeps
+every name of the original, and fx never gives a name twice), and leaves the records on the
+rewritten graph module (``records_of``). The checker (``normfuse/verify/``) reads the call's
+arguments as the graph has them and maps each to the original value it holds through the
+records: it never analyses a graph again, and a call that reads the wrong value is caught.
+
+``record_call`` builds one record from the plan and the analysis the rewrite worked from;
+``CallRecord`` and ``records_of`` are all the checker needs, with ``fused_op_name``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from normfuse.kernels.add_norm import add_norm, norm_add
+from normfuse.passes.find import live_dropout_p
+
+__all__ = ["CallRecord", "record_call", "records_of", "attach_records", "fused_op_name", "is_fused_call",
+           "ARG_ROLES", "OPTION_ROLES"]
+
+# the roles of a fused call's tensor arguments, in the order the checker passes them:
+# positional, then the keyword options a call takes when it has them
+ARG_ROLES = ("x", "residual", "weight", "bias")
+OPTION_ROLES = ("x1", "rowscale", "weight1", "bias1", "quant_scale", "gate")
+
+_RECORDS = "normfuse_calls"  # the rewritten graph module's meta key holding its records
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One fused call of a rewritten graph and the original subgraph it stands for."""
+
+    call: str                                  # the call's node name in the rewritten graph
+    op: str                                    # "add_norm" | "norm_add" | "norm"
+    sites: tuple[int, ...]                     # the sites it computes (their numbers): the lead, then a paired norm
+    nodes: tuple[str, ...]                     # the original nodes it stands for, in graph order
+    outputs: tuple[tuple[int, str], ...]       # (call output index, original node it replaced)
+    holds: tuple[tuple[str, str], ...] = ()    # (node the rewrite inserted, original node whose value it holds)
+    eps: float | None = None                   # the eps of the original norm
+    layout: tuple[int, ...] | None = None      # the call reads x and residual permuted by these dims
+    permuted_back: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (output index, dims the rewrite permutes it by)
+    folded: tuple[str, ...] = ()               # original branch nodes the call computes (x1, drop path, dropout)
+    dropout: str | None = None                 # the folded live dropout, whose mask the kernel draws
+
+
+def attach_records(gm: fx.GraphModule, records: list[CallRecord]) -> None:
+    gm.meta[_RECORDS] = tuple(records)
+
+
+def records_of(gm: fx.GraphModule) -> tuple[CallRecord, ...] | None:
+    """The records of the calls the rewrite put into ``gm`` (None: the pass did not rewrite it)."""
+    return getattr(gm, "meta", {}).get(_RECORDS)
+
+
+# What a rewritten graph calls: the functional API (graphs that run eagerly or go through
+# AOTAutograd, which traces it into the custom ops) or, in graphs Inductor already
+# lowered to ATen (custom post-grad passes), the custom ops themselves.
+_FUNCTIONS = {add_norm: "add_norm", norm_add: "norm_add"}
+
+
+@functools.cache
+def _op_overloads() -> dict:
+    return {torch.ops.normfuse.add_norm_fwd.default: "add_norm", torch.ops.normfuse.norm_add_fwd.default: "norm_add"}
+
+
+def fused_op_name(node: fx.Node) -> str | None:
+    """"add_norm", "norm_add" or "norm" for a call of a fused op; None for any other node."""
+    if node.op != "call_function":
+        return None
+    family = _FUNCTIONS.get(node.target) or _op_overloads().get(node.target)
+    if family == "add_norm" and node.args[1] is None:
+        return "norm"
+    return family
+
+
+def is_fused_call(node: fx.Node) -> bool:
+    return fused_op_name(node) is not None
+
+
+# --------------------------------------------------------------------------- building one record
+
+def record_call(analysis: Any, p: Any, call: fx.Node, reads: set[fx.Node],
+                outputs: list[tuple[int, fx.Node]], holds: dict[fx.Node, fx.Node],
+                permuted_back: dict[int, tuple[int, ...]]) -> CallRecord:
+    """The record of ``call``, the rewrite of plan ``p`` (a planning.Plan) on ``analysis`` (the
+    analysis.Analysis it was planned on; not imported: the checker imports this module): ``reads`` the original values its
+    arguments carry, ``outputs`` the call's output indices with the original nodes they
+    replaced, ``holds`` each node the rewrite inserted with the original value it holds,
+    ``permuted_back`` the outputs the rewrite permutes back to the original layout."""
+    index = analysis.index
+    lead = analysis.sites[p.lead]
+    m = lead.match
+    folded = list(p.branch.nodes) if p.branch is not None else []
+    nodes = list(m.nodes)
+    if p.gate is not None:
+        nodes += p.gate.nodes
+    if p.quant is not None:
+        nodes += p.quant.nodes
+    for number in p.sites[1:]:
+        nodes += analysis.sites[number].match.nodes
+    if p.op == "add_norm":
+        add = lead.in_add
+        nodes += [add.node, *add.chain, *_operand_prep(index, add.node, set(add.operands) | reads)]
+        for node in folded:
+            nodes += [node, *_operand_prep(index, node, reads)]
+    elif p.op == "norm_add":
+        out = lead.output_add
+        nodes += [out.node, *_operand_prep(index, out.node, set(out.operands) | {m.output} | reads)]
+    nodes = _with_duplicates(index, sorted(set(nodes), key=index.order.__getitem__))
+    dropout = next((n for n in folded if live_dropout_p(index.canon(n)) is not None), None)
+    return CallRecord(
+        call=call.name, op=p.op,
+        sites=tuple(p.sites), nodes=tuple(n.name for n in nodes),
+        outputs=tuple((k, node.name) for k, node in outputs),
+        holds=tuple((new.name, old.name) for new, old in holds.items()), eps=m.eps, layout=p.permute,
+        permuted_back=tuple(sorted(permuted_back.items())), folded=tuple(n.name for n in folded),
+        dropout=dropout.name if dropout is not None else None)
+
+
+def _operand_prep(index, add: fx.Node, operands: set) -> list[fx.Node]:
+    """The casts / constant scaling between an add and the operands the kernel reads."""
+    prep = []
+    for arg in add.all_input_nodes:
+        cur = arg
+        while isinstance(cur, fx.Node) and cur not in operands:
+            c = index.canon(cur)
+            if c is None or c.prim not in ("cast", "mul"):
+                break
+            prep.append(cur)
+            nxt = c["input"]
+            if c.prim == "mul" and not isinstance(nxt, fx.Node):
+                nxt = c["other"]
+            cur = nxt
+    return prep
+
+
+def _with_duplicates(index, nodes: list[fx.Node]) -> list[fx.Node]:
+    """``nodes`` and the duplicates they read of their own values (model code that writes
+    ``x - mean`` twice): a duplicate computes inside the subgraph, it is not an input of it."""
+    inside = set(nodes)
+    grown = True
+    while grown:
+        grown = False
+        for node in boundary(sorted(inside, key=index.order.__getitem__)):
+            if index.rep.get(node) in inside:
+                inside.add(node)
+                grown = True
+    return sorted(inside, key=index.order.__getitem__)
+
+
+def boundary(nodes: list[fx.Node]) -> list[fx.Node]:
+    """The values ``nodes`` read that are not among them, in first-read order."""
+    inside = set(nodes)
+    seen: list[fx.Node] = []
+    for n in nodes:
+        for p in n.all_input_nodes:
+            if p not in inside and p not in seen:
+                seen.append(p)
+    return seen
