@@ -22,6 +22,7 @@ import torch
 
 import normfuse
 from normfuse import zoo
+from tests.loops import checkpointed_stack
 from tests.zoo.count import count_eager
 
 
@@ -37,7 +38,7 @@ def _hf(family: str, layers: int):
 
 def _stack(wrap: str, depth: int):
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    return zoo.checkpointed_stack(wrap, depth=depth), {"ids": ids}
+    return checkpointed_stack(wrap, depth=depth), {"ids": ids}
 
 
 def _output(out) -> torch.Tensor:

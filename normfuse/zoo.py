@@ -3,6 +3,8 @@
 ``ToyTransformer`` covers every placement and every spelling of the norms the pass
 recognizes; the demo, the examples, the tests and the fuzzer build on it.
 ``hf_model(model_type)`` builds a transformers model from its config (no download).
+``TitanLlama`` is torchtitan's llama layout (examples/train_fsdp2_tp.py). Models only the
+tests and benchmarks use live under tests/ (loops.py, fp8_models.py).
 """
 
 from __future__ import annotations
@@ -16,11 +18,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 __all__ = ["ToyTransformer", "make_norm", "NORM_SPELLINGS", "PLACEMENTS", "ADD_ORDERS", "residual_add", "hf_config", "hf_model",
-           "example_inputs", "TINY_HF", "prepare_torchvision", "TitanLlama", "apply_titan_tp",
-           "CheckpointedStack", "CHECKPOINT_WAYS", "checkpointed_stack", "Fp8Linear", "Fp8Llama", "FP8_RECIPES"]
+           "example_inputs", "TINY_HF", "prepare_torchvision", "TitanLlama", "apply_titan_tp"]
 
 PLACEMENTS = ("pre", "post", "res_post", "sandwich", "parallel", "deepnorm")
 
@@ -261,60 +261,6 @@ class ToyTransformer(nn.Module):
         return self.head(x)
 
 
-class CheckpointedStack(nn.Module):
-    """``ToyTransformer``'s Pre-Norm blocks run by this class's own loop under
-    ``torch.utils.checkpoint(..., use_reentrant=False)``, as research code writes it; the other
-    ways users checkpoint are its subclasses (``checkpointed_stack``). Each loop is written out
-    as such: the cross-block rewrite reads the owner's loop from its source."""
-
-    def __init__(self, depth=2, kind="rms_norm", add_order="x+f", hidden=32):
-        super().__init__()
-        torch.manual_seed(0)
-        toy = ToyTransformer(placement="pre", kind=kind, spelling="llama" if kind == "rms_norm" else "module",
-                             hidden=hidden, depth=depth, add_order=add_order)
-        self.tok, self.blocks, self.final_norm, self.head = toy.tok, toy.blocks, toy.final_norm, toy.head
-
-    def embed(self, ids):
-        return self.tok(ids)
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
-        return self.head(self.final_norm(x))
-
-
-class _ReentrantStack(CheckpointedStack):
-    def forward(self, ids):
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=True)
-        return self.head(self.final_norm(x))
-
-
-class _WrappedStack(CheckpointedStack):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-        self.blocks = nn.ModuleList(checkpoint_wrapper(b) for b in self.blocks)
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.final_norm(x))
-
-
-CHECKPOINT_WAYS = {"non_reentrant": CheckpointedStack, "reentrant": _ReentrantStack,
-                   "checkpoint_wrapper": _WrappedStack}
-
-
-def checkpointed_stack(wrap: str, **kwargs) -> CheckpointedStack:
-    """A ``CheckpointedStack`` whose loop checkpoints its blocks the way ``wrap`` names
-    (CHECKPOINT_WAYS); ``kwargs`` go to its constructor."""
-    return CHECKPOINT_WAYS[wrap](**kwargs)
-
-
 # --------------------------------------------------------------------------- HF models
 
 _TORCHVISION_OPS = ("nms", "qnms")  # the ops torchvision's Python code registers fakes for at import
@@ -429,97 +375,6 @@ def example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int = 0
     if getattr(config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = ids.clone()
     return inputs
-
-
-# --------------------------------------------------------------------------- fp8 linears
-
-# how an Fp8Linear quantizes its input (the spellings normfuse/passes/quant.py reads):
-# static per-tensor scale; dynamic per row (amax / qmax, or Python's qmax / amax with a multiply);
-# dynamic per group of 128 or 64 columns (DeepSeek-V3's 1x128 activation tiles)
-FP8_RECIPES = ("static", "row", "row_reciprocal", "group128", "group64")
-
-
-class Fp8Linear(nn.Module):
-    """A linear whose input is quantized to float8_e4m3fn in its forward, written as fp8 serving
-    and training code writes it; the matmul runs on the dequantized input (CPU has no fp8 GEMM),
-    so the model runs anywhere and its numbers are those of the quantized activations."""
-
-    def __init__(self, n_in, n_out, recipe="row"):
-        super().__init__()
-        if recipe not in FP8_RECIPES:
-            raise ValueError(f"unknown recipe {recipe!r}; choose one of {FP8_RECIPES}")
-        self.recipe = recipe
-        self.weight = nn.Parameter(torch.randn(n_out, n_in) / n_in ** 0.5)
-        self.register_buffer("input_scale", torch.tensor([0.02]))  # static: calibrated, fp32
-
-    def quantize(self, x):
-        """(q, scale): x in float8_e4m3fn and the scale that dequantizes it."""
-        qmax = torch.finfo(torch.float8_e4m3fn).max
-        if self.recipe == "static":
-            scale = self.input_scale.float()
-            return (x.float() / scale).clamp(-qmax, qmax).to(torch.float8_e4m3fn), scale
-        if self.recipe.startswith("row"):
-            amax = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
-            if self.recipe == "row":
-                scale = amax / qmax
-                return (x.float() / scale).clamp(-qmax, qmax).to(torch.float8_e4m3fn), scale
-            inverse = qmax / amax  # Python's qmax / amax: a reciprocal, then a multiply
-            return (x.float() * inverse).clamp(-qmax, qmax).to(torch.float8_e4m3fn), inverse.reciprocal()
-        group = int(self.recipe.removeprefix("group"))
-        tiles = x.float().unflatten(-1, (-1, group))
-        scale = tiles.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / qmax
-        q = (tiles / scale).clamp(-qmax, qmax).to(torch.float8_e4m3fn)
-        return q.flatten(-2), scale
-
-    def forward(self, x):
-        q, scale = self.quantize(x)
-        if self.recipe.startswith("group"):
-            group = int(self.recipe.removeprefix("group"))
-            dequantized = (q.float().unflatten(-1, (-1, group)) * scale).flatten(-2)
-        else:
-            dequantized = q.float() * scale
-        return F.linear(dequantized.to(x.dtype), self.weight.to(x.dtype))
-
-
-class _Fp8Block(nn.Module):
-    """A Llama block (HF LlamaRMSNorm spelling) whose fused qkv and gate-up linears read fp8."""
-
-    def __init__(self, dim, heads, recipe):
-        super().__init__()
-        self.heads = heads
-        self.input_layernorm, self.post_attention_layernorm = _LlamaRMSNorm(dim), _LlamaRMSNorm(dim)
-        self.qkv, self.o = Fp8Linear(dim, 3 * dim, recipe), nn.Linear(dim, dim, bias=False)
-        self.gate_up, self.down = Fp8Linear(dim, 4 * dim, recipe), nn.Linear(2 * dim, dim, bias=False)
-
-    def forward(self, x):
-        b, t, n = x.shape
-        q, k, v = self.qkv(self.input_layernorm(x)).view(b, t, 3, self.heads, n // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(y.transpose(1, 2).reshape(b, t, n))
-        gate, up = self.gate_up(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
-
-
-class Fp8Llama(nn.Module):
-    """A small Llama whose norm outputs are quantized to fp8 by the linears reading them
-    (``recipe``: one of FP8_RECIPES); the final norm feeds a plain head."""
-
-    def __init__(self, vocab=64, dim=256, heads=4, depth=2, recipe="row", seed=0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(_Fp8Block(dim, heads, recipe) for _ in range(depth))
-        self.norm = _LlamaRMSNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        for name, p in self.named_parameters():  # norm weights away from 1, so their rounding shows
-            if p.ndim == 1:
-                nn.init.normal_(p, 1.0, 0.2)
-
-    def forward(self, ids):
-        h = self.embed(ids)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(self.norm(h))
 
 
 # --------------------------------------------------------------------------- tensor parallel

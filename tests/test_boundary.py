@@ -17,10 +17,10 @@ from torch.utils.checkpoint import checkpoint
 import normfuse
 from normfuse.backends import last_report
 from normfuse.passes.cross_block import ResidualPair, rewrite_streams, undo_streams
-from normfuse.zoo import CheckpointedStack, ToyTransformer, checkpointed_stack, hf_model
+from normfuse.zoo import ToyTransformer, hf_model
 
 from helpers import assert_close
-from loops import FLAGGED_LOOPS, HelperMethodLoop, flagged_loop
+from loops import FLAGGED_LOOPS, CheckpointedStack, HelperMethodLoop, checkpointed_stack, flagged_loop
 
 IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 

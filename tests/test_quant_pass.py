@@ -1,6 +1,6 @@
 """The pass takes over the fp8 quantization of a norm's output (normfuse/passes/quant.py).
 
-Models: ``normfuse.zoo.Fp8Llama``, whose fused qkv and gate-up linears quantize the norm
+Models: ``Fp8Llama`` (tests/fp8_models.py), whose fused qkv and gate-up linears quantize the norm
 outputs they read (static per-tensor, dynamic per row in two spellings, per group of 128
 and 64 columns). On CPU the fused call runs the reference, which reproduces the graph's
 rounding: the model's outputs equal eager's bit for bit. ``check`` compares each call's q
@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 import normfuse
-from normfuse.zoo import FP8_RECIPES, Fp8Llama
 from normfuse.verify.sites import fused_calls
+from fp8_models import FP8_RECIPES, Fp8Llama
 from helpers import assert_close
 from test_check import faulty_copy
 

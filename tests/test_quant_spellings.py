@@ -9,7 +9,7 @@ as one-element fp32 tensors, ``max`` without keepdim and the dim put back with `
 a scale floor of ``1 / (qmax * 512)``, a multiply by ``1 / scale``), torchao's rowwise
 reference (``|y|`` upcast then ``abs`` again, the scale computed in fp64 from a floored amax,
 then rounded to fp32), and float8_e5m2. Each is written here from its description, as a
-linear of a small Llama (``normfuse.zoo.Fp8Llama``) quantizing its input: every quantized
+linear of a small Llama (``Fp8Llama``, tests/fp8_models.py) quantizing its input: every quantized
 norm is fused with its quantization and the outputs equal eager's bit for bit on the
 reference path. Spellings that compute something else keep their quantization, with the
 reason.
@@ -24,7 +24,7 @@ import torch.nn as nn
 import normfuse
 from normfuse.passes.canonical import canonicalize, node_dtype
 from normfuse.verify.sites import fused_calls
-from normfuse.zoo import Fp8Linear, Fp8Llama
+from fp8_models import Fp8Linear, Fp8Llama
 
 pytest.importorskip("sympy")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -16,8 +16,9 @@ import torch.fx.passes.shape_prop
 
 import normfuse
 from normfuse.passes.pipeline import NormFusionPass
-from normfuse.zoo import ToyTransformer, checkpointed_stack, example_inputs, hf_model
+from normfuse.zoo import ToyTransformer, example_inputs, hf_model
 from tests.helpers import assert_within
+from tests.loops import checkpointed_stack
 
 IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 
