@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from normfuse.capture import capture_once
 from normfuse.cost import Traffic, numel, site_bytes
 from normfuse.errors import InvalidModelError, InvalidOptionError, NormfuseError, closest
 from normfuse.passes.analysis import Analysis
@@ -278,7 +279,8 @@ _NON_FAKE = "Please convert all Tensors to FakeTensors first"
 
 def _capture_graphs(model: nn.Module, args: tuple, kwargs: dict, allow_constants: bool
                     ) -> list[tuple[fx.GraphModule, GraphRecord]]:
-    """Each graph dynamo captures of one forward, with a record noting the modules it runs for."""
+    """Each graph dynamo captures of one forward (``capture_once``, entered as ``torch.compile``
+    enters, without grad), with a record noting the modules it runs for."""
     from torch._subclasses.fake_tensor import fake_tensor_tls
 
     graphs: list[tuple[fx.GraphModule, GraphRecord]] = []
@@ -292,8 +294,8 @@ def _capture_graphs(model: nn.Module, args: tuple, kwargs: dict, allow_constants
     try:
         if allow_constants:  # dynamo's own switch for tensors made outside its fake mode
             fake_tensor_tls.allow_non_fake_inputs_override = True
-        with torch._dynamo.config.patch(**limits), torch.no_grad():
-            torch.compile(model, backend=record, dynamic=False)(*args, **kwargs)
+        with torch._dynamo.config.patch(**limits):
+            capture_once(model, args, kwargs, record, grad=False, like_optimize=False, dynamic=False)
     finally:
         fake_tensor_tls.allow_non_fake_inputs_override = before
     return graphs

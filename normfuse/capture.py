@@ -6,6 +6,9 @@
 - ``record_graphs`` captures a model's graphs untouched, each with the inputs of its first
   run for every module it runs for: the "original" the checker holds the rewrite to,
   captured through the same entry as ``optimize``'s (so the graphs line up).
+- ``capture_once`` is the one forward under dynamo that the checker (``record_graphs``) and
+  the audit (``normfuse.auditing``) make; entered as ``optimize`` enters, it runs through
+  ``ModelForward`` and ``compile_forward``, optimize's own entry.
 
 Each graph a backend compiles is noted run by run (``normfuse.runs``): one compiled graph
 may run for several modules (the blocks of a stack under FSDP2 or per-block compile).
@@ -24,7 +27,7 @@ import torch.nn as nn
 
 from normfuse.runs import Anchor, find_anchor
 
-__all__ = ["ModelForward", "compile_forward", "Recorder", "record_graphs"]
+__all__ = ["ModelForward", "compile_forward", "capture_once", "Recorder", "record_graphs"]
 
 log = logging.getLogger("normfuse")
 
@@ -137,24 +140,41 @@ class Recorder:
         return forward
 
 
+def capture_once(model: nn.Module, args: tuple, kwargs: dict, backend: Callable, *, grad: bool,
+                 like_optimize: bool = True, dynamic: bool | None = None) -> Any:
+    """Call ``model(*args, **kwargs)`` once under dynamo with ``backend``, in grad mode ``grad``,
+    and return its output. ``like_optimize``: entered as ``optimize`` enters (a ``ModelForward``
+    installed for the call, so ``compile_forward``'s frame, the model's own hooks running around
+    it; the model's forward attribute is put back after); else as ``torch.compile(model,
+    dynamic=dynamic)`` enters.
+
+    ``optimize`` itself does not call this: its ``ModelForward`` stays installed, compiles on
+    the model's first call and serves every later one. The audit enters as ``torch.compile``
+    does because it must see dynamo's errors (``ModelForward`` turns them into an eager run
+    and a warning): a meta-device forward that builds tensors of its own is captured again,
+    accepting them. The checker's and the audit's backends differ too: the checker's
+    (``Recorder``) keeps an untouched copy of each graph and the inputs of its first run per
+    module, to run them against fp64; the audit's keeps each graph as dynamo gave it with the
+    modules it runs for, since the pass only analyses it and no numbers are compared."""
+    with torch.set_grad_enabled(grad):
+        if not like_optimize:
+            return torch.compile(model, backend=backend, dynamic=dynamic)(*args, **kwargs)
+        before = model.__dict__.get("forward")
+        model.forward = ModelForward(model, model.forward, lambda: backend)
+        try:
+            return model(*args, **kwargs)
+        finally:
+            del model.forward
+            if before is not None:
+                model.forward = before
+
+
 def record_graphs(model: nn.Module, args: tuple, kwargs: dict, grad: bool, like_optimize: bool = True
                   ) -> list[tuple[fx.GraphModule, list[Any]]]:
     """The model's graphs, untouched, with each run's first inputs; captured the way
-    ``optimize`` captures (``like_optimize``: through ``ModelForward``, the model's own hooks
-    running around it) or the way ``torch.compile(model)`` does, in the grad mode the
-    optimized model ran in (``nn.TransformerEncoderLayer`` takes a fused fast path without
-    grad: another graph)."""
+    ``optimize`` captures (``like_optimize``) or the way ``torch.compile(model)`` does
+    (``capture_once``), in the grad mode the optimized model ran in
+    (``nn.TransformerEncoderLayer`` takes a fused fast path without grad: another graph)."""
     recorder = Recorder()
-    with torch.set_grad_enabled(grad):
-        if like_optimize:
-            before = model.__dict__.get("forward")
-            model.forward = ModelForward(model, model.forward, lambda: recorder)
-            try:
-                model(*args, **kwargs)
-            finally:
-                del model.forward
-                if before is not None:
-                    model.forward = before
-        else:
-            torch.compile(model, backend=recorder)(*args, **kwargs)
+    capture_once(model, args, kwargs, recorder, grad=grad, like_optimize=like_optimize)
     return [(gm, inputs) for gm, inputs in recorder.graphs]
