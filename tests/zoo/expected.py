@@ -369,8 +369,9 @@ EXPECTED = {
         note=CHANNEL_NORMS),
     "timm:convnextv2_atto": dict(norms=9, fused=9, fused_with_add=3, input_is_add=3, placements={"pre": 3, "standalone": 6}, eager_norms=9, eager_input_is_add=0, check="ok", checked_sites=9, bitwise=True,
         note=CHANNEL_NORMS),
-    "timm:coatnet_nano_rw_224": dict(norms=19, fused=19, fused_with_add=19, input_is_add=19, placements={"pre": 19}, eager_norms=19, eager_input_is_add=0, check="ok", checked_sites=19, bitwise=True,
-        note=CHANNEL_NORMS),
+    "timm:coatnet_nano_rw_224": dict(norms=19, fused=19, fused_with_add=19, input_is_add=19, placements={"pre": 19}, eager_norms=19, eager_input_is_add=0, check="ok", checked_sites=19, bitwise=False,
+        note=CHANNEL_NORMS + "; outputs within tolerance (1.0e-6 of 2.2), bit-identical to eager with torch's "
+             "default thread count but not with one thread per process (as the suite runs); every site 0 ulp"),
     "timm:maxvit_tiny_tf_224": dict(norms=17, fused=17, fused_with_add=16, input_is_add=16, placements={"pre": 16, "standalone": 1}, eager_norms=17, eager_input_is_add=12, check="ok", checked_sites=17, bitwise=False,
         note=MAXVIT_CHANNEL_NORMS),
     "timm:edgenext_xx_small": dict(norms=20, fused=20, fused_with_add=7, input_is_add=7, placements={"pre": 7, "standalone": 13}, eager_norms=20, eager_input_is_add=1, check="ok", checked_sites=20, bitwise=True,
@@ -389,8 +390,11 @@ EXPECTED = {
         eager_norms=7, eager_input_is_add=1, check="ok", checked_sites=7, bitwise=True),
     "tv:convnext": dict(norms=5, fused=5, fused_with_add=1, input_is_add=1, placements={"pre": 1, "standalone": 4}, eager_norms=5, eager_input_is_add=0, check="ok", checked_sites=5, bitwise=True,
         note=CHANNEL_NORMS),
-    "tv:maxvit": dict(norms=5, fused=5, fused_with_add=2, input_is_add=2, placements={"pre": 2, "standalone": 3},
-        eager_norms=5, eager_input_is_add=2, check="ok", checked_sites=5, bitwise=True),
+    "tv:maxvit": dict(norms=5, fused=5, fused_with_add=2, input_is_add=3, placements={"pre": 3, "standalone": 2},
+        eager_norms=5, eager_input_is_add=2, check="ok", checked_sites=5, bitwise=True,
+        note="the window attention's norm reads the MBConv's add through its window partition (a view that moves "
+             "the normalized dim): an add-fed site with that reason, which the eager count (no reshape) does not "
+             "see"),
     # --- torch.nn
     "nn:transformer_post": dict(norms=8, fused=8, fused_with_add=6, input_is_add=6, placements={"post": 6, "standalone": 2},
         eager_norms=12, eager_input_is_add=10, check="ok", checked_sites=8, bitwise=False,
