@@ -137,16 +137,20 @@ def test_loop_spellings_hand_every_pair_on_with_cross_checkpoints(loop, checkpoi
     assert any("4 blocks hand the residual pair" in note for note in rep.notes), rep.notes
 
 
-def _per_block_compiled(model, form):
-    """torchtitan's apply_compile in the two forms users write, the final norm compiled too
-    (so that the last pair's add is in a graph). Returns prepare's notes."""
+def _prepared(model, form, blocks="blocks", final_norm="final_norm"):
+    """``optimize``, or torchtitan's apply_compile in the two forms users write after
+    ``prepare``, the final norm compiled too (so that the last pair's add is in a graph).
+    Returns the notes on the streams."""
+    if form == "optimize":
+        return normfuse.report(normfuse.optimize(model)).notes
     notes = normfuse.prepare(model).notes
-    for i, block in enumerate(model.blocks):
+    stack = getattr(model, blocks)
+    for i, block in enumerate(stack):
         if form == "module.compile":
             block.compile(backend="normfuse")
         else:
-            model.blocks.register_module(str(i), torch.compile(block, backend="normfuse"))
-    model.final_norm.compile(backend="normfuse")
+            stack.register_module(str(i), torch.compile(block, backend="normfuse"))
+    getattr(model, final_norm).compile(backend="normfuse")
     return notes
 
 
@@ -160,8 +164,7 @@ def test_a_checkpoint_flag_is_read_when_the_model_runs(form, loop, checkpointing
     torch._dynamo.reset()
     original = flagged_loop(loop, checkpointing, depth=4).train()
     model = copy.deepcopy(original)
-    notes = normfuse.report(normfuse.optimize(model)).notes if form == "optimize" else \
-        _per_block_compiled(model, form)
+    notes = _prepared(model, form)
     (out, grads), (want, want_grads) = _run(model, IDS), _run(original, IDS)
     assert_close(out, want)
     for name, grad in grads.items():
@@ -617,27 +620,21 @@ def test_an_owner_with_two_block_lists_gets_a_stream_for_each():
 
 
 def test_hf_videoprism_two_block_lists_in_one_forward():
-    transformers = pytest.importorskip("transformers")
-    from normfuse.zoo import hf_config
-    config = hf_config("videoprism").vision_config
-    for key, value in dict(hidden_size=64, num_spatial_layers=2, num_temporal_layers=2, num_attention_heads=4,
-                           intermediate_size=128, image_size=32, num_frames=2).items():
-        setattr(config, key, value)
-    torch.manual_seed(0)
-    original = transformers.VideoPrismVisionModel(config).eval()
-    videos = torch.randn(1, 2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    want = original(pixel_values_videos=videos).last_hidden_state
+    pytest.importorskip("transformers")
+    from zoo.models import zoo_models
+    original, _, inputs = zoo_models()["hf:videoprism_vision"].build()
+    want = original(**inputs).last_hidden_state
     model = normfuse.optimize(copy.deepcopy(original))
-    assert torch.equal(model(pixel_values_videos=videos).last_hidden_state, want)
+    assert torch.equal(model(**inputs).last_hidden_state, want)
     rep = normfuse.report(model)
     counts = rep.counts()
-    assert (counts["sites"], counts["fused"], counts["fused_with_add"]) == (10, 10, 9), str(rep)
+    assert (counts["sites"], counts["fused"], counts["fused_with_add"]) == (10, 10, 8), str(rep)
     # each list is read as its own stream; both are left as they were: the model also returns each
     # list's last value as is (last_spatial_hidden_state), which would be the un-added pair
     notes = [n for n in rep.notes if n.startswith("cross-block")]
     assert [n.split(":")[1].strip() for n in notes] == ["spatial_layers", "temporal_layers"], rep.notes
     assert all("is read again besides the final norm" in n for n in notes), notes
-    assert all(isinstance(v, torch.Tensor) for v in model(pixel_values_videos=videos).values())
+    assert all(isinstance(v, torch.Tensor) for v in model(**inputs).values())
 
 
 def test_a_rewrite_that_fails_midway_leaves_the_stream_as_it_was(monkeypatch):
@@ -708,16 +705,7 @@ def test_hf_gradient_checkpointing_layer_is_read_when_the_model_runs(form, check
     if checkpointing:
         original.gradient_checkpointing_enable()
     model = copy.deepcopy(original)
-    if form == "optimize":
-        normfuse.optimize(model)
-    else:
-        normfuse.prepare(model)
-        for i, layer in enumerate(model.layers):
-            if form == "module.compile":
-                layer.compile(backend="normfuse")
-            else:
-                model.layers.register_module(str(i), torch.compile(layer, backend="normfuse"))
-        model.norm.compile(backend="normfuse")
+    _prepared(model, form, blocks="layers", final_norm="norm")
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
     (out, grads), (want, want_grads) = _run(model, input_ids=ids), _run(original, input_ids=ids)
     assert_close(out, want)
