@@ -718,3 +718,20 @@ def test_hf_gradient_checkpointing_layer_is_read_when_the_model_runs(form, check
     if not checkpointing:
         expected |= {f"layers.{i}.input_layernorm" for i in (1, 2)}
     assert with_add == expected, str(rep)
+
+
+class _OptionalFinalNorm(_StreamReturnedToo):
+    def forward(self, ids):  # torchtitan's decoder: the final norm may be left out (pipeline stages)
+        h = self.tok(ids)
+        for block in self.blocks:
+            h = block(h)
+        h = self.norm(h) if self.norm is not None else h
+        return h
+
+
+def test_a_final_norm_behind_its_own_existence_test_takes_the_pair():
+    original = _OptionalFinalNorm()
+    model = copy.deepcopy(original)
+    [result] = rewrite_streams(model)
+    assert result.applied and result.final_norm == "norm", result.describe()
+    _assert_identical(_run(original, IDS), _run(model, IDS))

@@ -154,18 +154,19 @@ def _enter_owner(owner: nn.Module, args: tuple) -> None:
             # whether the loop checkpoints in this forward: its own test (a flag, training mode)
             # and the grad mode, read once before the first block hands anything on (a reentrant
             # checkpoint runs its block with grad off: the block must still hand on the sum)
-            stream.loop_checkpoints = torch.is_grad_enabled() and bool(_checkpoint_test(stream.checkpoint_if)(owner))
+            stream.loop_checkpoints = torch.is_grad_enabled() and bool(_owner_test(stream.checkpoint_if)(owner))
 
 
-_CHECKPOINT_TESTS: dict[str, Callable] = {}
+_OWNER_TESTS: dict[str, Callable] = {}
 
 
-def _checkpoint_test(expression: str) -> Callable:
-    """``lambda self: <expression>``, compiled once per expression (the stream keeps the text,
-    which pickles)."""
-    test = _CHECKPOINT_TESTS.get(expression)
+def _owner_test(expression: str) -> Callable:
+    """``lambda self: <expression>`` for a test of the owner read from its source (when its loop
+    checkpoints, whether its final norm exists), compiled once per expression (the stream keeps
+    the text, which pickles)."""
+    test = _OWNER_TESTS.get(expression)
     if test is None:
-        test = _CHECKPOINT_TESTS[expression] = eval(f"lambda self: {expression}", {"__builtins__": {}})  # noqa: S307
+        test = _OWNER_TESTS[expression] = eval(f"lambda self: {expression}", {"__builtins__": {}})  # noqa: S307
     return test
 
 
@@ -261,7 +262,7 @@ def _checkpoints_block(element: nn.Module, stream: _Stream, owner: nn.Module | N
     GradientCheckpointingLayer: in training mode only; an owner's loop whose test is known:
     when that test holds for ``owner`` now)."""
     if stream.checkpointed and (stream.checkpoint_if is None or owner is None
-                                or _checkpoint_test(stream.checkpoint_if)(owner)):
+                                or _owner_test(stream.checkpoint_if)(owner)):
         return True
     if _wraps_checkpoint(element):
         return True

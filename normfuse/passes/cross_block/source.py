@@ -29,7 +29,7 @@ from typing import Callable
 import torch.nn as nn
 
 from normfuse.passes.blocks import is_norm_module
-from normfuse.passes.cross_block.runtime import _add_if_pair, _combine, _pair, _pair_reshaped
+from normfuse.passes.cross_block.runtime import _add_if_pair, _combine, _owner_test, _pair, _pair_reshaped
 from normfuse.vocabulary import COPY_FILE
 
 
@@ -168,13 +168,31 @@ def _analyze_owner(owner: nn.Module, list_attr: str) -> _Loop:
     assigned = [(n.end_lineno, n.end_col_offset) for n in after if isinstance(n, (ast.Assign, ast.AugAssign))
                 and n.lineno >= first.lineno and any(_is_name(t, stream) for t in
                                                      (n.targets if isinstance(n, ast.Assign) else [n.target]))]
+    # (``self.norm(h) if self.norm is not None else h``: the other side runs only without the norm)
+    skipped = {id(n) for side in _sides_without(fn_node, user, owner) for n in ast.walk(side)}
     again = next((n for n in after if _is_name(n, stream) and isinstance(n.ctx, ast.Load) and n is not first
-                  and not any(end <= (n.lineno, n.col_offset) for end in assigned)), None)
+                  and id(n) not in skipped and not any(end <= (n.lineno, n.col_offset) for end in assigned)), None)
     if again is not None:
         raise NotFit(f"after the loop over self.{list_attr}, `{stream}` is read again besides the final norm "
                      f"({_where(raw, again)})")
     return _Loop(stream, list_attr, norm, checkpointed, reentrant, _entry_add(fn_node, raw, loop, stream),
                  checkpoint_if)
+
+
+def _sides_without(fn_node: ast.FunctionDef, call: ast.Call, owner: nn.Module) -> list[ast.expr]:
+    """The other sides of the conditional expressions around ``call`` whose test reads only the
+    owner and holds for it now (``self.norm(h) if self.norm is not None else h``)."""
+    sides = []
+    for node in _own_nodes(fn_node):
+        if isinstance(node, ast.IfExp) and any(n is call for n in ast.walk(node.body)) \
+                and _reads_only_self(node.test):
+            try:
+                holds = bool(_owner_test(ast.unparse(node.test))(owner))
+            except Exception:  # noqa: BLE001 - a test that cannot be evaluated now: not taken as holding
+                holds = False
+            if holds:
+                sides.append(node.orelse)
+    return sides
 
 
 def _checkpoint_condition(calls: list[_BlockCall]) -> str | None:
