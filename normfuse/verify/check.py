@@ -177,7 +177,7 @@ def check(model: nn.Module, *example_args: Any, optimized: nn.Module | None = No
 
 def _regrouped_copy(model: nn.Module, optimized: nn.Module) -> nn.Module | None:
     """A copy of ``model`` with the streams that ``optimized`` carries across blocks regrouped
-    the same way (normfuse.passes.boundary), or None when it carries none."""
+    the same way (normfuse.passes.cross_block), or None when it carries none."""
     from normfuse.passes.cross_block import crosses_checkpoints, rewritten_streams
 
     if not rewritten_streams(optimized):
