@@ -151,6 +151,8 @@ TIMM_MODELS: dict[str, dict[str, Any]] = {
     "efficientformer_l1": dict(),  # attention biases sized for 224 x 224 inputs
     "levit_128s": dict(img_size=64),
     "beit_base_patch16_224": dict(img_size=32, patch_size=8, depth=2, embed_dim=64, num_heads=4),
+    # gemma3n's vision tower: RmsNorm2d / RmsNormAct2d, norms written out over dim 1 of NCHW
+    "mobilenetv5_300m_enc": dict(),
 }
 
 
