@@ -1,12 +1,26 @@
 """A small Llama whose norm outputs are quantized to fp8 by the linears reading them
-(``Fp8Llama``, ``Fp8Linear``, ``FP8_RECIPES``): the models of tests/test_quant_pass.py and
+(``Fp8Llama``, ``Fp8Linear``, ``FP8_RECIPES``; ``token_ids`` and ``optimized_copy`` to run them): the models of tests/test_quant_pass.py and
 tests/test_quant_spellings.py."""
+
+import copy
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import normfuse
 from normfuse.zoo import make_norm
+
+
+def token_ids(seed=0):
+    """A batch of token ids for these models: (2, 8)."""
+    return torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(seed))
+
+
+def optimized_copy(model):
+    """``normfuse.optimize`` of a copy, on a fresh dynamo."""
+    torch._dynamo.reset()
+    return normfuse.optimize(copy.deepcopy(model))
 
 
 def _llama_rms_norm(dim: int) -> nn.Module:

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 import normfuse
 from normfuse.verify.sites import fused_calls
-from fp8_models import FP8_RECIPES, Fp8Llama
+from fp8_models import FP8_RECIPES, Fp8Llama, optimized_copy, token_ids
 from helpers import assert_close
 from test_check import faulty_copy
 
@@ -25,23 +25,14 @@ pytest.importorskip("sympy")
 F8 = torch.float8_e4m3fn
 
 
-def _ids(seed=0):
-    return torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(seed))
-
-
-def _optimized(model):
-    torch._dynamo.reset()
-    return normfuse.optimize(copy.deepcopy(model))
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
 def test_fp8_llama_fuses_every_quantized_norm_bit_for_bit(recipe, dtype):
     model = Fp8Llama(recipe=recipe).to(dtype)
     with torch.no_grad():
-        want = model(_ids())
-        optimized = _optimized(model)
-        got = optimized(_ids())
+        want = model(token_ids())
+        optimized = optimized_copy(model)
+        got = optimized(token_ids())
     assert torch.equal(got, want)
     rep = normfuse.report(optimized)
     quantized = [s for s in rep.sites if s.quant is not None]
@@ -68,7 +59,7 @@ def test_fp8_llama_fuses_every_quantized_norm_bit_for_bit(recipe, dtype):
 def test_check_compares_and_proves_each_quantized_site(recipe):
     model = Fp8Llama(recipe=recipe).to(torch.bfloat16)
     torch._dynamo.reset()
-    res = normfuse.check(model, _ids(), backward=False)
+    res = normfuse.check(model, token_ids(), backward=False)
     assert res.ok, str(res)
     quantized = [s for s in res.sites if any(o.dtype == str(F8) for o in s.numeric.outputs)]
     assert len(quantized) == 4
@@ -100,7 +91,7 @@ def test_a_planted_quantization_fault_is_caught_at_its_site(fault, monkeypatch):
     monkeypatch.setattr(test_check, "plant", _plant_quant)
     model = Fp8Llama(dim=128, recipe="row").to(torch.bfloat16)
     torch._dynamo.reset()
-    res = normfuse.check(model, _ids(), optimized=faulty_copy(model, 1, fault), backward=False)
+    res = normfuse.check(model, token_ids(), optimized=faulty_copy(model, 1, fault), backward=False)
     assert not res.ok
     failing = [s.id for s in res.sites if not s.passed]
     assert failing == ["g0.s1"], failing
@@ -148,7 +139,7 @@ def test_a_quantization_the_epilogue_does_not_compute_stays_with_its_reason(how,
     x, h = torch.randn(2, 8, 64, dtype=torch.bfloat16), torch.randn(2, 8, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         want = model(x, h)
-        optimized = _optimized(model)
+        optimized = optimized_copy(model)
         got = optimized(x, h)
     for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
         assert torch.equal(a.float(), b.float())
@@ -163,7 +154,7 @@ def test_fuse_quant_false_leaves_the_quantization_in_the_graph():
     torch._dynamo.reset()
     optimized = normfuse.optimize(copy.deepcopy(model), fuse_quant=False)
     with torch.no_grad():
-        assert torch.equal(optimized(_ids()), model(_ids()))
+        assert torch.equal(optimized(token_ids()), model(token_ids()))
     sites = [s for s in normfuse.report(optimized).sites if s.quant is not None]
     assert len(sites) == 4 and not any(s.fused_quant for s in sites)
     assert all(s.quant_reason == "quantizations are not fused (fuse_quant=False)" for s in sites)
@@ -173,10 +164,10 @@ def test_a_quantization_autograd_differentiates_through_is_left_in_the_graph():
     # training through a hand-written cast: eager's gradient flows through q into the norm; the
     # epilogue's q has none, so the call must not take it over
     model = Fp8Llama(recipe="row")
-    optimized = _optimized(model)
-    out = optimized(_ids())
+    optimized = optimized_copy(model)
+    out = optimized(token_ids())
     out.sum().backward()
-    model(_ids()).sum().backward()
+    model(token_ids()).sum().backward()
     # the same gradients up to the order of fp32 sums (an element-wise rtol fails on the near-zero
     # elements of a weight gradient: 3e-6 apart on one of magnitude 9, one thread per worker);
     # a gradient that stopped at q would miss the norm's whole branch
@@ -207,7 +198,7 @@ def test_torchao_float8_training_linear_is_explained():
     x, h = torch.randn(2, 8, 128, dtype=torch.bfloat16), torch.randn(2, 8, 128, dtype=torch.bfloat16)
     with torch.no_grad():
         want = model(x, h)
-        optimized = _optimized(model)
+        optimized = optimized_copy(model)
         got = optimized(x, h)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     (site,) = normfuse.report(optimized).sites
@@ -231,7 +222,7 @@ def test_a_norm_output_read_besides_its_quantization_is_returned_too():
     x, h = torch.randn(2, 8, 64, dtype=torch.bfloat16), torch.randn(2, 8, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         want = model(x, h)
-        optimized = _optimized(model)
+        optimized = optimized_copy(model)
         got = optimized(x, h)
     assert all(torch.equal(a.float(), b.float()) for a, b in zip(got, want))
     (site,) = normfuse.report(optimized).sites

@@ -15,7 +15,6 @@ reference path. Spellings that compute something else keep their quantization, w
 reason.
 """
 
-import copy
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ import torch.nn as nn
 import normfuse
 from normfuse.passes.canonical import canonicalize, node_dtype
 from normfuse.verify.sites import fused_calls
-from fp8_models import Fp8Linear, Fp8Llama
+from fp8_models import Fp8Linear, Fp8Llama, optimized_copy, token_ids
 
 pytest.importorskip("sympy")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -107,23 +106,14 @@ def spelled_llama(spelling, dtype):
     return model.to(dtype)
 
 
-def _ids(seed=0):
-    return torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(seed))
-
-
-def _optimized(model):
-    torch._dynamo.reset()
-    return normfuse.optimize(copy.deepcopy(model))
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("spelling", sorted(SPELLINGS))
 def test_every_quantized_norm_is_fused_with_its_quantization_bit_for_bit(spelling, dtype):
     model = spelled_llama(spelling, dtype)
     with torch.no_grad():
-        want = model(_ids())
-        optimized = _optimized(model)
-        got = optimized(_ids())
+        want = model(token_ids())
+        optimized = optimized_copy(model)
+        got = optimized(token_ids())
     assert torch.equal(got, want)
     rep = normfuse.report(optimized)
     quantized = [s for s in rep.sites if s.quant is not None]
@@ -178,7 +168,7 @@ def _run(module, dtype=torch.bfloat16):
     x, h = _inputs(dtype)
     with torch.no_grad():
         want = model(x, h)
-        optimized = _optimized(model)
+        optimized = optimized_copy(model)
         got = optimized(x, h)
     (site,) = normfuse.report(optimized).sites
     return site, got, want, optimized
