@@ -15,7 +15,7 @@ cannot reproduce is cut short, so the unmatched rest stays in the graph as it wa
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-import torch
 import torch.fx as fx
 
 from normfuse.passes.canonical import node_dtype

@@ -179,8 +179,8 @@ def _uninstall(owner: nn.Module, attr: str, elements: list, norm: nn.Module, str
     if isinstance(streams, dict):
         stream = streams.pop(attr, stream)
     if stream is not None:
-        for hook_id in stream.hooks[:1]:
-            norm._forward_pre_hooks.pop(hook_id, None)
+        if stream.hooks:  # (norm pre-hook, owner pre-hook, owner hook)
+            norm._forward_pre_hooks.pop(stream.hooks[0], None)
         if not streams:  # the last (or a 0.1.0 owner's only) stream: the owner's hooks and mark too
             owner.__dict__.pop(_MARK, None)
             for hook_id in stream.hooks[1:]:
