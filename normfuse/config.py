@@ -50,9 +50,9 @@ class FuseConfig:
                 call that reads the value once and writes both outputs.
     fuse_quant: a norm whose output the graph quantizes to fp8 for the next linear (a scale,
                 static or from each row's or group's amax; divide; clamp; cast) computes q and
-                its scale in the same call (normfuse/passes/quant.py lists the spellings read).
+                its scale in the same call (normfuse/passes/parts/quant.py lists the spellings read).
     fuse_gate:  a gated RMSNorm, ``norm(x * act(z))`` (Mamba2) or ``norm(x) * act(z)`` (Qwen3-Next),
-                act silu or sigmoid in fp32, takes the gate into its call (normfuse/passes/gate.py).
+                act silu or sigmoid in fp32, takes the gate into its call (normfuse/passes/parts/gate.py).
     """
 
     filter_fn: Callable[[Any], bool] | None = None

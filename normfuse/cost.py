@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ import torch.fx as fx
 from normfuse.passes.analysis import SiteAnalysis
 from normfuse.passes.canonical import node_dtype, node_shape, real_users, tensor_meta
 from normfuse.passes.find import identity_dropout
+from normfuse.passes.parts import PARTS
 from normfuse.passes.planning import Plan
 
 __all__ = ["Traffic", "site_bytes", "numel"]
@@ -64,6 +66,10 @@ def numel(node: Any) -> int:
         return int(math.prod(int(d) for d in t.shape)) if t is not None else 0
     except Exception:  # noqa: BLE001
         return 0
+
+
+# the sizes a fusion part's fused_bytes reads off the graph
+_SIZES = SimpleNamespace(bytes=_bytes, numel=numel)
 
 
 @dataclass
@@ -167,8 +173,10 @@ def _site_nodes(site: SiteAnalysis, plan: Plan | None) -> list[fx.Node]:
                 nodes.insert(0, scale)
     elif op == "norm_add" and site.output_add is not None:
         nodes = [*nodes, *site.output_chain, site.output_add.node]
-    if plan is not None and plan.quant is not None and site.number == plan.lead:  # eager: y read back to quantize
-        nodes = [*nodes, *plan.quant.nodes]
+    if plan is not None and site.number == plan.lead:  # the steps of the parts the call takes (eager: y read back)
+        for part in PARTS:
+            if part.name in plan.taken:
+                nodes = [*nodes, *part.eager_nodes(plan.taken[part.name])]
     seen: list[fx.Node] = []
     for n in nodes:
         if n not in seen:
@@ -265,14 +273,9 @@ def site_bytes(index, site: SiteAnalysis, plan: Plan | None, residual_dtype: tor
     else:  # "norm"
         fused.add(fwd=x_bytes + params + y_bytes + stats)
         fused.add(bwd=y_bytes + x_bytes + stats + 2 * params + x_bytes)
-    if plan.quant is not None:  # the call writes q and the dynamic scale; y only when still read
-        fused.add(fwd=_quant_outputs(plan) - (0 if plan.quant.reads_y else y_bytes))
+    for part in PARTS:  # what the parts the call takes write (or save) besides y and s
+        if part.name in plan.taken:
+            fused.add(fwd=part.fused_bytes(plan.taken[part.name], y_bytes, _SIZES))
     return eager, fused, nodes
-
-
-def _quant_outputs(plan: Plan) -> int:
-    """Bytes of the fp8 epilogue's outputs: q (one byte an element) and a dynamic scale."""
-    quant = plan.quant
-    return numel(quant.q) * quant.dtype.itemsize + (_bytes(quant.scale_node) if quant.scale_node is not None else 0)
 
 

@@ -14,9 +14,10 @@ from normfuse.vocabulary import KINDS, PLACEMENTS  # noqa: F401  (re-exported)
 
 @dataclass
 class Site:
-    """One norm found in a graph, and what the pass did with it."""
+    """One norm found in a graph, and what the pass did with it. Its ``id`` ("g0.s3": graph 0,
+    site 3 in graph order) and its ``call`` ("g0.c1") are derived from ``graph``, ``number``
+    and ``call_number``: a report joined into another (``FusionReport.extend``) renumbers graphs only."""
 
-    id: str                     # "g0.s3": graph 0, site 3 in graph order (``graph``, ``number``)
     kind: str                   # "layer_norm" | "rms_norm"
     form: str                   # one of FORMS (normfuse/vocabulary.py)
     placement: str              # one of PLACEMENTS
@@ -41,7 +42,7 @@ class Site:
     module_type: str | None = None
     residual_dtype: str | None = None  # the site writes (or reads) a residual stream kept in this dtype
     recomputed_linears: int = 0  # linears reading the norm output, which recompute it in backward
-    call: str | None = None     # the fused call computing it ("g0.c3"); sites computed together share it
+    call_number: int | None = None  # the fused call computing it, numbered in its graph; sites computed together share it
     # what the call takes from the add's branch (set on the first site of a shared call only):
     fused_x1: bool = False      # a second branch (``x + attn + mlp``) summed in the kernel
     fused_rowscale: bool = False  # a per-sample scale of the branch (drop_path) applied in the kernel
@@ -65,8 +66,17 @@ class Site:
             hint = getattr(getattr(self.hidden_size, "node", None), "hint", None)
             self.hidden_size = int(hint) if hint is not None else None
 
+    @property
+    def id(self) -> str:
+        return f"g{self.graph}.s{self.number}"
+
+    @property
+    def call(self) -> str | None:
+        """The fused call computing it, e.g. "g0.c3" (None: no call does)."""
+        return None if self.call_number is None else f"g{self.graph}.c{self.call_number}"
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"id": self.id, **asdict(self), "call": self.call}
 
 
 @dataclass
@@ -141,9 +151,6 @@ class FusionReport:
         offset = self.graphs
         for site in other.sites:
             site.graph += offset
-            site.id = f"g{site.graph}.s{site.number}"
-            if site.call is not None:
-                site.call = f"g{site.graph}.c{site.call.partition('.c')[2]}"
             self.sites.append(site)
         for region in other.regions:
             region.parent += offset

@@ -27,7 +27,7 @@ def _llama_rms_norm(dim: int) -> nn.Module:
     return make_norm("rms_norm", "llama", dim)  # HF LlamaRMSNorm's spelling, eps 1e-6
 
 
-# how an Fp8Linear quantizes its input (the spellings normfuse/passes/quant.py reads):
+# how an Fp8Linear quantizes its input (the spellings normfuse/passes/parts/quant.py reads):
 # static per-tensor scale; dynamic per row (amax / qmax, or Python's qmax / amax with a multiply);
 # dynamic per group of 128 or 64 columns (DeepSeek-V3's 1x128 activation tiles)
 FP8_RECIPES = ("static", "row", "row_reciprocal", "group128", "group64")

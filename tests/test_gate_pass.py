@@ -1,4 +1,4 @@
-"""The pass takes a gated norm's gate and grouped statistics into its call (normfuse/passes/gate.py,
+"""The pass takes a gated norm's gate and grouped statistics into its call (normfuse/passes/parts/gate.py,
 the groups in find.py): HF Mamba2 (gate before the norm, one group and two), NemotronH (gate
 before, groups of 64), Qwen3-Next (gate after), a Kimi-style sigmoid gate after an fp32 norm.
 Outputs equal eager's bit for bit on the reference path; ``check`` proves each gated site; a

@@ -1,4 +1,4 @@
-"""The pass takes over the fp8 quantization of a norm's output (normfuse/passes/quant.py).
+"""The pass takes over the fp8 quantization of a norm's output (normfuse/passes/parts/quant.py).
 
 Models: ``Fp8Llama`` (tests/fp8_models.py), whose fused qkv and gate-up linears quantize the norm
 outputs they read (static per-tensor, dynamic per row in two spellings, per group of 128

@@ -1,5 +1,5 @@
 """The fp8 quantization of a norm's output as reference implementations write it
-(normfuse/passes/quant.py reads the amax by a rule: an exact upcast commutes with abs, neg,
+(normfuse/passes/parts/quant.py reads the amax by a rule: an exact upcast commutes with abs, neg,
 max and a clamp by a constant).
 
 Spellings: the hand-written per-token quantization of issue 29 (the amax of the 16-bit y,

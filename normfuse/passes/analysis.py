@@ -5,19 +5,20 @@ the graph:
 
 - canonicalize: the canonical view of every node (``canonical.py``, one table of spellings);
 - find: every norm, the residual add it reads, the add its output goes into (``find.py``),
-  its gate (``gate.py``) and the fp8 quantization of its output (``quant.py``);
+  and what each fusion part (``parts/``) recognizes at it;
 - classify: where each norm sits on the residual stream (``classify.py``).
 
 Everything after it reads the ``Analysis``: the planner decides the fused calls from it
-(``planning.py``), the rewrite applies those plans, the audit prices them, the checker
-re-analyzes the original graph to pair each rewritten site with what it replaced. The
+(``planning.py``), the rewrite applies those plans and records what each call replaced (``record.py``),
+the audit prices them, the checker reads those records. The
 analysis and every match in it are frozen: nothing downstream writes to them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 import torch.fx as fx
 
@@ -25,8 +26,7 @@ from normfuse.passes.canonical import canonicalize
 from normfuse.passes.classify import Found, classify
 from normfuse.passes.find import AddMatch, NormMatch, find_input_add, find_norms, find_output_add
 from normfuse.passes.graph import GraphIndex
-from normfuse.passes.gate import GateMatch, find_gate
-from normfuse.passes.quant import QuantMatch, find_quant
+from normfuse.passes.parts import PARTS
 from normfuse.vocabulary import Placement
 
 __all__ = ["Analysis", "SiteAnalysis", "analyze"]
@@ -43,8 +43,8 @@ class SiteAnalysis:
     output_chain: tuple[fx.Node, ...]        # views / identity dropout between the norm and that add
     placement: Placement
     group: tuple[int, ...]                   # the norms that read the same value (itself included)
-    quant: QuantMatch | None = None          # the fp8 quantization of its output, when the graph has one
-    gate: GateMatch | None = None            # its gate (Mamba2's and Qwen3-Next's gated norms)
+    # what each fusion part (parts/) found at it: part name -> its frozen match
+    parts: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), compare=False)
 
     @property
     def input_is_add(self) -> bool:
@@ -76,7 +76,12 @@ def analyze(graph: fx.Graph, stage: Callable[[str], None] = lambda name: None) -
     stage("classify")
     placements, groups = classify(index, found)
     sites = tuple(SiteAnalysis(number, f.match, f.in_add, f.output_add, tuple(f.output_chain), placement, group,
-                               find_quant(index, f.match.output), find_gate(index, f.match))
+                               _parts_found(index, f.match))
                   for number, (f, placement, group) in enumerate(zip(found, placements, groups)))
     index.freeze()
     return Analysis(index, sites)
+
+
+def _parts_found(index: GraphIndex, match: NormMatch) -> Mapping[str, Any]:
+    found = {part.name: part.find(index, match) for part in PARTS}
+    return MappingProxyType({name: m for name, m in found.items() if m is not None})

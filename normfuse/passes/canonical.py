@@ -60,13 +60,13 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "layer_norm": ("input", "normalized_shape", "weight", "bias", "eps"),
     "rms_norm": ("input", "normalized_shape", "weight", "eps"),
     "linear": ("input", "weight", "bias"),
-    # the quantization of a norm's output (passes/quant.py)
+    # read by fusion parts (passes/parts/): amax and clamps of an fp8 scale
     "abs": ("input",),
     "amax": ("input", "dim", "keepdim"),
     "clamp": ("input", "min", "max"),
     "neg": ("input",),
     "unsqueeze": ("input", "dim"),  # a new dim of size 1: x.unsqueeze(d), x[:, None], x[..., None]
-    # the activation of a gated norm's gate (passes/gate.py)
+    # ... and activations (passes/parts/)
     "silu": ("input",),
     "sigmoid": ("input",),
 }

@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from normfuse.passes.canonical import Canon, common_subexpressions
 
-__all__ = ["GraphIndex", "dependency_graph", "copy_graph", "copy_graph_module"]
+__all__ = ["GraphIndex", "dependency_graph", "copy_graph", "copy_graph_module", "copy_meta"]
 
 
 class GraphIndex:
@@ -116,3 +116,10 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
         if isinstance(child, fx.GraphModule):
             setattr(copied, name, copy_graph_module(child))
     return copied
+
+
+def copy_meta(dst: fx.Node, src: fx.Node) -> None:
+    """A node inserted in place of ``src`` takes its value's metadata and its source location."""
+    for key in ("val", "example_value", "tensor_meta", "stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in src.meta:
+            dst.meta[key] = src.meta[key]

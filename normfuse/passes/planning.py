@@ -10,9 +10,8 @@ decides, site by site in graph order, which call each becomes:
 - two norms of one value (parallel blocks): one call, the second norm as ``weight1``/``bias1``;
 - the add's branch: a second add, a per-sample scale or live dropout just before the add
   become the kernel's ``x1``, ``rowscale``, ``dropout_p`` (``branch.py``);
-- the fp8 quantization of the norm's output (``quant.py``) becomes the call's epilogue: it
-  returns q and the scale as well;
-- a gated norm's gate (``gate.py``) becomes the call's ``gate=``.
+- each fusion part (``parts/``) found at the site that the call can take is taken, in
+  ``PARTS`` order; a part it cannot take keeps its reason.
 
 A ``Plan`` carries everything decided for one call: the sites it computes, the adds it
 claims, the branch fold, the operands, the rounding modes, where it goes (with the late
@@ -38,8 +37,7 @@ from normfuse.passes.canonical import canonical, mutates, node_dtype, node_shape
 from normfuse.passes.classify import stream_operand
 from normfuse.passes.find import permuted_layout
 from normfuse.passes.graph import GraphIndex
-from normfuse.passes.gate import GateMatch
-from normfuse.passes.quant import QuantMatch
+from normfuse.passes.parts import PARTS
 from normfuse.vocabulary import KERNEL_DTYPES, LOW_PRECISION, Placement
 
 __all__ = ["Plan", "Decision", "Planning", "Insertion", "plan"]
@@ -73,8 +71,7 @@ class Plan:
     widens: bool = False                     # ... it writes the sum in residual_dtype
     takes_wide: tuple[int, ...] = ()         # plans whose wide sum this call reads as it is
     recompute: tuple[fx.Node, ...] = ()      # linears reading its output that recompute it in backward
-    quant: QuantMatch | None = None          # the fp8 quantization of y it computes too
-    gate: GateMatch | None = None            # the gate of a gated norm it applies
+    taken: dict[str, Any] = field(default_factory=dict)  # the fusion parts it computes too: name -> match
 
     @property
     def lead(self) -> int:
@@ -83,6 +80,11 @@ class Plan:
     @property
     def fused_add(self) -> bool:
         return self.op in ("add_norm", "norm_add")
+
+    @property
+    def exclusive(self) -> bool:
+        """A part it takes changes y: no second norm shares the call, no linear recomputes y."""
+        return any(part.exclusive for part in PARTS if part.name in self.taken)
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ class Decision:
     plan: int | None = None
     reason: str | None = None
     add_reason: str | None = None
-    quant_reason: str | None = None   # why the quantization of its output is not in the call
+    part_reasons: dict[str, str] = field(default_factory=dict)  # fusion part found -> why the call lacks it
 
 
 @dataclass
@@ -238,21 +240,21 @@ def _add_reason(site: SiteAnalysis, p: Plan | None, claimed: set, reserved: set,
     return "the add after the norm does not keep the stream's shape"
 
 
-def _quant_refusal(site: SiteAnalysis, p: Plan, config, as_op: bool) -> str | None:
-    """Why the call cannot compute the quantization of the site's output (None when it can)."""
-    if site.quant.reason:
-        return site.quant.reason
-    if not config.fuse_quant:
-        return "quantizations are not fused (fuse_quant=False)"
-    if as_op:
-        return "Inductor's post-grad pass does not write the fp8 epilogue (use backend=\"normfuse\" or optimize)"
-    if p.op == "norm_add":
-        return "the norm's output goes into the add after it in the same call (norm_add): no epilogue there"
-    if p.permute is not None:
-        return "the call reads its operands permuted (a channel norm): the epilogue quantizes rows of y"
-    if p.gate is not None or site.match.group is not None:
-        return "a gated or grouped norm: the epilogue does not quantize its output"
-    return None
+def _take_parts(site: SiteAnalysis, p: Plan, config, as_op: bool) -> dict[str, str]:
+    """Offer the call each fusion part found at its site, in ``PARTS`` order; returns why the
+    call lacks the parts it does not take."""
+    reasons = {}
+    for part in PARTS:
+        found = site.parts.get(part.name)
+        if found is None:
+            continue
+        reason = part.refusal(site, found, p, config, as_op)
+        if reason is None:
+            p.taken[part.name] = found
+            part.take(p, found)
+        else:
+            reasons[part.name] = reason
+    return reasons
 
 
 # --------------------------------------------------------------------------- where the call goes
@@ -281,10 +283,9 @@ def _place(analysis: Analysis, p: Plan) -> tuple[Insertion | None, str | None]:
     first = min(candidates, key=index.order.__getitem__)
     lead = analysis.sites[p.lead].match
     extra = (p.branch.x1, p.branch.rowscale) if p.branch is not None else ()
-    if p.quant is not None:
-        extra += (p.quant.static_scale,)
-    if p.gate is not None:
-        extra += (p.gate.gate,)
+    for part in PARTS:
+        if part.name in p.taken:
+            extra += part.reads(p.taken[part.name])
     for number in p.sites[1:]:
         extra += (analysis.sites[number].match.weight, analysis.sites[number].match.bias)
     moves: list[fx.Node] = []
@@ -450,46 +451,41 @@ def plan(analysis: Analysis, config, as_op: bool = False, excluded: Callable[[in
         if site.number in unavailable:
             continue
         chosen, reason = _choose(analysis, site, claimed, reserved, config, as_op)
-        quant_reason = None
-        if chosen is not None and site.gate is not None and config.fuse_gate and not as_op and (
-                chosen.op == "norm" or (chosen.op == "add_norm" and site.gate.position == "after")):
-            chosen.gate = site.gate
-            if site.gate.position == "before":  # the call reads x and z, and gates x itself
-                chosen.x, chosen.sum_dtype = site.gate.x, node_dtype(site.gate.x)
-        if chosen is not None and site.quant is not None:
-            quant_reason = _quant_refusal(site, chosen, config, as_op)
-            chosen.quant = site.quant if quant_reason is None else None
+        part_reasons = _take_parts(site, chosen, config, as_op) if chosen is not None else {}
         if chosen is not None and config.pair_norms and chosen.op in ("add_norm", "norm") and chosen.permute is None \
-                and chosen.quant is None and chosen.gate is None:
+                and not chosen.exclusive:
             partner = _partner(analysis, site, unavailable)
             if partner is not None:
                 chosen.sites = (site.number, partner.number)
         if chosen is not None:
             chosen.insertion, reason = _place(analysis, chosen)
-            if reason and chosen.quant is not None and chosen.quant.static_scale is not None:
-                chosen.quant, quant_reason = None, f"the static scale: {reason}"  # the call without it
-                chosen.insertion, reason = _place(analysis, chosen)
+            for part in reversed(PARTS):  # a part whose operand comes too late: the call without it
+                if reason and part.name in chosen.taken and part.may_drop(chosen.taken[part.name]):
+                    del chosen.taken[part.name]
+                    part_reasons[part.name] = f"{part.operand_name}: {reason}"
+                    chosen.insertion, reason = _place(analysis, chosen)
             if reason and len(chosen.sites) > 1:  # the second norm's parameters come too late: each its own call
                 chosen.sites = chosen.sites[:1]
                 chosen.insertion, reason = _place(analysis, chosen)
         if reason is None and chosen.op == "norm" and not config.standalone:
             reason = "standalone norms not rewritten (standalone=False)"
         if reason is not None:
-            decisions[site.number] = Decision(reason=reason, add_reason=None,
-                                              quant_reason=site.quant.reason if site.quant is not None else None)
+            found_reasons = {name: found.reason for name, found in site.parts.items()
+                             if getattr(found, "reason", None)}  # what the part itself could not take
+            decisions[site.number] = Decision(reason=reason, add_reason=None, part_reasons=found_reasons)
             continue
         add_reason = _add_reason(site, chosen, claimed, reserved, config)
         branch_nodes = chosen.branch.nodes if chosen.branch is not None else []
         chosen.claims = tuple(n for n in (site.in_add.node if chosen.op == "add_norm" and site.in_add is not None
                                           else None, chosen.output_add, *branch_nodes) if n is not None)
         claimed.update(chosen.claims)  # an add folded into one kernel is not folded into another
-        if config.recompute_norm_output and not as_op and chosen.quant is None and chosen.gate is None:
+        if config.recompute_norm_output and not as_op and not chosen.exclusive:
             chosen.recompute = _linear_readers(analysis, chosen)
         number = len(planning.plans)
         planning.plans.append(chosen)
         for member in chosen.sites:
             decisions[member] = Decision(plan=number, add_reason=add_reason,
-                                         quant_reason=quant_reason if member == site.number else None)
+                                         part_reasons=part_reasons if member == site.number else {})
             unavailable.add(member)
     planning.decisions = [d if d is not None else Decision(reason="not rewritten") for d in decisions]
     if config.residual_dtype is not None and not as_op:

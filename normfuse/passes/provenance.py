@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch.fx as fx
 
 from normfuse.passes.canonical import node_dtype
+from normfuse.passes.parts import PARTS
 from normfuse.reporting import Site
 from normfuse.vocabulary import CONVERTED_META, COPY_FILE, TORCH_NORMS, Placement
 
@@ -78,8 +79,8 @@ def site_record(analysis: Analysis, site: SiteAnalysis) -> Site:
     # a norm moved by the Pre-Norm conversion (normfuse/passes/prenorm.py) is a pre-norm,
     # also the first one of a stream, which no add feeds
     converted = bool(m.output.meta.get(CONVERTED_META))
-    return Site(
-        id=f"g0.s{site.number}", number=site.number, kind=m.kind, form=form,
+    record = Site(
+        number=site.number, kind=m.kind, form=form,
         placement=Placement.PRE if converted else site.placement, converted=converted,
         input_is_add=site.input_is_add, output_feeds_add=site.output_feeds_add,
         hidden_size=m.hidden_size, dtype=str(node_dtype(m.input)) if node_dtype(m.input) else None,
@@ -88,9 +89,11 @@ def site_record(analysis: Analysis, site: SiteAnalysis) -> Site:
         residual_scale=site.in_add.residual_scale if site.in_add is not None else 1.0,
         norm_round_dtype=str(m.norm_round_dtype) if m.norm_round_dtype else None,
         out_dtype=str(m.out_dtype) if m.out_dtype else None, module_type=cls,
-        gate=f"{site.gate.activation}(z) {site.gate.position} the norm" if site.gate is not None else None,
-        norm_group=m.group,
-        quant=site.quant.describe() if site.quant is not None else None)
+        norm_group=m.group)
+    for part in PARTS:  # what each fusion part found here (fused or not is decided later)
+        if part.name in site.parts:
+            part.report(record, site.parts[part.name], fused=False, reason=None)
+    return record
 
 
 def site_records(analysis: Analysis, planning: Planning | None = None, applied: bool = True) -> list[Site]:
@@ -100,16 +103,13 @@ def site_records(analysis: Analysis, planning: Planning | None = None, applied: 
     if planning is None:
         return sites
     for number, plan in enumerate(planning.plans):
-        call = f"g0.c{number}"
         for k, member in enumerate(sites[n] for n in plan.sites):
-            member.call, member.op = call, plan.op
+            member.call_number, member.op = number, plan.op
             member.add_reason = planning.decisions[member.number].add_reason
             if k == 0:  # what the call takes over from the add's branch is the lead's
                 member.fused_dropout = bool(plan.branch is not None and plan.branch.dropout_p)
                 member.fused_rowscale = plan.branch is not None and plan.branch.rowscale is not None
                 member.fused_x1 = plan.branch is not None and plan.branch.x1 is not None
-                member.fused_quant = plan.quant is not None
-                member.fused_gate = plan.gate is not None
             if not applied:
                 member.reason = "not applied (analysis only)"
                 continue
@@ -121,9 +121,14 @@ def site_records(analysis: Analysis, planning: Planning | None = None, applied: 
             member.residual_dtype = str(plan.residual_dtype) if plan.residual_dtype is not None else None
             if k == 0:
                 member.recomputed_linears = len(plan.recompute)
-    for site, decision in zip(sites, planning.decisions):
-        if site.quant is not None and not site.fused_quant:
-            site.quant_reason = decision.quant_reason or decision.reason or "not rewritten"
+    for record, site, decision in zip(sites, analysis.sites, planning.decisions):
+        plan = planning.plans[decision.plan] if decision.plan is not None else None
+        for part in PARTS:
+            if part.name not in site.parts:
+                continue
+            fused = plan is not None and plan.lead == site.number and part.name in plan.taken
+            reason = None if fused else (decision.part_reasons.get(part.name) or decision.reason or "not rewritten")
+            part.report(record, site.parts[part.name], fused, reason)
     for site, decision in zip(sites, planning.decisions):
         if decision.plan is None:
             site.reason = decision.reason or "not rewritten"

@@ -24,14 +24,15 @@ import torch.fx as fx
 
 from normfuse.kernels.add_norm import add_norm, norm_add
 from normfuse.passes.find import live_dropout_p
+from normfuse.passes.parts import PARTS
 
-__all__ = ["CallRecord", "record_call", "records_of", "attach_records", "fused_op_name", "is_fused_call",
+__all__ = ["CallRecord", "record_call", "records_of", "attach_records", "fused_op_name", "is_fused_call", "output_names",
            "ARG_ROLES", "OPTION_ROLES"]
 
 # the roles of a fused call's tensor arguments, in the order the checker passes them:
-# positional, then the keyword options a call takes when it has them
+# positional, then the keyword options a call takes when it has them (the fusion parts' last)
 ARG_ROLES = ("x", "residual", "weight", "bias")
-OPTION_ROLES = ("x1", "rowscale", "weight1", "bias1", "quant_scale", "gate")
+OPTION_ROLES = ("x1", "rowscale", "weight1", "bias1", *(role for part in PARTS for role in part.roles))
 
 _RECORDS = "normfuse_calls"  # the rewritten graph module's meta key holding its records
 
@@ -87,6 +88,14 @@ def is_fused_call(node: fx.Node) -> bool:
     return fused_op_name(node) is not None
 
 
+def output_names(options: dict) -> tuple[str, ...]:
+    """The outputs of a functional ``add_norm`` call with these keyword options, in the order it
+    returns them."""
+    if options.get("quant_dtype") is not None:
+        return ("q", "scale", "y", "s")
+    return ("y", "y1", "s") if options.get("weight1") is not None else ("y", "s")
+
+
 # --------------------------------------------------------------------------- building one record
 
 def record_call(analysis: Any, p: Any, call: fx.Node, reads: set[fx.Node],
@@ -102,10 +111,9 @@ def record_call(analysis: Any, p: Any, call: fx.Node, reads: set[fx.Node],
     m = lead.match
     folded = list(p.branch.nodes) if p.branch is not None else []
     nodes = list(m.nodes)
-    if p.gate is not None:
-        nodes += p.gate.nodes
-    if p.quant is not None:
-        nodes += p.quant.nodes
+    for part in PARTS:
+        if part.name in p.taken:
+            nodes += part.nodes(p.taken[part.name])
     for number in p.sites[1:]:
         nodes += analysis.sites[number].match.nodes
     if p.op == "add_norm":

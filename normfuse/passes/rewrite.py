@@ -23,6 +23,8 @@ import torch.fx as fx
 from normfuse.kernels.add_norm import add_norm, norm_add
 from normfuse.passes.analysis import Analysis
 from normfuse.passes.canonical import canonical, node_dtype, node_shape, real_users, same_shape, tensor_meta
+from normfuse.passes.graph import copy_meta
+from normfuse.passes.parts import PARTS
 from normfuse.passes.planning import Plan, Planning
 from normfuse.passes.record import CallRecord, record_call
 
@@ -51,12 +53,6 @@ class Rewriting:
     def replace(self, old: fx.Node, new: fx.Node) -> None:
         old.replace_all_uses_with(new)
         self.replaced[old] = new
-
-
-def _copy_meta(dst: fx.Node, src: fx.Node) -> None:
-    for key in ("val", "example_value", "tensor_meta", "stack_trace", "nn_module_stack", "source_fn_stack"):
-        if key in src.meta:
-            dst.meta[key] = src.meta[key]
 
 
 def _permuted(graph: fx.Graph, value: fx.Node, dims: tuple[int, ...], as_op: bool) -> fx.Node:
@@ -204,13 +200,13 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
             call = _fused_call(graph, "norm_add", (x, residual, m.weight, m.bias),
                                dict(modes, add_dtype=add_dtype, return_norm=y_used), as_op)
             out = graph.call_function(operator.getitem, (call, 0))
-            _copy_meta(out, post)
+            copy_meta(out, post)
             inserted = [call, out]
             stands_for.append((0, post))
             if y_used:
                 stands_for.append((1, m.output))
                 y = graph.call_function(operator.getitem, (call, 1))
-                _copy_meta(y, m.output)
+                copy_meta(y, m.output)
                 inserted.append(y)
             r.replace(post, out)
             if y_used:
@@ -234,32 +230,30 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
                 partner = r.analysis.sites[p.sites[1]].match
                 reads |= {partner.weight, partner.bias}
             sum_dtype = p.residual_dtype if p.widens else p.sum_dtype
-            if p.gate is not None:
-                extra.update(p.gate.options(), gate=r.resolve(p.gate.gate))
-                reads.add(p.gate.gate)
-                old_nodes += p.gate.nodes
-            if p.quant is not None:  # q and its scale too; y while anything else reads it
-                extra.update(p.quant.options(), quant_scale=_fp32_scale(graph, r.resolve(p.quant.static_scale)),
-                             return_norm=p.quant.reads_y)
-                inserted += [extra["quant_scale"]] if extra["quant_scale"] is not None else []
-                reads.add(p.quant.static_scale)
-                if extra["quant_scale"] is not None:
-                    holds[extra["quant_scale"]] = p.quant.static_scale
+            parts = [(part, p.taken[part.name]) for part in PARTS if part.name in p.taken]
+            output = m.output  # the original node the call's y replaces
+            for part, found in parts:
+                piece = part.call(found, r)
+                extra.update(piece.options)
+                inserted += piece.inserted
+                holds.update(piece.holds)
+                reads.update(part.reads(found))
+                old_nodes += part.nodes(found)
+                output = part.y_output(found, output)
             call = _fused_call(graph, "add_norm", (x, residual, m.weight, m.bias),
                                dict(modes, sum_dtype=sum_dtype, return_sum=s_used, **extra), as_op)
-            where = output_index(as_op, len(p.sites) > 1, p.quant is not None)
+            where = output_index(as_op, len(p.sites) > 1, "quant_dtype" in extra)
             inserted.append(call)
-            if p.quant is None or p.quant.reads_y:  # else y was read only by its quantization
+            if all(part.y_read(found) for part, found in parts):  # else y was read only by a part's step
                 y = graph.call_function(operator.getitem, (call, where["y"]))
-                output = p.gate.output if p.gate is not None and p.gate.position == "after" else m.output
-                _copy_meta(y, output)
+                copy_meta(y, output)
                 inserted.append(y)
                 stands_for.append((where["y"], output))
                 if len(p.sites) > 1:
                     partner = r.analysis.sites[p.sites[1]].match
                     stands_for.append((where["y1"], partner.output))
                     y1 = graph.call_function(operator.getitem, (call, where["y1"]))
-                    _copy_meta(y1, partner.output)
+                    copy_meta(y1, partner.output)
                     inserted.append(y1)
                     r.replace(partner.output, y1)
                     old_nodes += partner.nodes
@@ -270,28 +264,26 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
                     inverse = tuple(sorted(range(len(m.layout)), key=m.layout.__getitem__))
                     result = _permuted(graph, y, inverse, as_op)
                     permuted_back[where["y"]] = inverse
-                    _copy_meta(result, output)
+                    copy_meta(result, output)
                     inserted.append(result)
                     if _viewed_later(output):  # eager's y had x's layout: a .view() downstream may need it
                         result = _contiguous(graph, result, as_op)
-                        _copy_meta(result, output)
+                        copy_meta(result, output)
                         inserted.append(result)
                 elif add is not None and not same_shape(node_shape(add.node), node_shape(output)):
                     # the add and the norm see the rows in different shapes (a view between them)
                     result = graph.call_method("reshape", (y, *node_shape(output)))
-                    _copy_meta(result, output)
+                    copy_meta(result, output)
                     inserted.append(result)
                 r.replace(output, result)
-            if p.quant is not None:
-                kernel_shape = node_shape(add.node) if add is not None else node_shape(m.output)
-                inserted += _quant_outputs(r, call, p.quant, kernel_shape, where)
-                stands_for.append((where["q"], p.quant.q))
-                if p.quant.scale_node is not None:
-                    stands_for.append((where["scale"], p.quant.scale_node))
-                old_nodes += p.quant.nodes
+            kernel_shape = node_shape(add.node) if add is not None else node_shape(m.output)
+            for part, found in parts:  # the outputs a part adds (fp8 q and its scale)
+                more, replaced = part.outputs(found, r, call, kernel_shape, where)
+                inserted += more
+                stands_for += replaced
             if s_used:
                 s = graph.call_function(operator.getitem, (call, where["s"]))
-                _copy_meta(s, add.node)
+                copy_meta(s, add.node)
                 inserted.append(s)
                 stands_for.append((where["s"], add.node))
                 if p.permute is not None:  # hand the sum back in the add's layout
@@ -300,7 +292,7 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
                     s.meta.update({k: v.permute(p.permute) for k, v in s.meta.items()
                                    if k in ("val", "example_value") and isinstance(v, torch.Tensor)})
                     s = _permuted(graph, s, inverse, as_op)
-                    _copy_meta(s, add.node)
+                    copy_meta(s, add.node)
                     inserted.append(s)
                 r.replace(add.node, s)
             if add is not None:
@@ -327,49 +319,6 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
     call.meta["nn_module_stack"] = m.output.meta.get("nn_module_stack")
     _erase_dead(graph, old_nodes, r.order)
     return call
-
-
-def _fp32_scale(graph: fx.Graph, scale: fx.Node | None) -> fx.Node | None:
-    """A static scale as the kernel takes it, fp32 (the graph's division upcasts a 16-bit one, exactly)."""
-    if scale is None or node_dtype(scale) == torch.float32:
-        return scale
-    upcast = graph.call_method("to", (scale, torch.float32))
-    for key in ("val", "example_value"):
-        if isinstance(scale.meta.get(key), torch.Tensor):
-            upcast.meta[key] = scale.meta[key].to(torch.float32)
-    return upcast
-
-
-def _reshaped(graph: fx.Graph, value: fx.Node, like: fx.Node, shape: tuple) -> fx.Node:
-    """``value`` (the call's output, of ``shape``) in the shape of the node it replaces."""
-    if same_shape(node_shape(like), tuple(shape)):
-        _copy_meta(value, like)
-        return value
-    for key in ("val", "example_value"):
-        if isinstance(like.meta.get(key), torch.Tensor):
-            value.meta[key] = like.meta[key].reshape(shape)
-    out = graph.call_method("reshape", (value, *node_shape(like)))
-    _copy_meta(out, like)
-    return out
-
-
-def _quant_outputs(r: Rewriting, call: fx.Node, quant, kernel_shape: tuple, where: dict) -> list[fx.Node]:
-    """The graph's fp8 cast and its dynamic scale replaced by the call's q and scale."""
-    from normfuse.kernels.reference import quant_scale_shape
-
-    graph, inserted = r.graph, []
-    q = graph.call_function(operator.getitem, (call, where["q"]))
-    inserted.append(q)
-    q_out = _reshaped(graph, q, quant.q, kernel_shape)
-    inserted += [q_out] if q_out is not q else []
-    r.replace(quant.q, q_out)
-    if quant.scale_node is not None:
-        scale = graph.call_function(operator.getitem, (call, where["scale"]))
-        inserted.append(scale)
-        scale_out = _reshaped(graph, scale, quant.scale_node, quant_scale_shape(kernel_shape, quant.group))
-        inserted += [scale_out] if scale_out is not scale else []
-        r.replace(quant.scale_node, scale_out)
-    return inserted
 
 
 def _erase_dead(graph: fx.Graph, nodes: list[fx.Node], order: dict) -> None:
@@ -408,7 +357,8 @@ def _widen(r: Rewriting, planning: Planning, calls: list[fx.Node]) -> None:
         if not p.widens:
             continue
         call = calls[i]
-        out = _output(call, 0 if p.op == "norm_add" else output_index(False, len(p.sites) > 1, p.quant is not None)["s"])
+        quantized = "quant_dtype" in call.kwargs
+        out = _output(call, 0 if p.op == "norm_add" else output_index(False, len(p.sites) > 1, quantized)["s"])
         if out is None:
             continue
         old = node_dtype(out)

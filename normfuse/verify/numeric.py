@@ -36,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 from normfuse.passes.canonical import canonical, mutates
 from normfuse.passes.find import autocast_upcast
 from normfuse.passes.graph import copy_graph_module  # noqa: F401  (one graph copy for the project)
+from normfuse.passes.parts import PARTS
 from normfuse.tolerances import ROUNDED_REFERENCE_BUDGET, rounding_budget, within_tolerance
 from normfuse.verify.sites import SitePair
 from normfuse.vocabulary import LOW_PRECISION
@@ -481,8 +482,8 @@ def _call_arguments(pair: SitePair, env: dict[fx.Node, Any]) -> tuple[list, dict
         kwargs["rowscale"] = scale.reshape(scale.shape[:-1]).expand(x.shape[:-1])
     if kwargs.get("dropout_p"):
         kwargs["seed"] = torch.tensor(_CHECK_SEED)
-    if kwargs.get("quant_scale") is not None:  # the kernel takes a static scale in fp32 (an exact upcast)
-        kwargs["quant_scale"] = kwargs["quant_scale"].float()
+    for part in PARTS:
+        part.check_arguments(kwargs)
     return args, kwargs
 
 

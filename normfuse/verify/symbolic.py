@@ -19,15 +19,16 @@ from __future__ import annotations
 import operator
 import random
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import sympy
 import torch.fx as fx
 
-from normfuse.kernels.reference import quant_max
 from normfuse.passes.canonical import TUPLE_SPELLINGS, canonical, node_shape
 from normfuse.passes.find import live_dropout_p
-from normfuse.passes.record import fused_op_name
+from normfuse.passes.parts import PARTS
+from normfuse.passes.record import fused_op_name, output_names
 from normfuse.verify.sites import SitePair
 
 __all__ = ["ROW", "SymbolicResult", "prove_site"]
@@ -227,23 +228,10 @@ def _clamp(row: list, low: Any, high: Any, eps: float | None = None, eps_sym=Non
     return row
 
 
-def _quantized(y: list, kw: dict, static_scale: list | None) -> list:
-    """q and the scale of the fp8 epilogue (normfuse/kernels/reference.py), in exact arithmetic:
-    the casts are identities, the clamps and the amax are Max/Min. A row of symbols stands for
-    one row, or for one group of a grouped scale."""
-    qmax = sympy.Rational(quant_max(kw["quant_dtype"]))
-    if static_scale is not None:
-        scale = static_scale[0]
-    else:
-        amax = _clamp([_max(*[sympy.Abs(v) for v in y])], kw.get("quant_amax_min"), None)[0]
-        scale = amax / qmax if kw.get("quant_scale_form", "amax/max") == "amax/max" else qmax / amax
-        scale = _clamp([scale], kw.get("quant_scale_min"), None)[0]
-    apply = kw.get("quant_apply", "div")
-    v = [yv / scale if apply == "div" else yv * scale if apply == "mul" else yv * (1 / scale) for yv in y]
-    clamp = kw.get("quant_clamp")
-    q = _clamp(v, -clamp, clamp) if clamp is not None else v
-    out = scale if kw.get("quant_scale_out", "scale") == "scale" else 1 / scale
-    return [q, [out]]
+# the row operations a fusion part's symbolic form is written with
+_ROW_OPS = SimpleNamespace(elementwise=lambda fn, *rows: _elementwise(fn, *rows), mul=operator.mul,
+                          activation=lambda name, v: _activation(name, v), max=lambda *a: _max(*a),
+                          clamp=lambda row, low, high: _clamp(row, low, high), abs=sympy.Abs, rational=sympy.Rational)
 
 
 def _leaf(node: fx.Node, name: str, hidden: int | None, layout: tuple[int, ...] | None = None) -> list:
@@ -297,15 +285,11 @@ def _fused(pair: SitePair, rows: dict[str, Any], eps_sym, eps: float | None) -> 
     if rows.get("x1") is not None:
         x = _elementwise(operator.add, x, rows["x1"])
     s = x if r is None else _elementwise(lambda xv, rv: xv + scale * rv, x, r)
-    gate = rows.get("gate")
-    if gate is not None:  # act(z), before the norm (its input gated) or after it (its output)
-        act = _elementwise(lambda v: _activation(kw.get("gate_activation", "silu"), v), gate)
-        before = kw.get("gate_position", "before") == "before"
-        y = _norm(kind, _elementwise(operator.mul, s, act) if before else s, w, b, e, offset)
-        return [y if before else _elementwise(operator.mul, y, act), s]
+    for part in PARTS:  # a fusion part in the call gives the outputs by its own formula
+        if part.uses(kw):
+            by_name = part.symbolic(kw, rows, s, lambda v: _norm(kind, v, w, b, e, offset), _ROW_OPS)
+            return [by_name[name] for name in output_names(kw)]
     y = _norm(kind, s, w, b, e, offset)
-    if kw.get("quant_dtype") is not None:  # (q, scale, y, s)
-        return [*_quantized(y, kw, rows.get("quant_scale")), y, s]
     if rows.get("weight1") is None:
         return [y, s]
     return [y, _norm(kind, s, rows["weight1"], rows.get("bias1"), e, offset), s]
@@ -378,7 +362,7 @@ def _decide(lhs, rhs, rng: random.Random) -> tuple[str, str, str | None]:
 
 # the symbols of each argument of the fused call: x0..x3, r0..r3, ...
 _SYMBOL_PREFIX = {"x": "x", "residual": "r", "weight": "w", "bias": "b", "x1": "xb", "rowscale": "k",
-                  "weight1": "wb", "bias1": "bb", "quant_scale": "qs", "gate": "g"}
+                  "weight1": "wb", "bias1": "bb", **{role: p for part in PARTS for role, p in part.roles.items()}}
 
 
 def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:

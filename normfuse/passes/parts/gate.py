@@ -1,4 +1,4 @@
-"""Find the gate of a gated norm: ``norm(x * act(z))`` or ``norm(x) * act(z)``.
+"""The gate of a gated norm, a fusion part: ``norm(x * act(z))`` or ``norm(x) * act(z)``.
 
 Hybrid models gate the norm of their state-space or linear-attention mixer, right next to
 the residual stream: Mamba2 / NemotronH's ``MambaRMSNormGated`` multiplies the norm's input
@@ -9,7 +9,9 @@ gate is two more kernels and one more round trip of the row; the fused call take
 are in ``normfuse.kernels.reference``, "Gated norms").
 
 ``find_gate(index, match)`` returns a ``GateMatch`` (the call's gate options, the nodes it
-replaces) or None when the norm is not gated in a way the kernel computes.
+replaces) or None when the norm is not gated in a way the kernel computes. ``GATE`` is the part:
+a plain norm's call, or an add_norm call gating after the norm, takes the gate ("before" gates
+the norm's input, so the call reads x and z instead of the add's sum).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import torch.fx as fx
 from normfuse.passes.canonical import is_exact_upcast, node_dtype, node_shape, real_users, same_shape
 from normfuse.passes.find import upcasts
 from normfuse.passes.graph import GraphIndex
+from normfuse.passes.parts.base import CallPiece, FusionPart
 from normfuse.vocabulary import GATE_ACTIVATIONS, KERNEL_DTYPES
 
-__all__ = ["GateMatch", "find_gate"]
+__all__ = ["GateMatch", "find_gate", "GATE"]
 
 F32 = torch.float32
 
@@ -116,3 +119,55 @@ def find_gate(index: GraphIndex, match) -> GateMatch | None:
         output = readers[0]
         more.append(output)
     return GateMatch("after", activation, z, output=output, out_dtype=node_dtype(output), nodes=tuple(taken + more))
+
+
+class _Gate(FusionPart):
+    name, flag = "gate", "fuse_gate"
+    roles = {"gate": "g"}
+
+    def find(self, index: GraphIndex, match) -> GateMatch | None:
+        return find_gate(index, match)
+
+    def refusal(self, site, found: GateMatch, plan, config, as_op: bool) -> str | None:
+        if not config.fuse_gate:
+            return "gates are not fused (fuse_gate=False)"
+        if as_op:
+            return "Inductor's post-grad pass does not write the gated call (use backend=\"normfuse\" or optimize)"
+        if plan.op == "add_norm" and found.position == "before":
+            return "the gate multiplies the norm's input, which is the add's sum: no call gates a sum"
+        if plan.op not in ("norm", "add_norm"):
+            return "the norm's output goes into the add after it in the same call (norm_add)"
+        return None
+
+    def take(self, plan, found: GateMatch) -> None:
+        if found.position == "before":  # the call reads x and z, and gates x itself
+            plan.x, plan.sum_dtype = found.x, node_dtype(found.x)
+
+    def reads(self, found: GateMatch) -> tuple[fx.Node, ...]:
+        return (found.gate,)
+
+    def nodes(self, found: GateMatch) -> tuple[fx.Node, ...]:
+        return found.nodes
+
+    def call(self, found: GateMatch, rewriting) -> CallPiece:
+        return CallPiece(dict(found.options(), gate=rewriting.resolve(found.gate)))
+
+    def y_output(self, found: GateMatch, y: fx.Node) -> fx.Node:
+        return found.output if found.position == "after" else y
+
+    def report(self, record, found: GateMatch, fused: bool, reason: str | None) -> None:
+        record.gate = f"{found.activation}(z) {found.position} the norm"
+        record.fused_gate = fused
+
+    def uses(self, options: dict) -> bool:
+        return options.get("gate") is not None
+
+    def symbolic(self, options: dict, rows: dict, s: list, norm, ops) -> dict[str, list] | None:
+        """act(z), before the norm (its input gated) or after it (its output)."""
+        act = ops.elementwise(lambda v: ops.activation(options.get("gate_activation", "silu"), v), rows["gate"])
+        if options.get("gate_position", "before") == "before":
+            return {"y": norm(ops.elementwise(ops.mul, s, act)), "s": s}
+        return {"y": ops.elementwise(ops.mul, norm(s), act), "s": s}
+
+
+GATE = _Gate()

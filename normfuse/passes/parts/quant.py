@@ -1,4 +1,4 @@
-"""Find the quantization of a norm's output: the fp8 epilogue a fused call can take over.
+"""The quantization of a norm's output, a fusion part: the fp8 epilogue a fused call takes over.
 
 A linear that reads fp8 needs the norm's output ``y`` quantized: a scale (static, or from
 the amax of each row or group of y), y divided (or multiplied) by it, clamped to the fp8
@@ -28,6 +28,9 @@ numbers may be tensors the graph builds from numbers (``torch.as_tensor(448.0)``
 and returns a ``QuantMatch``: the call's quantization options, the nodes it replaces (the
 cast giving q, and the scale node the graph reads on), or why the quantization cannot be
 taken over (``reason``). A norm whose output is not cast to fp8 has no match (None).
+
+``QUANT`` is the part: the call returns q and the scale as well (y only while something else
+reads it), and the graph's cast and scale read those.
 """
 
 from __future__ import annotations
@@ -44,10 +47,11 @@ import torch.nn as nn
 from normfuse.kernels.reference import quant_max, quantize
 from normfuse.passes.canonical import is_exact_upcast, node_dtype, node_shape, real_users, same_shape, tensor_meta
 from normfuse.passes.find import const_value, strip_upcasts, upcasts
-from normfuse.passes.graph import GraphIndex
+from normfuse.passes.graph import GraphIndex, copy_meta
+from normfuse.passes.parts.base import CallPiece, FusionPart
 from normfuse.vocabulary import QUANT_DTYPES
 
-__all__ = ["QuantMatch", "find_quant"]
+__all__ = ["QuantMatch", "find_quant", "QUANT"]
 
 F32, F64 = torch.float32, torch.float64
 _SEARCH_DEPTH = 8  # nodes between y and its fp8 cast that are still read as its quantization
@@ -493,3 +497,136 @@ def find_quant(index: GraphIndex, y: fx.Node) -> QuantMatch | None:
         return _Reader(index, y).read(casts[0])
     except _Refused as refused:
         return QuantMatch(dtype=node_dtype(casts[0]), q=casts[0], reason=str(refused))
+
+
+# --------------------------------------------------------------------------- the part
+
+def _fp32_scale(graph: fx.Graph, scale: fx.Node | None) -> fx.Node | None:
+    """A static scale as the kernel takes it, fp32 (the graph's division upcasts a 16-bit one, exactly)."""
+    if scale is None or node_dtype(scale) == F32:
+        return scale
+    upcast = graph.call_method("to", (scale, F32))
+    for key in ("val", "example_value"):
+        if isinstance(scale.meta.get(key), torch.Tensor):
+            upcast.meta[key] = scale.meta[key].to(F32)
+    return upcast
+
+
+def _reshaped(graph: fx.Graph, value: fx.Node, like: fx.Node, shape: tuple) -> fx.Node:
+    """``value`` (the call's output, of ``shape``) in the shape of the node it replaces."""
+    if same_shape(node_shape(like), tuple(shape)):
+        copy_meta(value, like)
+        return value
+    for key in ("val", "example_value"):
+        if isinstance(like.meta.get(key), torch.Tensor):
+            value.meta[key] = like.meta[key].reshape(shape)
+    out = graph.call_method("reshape", (value, *node_shape(like)))
+    copy_meta(out, like)
+    return out
+
+
+class _Quant(FusionPart):
+    name, flag = "quant", "fuse_quant"
+    roles = {"quant_scale": "qs"}
+    operand_name = "the static scale"
+
+    def find(self, index: GraphIndex, match) -> QuantMatch | None:
+        return find_quant(index, match.output)
+
+    def refusal(self, site, found: QuantMatch, plan, config, as_op: bool) -> str | None:
+        if found.reason:
+            return found.reason
+        if not config.fuse_quant:
+            return "quantizations are not fused (fuse_quant=False)"
+        if as_op:
+            return "Inductor's post-grad pass does not write the fp8 epilogue (use backend=\"normfuse\" or optimize)"
+        if plan.op == "norm_add":
+            return "the norm's output goes into the add after it in the same call (norm_add): no epilogue there"
+        if plan.permute is not None:
+            return "the call reads its operands permuted (a channel norm): the epilogue quantizes rows of y"
+        if plan.taken or site.match.group is not None:
+            return "a gated or grouped norm: the epilogue does not quantize its output"
+        return None
+
+    def reads(self, found: QuantMatch) -> tuple[fx.Node, ...]:
+        return (found.static_scale,) if found.static_scale is not None else ()
+
+    def nodes(self, found: QuantMatch) -> tuple[fx.Node, ...]:
+        return found.nodes
+
+    def may_drop(self, found: QuantMatch) -> bool:
+        return found.static_scale is not None  # the call without the static scale's late operand
+
+    def call(self, found: QuantMatch, rewriting) -> CallPiece:
+        scale = _fp32_scale(rewriting.graph, rewriting.resolve(found.static_scale))
+        piece = CallPiece(dict(found.options(), quant_scale=scale, return_norm=found.reads_y))
+        if scale is not None and scale is not found.static_scale:
+            piece.inserted.append(scale)
+            piece.holds[scale] = found.static_scale
+        return piece
+
+    def y_read(self, found: QuantMatch) -> bool:
+        return found.reads_y
+
+    def outputs(self, found: QuantMatch, rewriting, call: fx.Node, kernel_shape: tuple, where: dict[str, int]
+                ) -> tuple[list[fx.Node], list[tuple[int, fx.Node]]]:
+        """The graph's fp8 cast and its dynamic scale replaced by the call's q and scale."""
+        from normfuse.kernels.reference import quant_scale_shape
+
+        graph, inserted = rewriting.graph, []
+        q = graph.call_function(operator.getitem, (call, where["q"]))
+        inserted.append(q)
+        q_out = _reshaped(graph, q, found.q, kernel_shape)
+        inserted += [q_out] if q_out is not q else []
+        rewriting.replace(found.q, q_out)
+        stands_for = [(where["q"], found.q)]
+        if found.scale_node is not None:
+            scale = graph.call_function(operator.getitem, (call, where["scale"]))
+            inserted.append(scale)
+            scale_out = _reshaped(graph, scale, found.scale_node, quant_scale_shape(kernel_shape, found.group))
+            inserted += [scale_out] if scale_out is not scale else []
+            rewriting.replace(found.scale_node, scale_out)
+            stands_for.append((where["scale"], found.scale_node))
+        return inserted, stands_for
+
+    def report(self, record, found: QuantMatch, fused: bool, reason: str | None) -> None:
+        record.quant = found.describe()
+        record.fused_quant = fused
+        if not fused and reason is not None:
+            record.quant_reason = reason
+
+    def eager_nodes(self, found: QuantMatch) -> tuple[fx.Node, ...]:
+        return found.nodes  # eager reads y back to quantize it
+
+    def fused_bytes(self, found: QuantMatch, y_bytes: int, size) -> int:
+        """q (one byte an element) and a dynamic scale written; y only while still read."""
+        scale = size.bytes(found.scale_node) if found.scale_node is not None else 0
+        return size.numel(found.q) * found.dtype.itemsize + scale - (0 if found.reads_y else y_bytes)
+
+    def uses(self, options: dict) -> bool:
+        return options.get("quant_dtype") is not None
+
+    def symbolic(self, options: dict, rows: dict, s: list, norm, ops) -> dict[str, list] | None:
+        """q and the scale in exact arithmetic: the casts are identities, the clamps and the amax
+        are Max/Min. A row of symbols stands for one row, or for one group of a grouped scale."""
+        y = norm(s)
+        qmax = ops.rational(quant_max(options["quant_dtype"]))
+        if rows.get("quant_scale") is not None:
+            scale = rows["quant_scale"][0]
+        else:
+            amax = ops.clamp([ops.max(*[ops.abs(v) for v in y])], options.get("quant_amax_min"), None)[0]
+            scale = amax / qmax if options.get("quant_scale_form", "amax/max") == "amax/max" else qmax / amax
+            scale = ops.clamp([scale], options.get("quant_scale_min"), None)[0]
+        apply = options.get("quant_apply", "div")
+        v = [yv / scale if apply == "div" else yv * scale if apply == "mul" else yv * (1 / scale) for yv in y]
+        clamp = options.get("quant_clamp")
+        q = ops.clamp(v, -clamp, clamp) if clamp is not None else v
+        out = scale if options.get("quant_scale_out", "scale") == "scale" else 1 / scale
+        return {"q": q, "scale": [out], "y": y, "s": s}
+
+    def check_arguments(self, options: dict) -> None:
+        if options.get("quant_scale") is not None:  # the kernel takes a static scale in fp32 (an exact upcast)
+            options["quant_scale"] = options["quant_scale"].float()
+
+
+QUANT = _Quant()

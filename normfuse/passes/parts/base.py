@@ -1,0 +1,131 @@
+"""What a fusion part declares: ``FusionPart``, the hooks every stage of the pass calls.
+
+A fused call computes the norm (and its add); a part is one more step it takes over from the
+graph, before or after the norm (``parts/__init__.py`` lists them). One module per part
+declares all of it, and the stages know no part by name:
+
+=============  ===========================  ==========================================================
+stage          hook                         what the part says
+=============  ===========================  ==========================================================
+find           ``find(index, match)``       what it recognizes at a norm (a frozen match), or None
+plan           ``refusal(...)``/``take``    whether the planned call takes it, and what that changes
+plan, record   ``reads`` / ``nodes``        the values the call reads for it / the nodes it replaces
+rewrite        ``call`` / ``outputs``       its options in the call / the call's outputs it adds
+report         ``report``                   the report's fields for it
+audit          ``eager_nodes``/``fused_bytes``  its traffic, eager and fused
+checker        ``symbolic`` / ``check_arguments``  its formula / its arguments for a numeric run
+=============  ===========================  ==========================================================
+
+The kernel side of a part (its arguments, outputs and reference semantics) is in
+``normfuse.kernels``; a part's module names the options it passes (``call``) and the outputs it
+reads back (``outputs``) by the names the functional API gives them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch.fx as fx
+
+if TYPE_CHECKING:
+    from normfuse.passes.graph import GraphIndex
+
+__all__ = ["FusionPart", "CallPiece"]
+
+
+@dataclass
+class CallPiece:
+    """What a part puts into one rewritten call: its options (keyword arguments of the call),
+    the nodes it inserted for them, and the original value each of those holds (the record)."""
+
+    options: dict[str, Any] = field(default_factory=dict)
+    inserted: list[fx.Node] = field(default_factory=list)
+    holds: dict[fx.Node, fx.Node] = field(default_factory=dict)
+
+
+class FusionPart:
+    """One step a fused call can take over (see the module docstring). The defaults are a part
+    that reads nothing, replaces nothing and adds no output; a part overrides what it does."""
+
+    name: str = ""            # the key of its match in SiteAnalysis.parts and Plan.taken
+    flag: str = ""            # the FuseConfig switch that turns it off
+    exclusive: bool = True    # it changes what y is: no second norm shares the call, no linear recomputes y
+    roles: dict[str, str] = {}  # call options holding tensors the checker reads -> their symbol prefix
+
+    # ---------------------------------------------------------------- find
+    def find(self, index: GraphIndex, match) -> Any | None:
+        """What the part recognizes at the norm ``match`` (a frozen object), or None."""
+        return None
+
+    # ---------------------------------------------------------------- plan
+    def refusal(self, site, found, plan, config, as_op: bool) -> str | None:
+        """Why the planned call cannot take ``found`` (None: it can)."""
+        if not getattr(config, self.flag):
+            return f"not fused ({self.flag}=False)"
+        return None
+
+    def take(self, plan, found) -> None:
+        """What taking ``found`` changes in the plan besides recording it (e.g. the call's x)."""
+
+    def reads(self, found) -> tuple[fx.Node, ...]:
+        """The original values the call reads for the part (its operands)."""
+        return ()
+
+    def nodes(self, found) -> tuple[fx.Node, ...]:
+        """The original nodes the part's step stands for in the call."""
+        return ()
+
+    def may_drop(self, found) -> bool:
+        """Whether the call is still made without the part when its operands come too late
+        (the report then says: "<operand_name>: <why it cannot move up>")."""
+        return False
+
+    operand_name: str = "its operand"
+
+    # ---------------------------------------------------------------- rewrite
+    def call(self, found, rewriting) -> CallPiece:
+        """The part's options in the rewritten call (``rewriting``: a rewrite.Rewriting)."""
+        return CallPiece()
+
+    def y_output(self, found, y: fx.Node) -> fx.Node:
+        """The original node the call's y replaces (the norm's output ``y`` unless the part
+        computes a step after it)."""
+        return y
+
+    def y_read(self, found) -> bool:
+        """Whether the call still returns y (False: y was read only by the part's step)."""
+        return True
+
+    def outputs(self, found, rewriting, call: fx.Node, kernel_shape: tuple, where: dict[str, int]
+                ) -> tuple[list[fx.Node], list[tuple[int, fx.Node]]]:
+        """The call's outputs the part adds: (nodes inserted, (output index, original node it replaces))."""
+        return [], []
+
+    # ---------------------------------------------------------------- report, audit
+    def report(self, record, found, fused: bool, reason: str | None) -> None:
+        """Fill the report's fields for the part on ``record`` (a reporting.Site); ``fused``: the
+        call takes it, else ``reason`` says why not (None: the site is not fused)."""
+
+    def eager_nodes(self, found) -> tuple[fx.Node, ...]:
+        """The nodes the audit prices as the eager cost of the step (those the call removes)."""
+        return ()
+
+    def fused_bytes(self, found, y_bytes: int, size) -> int:
+        """Forward bytes the call writes (or saves) for the part, with y of ``y_bytes``
+        (``size.bytes(node)``, ``size.numel(node)``: the audit's sizes of a node's value)."""
+        return 0
+
+    # ---------------------------------------------------------------- checker
+    def uses(self, options: dict) -> bool:
+        """Whether a call with these options computes the part."""
+        return False
+
+    def symbolic(self, options: dict, rows: dict, s: list, norm, ops) -> dict[str, list] | None:
+        """The call's outputs by name in exact arithmetic when the part is in it (``norm(value)``
+        normalizes a row, ``ops`` holds the checker's row operations), or None to leave them to
+        the plain formula."""
+        return None
+
+    def check_arguments(self, options: dict) -> None:
+        """Turn the original run's values into what the call takes (in place), for a numeric run."""
