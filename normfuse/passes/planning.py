@@ -245,14 +245,10 @@ def _take_parts(site: SiteAnalysis, p: Plan, config, as_op: bool) -> dict[str, s
     call lacks the parts it does not take."""
     reasons = {}
     for part in PARTS:
-        found = site.parts.get(part.name)
-        if found is None:
-            continue
-        reason = part.refusal(site, found, p, config, as_op)
-        if reason is None:
-            p.taken[part.name] = found
-            part.take(p, found)
-        else:
+        taken, reason = part.offer(site, site.parts.get(part.name), p, config, as_op)
+        if taken is not None:
+            p.taken[part.name] = taken
+        elif reason is not None:
             reasons[part.name] = reason
     return reasons
 

@@ -8,7 +8,7 @@ declares all of it, and the stages know no part by name:
 stage          hook                         what the part says
 =============  ===========================  ==========================================================
 find           ``find(index, match)``       what it recognizes at a norm (a frozen match), or None
-plan           ``refusal(...)``/``take``    whether the planned call takes it, and what that changes
+plan           ``offer(...)``               whether the planned call takes it (and what that changes)
 plan, record   ``reads`` / ``nodes``        the values the call reads for it / the nodes it replaces
 rewrite        ``call`` / ``outputs``       its options in the call / the call's outputs it adds
 report         ``report``                   the report's fields for it
@@ -59,14 +59,16 @@ class FusionPart:
         return None
 
     # ---------------------------------------------------------------- plan
-    def refusal(self, site, found, plan, config, as_op: bool) -> str | None:
-        """Why the planned call cannot take ``found`` (None: it can)."""
+    def offer(self, site, found, plan, config, as_op: bool) -> tuple[Any, str | None]:
+        """The planned call ``plan`` of ``site`` (a planning.Plan, parts earlier in PARTS already
+        taken) is offered the part: (what the call takes, None), adjusting the plan where the
+        part changes it (e.g. the call's x), or (None, why not). ``found``: what ``find`` found at
+        the site (None: nothing, or the part has no ``find``)."""
+        if found is None:
+            return None, None
         if not getattr(config, self.flag):
-            return f"not fused ({self.flag}=False)"
-        return None
-
-    def take(self, plan, found) -> None:
-        """What taking ``found`` changes in the plan besides recording it (e.g. the call's x)."""
+            return None, f"not fused ({self.flag}=False)"
+        return found, None
 
     def reads(self, found) -> tuple[fx.Node, ...]:
         """The original values the call reads for the part (its operands)."""

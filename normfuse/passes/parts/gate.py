@@ -128,20 +128,20 @@ class _Gate(FusionPart):
     def find(self, index: GraphIndex, match) -> GateMatch | None:
         return find_gate(index, match)
 
-    def refusal(self, site, found: GateMatch, plan, config, as_op: bool) -> str | None:
+    def offer(self, site, found: GateMatch | None, plan, config, as_op: bool) -> tuple[GateMatch | None, str | None]:
+        if found is None:
+            return None, None
         if not config.fuse_gate:
-            return "gates are not fused (fuse_gate=False)"
+            return None, "gates are not fused (fuse_gate=False)"
         if as_op:
-            return "Inductor's post-grad pass does not write the gated call (use backend=\"normfuse\" or optimize)"
+            return None, "Inductor's post-grad pass does not write the gated call (use backend=\"normfuse\" or optimize)"
         if plan.op == "add_norm" and found.position == "before":
-            return "the gate multiplies the norm's input, which is the add's sum: no call gates a sum"
+            return None, "the gate multiplies the norm's input, which is the add's sum: no call gates a sum"
         if plan.op not in ("norm", "add_norm"):
-            return "the norm's output goes into the add after it in the same call (norm_add)"
-        return None
-
-    def take(self, plan, found: GateMatch) -> None:
+            return None, "the norm's output goes into the add after it in the same call (norm_add)"
         if found.position == "before":  # the call reads x and z, and gates x itself
             plan.x, plan.sum_dtype = found.x, node_dtype(found.x)
+        return found, None
 
     def reads(self, found: GateMatch) -> tuple[fx.Node, ...]:
         return (found.gate,)

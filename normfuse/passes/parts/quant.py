@@ -533,7 +533,13 @@ class _Quant(FusionPart):
     def find(self, index: GraphIndex, match) -> QuantMatch | None:
         return find_quant(index, match.output)
 
-    def refusal(self, site, found: QuantMatch, plan, config, as_op: bool) -> str | None:
+    def offer(self, site, found: QuantMatch | None, plan, config, as_op: bool) -> tuple[QuantMatch | None, str | None]:
+        if found is None:
+            return None, None
+        reason = self._refusal(site, found, plan, config, as_op)
+        return (found, None) if reason is None else (None, reason)
+
+    def _refusal(self, site, found: QuantMatch, plan, config, as_op: bool) -> str | None:
         if found.reason:
             return found.reason
         if not config.fuse_quant:
@@ -544,7 +550,7 @@ class _Quant(FusionPart):
             return "the norm's output goes into the add after it in the same call (norm_add): no epilogue there"
         if plan.permute is not None:
             return "the call reads its operands permuted (a channel norm): the epilogue quantizes rows of y"
-        if plan.taken or site.match.group is not None:
+        if plan.exclusive or site.match.group is not None:
             return "a gated or grouped norm: the epilogue does not quantize its output"
         return None
 
