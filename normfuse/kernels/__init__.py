@@ -6,6 +6,7 @@
     ops.py         the custom ops, their fakes and autograd, and which path a call runs
     add_norm.py    the functional API (add_norm, norm_add, add_rms_norm, ...)
     norm_linear.py norm_linears: linears on a norm output that is recomputed in backward
+    qk_rope.py     qk_norm_rope: per-head RMSNorm of q and k, then RoPE (its semantics, reference and ops)
 
 The functional API is re-exported lazily, so importing this package neither
 imports triton nor registers the ops' implementations until a name is used.
@@ -20,6 +21,7 @@ _EXPORTS = {
        for name in ("add_norm", "add_rms_norm", "add_layer_norm", "norm_add", "rms_norm_add", "layer_norm_add")},
     **{name: "normfuse.kernels.reference" for name in ("add_norm_ref", "norm_add_ref", "add_norm_bwd_ref")},
     "dropout_keep_mask": "normfuse.kernels.ops",
+    **{name: "normfuse.kernels.qk_rope" for name in ("qk_norm_rope", "qk_norm_rope_ref")},
 }
 
 __all__ = list(_EXPORTS)

@@ -67,6 +67,17 @@ SCHEMAS: dict[str, tuple[str, str]] = {
         "bool[] has_bias, str kind, float eps, float weight_offset, ScalarType sum_dtype, "
         "ScalarType? norm_round_dtype, ScalarType out_dtype) -> Tensor[]",
         "normfuse.kernels.norm_linear"),
+    "qk_norm_rope_fwd": (
+        "(Tensor q, Tensor? k, Tensor? q_weight, Tensor? k_weight, Tensor cos, Tensor sin, float eps, "
+        "float weight_offset, ScalarType? norm_round_dtype, ScalarType norm_out_dtype, ScalarType rope_dtype, "
+        "ScalarType out_dtype, str layout, SymInt rotary_dim, bool full_width, bool transpose_out) "
+        "-> (Tensor, Tensor, Tensor, Tensor)",
+        "normfuse.kernels.qk_rope"),
+    "qk_norm_rope_bwd": (
+        "(Tensor dq_out, Tensor? dk_out, Tensor q, Tensor? k, Tensor? q_weight, Tensor? k_weight, Tensor cos, "
+        "Tensor sin, Tensor q_rstd, Tensor? k_rstd, float weight_offset, str layout, SymInt rotary_dim, "
+        "bool full_width) -> (Tensor, Tensor, Tensor, Tensor)",
+        "normfuse.kernels.qk_rope"),
 }
 
 _DECLARED: dict[str, "torch._library.custom_ops.CustomOpDef"] = {}

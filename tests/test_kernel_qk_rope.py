@@ -1,0 +1,359 @@
+"""qk_norm_rope: per-head RMSNorm of q and k, then RoPE, in one op (normfuse/kernels/qk_rope.py).
+
+* Reference path: the outputs equal the models' own code bit for bit, called on the same inputs: HF's
+  q_norm / k_norm modules and apply_rotary_pos_emb of Qwen3, Gemma 3, GLM-4 MoE (partial rotary) and
+  OLMo 2 (whole-row norm, fp32 tables), and torchtitan's nn.RMSNorm + ComplexRoPE / CosSinRoPE.
+* Triton path (the kernels under the interpreter): the same outputs as the reference, bit for bit.
+* Gradients: held to the project's rule (normfuse.tolerances) three ways: |ours - fp64| <= factor *
+  |the model's code in the working dtype - fp64| + atol, fp64 being the reference with fp64 roundings.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from normfuse.errors import InvalidOptionError, NormfuseError, ShapeMismatchError, UnsupportedDtypeError
+from normfuse.kernels.qk_rope import qk_norm_rope, qk_norm_rope_ref
+from normfuse.tolerances import within_tolerance
+from normfuse.zoo import prepare_torchvision
+
+from kernel_cases import BF16, FP16, FP32, FP64, assert_same_bits
+
+prepare_torchvision()
+pytest.importorskip("transformers")
+from transformers.models.gemma3 import modeling_gemma3 as gemma3  # noqa: E402
+from transformers.models.glm4_moe import modeling_glm4_moe as glm4_moe  # noqa: E402
+from transformers.models.olmo2 import modeling_olmo2 as olmo2  # noqa: E402
+from transformers.models.qwen3 import modeling_qwen3 as qwen3  # noqa: E402
+
+EPS = 1e-6
+DTYPES = {"bf16": BF16, "fp16": FP16, "fp32": FP32}
+
+
+@pytest.fixture(params=("reference", "triton"))
+def path(request):
+    """CPU tensors through the reference, or through the Triton kernels (interpreter)."""
+    if request.param == "triton":
+        request.getfixturevalue("triton_cpu")
+    return request.param
+
+
+# ---- inputs ------------------------------------------------------------------------------------
+
+def qk(B, S, H, Hk, D, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, S, H, D, generator=gen) * 2 + 0.3).to(dtype)
+    k = (torch.randn(B, S, Hk, D, generator=gen) * 1.5 - 0.2).to(dtype)
+    return q, k
+
+
+def weights(n, dtype, seed=1, mean=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, generator=gen) * 0.3 + mean).to(dtype) for _ in range(2)]
+
+
+def hf_tables(B, S, R, dtype, theta=10000.0):
+    """cos, sin as HF's rotary embeddings compute them: (B, S, R), halves duplicated, positions
+    offset per batch (as with a cache), fp32 then cast to ``dtype``."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, R, 2, dtype=torch.int64).float() / R)
+    positions = torch.arange(S)[None, :] + 7 * torch.arange(B)[:, None]
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def norm_module(cls, n, weight):
+    """The model's norm module with ``weight`` itself as its weight (a leaf of the caller's run)."""
+    module = cls(n, eps=EPS)
+    module._parameters["weight"] = weight
+    return module
+
+
+# ---- the models' code, and the options that reproduce it ------------------------------------
+
+def qwen3_like(family, q, k, wq, wk, cos, sin):
+    """Qwen3 / GLM-4 MoE (use_qk_norm): per-head Llama-rounding norm, transpose, apply_rotary_pos_emb
+    (GLM's rotates the first cos.shape[-1] columns)."""
+    mod = {"qwen3": qwen3, "glm4_moe": glm4_moe}[family]
+    cls = {"qwen3": qwen3.Qwen3RMSNorm, "glm4_moe": glm4_moe.Glm4MoeRMSNorm}[family]
+    qn, kn = norm_module(cls, q.shape[-1], wq)(q), norm_module(cls, k.shape[-1], wk)(k)
+    return mod.apply_rotary_pos_emb(qn.transpose(1, 2), kn.transpose(1, 2), cos, sin)
+
+
+def gemma3_hf(q, k, wq, wk, cos, sin):
+    """Gemma 3: q_norm on the transposed heads ((1 + w), multiplied then rounded), then RoPE."""
+    qn = norm_module(gemma3.Gemma3RMSNorm, q.shape[-1], wq)(q.transpose(1, 2))
+    kn = norm_module(gemma3.Gemma3RMSNorm, k.shape[-1], wk)(k.transpose(1, 2))
+    return gemma3.apply_rotary_pos_emb(qn, kn, cos, sin)
+
+
+def olmo2_hf(q, k, wq, wk, cos, sin):
+    """OLMo 2: q_norm over the whole projection (all heads), the view, then RoPE with fp32 tables
+    and a cast back to the input dtype."""
+    B, S, H, D = q.shape
+    qn = norm_module(olmo2.Olmo2RMSNorm, H * D, wq)(q.reshape(B, S, H * D)).view(B, S, H, D)
+    kn = norm_module(olmo2.Olmo2RMSNorm, k.shape[2] * D, wk)(k.reshape(B, S, -1)).view(k.shape)
+    return olmo2.apply_rotary_pos_emb(qn.transpose(1, 2), kn.transpose(1, 2), cos, sin)
+
+
+def options(family, dtype):
+    """qk_norm_rope's options for the family's code on activations of ``dtype`` (module docstring)."""
+    if family in ("qwen3", "glm4_moe"):
+        return dict(norm_round_dtype=dtype, transpose_out=True)
+    if family == "gemma3":
+        return dict(weight_offset=1.0, transpose_out=True)
+    if family == "olmo2":
+        return dict(norm_width="row", out_dtype=dtype, transpose_out=True)
+    return dict(out_dtype=dtype)  # torchtitan: rope_dtype fp32 from its fp32 tables
+
+
+def hf(family, q, k, wq, wk, cos, sin):
+    if family == "gemma3":
+        return gemma3_hf(q, k, wq, wk, cos, sin)
+    if family == "olmo2":
+        return olmo2_hf(q, k, wq, wk, cos, sin)
+    return qwen3_like(family, q, k, wq, wk, cos, sin)
+
+
+def case(family, dtype, B=2, S=5, H=4, Hk=2, D=64, wdtype=None, seed=0):
+    """(q, k, wq, wk, cos, sin, R) of a family: GLM rotates half of each head (partial_rotary_factor
+    0.5), OLMo 2's weights span all heads and its tables stay fp32."""
+    q, k = qk(B, S, H, Hk, D, dtype, seed)
+    R = D // 2 if family == "glm4_moe" else D
+    if family == "olmo2":
+        wq, _ = weights(H * D, wdtype or dtype, seed + 1)
+        _, wk = weights(Hk * D, wdtype or dtype, seed + 1)
+        cos, sin = hf_tables(B, S, R, FP32)
+    else:
+        wq, wk = weights(D, wdtype or dtype, seed + 1, mean=0.0 if family == "gemma3" else 1.0)
+        cos, sin = hf_tables(B, S, R, dtype)
+    return q, k, wq, wk, cos, sin, R
+
+
+HF_FAMILIES = ("qwen3", "gemma3", "glm4_moe", "olmo2")
+
+
+# ---- the reference path: bit for bit with the models ------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_reference_equals_hf(family, dtype):
+    q, k, wq, wk, cos, sin, _ = case(family, dtype)
+    with torch.no_grad():
+        got = qk_norm_rope(q, k, wq, wk, cos, sin, eps=EPS, **options(family, dtype))
+        want = hf(family, q, k, wq, wk, cos, sin)
+    for name, g, w in zip(("q", "k"), got, want):
+        assert_same_bits(g, w.contiguous(), f"{family} {name}")
+        assert g.is_contiguous()
+
+
+def test_qwen3_with_an_fp32_weight_on_bf16_activations():
+    """A norm left in fp32 next to bf16 activations: weight * h.to(bf16) promotes to fp32, and the
+    RoPE then runs in fp32 too (bf16 tables times fp32 y): the defaults follow eager's promotion."""
+    q, k, wq, wk, cos, sin, _ = case("qwen3", BF16, wdtype=FP32)
+    with torch.no_grad():
+        got = qk_norm_rope(q, k, wq, wk, cos, sin, eps=EPS, norm_round_dtype=BF16, transpose_out=True)
+        want = hf("qwen3", q, k, wq, wk, cos, sin)
+    for name, g, w in zip(("q", "k"), got, want):
+        assert g.dtype == FP32 and torch.isfinite(g).all()
+        assert_same_bits(g, w.contiguous(), name)
+
+
+def titan_inputs(dtype, B=2, S=6, H=4, Hk=2, D=64, seed=0):
+    from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
+    q, k = qk(B, S, H, Hk, D, dtype, seed)
+    wq, wk = weights(D, dtype, seed + 1)
+    cfg = dict(dim=D, max_seq_len=S + 3, theta=500000.0)
+    complex_rope = ComplexRoPE(ComplexRoPE.Config(**cfg))
+    cossin_rope = CosSinRoPE(CosSinRoPE.Config(**cfg))
+    return q, k, wq, wk, complex_rope, cossin_rope
+
+
+def titan_norm(x, w):
+    return norm_module(torch.nn.RMSNorm, x.shape[-1], w)(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("form", ("complex", "cos_sin"))
+def test_reference_equals_torchtitan(form, dtype):
+    """torchtitan: nn.RMSNorm on (B, S, H, D), then ComplexRoPE (view_as_complex(x.float()) * freqs_cis,
+    type_as: the pair rotation in fp32, one rounding) or CosSinRoPE (rotate_half in fp32)."""
+    pytest.importorskip("torchtitan")
+    q, k, wq, wk, complex_rope, cossin_rope = titan_inputs(dtype)
+    D, S = q.shape[-1], q.shape[1]
+    with torch.no_grad():
+        qn, kn = titan_norm(q, wq), titan_norm(k, wk)
+        if form == "complex":
+            freqs_cis = complex_rope._reshape_cache(q)                  # (1, S, 1, D / 2) complex64
+            want = complex_rope.apply_rotary_emb(qn, kn, freqs_cis)
+            got = qk_norm_rope(q, k, wq, wk, freqs_cis.real, freqs_cis.imag, eps=EPS, layout="gptj", rotary_dim=D,
+                               out_dtype=dtype)
+        else:
+            cache = cossin_rope._reshape_cache(q)                       # (1, S, 1, 2 D) fp32
+            want = cossin_rope.apply_rotary_emb(qn, kn, cache)
+            got = qk_norm_rope(q, k, wq, wk, cache[..., :D], cache[..., D:], eps=EPS, out_dtype=dtype)
+    assert got[0].shape == (2, S, 4, D)
+    for name, g, w in zip(("q", "k"), got, want):
+        assert_same_bits(g, w, f"{form} {name}")
+
+
+# ---- pitfalls: the options matter ---------------------------------------------------------------
+
+def test_gptj_layout_on_neox_tables_differs():
+    """The layout is an argument, never assumed: pairing adjacent columns where the model rotates
+    halves gives other numbers."""
+    q, k, wq, wk, cos, sin, _ = case("qwen3", BF16)
+    with torch.no_grad():
+        want = hf("qwen3", q, k, wq, wk, cos, sin)[0]
+        neox = qk_norm_rope(q, k, wq, wk, cos, sin, eps=EPS, norm_round_dtype=BF16, transpose_out=True)[0]
+        gptj = qk_norm_rope(q, k, wq, wk, cos, sin, eps=EPS, norm_round_dtype=BF16, transpose_out=True,
+                            layout="gptj")[0]
+    assert torch.equal(neox, want)
+    assert (gptj != want).float().mean() > 0.5
+
+
+def test_skipping_the_bf16_round_before_rope_differs():
+    """Qwen3 rounds the norm output to bf16, and each step of RoPE: an op that normalizes and rotates
+    in fp32 and rounds once (what a "fused in fp32" kernel does) differs from the model."""
+    q, k, wq, wk, cos, sin, _ = case("qwen3", BF16, S=16)
+    with torch.no_grad():
+        want = hf("qwen3", q, k, wq, wk, cos, sin)[0]
+        exact = qk_norm_rope(q, k, wq, wk, cos, sin, eps=EPS, norm_round_dtype=BF16, transpose_out=True)[0]
+        fp32 = qk_norm_rope(q, k, wq, wk, cos, sin, eps=EPS, norm_round_dtype=BF16, norm_out_dtype=FP32,
+                            rope_dtype=FP32, out_dtype=BF16, transpose_out=True)[0]
+    assert torch.equal(exact, want)
+    assert (fp32 != want).float().mean() > 0.05
+
+
+@pytest.mark.parametrize("R", (32, 16), ids=("half", "quarter"))
+def test_partial_rotary_passes_the_rest_through(path, R):
+    """GLM-style partial rotary: the columns past R are the norm output itself, finite, and the
+    rotated ones equal the model's."""
+    q, k, wq, wk, cos, sin, _ = case("glm4_moe", BF16, D=64)
+    cos, sin = cos[..., :R], sin[..., :R]
+    with torch.no_grad():
+        got = qk_norm_rope(q, k, wq, wk, cos, sin, eps=EPS, norm_round_dtype=BF16, transpose_out=True)
+        want = hf("glm4_moe", q, k, wq, wk, cos, sin)
+        norm = norm_module(glm4_moe.Glm4MoeRMSNorm, 64, wq)(q).transpose(1, 2)
+    assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
+    assert_same_bits(got[0][..., R:], norm[..., R:].contiguous(), "pass-through columns")
+    for name, g, w in zip(("q", "k"), got, want):
+        assert_same_bits(g, w.contiguous(), name)
+
+
+# ---- gradients: the project's rule --------------------------------------------------------------
+
+def _run(fn, tensors, cot):
+    """fn's outputs and the grads of q, k, wq, wk under sum(out * cotangent)."""
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    outs = fn(*leaves)
+    loss = sum((o.double() * c).sum() for o, c in zip(outs, cot))
+    return list(outs) + list(torch.autograd.grad(loss, leaves))
+
+
+def check_three_way(family, dtype, B=2, S=4, H=4, Hk=2, D=64):
+    q, k, wq, wk, cos, sin, R = case(family, dtype, B, S, H, Hk, D)
+    opts = options(family, dtype)
+    gen = torch.Generator().manual_seed(5)
+    cot = [torch.randn(B, h, S, D, generator=gen, dtype=FP64) for h in (H, Hk)]
+    got = _run(lambda *a: qk_norm_rope(*a, cos, sin, eps=EPS, **opts), (q, k, wq, wk), cot)
+    base = _run(lambda *a: hf(family, *a, cos, sin), (q, k, wq, wk), cot)
+    opts64 = {key: (FP64 if isinstance(v, torch.dtype) else v) for key, v in opts.items()}
+    opts64.update(norm_out_dtype=FP64, rope_dtype=FP64, out_dtype=FP64)
+    if "norm_round_dtype" in opts64:
+        opts64["norm_round_dtype"] = FP64
+    exact = _run(lambda *a: qk_norm_rope_ref(*a, cos.double(), sin.double(), eps=EPS, **opts64),
+                 (q.double(), k.double(), wq.double(), wk.double()), cot)
+    for what, g, b, e in zip(("q_out", "k_out", "dq", "dk", "dq_weight", "dk_weight"), got, base, exact):
+        assert g.dtype == b.dtype and g.shape == b.shape, what
+        ok, err, err_base, bound = within_tolerance(g, b.contiguous(), e, dtype=dtype)
+        assert ok, f"{family} {what}: error {err:.3g} > bound {bound:.3g} (the model's {err_base:.3g})"
+
+
+@pytest.mark.parametrize("dtype", (BF16, FP32), ids=("bf16", "fp32"))
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_grads_vs_fp64_reference_path(family, dtype):
+    check_three_way(family, dtype)
+
+
+def test_cos_and_sin_are_not_differentiated_on_the_eager_path():
+    """Grads flow to q, k and the weights; a rotary table that requires grad is refused."""
+    q, k, wq, wk, cos, sin, _ = case("qwen3", FP32)
+    with pytest.raises(InvalidOptionError, match="cos.detach()"):
+        qk_norm_rope(q, k, wq, wk, cos.requires_grad_(), sin, eps=EPS)
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+def _bad(**change):
+    q, k = qk(2, 3, 4, 2, 64, BF16)
+    (wq, wk), (cos, sin) = weights(64, BF16), hf_tables(2, 3, 64, BF16)
+    args = dict(q=q, k=k, q_weight=wq, k_weight=wk, cos=cos, sin=sin, eps=EPS)
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change,error,words", [
+    (dict(q=torch.zeros(2, 3, 256)), ShapeMismatchError, "(batch, seq, heads, head_dim)"),
+    (dict(k=torch.zeros(2, 3, 2, 32, dtype=BF16)), ShapeMismatchError, "(B, S, Hk, D) = (2, 3, Hk, 64)"),
+    (dict(q_weight=torch.ones(32)), ShapeMismatchError, "must have shape (64,)"),
+    (dict(q_weight=torch.ones(64), norm_width="row"), ShapeMismatchError, "heads * head_dim = 256"),
+    (dict(rotary_dim=33), ShapeMismatchError, "must be even"),
+    (dict(rotary_dim=128), ShapeMismatchError, "head_dim = 64"),
+    (dict(cos=torch.ones(2, 4, 64), sin=torch.ones(2, 4, 64)), ShapeMismatchError, "broadcast to (B, S, 1, R)"),
+    (dict(cos=torch.ones(2, 3, 64), sin=torch.ones(2, 3, 32)), ShapeMismatchError, "must match"),
+    (dict(q=torch.zeros(2, 3, 4, 64, dtype=torch.int32)), UnsupportedDtypeError, "q.to(torch.bfloat16)"),
+    (dict(k_weight=torch.ones(64, dtype=torch.int8)), UnsupportedDtypeError, "k_weight"),
+    (dict(layout="neo-x"), InvalidOptionError, "Did you mean 'neox'?"),
+    (dict(norm_width="heads"), InvalidOptionError, "Did you mean 'head'?"),
+    (dict(eps=-1.0), InvalidOptionError, "eps=-1.0"),
+    (dict(rope_dtype=torch.int8), UnsupportedDtypeError, "rope_dtype"),
+])
+def test_bad_arguments(change, error, words):
+    with pytest.raises(error) as info:
+        qk_norm_rope(**_bad(**change))
+    assert isinstance(info.value, NormfuseError) and words in str(info.value)
+
+
+# ---- ops: opcheck, compile -------------------------------------------------------------------------
+
+def _op_samples():
+    q, k = (t.requires_grad_() for t in qk(2, 3, 4, 2, 64, BF16))
+    wq, wk = (w.requires_grad_() for w in weights(64, FP32))
+    cos, sin = (t.unsqueeze(2) for t in hf_tables(2, 3, 32, BF16))
+    yield "fwd", (q, k, wq, wk, cos, sin, EPS, 0.0, BF16, FP32, FP32, BF16, "neox", 32, False, True)
+    yield "fwd_q_only", (q, None, None, None, cos[..., :16], sin[..., :16], EPS, 1.0, None, BF16, BF16, BF16, "gptj",
+                         32, False, False)
+    w_row = weights(4 * 64, BF16)[0].requires_grad_()
+    yield "fwd_row", (q, None, w_row, None, cos[:1], sin[:1], EPS, 0.0, None, BF16, FP32, BF16, "neox", 32, True,
+                      False)
+    dq, dk = qk(2, 3, 4, 2, 64, BF16, seed=3)
+    rstd_q, rstd_k = torch.rand(24) + 0.5, torch.rand(12) + 0.5
+    yield "bwd", (dq.transpose(1, 2).contiguous().transpose(1, 2), dk, q.detach(), k.detach(), wq.detach(),
+                  wk.detach(), cos, sin, rstd_q, rstd_k, 0.0, "neox", 32, False)
+
+
+@pytest.mark.parametrize("name,args", list(_op_samples()), ids=lambda v: v if isinstance(v, str) else "")
+def test_opcheck(path, name, args):
+    op = torch.ops.normfuse.qk_norm_rope_bwd if name == "bwd" else torch.ops.normfuse.qk_norm_rope_fwd
+    torch.library.opcheck(op.default, args)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compile_fullgraph_matches_eager():
+    """Traced calls keep one custom op; forward and grads equal the eager path's."""
+    q, k, wq, wk, cos, sin, _ = case("qwen3", BF16)
+
+    def attn_inputs(q, k, wq, wk):
+        qo, ko = qk_norm_rope(q, k, wq, wk, cos, sin, eps=EPS, norm_round_dtype=BF16, transpose_out=True)
+        return qo.float().square().sum() + ko.float().sin().sum()
+
+    runs = []
+    for fn in (attn_inputs, torch.compile(attn_inputs, fullgraph=True, backend="aot_eager")):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, wq, wk)]
+        loss = fn(*leaves)
+        loss.backward()
+        runs.append([loss] + [t.grad for t in leaves])
+    for eager, compiled in zip(*runs):
+        assert torch.equal(eager, compiled)
