@@ -22,7 +22,7 @@ import torch.fx as fx
 from normfuse.passes.analysis import SiteAnalysis
 from normfuse.passes.canonical import node_dtype, node_shape, real_users, tensor_meta
 from normfuse.passes.find import identity_dropout
-from normfuse.passes.parts import PARTS
+from normfuse.passes.parts import PARTS, folded_nodes, taken_parts
 from normfuse.passes.planning import Plan
 
 __all__ = ["Traffic", "site_bytes", "numel"]
@@ -165,8 +165,7 @@ def _site_nodes(site: SiteAnalysis, plan: Plan | None) -> list[fx.Node]:
     op = plan.op if plan is not None else None
     if op == "add_norm" and site.in_add is not None and site.number == plan.lead:  # the lead prices the add
         add = site.in_add
-        folded = plan.branch.nodes if plan.branch is not None else []
-        nodes = [*reversed(folded), add.node, *add.chain, *nodes]
+        nodes = [*reversed(folded_nodes(plan.taken)), add.node, *add.chain, *nodes]
         if add.scaled is not None:  # alpha * x of DeepNorm, computed before the add
             scale = add.node.all_input_nodes[add.scaled] if len(add.node.all_input_nodes) > add.scaled else None
             if scale is not None and scale not in nodes:
@@ -192,13 +191,15 @@ def _widening(dtype: torch.dtype | None, residual_dtype: torch.dtype | None) -> 
 
 
 def _kernel_operands(site: SiteAnalysis, plan: Plan) -> list:
-    """The tensors an add_norm kernel reads for the sum: the add's operands, or, with a folded
-    branch, its x, x1 and per-row scale in place of the branch value."""
-    fold = plan.branch
-    if fold is None or not fold.folded:
+    """The tensors an add_norm kernel reads for the sum: the add's operands, or, with nodes
+    ahead of the add folded (the branch), x and what the folding parts read in place of the
+    value the add read."""
+    folded = folded_nodes(plan.taken)
+    if not folded:
         return list(site.in_add.operands)
-    rest = [a for a in site.in_add.operands if a is not fold.nodes[0]]
-    return [fold.x, fold.x1, fold.rowscale, *rest]
+    rest = [a for a in site.in_add.operands if a is not folded[0]]
+    reads = [r for part, found in taken_parts(plan.taken) if part.folded(found) for r in part.reads(found)]
+    return [plan.x, *reads, *rest]
 
 
 def _escapes(node: fx.Node, inside: set) -> bool:

@@ -8,13 +8,11 @@ decides, site by site in graph order, which call each becomes:
 - norm -> add      : ``norm_add(f, stream, w, b, ...)`` for ``x + norm(f)`` (res-post, sandwich);
 - a norm alone     : ``add_norm(x, None, w, b, ...)``;
 - two norms of one value (parallel blocks): one call, the second norm as ``weight1``/``bias1``;
-- the add's branch: a second add, a per-sample scale or live dropout just before the add
-  become the kernel's ``x1``, ``rowscale``, ``dropout_p`` (``branch.py``);
 - each fusion part (``parts/``) found at the site that the call can take is taken, in
   ``PARTS`` order; a part it cannot take keeps its reason.
 
 A ``Plan`` carries everything decided for one call: the sites it computes, the adds it
-claims, the branch fold, the operands, the rounding modes, where it goes (with the late
+claims, the fusion parts it takes, the operands, the rounding modes, where it goes (with the late
 operands moved up before it), whether it keeps the residual stream wider
 (``residual_dtype``), and the linears that recompute its output (``recompute_norm_output``).
 A site no call computes gets a ``Decision`` with the reason. The rewrite applies the plans
@@ -32,12 +30,11 @@ import torch
 import torch.fx as fx
 
 from normfuse.passes.analysis import Analysis, SiteAnalysis
-from normfuse.passes.branch import BranchFold, fold_branch
 from normfuse.passes.canonical import canonical, mutates, node_dtype, node_shape, real_users, same_shape, tensor_meta
 from normfuse.passes.classify import stream_operand
 from normfuse.passes.find import permuted_layout
 from normfuse.passes.graph import GraphIndex
-from normfuse.passes.parts import PARTS
+from normfuse.passes.parts import PARTS, folded_nodes
 from normfuse.vocabulary import KERNEL_DTYPES, LOW_PRECISION, Placement
 
 __all__ = ["Plan", "Decision", "Planning", "Insertion", "plan"]
@@ -64,8 +61,7 @@ class Plan:
     residual_scale: float = 1.0
     sum_dtype: torch.dtype | None = None
     permute: tuple[int, ...] | None = None   # the kernel reads x and residual permuted by these dims
-    branch: BranchFold | None = None         # x1 / rowscale / dropout taken from the add's branch
-    claims: tuple[fx.Node, ...] = ()         # adds (and branch nodes) no other call may take
+    claims: tuple[fx.Node, ...] = ()         # adds (and nodes a part folded) no other call may take
     insertion: Insertion | None = None
     residual_dtype: torch.dtype | None = None  # the call writes, or reads, a stream kept in this dtype
     widens: bool = False                     # ... it writes the sum in residual_dtype
@@ -185,22 +181,8 @@ def _choose(analysis: Analysis, site: SiteAnalysis, claimed: set, reserved: set,
         if add.permute is not None and add.scaled is None \
                 and permuted_layout(residual, add.permute) != permuted_layout(add.node, add.permute):
             x, residual = residual, x  # the call returns the sum in its residual's layout: the add's
-        branch = None
-        if add.permute is None and config.fuse_branch:
-            # the kernel draws a rank's mask from its local row index: on DTensors, ranks holding
-            # different rows would draw the same pattern, so their dropout stays eager's
-            from normfuse.kernels.sharding import is_dtensor
-            local_rows = is_dtensor(tensor_meta(add.node))
-            modes = dict(second=True, rowscale=True, dropout=config.fuse_dropout and not as_op and not local_rows)
-            branch = fold_branch(index, add.node, x, **modes)
-            if not branch.folded and add.scaled is None:
-                # the stream may be unknown (an operand is another site's output): the other
-                # operand may be the branch; x and residual play the same part in the sum
-                other = fold_branch(index, add.node, residual, **modes)
-                if other.folded:
-                    branch, residual = other, x
-        return Plan("add_norm", (site.number,), branch.x if branch else x, residual, residual_scale=add.residual_scale,
-                    sum_dtype=node_dtype(add.node), permute=add.permute, branch=branch), None
+        return Plan("add_norm", (site.number,), x, residual, residual_scale=add.residual_scale,
+                    sum_dtype=node_dtype(add.node), permute=add.permute), None
     if config.fuse_output_add and out is not None and out.reason is None and out.node not in claimed \
             and m.layout is None \
             and out.node not in reserved and add is None and site.placement in (Placement.RES_POST,
@@ -240,12 +222,12 @@ def _add_reason(site: SiteAnalysis, p: Plan | None, claimed: set, reserved: set,
     return "the add after the norm does not keep the stream's shape"
 
 
-def _take_parts(site: SiteAnalysis, p: Plan, config, as_op: bool) -> dict[str, str]:
-    """Offer the call each fusion part found at its site, in ``PARTS`` order; returns why the
-    call lacks the parts it does not take."""
+def _take_parts(index: GraphIndex, site: SiteAnalysis, p: Plan, config, as_op: bool) -> dict[str, str]:
+    """Offer the call each fusion part, in ``PARTS`` order; returns why the call lacks the parts
+    found at its site that it does not take."""
     reasons = {}
     for part in PARTS:
-        taken, reason = part.offer(site, site.parts.get(part.name), p, config, as_op)
+        taken, reason = part.offer(index, site, site.parts.get(part.name), p, config, as_op)
         if taken is not None:
             p.taken[part.name] = taken
         elif reason is not None:
@@ -278,7 +260,7 @@ def _place(analysis: Analysis, p: Plan) -> tuple[Insertion | None, str | None]:
     candidates = _candidates(analysis, p)
     first = min(candidates, key=index.order.__getitem__)
     lead = analysis.sites[p.lead].match
-    extra = (p.branch.x1, p.branch.rowscale) if p.branch is not None else ()
+    extra = ()
     for part in PARTS:
         if part.name in p.taken:
             extra += part.reads(p.taken[part.name])
@@ -351,8 +333,8 @@ def _absorbed(analysis: Analysis, p: Plan) -> set[fx.Node]:
     if p.op == "add_norm" and lead.in_add is not None:
         add = lead.in_add
         nodes |= {add.node, *add.chain, *add.node.all_input_nodes}
-        branch = p.branch.nodes if p.branch is not None else []
-        nodes |= {*branch, *(n for b in branch for n in b.all_input_nodes)}
+        folded = folded_nodes(p.taken)
+        nodes |= {*folded, *(n for b in folded for n in b.all_input_nodes)}
     if p.output_add is not None:
         nodes.add(p.output_add)
     return nodes
@@ -447,7 +429,7 @@ def plan(analysis: Analysis, config, as_op: bool = False, excluded: Callable[[in
         if site.number in unavailable:
             continue
         chosen, reason = _choose(analysis, site, claimed, reserved, config, as_op)
-        part_reasons = _take_parts(site, chosen, config, as_op) if chosen is not None else {}
+        part_reasons = _take_parts(analysis.index, site, chosen, config, as_op) if chosen is not None else {}
         if chosen is not None and config.pair_norms and chosen.op in ("add_norm", "norm") and chosen.permute is None \
                 and not chosen.exclusive:
             partner = _partner(analysis, site, unavailable)
@@ -471,9 +453,8 @@ def plan(analysis: Analysis, config, as_op: bool = False, excluded: Callable[[in
             decisions[site.number] = Decision(reason=reason, add_reason=None, part_reasons=found_reasons)
             continue
         add_reason = _add_reason(site, chosen, claimed, reserved, config)
-        branch_nodes = chosen.branch.nodes if chosen.branch is not None else []
         chosen.claims = tuple(n for n in (site.in_add.node if chosen.op == "add_norm" and site.in_add is not None
-                                          else None, chosen.output_add, *branch_nodes) if n is not None)
+                                          else None, chosen.output_add, *folded_nodes(chosen.taken)) if n is not None)
         claimed.update(chosen.claims)  # an add folded into one kernel is not folded into another
         if config.recompute_norm_output and not as_op and not chosen.exclusive:
             chosen.recompute = _linear_readers(analysis, chosen)

@@ -106,10 +106,6 @@ def site_records(analysis: Analysis, planning: Planning | None = None, applied: 
         for k, member in enumerate(sites[n] for n in plan.sites):
             member.call_number, member.op = number, plan.op
             member.add_reason = planning.decisions[member.number].add_reason
-            if k == 0:  # what the call takes over from the add's branch is the lead's
-                member.fused_dropout = bool(plan.branch is not None and plan.branch.dropout_p)
-                member.fused_rowscale = plan.branch is not None and plan.branch.rowscale is not None
-                member.fused_x1 = plan.branch is not None and plan.branch.x1 is not None
             if not applied:
                 member.reason = "not applied (analysis only)"
                 continue
@@ -123,12 +119,14 @@ def site_records(analysis: Analysis, planning: Planning | None = None, applied: 
                 member.recomputed_linears = len(plan.recompute)
     for record, site, decision in zip(sites, analysis.sites, planning.decisions):
         plan = planning.plans[decision.plan] if decision.plan is not None else None
+        # what the call takes over of each part is the lead's (a second norm shares its call)
+        taken = plan.taken if plan is not None and plan.lead == site.number else {}
         for part in PARTS:
-            if part.name not in site.parts:
-                continue
-            fused = plan is not None and plan.lead == site.number and part.name in plan.taken
-            reason = None if fused else (decision.part_reasons.get(part.name) or decision.reason or "not rewritten")
-            part.report(record, site.parts[part.name], fused, reason)
+            if part.name in taken:
+                part.report(record, taken[part.name], fused=True, reason=None)
+            elif part.name in site.parts:
+                reason = decision.part_reasons.get(part.name) or decision.reason or "not rewritten"
+                part.report(record, site.parts[part.name], fused=False, reason=reason)
     for site, decision in zip(sites, planning.decisions):
         if decision.plan is None:
             site.reason = decision.reason or "not rewritten"

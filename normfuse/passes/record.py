@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from normfuse.kernels.add_norm import add_norm, norm_add
 from normfuse.passes.find import live_dropout_p
-from normfuse.passes.parts import PARTS
+from normfuse.passes.parts import PARTS, folded_nodes
 
 __all__ = ["CallRecord", "record_call", "records_of", "attach_records", "fused_op_name", "is_fused_call", "output_names",
            "ARG_ROLES", "OPTION_ROLES"]
@@ -32,7 +32,7 @@ __all__ = ["CallRecord", "record_call", "records_of", "attach_records", "fused_o
 # the roles of a fused call's tensor arguments, in the order the checker passes them:
 # positional, then the keyword options a call takes when it has them (the fusion parts' last)
 ARG_ROLES = ("x", "residual", "weight", "bias")
-OPTION_ROLES = ("x1", "rowscale", "weight1", "bias1", *(role for part in PARTS for role in part.roles))
+OPTION_ROLES = ("weight1", "bias1", *(role for part in PARTS for role in part.roles))
 
 _RECORDS = "normfuse_calls"  # the rewritten graph module's meta key holding its records
 
@@ -50,7 +50,7 @@ class CallRecord:
     eps: float | None = None                   # the eps of the original norm
     layout: tuple[int, ...] | None = None      # the call reads x and residual permuted by these dims
     permuted_back: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (output index, dims the rewrite permutes it by)
-    folded: tuple[str, ...] = ()               # original branch nodes the call computes (x1, drop path, dropout)
+    folded: tuple[str, ...] = ()               # original nodes ahead of the add the call computes (parts' folded)
     dropout: str | None = None                 # the folded live dropout, whose mask the kernel draws
 
 
@@ -109,7 +109,7 @@ def record_call(analysis: Any, p: Any, call: fx.Node, reads: set[fx.Node],
     index = analysis.index
     lead = analysis.sites[p.lead]
     m = lead.match
-    folded = list(p.branch.nodes) if p.branch is not None else []
+    folded = folded_nodes(p.taken)
     nodes = list(m.nodes)
     for part in PARTS:
         if part.name in p.taken:

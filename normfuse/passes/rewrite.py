@@ -24,7 +24,7 @@ from normfuse.kernels.add_norm import add_norm, norm_add
 from normfuse.passes.analysis import Analysis
 from normfuse.passes.canonical import canonical, node_dtype, node_shape, real_users, same_shape, tensor_meta
 from normfuse.passes.graph import copy_meta
-from normfuse.passes.parts import PARTS
+from normfuse.passes.parts import PARTS, folded_nodes
 from normfuse.passes.planning import Plan, Planning
 from normfuse.passes.record import CallRecord, record_call
 
@@ -127,41 +127,13 @@ def output_index(as_op: bool, paired: bool, quantized: bool = False) -> dict[str
     return {"y": 0, "y1": 1, "s": 2} if paired else {"y": 0, "s": 1}
 
 
-def _per_row(graph: fx.Graph, scale: fx.Node, shape: tuple, as_op: bool) -> list[fx.Node]:
-    """A (B, 1, ..., 1) scale as the kernel's one number per row: reshaped and expanded to
-    shape[:-1] (a view; the op reads it as rows)."""
-    flat_shape, rows_shape = list(node_shape(scale)[:-1]), list(shape[:-1])
-    if as_op:
-        flat = graph.call_function(torch.ops.aten.view.default, (scale, flat_shape))
-        rows = graph.call_function(torch.ops.aten.expand.default, (flat, rows_shape))
-    else:
-        flat = graph.call_method("reshape", (scale, *flat_shape))
-        rows = graph.call_method("expand", (flat, *rows_shape))
-    for key in ("val", "example_value"):
-        val = scale.meta.get(key)
-        if isinstance(val, torch.Tensor):
-            flat.meta[key] = val.reshape(flat_shape)
-            rows.meta[key] = flat.meta[key].expand(rows_shape)
-    return [flat, rows]
-
-
-def _branch_and_partner_options(r: Rewriting, p: Plan) -> tuple[dict, list[fx.Node]]:
-    """The fused call's x1 / rowscale / dropout_p / weight1 / bias1 options (only those in use,
-    so a plain site's call reads as before), and the nodes inserted for them."""
-    options, inserted = {}, []
-    fold = p.branch
-    if fold is not None and fold.x1 is not None:
-        options["x1"] = r.resolve(fold.x1)
-    if fold is not None and fold.rowscale is not None:
-        add = r.analysis.sites[p.lead].in_add
-        inserted = _per_row(r.graph, fold.rowscale, node_shape(add.node), r.as_op)
-        options["rowscale"] = inserted[-1]
-    if fold is not None and fold.dropout_p:
-        options["dropout_p"] = fold.dropout_p
-    if len(p.sites) > 1:
-        partner = r.analysis.sites[p.sites[1]].match
-        options["weight1"], options["bias1"] = partner.weight, partner.bias
-    return options, inserted
+def _partner_options(r: Rewriting, p: Plan) -> dict:
+    """The fused call's weight1 / bias1 options: a second norm of the same sum (only when there
+    is one, so a plain site's call reads as before)."""
+    if len(p.sites) == 1:
+        return {}
+    partner = r.analysis.sites[p.sites[1]].match
+    return {"weight1": partner.weight, "bias1": partner.bias}
 
 
 def _insertion_point(r: Rewriting, p: Plan) -> fx.Node:
@@ -221,11 +193,7 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
                 x, residual = (None if v is None else _permuted(graph, v, p.permute, as_op) for v in (x, residual))
                 inserted += [v for v in (x, residual) if v is not None]
                 holds.update({v: orig for v, orig in ((x, p.x), (residual, p.residual)) if v is not None})
-            extra, rows = _branch_and_partner_options(r, p)
-            inserted += rows
-            if p.branch is not None:
-                reads |= {p.branch.x1, p.branch.rowscale}
-                holds.update({view: p.branch.rowscale for view in rows})
+            extra = _partner_options(r, p)
             if len(p.sites) > 1:
                 partner = r.analysis.sites[p.sites[1]].match
                 reads |= {partner.weight, partner.bias}
@@ -296,11 +264,11 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
                     inserted.append(s)
                 r.replace(add.node, s)
             if add is not None:
-                branch = p.branch.nodes if p.branch is not None else []
-                old_nodes += [add.node, *add.chain, *branch]
+                folded = folded_nodes(p.taken)
+                old_nodes += [add.node, *add.chain, *folded]
                 # the operands' scaling / upcasts that the kernel now does itself
                 old_nodes += [n for n in add.node.all_input_nodes]
-                old_nodes += [n for b in branch for n in b.all_input_nodes]
+                old_nodes += [n for b in folded for n in b.all_input_nodes]
     for i, node in enumerate(inserted):  # keep graph order known for later ancestor queries
         r.order[node] = r.order[first] - 0.5 + i * 1e-3
     # the call's outputs, and what the rewrite made of them (reshaped, permuted back), hold the

@@ -477,13 +477,10 @@ def _call_arguments(pair: SitePair, env: dict[fx.Node, Any]) -> tuple[list, dict
     kwargs = dict(pair.call.kwargs)
     for role in roles[4:]:
         kwargs[role] = value(pair.args[role])
-    if kwargs.get("rowscale") is not None:  # one number per sample, as the kernel's per-row view
-        scale, x = kwargs["rowscale"], args[0]
-        kwargs["rowscale"] = scale.reshape(scale.shape[:-1]).expand(x.shape[:-1])
+    for part in PARTS:
+        part.check_arguments(kwargs, args[0])
     if kwargs.get("dropout_p"):
         kwargs["seed"] = torch.tensor(_CHECK_SEED)
-    for part in PARTS:
-        part.check_arguments(kwargs)
     return args, kwargs
 
 

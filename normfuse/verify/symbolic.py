@@ -229,9 +229,9 @@ def _clamp(row: list, low: Any, high: Any, eps: float | None = None, eps_sym=Non
 
 
 # the row operations a fusion part's symbolic form is written with
-_ROW_OPS = SimpleNamespace(elementwise=lambda fn, *rows: _elementwise(fn, *rows), mul=operator.mul,
-                          activation=lambda name, v: _activation(name, v), max=lambda *a: _max(*a),
-                          clamp=lambda row, low, high: _clamp(row, low, high), abs=sympy.Abs, rational=sympy.Rational)
+_ROW_OPS = SimpleNamespace(elementwise=_elementwise, mul=operator.mul, add=operator.add, mask=_MASK,
+                          activation=_activation, max=_max, clamp=lambda row, low, high: _clamp(row, low, high),
+                          abs=sympy.Abs, rational=sympy.Rational)
 
 
 def _leaf(node: fx.Node, name: str, hidden: int | None, layout: tuple[int, ...] | None = None) -> list:
@@ -276,18 +276,13 @@ def _fused(pair: SitePair, rows: dict[str, Any], eps_sym, eps: float | None) -> 
     if fused_op_name(pair.call) == "norm_add":
         y = _norm(kind, x, w, b, e, offset)
         return [_elementwise(lambda rv, yv: scale * rv + yv, r, y), y]
-    p = float(kw.get("dropout_p") or 0.0)
-    if p:  # the branch: dropout (given the mask), the per-row scale, the second branch
-        keep_scale = sympy.Rational(1.0 / (1.0 - p))
-        x = _elementwise(lambda xv, m: xv * m * keep_scale, x, _MASK)
-    if rows.get("rowscale") is not None:
-        x = _elementwise(operator.mul, x, rows["rowscale"])
-    if rows.get("x1") is not None:
-        x = _elementwise(operator.add, x, rows["x1"])
+    for part in PARTS:  # the parts' steps on x before the sum (the add's branch)
+        x = part.symbolic_input(kw, rows, x, _ROW_OPS)
     s = x if r is None else _elementwise(lambda xv, rv: xv + scale * rv, x, r)
-    for part in PARTS:  # a fusion part in the call gives the outputs by its own formula
-        if part.uses(kw):
-            by_name = part.symbolic(kw, rows, s, lambda v: _norm(kind, v, w, b, e, offset), _ROW_OPS)
+    for part in PARTS:  # a fusion part in the call may give the outputs by its own formula
+        by_name = part.symbolic(kw, rows, s, lambda v: _norm(kind, v, w, b, e, offset), _ROW_OPS) \
+            if part.uses(kw) else None
+        if by_name is not None:
             return [by_name[name] for name in output_names(kw)]
     y = _norm(kind, s, w, b, e, offset)
     if rows.get("weight1") is None:
@@ -361,8 +356,7 @@ def _decide(lhs, rhs, rng: random.Random) -> tuple[str, str, str | None]:
 
 
 # the symbols of each argument of the fused call: x0..x3, r0..r3, ...
-_SYMBOL_PREFIX = {"x": "x", "residual": "r", "weight": "w", "bias": "b", "x1": "xb", "rowscale": "k",
-                  "weight1": "wb", "bias1": "bb", **{role: p for part in PARTS for role, p in part.roles.items()}}
+_SYMBOL_PREFIX = {"x": "x", "residual": "r", "weight": "w", "bias": "b", "weight1": "wb", "bias1": "bb", **{role: p for part in PARTS for role, p in part.roles.items()}}
 
 
 def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:

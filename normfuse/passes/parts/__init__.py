@@ -1,6 +1,7 @@
 """Fusion parts: the steps a fused call takes over besides the norm and its add, one module each.
 
     base.py   FusionPart: the hooks each part declares (find, plan, rewrite, report, audit, checker)
+    branch.py the add's branch: a second add, drop path's per-sample scale, dropout (x1, rowscale, dropout_p)
     gate.py   the gate of a gated norm: norm(x * act(z)), norm(x) * act(z)  (Mamba2, Qwen3-Next)
     quant.py  the fp8 quantization of the norm's output (q and its scale)
 
@@ -12,13 +13,24 @@ took). Adding a part: write its module, add it here; no stage of the pass change
 from __future__ import annotations
 
 from normfuse.passes.parts.base import CallPiece, FusionPart
+from normfuse.passes.parts.branch import BRANCH
 from normfuse.passes.parts.gate import GATE
 from normfuse.passes.parts.quant import QUANT
 
-__all__ = ["PARTS", "FusionPart", "CallPiece", "part_named"]
+__all__ = ["PARTS", "FusionPart", "CallPiece", "part_named", "taken_parts", "folded_nodes"]
 
-PARTS: tuple[FusionPart, ...] = (GATE, QUANT)
+PARTS: tuple[FusionPart, ...] = (BRANCH, GATE, QUANT)
 
 
 def part_named(name: str) -> FusionPart:
     return next(p for p in PARTS if p.name == name)
+
+
+def taken_parts(taken: dict) -> list[tuple[FusionPart, object]]:
+    """(part, what the call took of it) for the parts in ``taken`` (a Plan's), in PARTS order."""
+    return [(part, taken[part.name]) for part in PARTS if part.name in taken]
+
+
+def folded_nodes(taken: dict) -> list:
+    """The nodes ahead of the add that the parts in ``taken`` fold into the call."""
+    return [n for part, found in taken_parts(taken) for n in part.folded(found)]

@@ -9,8 +9,9 @@ stage          hook                         what the part says
 =============  ===========================  ==========================================================
 find           ``find(index, match)``       what it recognizes at a norm (a frozen match), or None
 plan           ``offer(...)``               whether the planned call takes it (and what that changes)
-plan, record   ``reads`` / ``nodes``        the values the call reads for it / the nodes it replaces
+plan, record   ``reads``/``nodes``/``folded``  its operands / the nodes it replaces / those ahead of the add
 rewrite        ``call`` / ``outputs``       its options in the call / the call's outputs it adds
+checker        ``symbolic_input``           its step on x before the sum, in exact arithmetic
 report         ``report``                   the report's fields for it
 audit          ``eager_nodes``/``fused_bytes``  its traffic, eager and fused
 checker        ``symbolic`` / ``check_arguments``  its formula / its arguments for a numeric run
@@ -59,7 +60,7 @@ class FusionPart:
         return None
 
     # ---------------------------------------------------------------- plan
-    def offer(self, site, found, plan, config, as_op: bool) -> tuple[Any, str | None]:
+    def offer(self, index: GraphIndex, site, found, plan, config, as_op: bool) -> tuple[Any, str | None]:
         """The planned call ``plan`` of ``site`` (a planning.Plan, parts earlier in PARTS already
         taken) is offered the part: (what the call takes, None), adjusting the plan where the
         part changes it (e.g. the call's x), or (None, why not). ``found``: what ``find`` found at
@@ -76,6 +77,11 @@ class FusionPart:
 
     def nodes(self, found) -> tuple[fx.Node, ...]:
         """The original nodes the part's step stands for in the call."""
+        return ()
+
+    def folded(self, found) -> tuple[fx.Node, ...]:
+        """The original nodes ahead of the add the call computes (no other call may take them;
+        the kernel reads their operands, and does their casts, itself)."""
         return ()
 
     def may_drop(self, found) -> bool:
@@ -123,11 +129,16 @@ class FusionPart:
         """Whether a call with these options computes the part."""
         return False
 
+    def symbolic_input(self, options: dict, rows: dict, x: list, ops) -> list:
+        """The call's x after the part's step before the sum, in exact arithmetic."""
+        return x
+
     def symbolic(self, options: dict, rows: dict, s: list, norm, ops) -> dict[str, list] | None:
         """The call's outputs by name in exact arithmetic when the part is in it (``norm(value)``
         normalizes a row, ``ops`` holds the checker's row operations), or None to leave them to
         the plain formula."""
         return None
 
-    def check_arguments(self, options: dict) -> None:
-        """Turn the original run's values into what the call takes (in place), for a numeric run."""
+    def check_arguments(self, options: dict, x) -> None:
+        """Turn the original run's values into what the call takes (in place), for a numeric run
+        (``x``: the call's x)."""

@@ -128,7 +128,7 @@ class _Gate(FusionPart):
     def find(self, index: GraphIndex, match) -> GateMatch | None:
         return find_gate(index, match)
 
-    def offer(self, site, found: GateMatch | None, plan, config, as_op: bool) -> tuple[GateMatch | None, str | None]:
+    def offer(self, index: GraphIndex, site, found: GateMatch | None, plan, config, as_op: bool) -> tuple[GateMatch | None, str | None]:
         if found is None:
             return None, None
         if not config.fuse_gate:

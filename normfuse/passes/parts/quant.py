@@ -533,7 +533,7 @@ class _Quant(FusionPart):
     def find(self, index: GraphIndex, match) -> QuantMatch | None:
         return find_quant(index, match.output)
 
-    def offer(self, site, found: QuantMatch | None, plan, config, as_op: bool) -> tuple[QuantMatch | None, str | None]:
+    def offer(self, index: GraphIndex, site, found: QuantMatch | None, plan, config, as_op: bool) -> tuple[QuantMatch | None, str | None]:
         if found is None:
             return None, None
         reason = self._refusal(site, found, plan, config, as_op)
@@ -630,7 +630,7 @@ class _Quant(FusionPart):
         out = scale if options.get("quant_scale_out", "scale") == "scale" else 1 / scale
         return {"q": q, "scale": [out], "y": y, "s": s}
 
-    def check_arguments(self, options: dict) -> None:
+    def check_arguments(self, options: dict, x) -> None:
         if options.get("quant_scale") is not None:  # the kernel takes a static scale in fp32 (an exact upcast)
             options["quant_scale"] = options["quant_scale"].float()
 

@@ -1,4 +1,4 @@
-"""The branch of a residual add: what the kernel can take over from it.
+"""The branch of a residual add, a fusion part: what the kernel can take over from it.
 
 In ``s = residual + branch`` the branch is often not a plain value. Before the add,
 models write
@@ -15,7 +15,11 @@ graph's order and rounding (dropout, then the per-row scale, then the second bra
 draws its mask from another random stream (the checker replays the kernel's mask
 through the original subgraph: "equal given the mask").
 
-A node is folded only when the step after it is its one reader.
+A node is folded only when the step after it is its one reader. ``BRANCH`` is the part: an
+add_norm call (not a permuted one) takes what ``fold_branch`` folds of its x (or, when that
+folds nothing and the stream is unknown, of its residual) as ``x1``, ``rowscale`` and
+``dropout_p`` (``fuse_branch``; dropout also ``fuse_dropout``, and never where the call cannot
+draw a seed: Inductor's post-grad graphs, or DTensors, whose ranks would draw one pattern).
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ import torch.fx as fx
 from normfuse.passes.canonical import mutates, node_dtype, node_shape, real_users, same_dim, same_shape, tensor_meta
 from normfuse.passes.find import as_add, identity_dropout, live_dropout_p
 from normfuse.passes.graph import GraphIndex
+from normfuse.passes.parts.base import CallPiece, FusionPart
 
-__all__ = ["BranchFold", "fold_branch"]
+__all__ = ["BranchFold", "fold_branch", "BRANCH"]
 
 
 @dataclass
@@ -42,6 +47,7 @@ class BranchFold:
     rowscale: fx.Node | None = None       # the graph's per-sample scale, shape (B, 1, ..., 1)
     dropout_p: float = 0.0
     nodes: list[fx.Node] = field(default_factory=list)  # the graph nodes the kernel now computes
+    shape: tuple | None = None            # the add's shape (rowscale becomes one number per row of it)
 
     @property
     def folded(self) -> bool:
@@ -104,8 +110,8 @@ def _second_branch(index: GraphIndex, node: Any, shape, reader: fx.Node) -> tupl
 def fold_branch(index: GraphIndex, add: fx.Node, branch: Any, *, second: bool, rowscale: bool,
                 dropout: bool) -> BranchFold:
     """What of ``branch`` (an operand of ``add``) the kernel computes itself."""
-    fold = BranchFold(branch)
     shape = node_shape(add)
+    fold = BranchFold(branch, shape=shape)
     if not isinstance(branch, fx.Node) or shape is None:
         return fold
     reader = add
@@ -152,3 +158,96 @@ def _has_step(index: GraphIndex, value: Any, reader: fx.Node, shape, rowscale: b
         return False
     return (rowscale and _row_scale(index, value, shape) is not None) or (
         dropout and _live_dropout(index, value, shape) is not None)
+
+
+# --------------------------------------------------------------------------- the part
+
+def _per_row(graph: fx.Graph, scale: fx.Node, shape: tuple, as_op: bool) -> list[fx.Node]:
+    """A (B, 1, ..., 1) scale as the kernel's one number per row: reshaped and expanded to
+    shape[:-1] (a view; the op reads it as rows)."""
+    flat_shape, rows_shape = list(node_shape(scale)[:-1]), list(shape[:-1])
+    if as_op:
+        flat = graph.call_function(torch.ops.aten.view.default, (scale, flat_shape))
+        rows = graph.call_function(torch.ops.aten.expand.default, (flat, rows_shape))
+    else:
+        flat = graph.call_method("reshape", (scale, *flat_shape))
+        rows = graph.call_method("expand", (flat, *rows_shape))
+    for key in ("val", "example_value"):
+        val = scale.meta.get(key)
+        if isinstance(val, torch.Tensor):
+            flat.meta[key] = val.reshape(flat_shape)
+            rows.meta[key] = flat.meta[key].expand(rows_shape)
+    return [flat, rows]
+
+
+class _Branch(FusionPart):
+    name, flag = "branch", "fuse_branch"
+    exclusive = False  # y is still the norm of the sum: a second norm may share the call
+    roles = {"x1": "xb", "rowscale": "k"}
+
+    def offer(self, index: GraphIndex, site, found, plan, config, as_op: bool) -> tuple[BranchFold | None, None]:
+        add = site.in_add
+        if plan.op != "add_norm" or add is None or plan.permute is not None or not config.fuse_branch:
+            return None, None
+        # the kernel draws a rank's mask from its local row index: on DTensors, ranks holding
+        # different rows would draw the same pattern, so their dropout stays eager's
+        from normfuse.kernels.sharding import is_dtensor
+        local_rows = is_dtensor(tensor_meta(add.node))
+        modes = dict(second=True, rowscale=True, dropout=config.fuse_dropout and not as_op and not local_rows)
+        fold = fold_branch(index, add.node, plan.x, **modes)
+        if not fold.folded and add.scaled is None:
+            # the stream may be unknown (an operand is another site's output): the other
+            # operand may be the branch; x and residual play the same part in the sum
+            other = fold_branch(index, add.node, plan.residual, **modes)
+            if other.folded:
+                fold, plan.residual = other, plan.x
+        if not fold.folded:
+            return None, None
+        plan.x = fold.x
+        return fold, None
+
+    def reads(self, found: BranchFold) -> tuple[fx.Node, ...]:
+        return tuple(v for v in (found.x1, found.rowscale) if isinstance(v, fx.Node))
+
+    def folded(self, found: BranchFold) -> tuple[fx.Node, ...]:
+        return tuple(found.nodes)
+
+    def call(self, found: BranchFold, rewriting) -> CallPiece:
+        piece = CallPiece()
+        if found.x1 is not None:
+            piece.options["x1"] = rewriting.resolve(found.x1)
+        if found.rowscale is not None:
+            piece.inserted = _per_row(rewriting.graph, found.rowscale, found.shape, rewriting.as_op)
+            piece.options["rowscale"] = piece.inserted[-1]
+            piece.holds = {view: found.rowscale for view in piece.inserted}
+        if found.dropout_p:
+            piece.options["dropout_p"] = found.dropout_p
+        return piece
+
+    def report(self, record, found: BranchFold, fused: bool, reason: str | None) -> None:
+        record.fused_x1 = fused and found.x1 is not None
+        record.fused_rowscale = fused and found.rowscale is not None
+        record.fused_dropout = fused and bool(found.dropout_p)
+
+    def uses(self, options: dict) -> bool:
+        return any(options.get(k) for k in ("x1", "rowscale", "dropout_p"))
+
+    def symbolic_input(self, options: dict, rows: dict, x: list, ops) -> list:
+        """dropout (given the mask), the per-row scale, the second branch: the kernel's order."""
+        p = float(options.get("dropout_p") or 0.0)
+        if p:
+            keep_scale = ops.rational(1.0 / (1.0 - p))
+            x = ops.elementwise(lambda xv, m: xv * m * keep_scale, x, ops.mask)
+        if rows.get("rowscale") is not None:
+            x = ops.elementwise(ops.mul, x, rows["rowscale"])
+        if rows.get("x1") is not None:
+            x = ops.elementwise(ops.add, x, rows["x1"])
+        return x
+
+    def check_arguments(self, options: dict, x) -> None:
+        if options.get("rowscale") is not None:  # one number per sample, as the kernel's per-row view
+            scale = options["rowscale"]
+            options["rowscale"] = scale.reshape(scale.shape[:-1]).expand(x.shape[:-1])
+
+
+BRANCH = _Branch()
