@@ -7,7 +7,6 @@ decides, site by site in graph order, which call each becomes:
                      else still reads it;
 - norm -> add      : ``norm_add(f, stream, w, b, ...)`` for ``x + norm(f)`` (res-post, sandwich);
 - a norm alone     : ``add_norm(x, None, w, b, ...)``;
-- two norms of one value (parallel blocks): one call, the second norm as ``weight1``/``bias1``;
 - each fusion part (``parts/``) found at the site that the call can take is taken, in
   ``PARTS`` order; a part it cannot take keeps its reason.
 
@@ -30,11 +29,11 @@ import torch
 import torch.fx as fx
 
 from normfuse.passes.analysis import Analysis, SiteAnalysis
-from normfuse.passes.canonical import canonical, mutates, node_dtype, node_shape, real_users, same_shape, tensor_meta
+from normfuse.passes.canonical import canonical, mutates, node_dtype, node_shape, real_users, same_shape
 from normfuse.passes.classify import stream_operand
 from normfuse.passes.find import permuted_layout
 from normfuse.passes.graph import GraphIndex
-from normfuse.passes.parts import PARTS, folded_nodes
+from normfuse.passes.parts import PARTS, PlanContext, folded_nodes
 from normfuse.vocabulary import KERNEL_DTYPES, LOW_PRECISION, Placement
 
 __all__ = ["Plan", "Decision", "Planning", "Insertion", "plan"]
@@ -129,35 +128,6 @@ def refusal(site: SiteAnalysis) -> str | None:
                             if isinstance(n, fx.Node)])
 
 
-def _same_modes(a: SiteAnalysis, b: SiteAnalysis) -> bool:
-    """Two norms one kernel can compute from one set of row statistics (weights may differ)."""
-    m, n = a.match, b.match
-    return (m.kind, m.eps, m.weight_offset, m.norm_round_dtype, m.out_dtype, m.hidden_size) == (
-        n.kind, n.eps, n.weight_offset, n.norm_round_dtype, n.out_dtype, n.hidden_size) and m.group is n.group is None
-
-
-def _partner(analysis: Analysis, site: SiteAnalysis, unavailable: set[int]) -> SiteAnalysis | None:
-    """Another norm reading the very value this one reads, with the same modes (parallel blocks:
-    GPT-NeoX, GPT-J, timm's parallel ViT); both need a weight, since the kernel's second output
-    exists when it has one."""
-    index, m = analysis.index, site.match
-    if m.weight is None:
-        return None
-    for number in site.group:
-        other = analysis.sites[number]
-        o = other.match
-        if other is site or number in unavailable or o.weight is None or refusal(other) is not None:
-            continue
-        if index.order[o.output] < index.order[m.output] or not index.same(o.input, m.input):
-            continue
-        if (site.in_add is None) != (other.in_add is None) or (
-                site.in_add is not None and site.in_add.node is not other.in_add.node):
-            continue
-        if _same_modes(site, other) and node_dtype(o.weight) is not None:
-            return other
-    return None
-
-
 # --------------------------------------------------------------------------- one site
 
 def _choose(analysis: Analysis, site: SiteAnalysis, claimed: set, reserved: set, config, as_op: bool
@@ -222,12 +192,12 @@ def _add_reason(site: SiteAnalysis, p: Plan | None, claimed: set, reserved: set,
     return "the add after the norm does not keep the stream's shape"
 
 
-def _take_parts(index: GraphIndex, site: SiteAnalysis, p: Plan, config, as_op: bool) -> dict[str, str]:
+def _take_parts(context: PlanContext, site: SiteAnalysis, p: Plan) -> dict[str, str]:
     """Offer the call each fusion part, in ``PARTS`` order; returns why the call lacks the parts
     found at its site that it does not take."""
     reasons = {}
     for part in PARTS:
-        taken, reason = part.offer(index, site, site.parts.get(part.name), p, config, as_op)
+        taken, reason = part.offer(context, site, site.parts.get(part.name), p)
         if taken is not None:
             p.taken[part.name] = taken
         elif reason is not None:
@@ -245,9 +215,9 @@ def _candidates(analysis: Analysis, p: Plan) -> list[fx.Node]:
         nodes += [lead.in_add.node, *lead.in_add.chain]
     if p.output_add is not None:
         nodes.append(p.output_add)
-    for number in p.sites[1:]:
-        partner = analysis.sites[number].match
-        nodes += [*partner.nodes, partner.output]
+    for part in PARTS:
+        if part.name in p.taken:
+            nodes += part.spans(p.taken[part.name])
     return nodes
 
 
@@ -264,8 +234,6 @@ def _place(analysis: Analysis, p: Plan) -> tuple[Insertion | None, str | None]:
     for part in PARTS:
         if part.name in p.taken:
             extra += part.reads(p.taken[part.name])
-    for number in p.sites[1:]:
-        extra += (analysis.sites[number].match.weight, analysis.sites[number].match.bias)
     moves: list[fx.Node] = []
     for operand in (p.x, p.residual, lead.weight, lead.bias, *extra):
         if isinstance(operand, fx.Node) and index.order[operand] >= index.order[first]:
@@ -421,6 +389,7 @@ def plan(analysis: Analysis, config, as_op: bool = False, excluded: Callable[[in
     claimed: set[fx.Node] = set()
     reserved = {s.in_add.node for s in analysis.sites if s.in_add is not None and s.in_add.reason is None}
     unavailable: set[int] = set()  # sites no call may take as its second norm: excluded, or taken already
+    context = PlanContext(analysis, config, as_op, unavailable, refusal)
     for site in analysis.sites:
         if excluded(site.number):
             decisions[site.number] = Decision(reason="excluded by filter_fn")
@@ -429,22 +398,14 @@ def plan(analysis: Analysis, config, as_op: bool = False, excluded: Callable[[in
         if site.number in unavailable:
             continue
         chosen, reason = _choose(analysis, site, claimed, reserved, config, as_op)
-        part_reasons = _take_parts(analysis.index, site, chosen, config, as_op) if chosen is not None else {}
-        if chosen is not None and config.pair_norms and chosen.op in ("add_norm", "norm") and chosen.permute is None \
-                and not chosen.exclusive:
-            partner = _partner(analysis, site, unavailable)
-            if partner is not None:
-                chosen.sites = (site.number, partner.number)
+        part_reasons = _take_parts(context, site, chosen) if chosen is not None else {}
         if chosen is not None:
             chosen.insertion, reason = _place(analysis, chosen)
             for part in reversed(PARTS):  # a part whose operand comes too late: the call without it
                 if reason and part.name in chosen.taken and part.may_drop(chosen.taken[part.name]):
-                    del chosen.taken[part.name]
+                    part.drop(chosen, chosen.taken.pop(part.name))
                     part_reasons[part.name] = f"{part.operand_name}: {reason}"
                     chosen.insertion, reason = _place(analysis, chosen)
-            if reason and len(chosen.sites) > 1:  # the second norm's parameters come too late: each its own call
-                chosen.sites = chosen.sites[:1]
-                chosen.insertion, reason = _place(analysis, chosen)
         if reason is None and chosen.op == "norm" and not config.standalone:
             reason = "standalone norms not rewritten (standalone=False)"
         if reason is not None:

@@ -32,7 +32,7 @@ __all__ = ["CallRecord", "record_call", "records_of", "attach_records", "fused_o
 # the roles of a fused call's tensor arguments, in the order the checker passes them:
 # positional, then the keyword options a call takes when it has them (the fusion parts' last)
 ARG_ROLES = ("x", "residual", "weight", "bias")
-OPTION_ROLES = ("weight1", "bias1", *(role for part in PARTS for role in part.roles))
+OPTION_ROLES = tuple(role for part in PARTS for role in part.roles)
 
 _RECORDS = "normfuse_calls"  # the rewritten graph module's meta key holding its records
 
@@ -114,8 +114,6 @@ def record_call(analysis: Any, p: Any, call: fx.Node, reads: set[fx.Node],
     for part in PARTS:
         if part.name in p.taken:
             nodes += part.nodes(p.taken[part.name])
-    for number in p.sites[1:]:
-        nodes += analysis.sites[number].match.nodes
     if p.op == "add_norm":
         add = lead.in_add
         nodes += [add.node, *add.chain, *_operand_prep(index, add.node, set(add.operands) | reads)]

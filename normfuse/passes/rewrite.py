@@ -127,15 +127,6 @@ def output_index(as_op: bool, paired: bool, quantized: bool = False) -> dict[str
     return {"y": 0, "y1": 1, "s": 2} if paired else {"y": 0, "s": 1}
 
 
-def _partner_options(r: Rewriting, p: Plan) -> dict:
-    """The fused call's weight1 / bias1 options: a second norm of the same sum (only when there
-    is one, so a plain site's call reads as before)."""
-    if len(p.sites) == 1:
-        return {}
-    partner = r.analysis.sites[p.sites[1]].match
-    return {"weight1": partner.weight, "bias1": partner.bias}
-
-
 def _insertion_point(r: Rewriting, p: Plan) -> fx.Node:
     """The plan's first node, with the late operands moved up before it (in graph order)."""
     first = p.insertion.first
@@ -193,10 +184,7 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
                 x, residual = (None if v is None else _permuted(graph, v, p.permute, as_op) for v in (x, residual))
                 inserted += [v for v in (x, residual) if v is not None]
                 holds.update({v: orig for v, orig in ((x, p.x), (residual, p.residual)) if v is not None})
-            extra = _partner_options(r, p)
-            if len(p.sites) > 1:
-                partner = r.analysis.sites[p.sites[1]].match
-                reads |= {partner.weight, partner.bias}
+            extra = {}
             sum_dtype = p.residual_dtype if p.widens else p.sum_dtype
             parts = [(part, p.taken[part.name]) for part in PARTS if part.name in p.taken]
             output = m.output  # the original node the call's y replaces
@@ -217,14 +205,6 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
                 copy_meta(y, output)
                 inserted.append(y)
                 stands_for.append((where["y"], output))
-                if len(p.sites) > 1:
-                    partner = r.analysis.sites[p.sites[1]].match
-                    stands_for.append((where["y1"], partner.output))
-                    y1 = graph.call_function(operator.getitem, (call, where["y1"]))
-                    copy_meta(y1, partner.output)
-                    inserted.append(y1)
-                    r.replace(partner.output, y1)
-                    old_nodes += partner.nodes
                 result = y
                 if m.layout is not None:  # a channel norm written out: y comes with its channels last
                     y.meta.update({k: v.permute(m.layout) for k, v in y.meta.items()
@@ -245,7 +225,7 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
                     inserted.append(result)
                 r.replace(output, result)
             kernel_shape = node_shape(add.node) if add is not None else node_shape(m.output)
-            for part, found in parts:  # the outputs a part adds (fp8 q and its scale)
+            for part, found in parts:  # the outputs a part adds (a second norm's y1, fp8 q and its scale)
                 more, replaced = part.outputs(found, r, call, kernel_shape, where)
                 inserted += more
                 stands_for += replaced

@@ -276,18 +276,17 @@ def _fused(pair: SitePair, rows: dict[str, Any], eps_sym, eps: float | None) -> 
     if fused_op_name(pair.call) == "norm_add":
         y = _norm(kind, x, w, b, e, offset)
         return [_elementwise(lambda rv, yv: scale * rv + yv, r, y), y]
+    def normalize(value, weight=w, bias=b):  # the call's norm of a row (a second norm: its own parameters)
+        return _norm(kind, value, weight, bias, e, offset)
+
     for part in PARTS:  # the parts' steps on x before the sum (the add's branch)
         x = part.symbolic_input(kw, rows, x, _ROW_OPS)
     s = x if r is None else _elementwise(lambda xv, rv: xv + scale * rv, x, r)
     for part in PARTS:  # a fusion part in the call may give the outputs by its own formula
-        by_name = part.symbolic(kw, rows, s, lambda v: _norm(kind, v, w, b, e, offset), _ROW_OPS) \
-            if part.uses(kw) else None
+        by_name = part.symbolic(kw, rows, s, normalize, _ROW_OPS) if part.uses(kw) else None
         if by_name is not None:
             return [by_name[name] for name in output_names(kw)]
-    y = _norm(kind, s, w, b, e, offset)
-    if rows.get("weight1") is None:
-        return [y, s]
-    return [y, _norm(kind, s, rows["weight1"], rows.get("bias1"), e, offset), s]
+    return [normalize(s), s]
 
 
 # --------------------------------------------------------------------------- equality
@@ -356,7 +355,7 @@ def _decide(lhs, rhs, rng: random.Random) -> tuple[str, str, str | None]:
 
 
 # the symbols of each argument of the fused call: x0..x3, r0..r3, ...
-_SYMBOL_PREFIX = {"x": "x", "residual": "r", "weight": "w", "bias": "b", "weight1": "wb", "bias1": "bb", **{role: p for part in PARTS for role, p in part.roles.items()}}
+_SYMBOL_PREFIX = {"x": "x", "residual": "r", "weight": "w", "bias": "b", **{role: p for part in PARTS for role, p in part.roles.items()}}
 
 
 def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:

@@ -4,6 +4,7 @@
     branch.py the add's branch: a second add, drop path's per-sample scale, dropout (x1, rowscale, dropout_p)
     gate.py   the gate of a gated norm: norm(x * act(z)), norm(x) * act(z)  (Mamba2, Qwen3-Next)
     quant.py  the fp8 quantization of the norm's output (q and its scale)
+    second_norm.py  a second norm of the same value (parallel blocks): weight1 / bias1 -> y1
 
 ``PARTS`` is the order the planner offers them to a call (a later part sees what earlier ones
 took). Adding a part: write its module, add it here; no stage of the pass changes
@@ -12,14 +13,15 @@ took). Adding a part: write its module, add it here; no stage of the pass change
 
 from __future__ import annotations
 
-from normfuse.passes.parts.base import CallPiece, FusionPart
+from normfuse.passes.parts.base import CallPiece, FusionPart, PlanContext
 from normfuse.passes.parts.branch import BRANCH
 from normfuse.passes.parts.gate import GATE
 from normfuse.passes.parts.quant import QUANT
+from normfuse.passes.parts.second_norm import SECOND_NORM
 
-__all__ = ["PARTS", "FusionPart", "CallPiece", "part_named", "taken_parts", "folded_nodes"]
+__all__ = ["PARTS", "FusionPart", "CallPiece", "PlanContext", "part_named", "taken_parts", "folded_nodes"]
 
-PARTS: tuple[FusionPart, ...] = (BRANCH, GATE, QUANT)
+PARTS: tuple[FusionPart, ...] = (BRANCH, GATE, QUANT, SECOND_NORM)
 
 
 def part_named(name: str) -> FusionPart:

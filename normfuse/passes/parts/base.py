@@ -25,14 +25,27 @@ reads back (``outputs``) by the names the functional API gives them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch.fx as fx
 
 if TYPE_CHECKING:
     from normfuse.passes.graph import GraphIndex
 
-__all__ = ["FusionPart", "CallPiece"]
+__all__ = ["FusionPart", "CallPiece", "PlanContext"]
+
+
+@dataclass
+class PlanContext:
+    """What a part's ``offer`` may read besides the site and its plan: the analysis (never
+    written to), the options, whether the calls will be custom ops in an ATen graph (Inductor's
+    post-grad pass), the sites no call may take any more, and why a norm itself cannot be fused."""
+
+    analysis: Any                      # the analysis.Analysis being planned
+    config: Any                        # the FuseConfig
+    as_op: bool
+    unavailable: set[int]              # site numbers excluded, or computed by a call already
+    norm_refusal: Callable[[Any], str | None]  # planning.refusal: why a site's norm cannot be fused
 
 
 @dataclass
@@ -60,14 +73,14 @@ class FusionPart:
         return None
 
     # ---------------------------------------------------------------- plan
-    def offer(self, index: GraphIndex, site, found, plan, config, as_op: bool) -> tuple[Any, str | None]:
+    def offer(self, ctx: PlanContext, site, found, plan) -> tuple[Any, str | None]:
         """The planned call ``plan`` of ``site`` (a planning.Plan, parts earlier in PARTS already
         taken) is offered the part: (what the call takes, None), adjusting the plan where the
         part changes it (e.g. the call's x), or (None, why not). ``found``: what ``find`` found at
         the site (None: nothing, or the part has no ``find``)."""
         if found is None:
             return None, None
-        if not getattr(config, self.flag):
+        if not getattr(ctx.config, self.flag):
             return None, f"not fused ({self.flag}=False)"
         return found, None
 
@@ -88,6 +101,14 @@ class FusionPart:
         """Whether the call is still made without the part when its operands come too late
         (the report then says: "<operand_name>: <why it cannot move up>")."""
         return False
+
+    def drop(self, plan, found) -> None:
+        """Undo what ``offer`` changed in the plan besides taking the part (see may_drop)."""
+
+    def spans(self, found) -> tuple[fx.Node, ...]:
+        """Original nodes besides the site's own that decide where the call starts (the first of
+        them in graph order)."""
+        return ()
 
     operand_name: str = "its operand"
 

@@ -185,15 +185,16 @@ class _Branch(FusionPart):
     exclusive = False  # y is still the norm of the sum: a second norm may share the call
     roles = {"x1": "xb", "rowscale": "k"}
 
-    def offer(self, index: GraphIndex, site, found, plan, config, as_op: bool) -> tuple[BranchFold | None, None]:
+    def offer(self, ctx, site, found, plan) -> tuple[BranchFold | None, None]:
         add = site.in_add
-        if plan.op != "add_norm" or add is None or plan.permute is not None or not config.fuse_branch:
+        if plan.op != "add_norm" or add is None or plan.permute is not None or not ctx.config.fuse_branch:
             return None, None
         # the kernel draws a rank's mask from its local row index: on DTensors, ranks holding
         # different rows would draw the same pattern, so their dropout stays eager's
         from normfuse.kernels.sharding import is_dtensor
         local_rows = is_dtensor(tensor_meta(add.node))
-        modes = dict(second=True, rowscale=True, dropout=config.fuse_dropout and not as_op and not local_rows)
+        modes = dict(second=True, rowscale=True, dropout=ctx.config.fuse_dropout and not ctx.as_op and not local_rows)
+        index = ctx.analysis.index
         fold = fold_branch(index, add.node, plan.x, **modes)
         if not fold.folded and add.scaled is None:
             # the stream may be unknown (an operand is another site's output): the other

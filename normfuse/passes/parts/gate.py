@@ -128,12 +128,12 @@ class _Gate(FusionPart):
     def find(self, index: GraphIndex, match) -> GateMatch | None:
         return find_gate(index, match)
 
-    def offer(self, index: GraphIndex, site, found: GateMatch | None, plan, config, as_op: bool) -> tuple[GateMatch | None, str | None]:
+    def offer(self, ctx, site, found: GateMatch | None, plan) -> tuple[GateMatch | None, str | None]:
         if found is None:
             return None, None
-        if not config.fuse_gate:
+        if not ctx.config.fuse_gate:
             return None, "gates are not fused (fuse_gate=False)"
-        if as_op:
+        if ctx.as_op:
             return None, "Inductor's post-grad pass does not write the gated call (use backend=\"normfuse\" or optimize)"
         if plan.op == "add_norm" and found.position == "before":
             return None, "the gate multiplies the norm's input, which is the add's sum: no call gates a sum"

@@ -533,18 +533,18 @@ class _Quant(FusionPart):
     def find(self, index: GraphIndex, match) -> QuantMatch | None:
         return find_quant(index, match.output)
 
-    def offer(self, index: GraphIndex, site, found: QuantMatch | None, plan, config, as_op: bool) -> tuple[QuantMatch | None, str | None]:
+    def offer(self, ctx, site, found: QuantMatch | None, plan) -> tuple[QuantMatch | None, str | None]:
         if found is None:
             return None, None
-        reason = self._refusal(site, found, plan, config, as_op)
+        reason = self._refusal(ctx, site, found, plan)
         return (found, None) if reason is None else (None, reason)
 
-    def _refusal(self, site, found: QuantMatch, plan, config, as_op: bool) -> str | None:
+    def _refusal(self, ctx, site, found: QuantMatch, plan) -> str | None:
         if found.reason:
             return found.reason
-        if not config.fuse_quant:
+        if not ctx.config.fuse_quant:
             return "quantizations are not fused (fuse_quant=False)"
-        if as_op:
+        if ctx.as_op:
             return "Inductor's post-grad pass does not write the fp8 epilogue (use backend=\"normfuse\" or optimize)"
         if plan.op == "norm_add":
             return "the norm's output goes into the add after it in the same call (norm_add): no epilogue there"
