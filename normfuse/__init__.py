@@ -27,6 +27,9 @@ _EXPORTS = {
     "norm_add": "normfuse.kernels.add_norm",
     "rms_norm_add": "normfuse.kernels.add_norm",
     "layer_norm_add": "normfuse.kernels.add_norm",
+    "Gate": "normfuse.kernels.specs",
+    "Fp8Quant": "normfuse.kernels.specs",
+    "Dropout": "normfuse.kernels.specs",
     # model rewriting (normfuse/api.py)
     "optimize": "normfuse.api",
     "fuse_graph": "normfuse.api",

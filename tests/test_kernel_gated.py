@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import normfuse
 from normfuse.errors import InvalidOptionError, NormfuseError, ShapeMismatchError, UnsupportedDtypeError
-from normfuse.kernels import add_norm_ref
+from normfuse.kernels import Fp8Quant, Gate, add_norm_ref
 from normfuse.tolerances import within_tolerance
 from normfuse.zoo import prepare_torchvision
 
@@ -66,6 +66,14 @@ def options(name, n, group, dtype):
 
 
 MODULES = ("mamba2", "nemotron_h", "qwen3_next", "kimi_linear")
+_GATE_FIELDS = {"gate_position": "position", "gate_activation": "activation", "gate_out_dtype": "out_dtype"}
+
+
+def gated(z, opts):
+    """add_norm's keywords for gate z and ``opts`` (the reference's flat spelling): the gate's
+    options as one Gate, the others as they are."""
+    return dict({k: v for k, v in opts.items() if k not in _GATE_FIELDS},
+                gate=Gate(z, **{_GATE_FIELDS[k]: v for k, v in opts.items() if k in _GATE_FIELDS}))
 
 
 def inputs(rows, n, dtype, residual=True, seed=1):
@@ -83,7 +91,7 @@ def hf(module, t):
 
 
 def ours(module, t, opts):
-    return normfuse.add_rms_norm(t["x"], t["residual"], module.weight, EPS, gate=t["gate"], **opts)
+    return normfuse.add_rms_norm(t["x"], t["residual"], module.weight, EPS, **gated(t["gate"], opts))
 
 
 # ---- the reference path: bit for bit with the modules ---------------------------------------
@@ -206,7 +214,7 @@ def test_norm_group_and_layer_norm_vs_fp64(path, kind, position):
         loss = sum((o.double() * c).sum() for o, c in zip(outs, cot))
         return list(outs) + list(torch.autograd.grad(loss, [*leaves.values(), *wb]))
 
-    got = run(lambda a, w_, b_: normfuse.add_norm(a["x"], a["residual"], w_, b_, gate=a["gate"], **opts), t, w, b)
+    got = run(lambda a, w_, b_: normfuse.add_norm(a["x"], a["residual"], w_, b_, **gated(a["gate"], opts)), t, w, b)
     base = run(lambda a, w_, b_: add_norm_ref(a["x"], a["residual"], w_, b_, gate=a["gate"], **opts),
                t, w, b)
     t64 = {k: v.double() for k, v in t.items()}
@@ -246,8 +254,8 @@ def test_grad_of_gate_alone(path):
     module = _module("qwen3_next", 64, 64, FP32)
     t = inputs((3,), 64, FP32)
     z = t["gate"].clone().requires_grad_()
-    y, _ = normfuse.add_rms_norm(t["x"], t["residual"], module.weight.detach(), EPS, gate=z,
-                                 **options("qwen3_next", 64, 64, FP32))
+    y, _ = normfuse.add_rms_norm(t["x"], t["residual"], module.weight.detach(), EPS,
+                                 **gated(z, options("qwen3_next", 64, 64, FP32)))
     y.sum().backward()
     zr = t["gate"].clone().requires_grad_()
     module(t["x"] + t["residual"], zr).sum().backward()
@@ -288,7 +296,7 @@ def test_compile_fullgraph(name):
     opts = options(name, 128, 32, BF16)
 
     def block(x, r, z, w):
-        y, s = normfuse.add_rms_norm(x, r, w, EPS, gate=z, **opts)
+        y, s = normfuse.add_rms_norm(x, r, w, EPS, **gated(z, opts))
         return y.float().square().sum() + s.float().sum()
 
     runs = []
@@ -317,20 +325,22 @@ def test_old_positional_calls_still_work():
 # ---- bad input ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,error,words", [
-    (dict(gate=torch.zeros(4, 8)), ShapeMismatchError, "must have x's shape"),
-    (dict(gate=torch.zeros(4, 96, dtype=torch.int32)), UnsupportedDtypeError, "gate.to(x.dtype)"),
-    (dict(gate=torch.zeros(4, 96), gate_position="inside"), InvalidOptionError, "'before', 'after'"),
-    (dict(gate=torch.zeros(4, 96), gate_activation="swish"), InvalidOptionError, "'silu', 'sigmoid'"),
-    (dict(gate=torch.zeros(4, 96), gate_activation="sigmiod"), InvalidOptionError, "Did you mean 'sigmoid'?"),
-    (dict(norm_group=40), ShapeMismatchError, "divides the normalized dim N=96"),
-    (dict(norm_group=0), ShapeMismatchError, "positive number"),
-    (dict(gate=torch.zeros(4, 96), weight1=torch.ones(96)), InvalidOptionError, "weight1"),
-    (dict(norm_group=32, quant_dtype=torch.float8_e4m3fn), InvalidOptionError, "quantize the gated output"),
-    (dict(gate=torch.zeros(4, 96), gate_out_dtype=torch.int8), UnsupportedDtypeError, "gate_out_dtype"),
+    # a Gate checks its own values when it is built: built inside pytest.raises
+    (lambda: dict(gate=Gate(torch.zeros(4, 8))), ShapeMismatchError, "must have x's shape"),
+    (lambda: dict(gate=Gate(torch.zeros(4, 96, dtype=torch.int32))), UnsupportedDtypeError, "gate.to(x.dtype)"),
+    (lambda: dict(gate=Gate(torch.zeros(4, 96), position="inside")), InvalidOptionError, "'before', 'after'"),
+    (lambda: dict(gate=Gate(torch.zeros(4, 96), activation="swish")), InvalidOptionError, "'silu', 'sigmoid'"),
+    (lambda: dict(gate=Gate(torch.zeros(4, 96), activation="sigmiod")), InvalidOptionError,
+     "Did you mean 'sigmoid'?"),
+    (lambda: dict(norm_group=40), ShapeMismatchError, "divides the normalized dim N=96"),
+    (lambda: dict(norm_group=0), ShapeMismatchError, "positive number"),
+    (lambda: dict(gate=Gate(torch.zeros(4, 96)), weight1=torch.ones(96)), InvalidOptionError, "weight1"),
+    (lambda: dict(norm_group=32, quant=Fp8Quant()), InvalidOptionError, "quantize the gated output"),
+    (lambda: dict(gate=Gate(torch.zeros(4, 96), out_dtype=torch.int8)), UnsupportedDtypeError, "gate_out_dtype"),
 ])
 def test_bad_arguments(kwargs, error, words):
     with pytest.raises(error) as info:
-        normfuse.add_rms_norm(torch.randn(4, 96), torch.randn(4, 96), torch.ones(96), **kwargs)
+        normfuse.add_rms_norm(torch.randn(4, 96), torch.randn(4, 96), torch.ones(96), **kwargs())
     assert isinstance(info.value, NormfuseError) and words in str(info.value)
 
 
@@ -356,7 +366,7 @@ def _dtensor_gated_worker(rank):
                     wl = distribute_tensor(wl, mesh, [Replicate()])
                 leaves = [v.requires_grad_() for v in leaves]
                 wl.requires_grad_()
-                y, s = normfuse.add_rms_norm(leaves[0], leaves[1], wl, gate=leaves[2], gate_position=position,
+                y, s = normfuse.add_rms_norm(leaves[0], leaves[1], wl, gate=Gate(leaves[2], position),
                                              norm_group=group)
                 (y.square().sum() + s.sin().sum()).backward()
                 outs = [y, s] + [v.grad for v in leaves] + [wl.grad]
@@ -392,8 +402,8 @@ def test_gpu(name, n, groups):
     t = {k: v.cuda() for k, v in inputs((64,), n, BF16).items()}
     w = module.weight.detach()
     leaves = {k: v.clone().requires_grad_() for k, v in t.items()}
-    y, s = normfuse.add_rms_norm(leaves["x"], leaves["residual"], w, EPS, gate=leaves["gate"],
-                                 **options(name, n, group, BF16))
+    y, s = normfuse.add_rms_norm(leaves["x"], leaves["residual"], w, EPS,
+                                 **gated(leaves["gate"], options(name, n, group, BF16)))
     with torch.no_grad():
         y_hf, _ = hf(module, t)
         y64, _ = hf(_module(name, n, group, FP64).cuda(), {k: v.double() for k, v in t.items()})

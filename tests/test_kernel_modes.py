@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import normfuse
 from normfuse.errors import InvalidOptionError, ShapeMismatchError
-from normfuse.kernels import dropout_keep_mask
+from normfuse.kernels import Dropout, dropout_keep_mask
 from normfuse.tolerances import within_tolerance
 
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
@@ -84,9 +84,10 @@ def composed(t, keep, kind, eps, round_sum_first):
 
 
 def ours(t, kind, eps, round_sum_first, seed):
-    kw = {k: t[k] for k in ("x1", "rowscale", "weight1", "bias1", "dropout_p")}
+    kw = {k: t[k] for k in ("x1", "rowscale", "weight1", "bias1")}
+    dropout = Dropout(t["dropout_p"], seed=seed) if t["dropout_p"] else None
     out = normfuse.add_norm(t["x"], t["residual"], t["weight"], t["bias"], kind=kind, eps=eps,
-                            round_sum_first=round_sum_first, seed=seed if t["dropout_p"] else None, **kw)
+                            round_sum_first=round_sum_first, dropout=dropout, **kw)
     return (out[0], None, out[1]) if t["weight1"] is None else out
 
 
@@ -245,21 +246,21 @@ def test_dropout_statistics(path):
     assert keep.dtype == torch.bool and keep.shape == x.shape
     sigma = math.sqrt(p * (1 - p) / x.numel())
     assert abs(keep.float().mean().item() - (1 - p)) <= 4 * sigma
-    _, s = normfuse.add_rms_norm(x, None, None, dropout_p=p, seed=11)
+    _, s = normfuse.add_rms_norm(x, None, None, dropout=Dropout(p, seed=11))
     assert torch.equal(s, x * keep * (1 / (1 - p)))
 
 
 def test_dropout_seeds(path):
     t = make(16, 256, BF16, "rms_norm", dropout=0.37)
     args = (t["x"], t["residual"], t["weight"])
-    first = normfuse.add_rms_norm(*args, dropout_p=0.37, seed=3)
-    again = normfuse.add_rms_norm(*args, dropout_p=0.37, seed=torch.tensor(3))
-    other = normfuse.add_rms_norm(*args, dropout_p=0.37, seed=4)
+    first = normfuse.add_rms_norm(*args, dropout=Dropout(0.37, seed=3))
+    again = normfuse.add_rms_norm(*args, dropout=Dropout(0.37, seed=torch.tensor(3)))
+    other = normfuse.add_rms_norm(*args, dropout=Dropout(0.37, seed=4))
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
     assert not torch.equal(first[1], other[1])
     assert torch.equal(dropout_keep_mask(t["x"], 0.37, 3), dropout_keep_mask(t["x"], 0.37, torch.tensor(3)))
     # a seed drawn from a generator: the same generator state gives the same mask
-    drawn = [normfuse.add_rms_norm(*args, dropout_p=0.37, generator=torch.Generator().manual_seed(8))[1]
+    drawn = [normfuse.add_rms_norm(*args, dropout=Dropout(0.37, generator=torch.Generator().manual_seed(8)))[1]
              for _ in range(2)]
     assert torch.equal(*drawn) and not torch.equal(drawn[0], first[1])
 
@@ -268,10 +269,10 @@ def test_dropout_p0_is_no_dropout_and_draws_nothing(path):
     t = make(8, 128, BF16, "layer_norm")
     args = (t["x"], t["residual"], t["weight"], t["bias"])
     state = torch.get_rng_state()
-    assert all(torch.equal(a, b) for a, b in zip(normfuse.add_layer_norm(*args, dropout_p=0.0),
+    assert all(torch.equal(a, b) for a, b in zip(normfuse.add_layer_norm(*args, dropout=Dropout(0.0)),
                                                  normfuse.add_layer_norm(*args)))
     assert torch.equal(torch.get_rng_state(), state)
-    normfuse.add_layer_norm(*args, dropout_p=0.1)  # a seed drawn from torch's generator
+    normfuse.add_layer_norm(*args, dropout=Dropout(0.1))  # a seed drawn from torch's generator
     assert not torch.equal(torch.get_rng_state(), state)
 
 
@@ -283,7 +284,7 @@ def test_dropout_grad_uses_forward_mask(path):
     for round_sum_first in (True, False):
         x = t["x"].clone().requires_grad_()
         r = t["residual"].clone().requires_grad_()
-        y, s = normfuse.add_layer_norm(x, r, t["weight"], t["bias"], dropout_p=0.5, seed=21,
+        y, s = normfuse.add_layer_norm(x, r, t["weight"], t["bias"], dropout=Dropout(0.5, seed=21),
                                        round_sum_first=round_sum_first)
         (y.sum() * 0 + (y * torch.arange(64.0)).sum() + s.sum()).backward()
         assert torch.equal(x.grad == 0, ~keep)
@@ -347,7 +348,7 @@ def test_op_autograd_equals_functional(path, round_sum_first, store_sum):
                 t["rowscale"], w1, b1, 0.37, seed)
         else:
             y, y1, s = normfuse.add_layer_norm(x, r, w, b, x1=x1, rowscale=t["rowscale"], weight1=w1, bias1=b1,
-                                               dropout_p=0.37, seed=seed, round_sum_first=round_sum_first)
+                                               dropout=Dropout(0.37, seed=seed), round_sum_first=round_sum_first)
         loss = (y.float() * 3).sum() + y1.float().square().sum() + (s.float().sum() if store_sum else 0)
         loss.backward()
         runs.append([y, y1] + [v.grad for v in (x, r, w, b, x1, w1, b1)])
@@ -361,8 +362,8 @@ def test_compile_fullgraph_with_modes():
     seed = torch.tensor(5)
 
     def block(x, r, x1, rs, w, b, w1, b1):
-        y, y1, s = normfuse.add_layer_norm(x, r, w, b, x1=x1, rowscale=rs, weight1=w1, bias1=b1, dropout_p=0.25,
-                                           seed=seed)
+        y, y1, s = normfuse.add_layer_norm(x, r, w, b, x1=x1, rowscale=rs, weight1=w1, bias1=b1,
+                                           dropout=Dropout(0.25, seed=seed))
         return (y.float() * 2 + y1.float()).sum() + s.float().square().sum()
 
     names = ("x", "residual", "x1", "rowscale", "weight", "bias", "weight1", "bias1")
@@ -381,13 +382,14 @@ def test_compile_fullgraph_with_modes():
 @pytest.mark.parametrize("kwargs,error,words", [
     (dict(rowscale=torch.ones(4, requires_grad=True)), InvalidOptionError, ".detach()"),
     (dict(bias1=torch.zeros(8)), InvalidOptionError, "pass weight1"),
-    (dict(dropout_p=1.0), InvalidOptionError, "[0, 1)"),
-    (dict(dropout_p=-0.1), InvalidOptionError, "[0, 1)"),
-    (dict(dropout_p="0.1"), InvalidOptionError, "[0, 1)"),
-    (dict(dropout_p=0.1, seed=torch.tensor(1.5)), InvalidOptionError, "int64 CPU tensor"),
-    (dict(dropout_p=0.1, seed=torch.tensor([1, 2])), InvalidOptionError, "int64 CPU tensor"),
-    (dict(dropout_p=0.1, seed=1, generator=torch.Generator()), InvalidOptionError, "not both"),
-    (dict(dropout_p=0.1, generator=1234), InvalidOptionError, "a CPU torch.Generator"),
+    # a Dropout checks its values when it is built: built inside pytest.raises
+    (lambda: dict(dropout=Dropout(1.0)), InvalidOptionError, "[0, 1)"),
+    (lambda: dict(dropout=Dropout(-0.1)), InvalidOptionError, "[0, 1)"),
+    (lambda: dict(dropout=Dropout("0.1")), InvalidOptionError, "[0, 1)"),
+    (lambda: dict(dropout=Dropout(0.1, seed=torch.tensor(1.5))), InvalidOptionError, "int64 CPU tensor"),
+    (lambda: dict(dropout=Dropout(0.1, seed=torch.tensor([1, 2]))), InvalidOptionError, "int64 CPU tensor"),
+    (lambda: dict(dropout=Dropout(0.1, seed=1, generator=torch.Generator())), InvalidOptionError, "not both"),
+    (lambda: dict(dropout=Dropout(0.1, generator=1234)), InvalidOptionError, "a CPU torch.Generator"),
     (dict(x1=torch.zeros(4, 7)), ShapeMismatchError, "reshape x1"),
     (dict(rowscale=torch.ones(8)), ShapeMismatchError, "x.shape[:-1]"),
     (dict(weight1=torch.ones(7)), ShapeMismatchError, "weight1 must have shape (8,)"),
@@ -396,7 +398,7 @@ def test_compile_fullgraph_with_modes():
 def test_bad_mode_arguments(kwargs, error, words):
     x, r = torch.randn(4, 8), torch.randn(4, 8)
     with pytest.raises(error) as info:
-        normfuse.add_rms_norm(x, r, torch.ones(8), **kwargs)
+        normfuse.add_rms_norm(x, r, torch.ones(8), **(kwargs() if callable(kwargs) else kwargs))
     assert words in str(info.value)
 
 

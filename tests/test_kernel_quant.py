@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import normfuse
+from normfuse import Fp8Quant
 from normfuse.errors import InvalidOptionError, NormfuseError, ShapeMismatchError, UnsupportedDtypeError
 
 from kernel_cases import BF16, FP16, FP32, assert_same_bits, assert_within_rounding_budget
@@ -108,23 +109,23 @@ def _static(apply, clamp):
 
 
 def _static_options(apply, clamp):
-    return lambda qdtype: dict(quant_scale=torch.tensor([STATIC_SCALE if apply == "div" else 1 / STATIC_SCALE]),
-                               quant_apply=apply, quant_clamp=torch.finfo(qdtype).max if clamp else None)
+    return lambda qdtype: dict(scale=torch.tensor([STATIC_SCALE if apply == "div" else 1 / STATIC_SCALE]),
+                               apply=apply, clamp=torch.finfo(qdtype).max if clamp else None)
 
 
 def _clamped(**options):
-    return lambda qdtype: dict(options, quant_clamp=torch.finfo(qdtype).max)
+    return lambda qdtype: dict(options, clamp=torch.finfo(qdtype).max)
 
 
 SPELLINGS = {
-    "amax_div": (_clamped(quant_amax_min=1e-12), _amax_div),
-    "mul_reciprocal": (_clamped(quant_amax_min=1e-12, quant_apply="mul_reciprocal"), _mul_reciprocal),
-    "torchao": (_clamped(quant_amax_min=1e-12, quant_scale_form="max*(1/amax)", quant_apply="mul",
-                         quant_scale_out="reciprocal"), _torchao),
-    "true_division": (_clamped(quant_amax_min=1e-12, quant_scale_form="max/amax", quant_apply="mul"),
+    "amax_div": (_clamped(amax_min=1e-12), _amax_div),
+    "mul_reciprocal": (_clamped(amax_min=1e-12, apply="mul_reciprocal"), _mul_reciprocal),
+    "torchao": (_clamped(amax_min=1e-12, scale_form="max*(1/amax)", apply="mul",
+                         scale_out="reciprocal"), _torchao),
+    "true_division": (_clamped(amax_min=1e-12, scale_form="max/amax", apply="mul"),
                       _true_division),
-    "vllm": (lambda qdtype: dict(quant_scale_min=1.0 / (torch.finfo(qdtype).max * 512),
-                                 quant_clamp=torch.finfo(qdtype).max), _vllm),
+    "vllm": (lambda qdtype: dict(scale_min=1.0 / (torch.finfo(qdtype).max * 512),
+                                 clamp=torch.finfo(qdtype).max), _vllm),
     "no_clamp": (lambda qdtype: {}, _no_clamp),
     "static_div": (_static_options("div", True), _static("div", True)),
     "static_mul": (_static_options("mul", True), _static("mul", True)),
@@ -156,8 +157,8 @@ def eager_norm(t, kind):
 
 
 def fused(t, kind, qdtype, options, group=None, **more):
-    return normfuse.add_norm(t["x"], t["residual"], t["weight"], t["bias"], kind=kind, eps=EPS, quant_dtype=qdtype,
-                             quant_group=group, return_norm=True, **options, **more)
+    return normfuse.add_norm(t["x"], t["residual"], t["weight"], t["bias"], kind=kind, eps=EPS,
+                             quant=Fp8Quant(qdtype, group=group, **options), return_norm=True, **more)
 
 
 def check(spelling, kind, dtype, qdtype, rows=5, n=256, group=None, residual=True, path="reference", seed=0):
@@ -332,7 +333,7 @@ def test_planted_errors_are_caught(path):
     q_static, _, y_static, _ = fused(t, "rms_norm", E4M3, SPELLINGS["static_div"][0](E4M3))
     with pytest.raises(AssertionError):  # a clamp at 240 instead of 448
         assert_same_bits(q_static, (y_static.float() / STATIC_SCALE).clamp(-240, 240).to(E4M3), "q")
-    _, scale_div, y_div, _ = fused(t, "rms_norm", E4M3, dict(quant_scale_form="max/amax", quant_apply="mul"))
+    _, scale_div, y_div, _ = fused(t, "rms_norm", E4M3, dict(scale_form="max/amax", apply="mul"))
     with pytest.raises(AssertionError):  # max/amax as one division is not Python's qmax / amax
         assert_same_bits(scale_div, 448.0 / y_div.float().abs().amax(-1, keepdim=True), "scale")
 
@@ -342,15 +343,15 @@ def test_planted_errors_are_caught(path):
 def test_return_layout_and_static_scale_is_the_given_tensor(path):
     t = inputs(3, 128, BF16, "rms_norm")
     given = torch.tensor([0.05])
-    q, scale, y, s = normfuse.add_rms_norm(t["x"], t["residual"], t["weight"], quant_dtype=E4M3, quant_scale=given)
+    q, scale, y, s = normfuse.add_rms_norm(t["x"], t["residual"], t["weight"], quant=Fp8Quant(E4M3, scale=given))
     assert scale is given and y is None and s.shape == (3, 128) and q.dtype == E4M3
-    q, scale, y, s = normfuse.add_rms_norm(t["x"], None, t["weight"], quant_dtype=E5M2, quant_group=32,
+    q, scale, y, s = normfuse.add_rms_norm(t["x"], None, t["weight"], quant=Fp8Quant(E5M2, group=32),
                                            return_sum=False)
     assert scale.shape == (3, 4) and y is None and s is None
     # one group as wide as the row is the per-row scale
-    _, per_row, _, _ = normfuse.add_rms_norm(t["x"], None, t["weight"], quant_dtype=E4M3, quant_group=128)
+    _, per_row, _, _ = normfuse.add_rms_norm(t["x"], None, t["weight"], quant=Fp8Quant(E4M3, group=128))
     assert per_row.shape == (3, 1)
-    # without quant_dtype: today's return values
+    # without quant: today's return values
     assert len(normfuse.add_rms_norm(t["x"], t["residual"], t["weight"])) == 2
 
 
@@ -364,7 +365,7 @@ def test_gradients_flow_through_y_and_s_unchanged(path, return_norm):
         leaves = {k: t[k].clone().requires_grad_() for k in ("x", "residual", "weight", "bias")}
         args = (leaves["x"], leaves["residual"], leaves["weight"], leaves["bias"])
         if quant:
-            q, scale, y, s = normfuse.add_layer_norm(*args, quant_dtype=E4M3, quant_group=32, return_norm=return_norm)
+            q, scale, y, s = normfuse.add_layer_norm(*args, quant=Fp8Quant(E4M3, group=32), return_norm=return_norm)
             assert not q.requires_grad and not scale.requires_grad
             outs.append(q)
         else:
@@ -424,8 +425,8 @@ def test_compile_fullgraph(spelling, group):
     options = SPELLINGS[spelling][0](E4M3)
 
     def block(x, r, w):
-        q, scale, y, s = normfuse.add_rms_norm(x, r, w, quant_dtype=E4M3, quant_group=group, return_norm=True,
-                                               **options)
+        q, scale, y, s = normfuse.add_rms_norm(x, r, w, quant=Fp8Quant(E4M3, group=group, **options),
+                                               return_norm=True)
         return q, scale, y.float().sum() + s.float().square().sum()
 
     runs = []
@@ -446,7 +447,7 @@ def test_traced_calls_record_the_quant_op(fresh_dynamo):
         return gm
 
     t = inputs(2, 64, BF16, "rms_norm")
-    torch.compile(lambda x, r, w: normfuse.add_rms_norm(x, r, w, quant_dtype=E4M3)[0], backend=backend,
+    torch.compile(lambda x, r, w: normfuse.add_rms_norm(x, r, w, quant=Fp8Quant(E4M3))[0], backend=backend,
                   fullgraph=True)(t["x"], t["residual"], t["weight"])
     assert any("normfuse.add_norm_quant_fwd" in s for s in seen), seen
 
@@ -454,35 +455,38 @@ def test_traced_calls_record_the_quant_op(fresh_dynamo):
 # ---- bad input: the error names the problem and the fix -------------------------------------
 
 @pytest.mark.parametrize("kwargs,error,words", [
-    (dict(quant_dtype=torch.int8), UnsupportedDtypeError, "fp8 dtype"),
-    (dict(quant_dtype=torch.float8_e4m3fnuz), UnsupportedDtypeError, "torch.float8_e4m3fn"),
-    (dict(quant_group=48), InvalidOptionError, "power of two"),
-    (dict(quant_group=True), InvalidOptionError, "power of two"),
-    (dict(quant_group=256), ShapeMismatchError, "does not divide the normalized dim N=96"),
-    (dict(quant_scale=torch.tensor([1.0, 2.0])), InvalidOptionError, "1-element fp32 tensor"),
-    (dict(quant_scale=torch.tensor(1.0, dtype=torch.float16)), InvalidOptionError, "1-element fp32 tensor"),
-    (dict(quant_scale=0.5), InvalidOptionError, "1-element fp32 tensor"),
-    (dict(quant_scale=torch.tensor([1.0]), quant_group=32), InvalidOptionError, "quant_scale=None"),
-    (dict(quant_scale=torch.tensor([1.0]), quant_amax_min=1e-12), InvalidOptionError, "shape a dynamic scale"),
-    (dict(quant_scale=torch.tensor([1.0]), quant_scale_out="reciprocal"), InvalidOptionError, "dynamic scale"),
-    (dict(quant_scale_form="amax/qmax"), InvalidOptionError, "Did you mean 'amax/max'?"),
-    (dict(quant_apply="multiply"), InvalidOptionError, "'div', 'mul', 'mul_reciprocal'"),
-    (dict(quant_scale_out="inverse"), InvalidOptionError, "quant_scale_out"),
-    (dict(quant_clamp=-448.0), InvalidOptionError, "> 0"),
-    (dict(quant_amax_min=float("nan")), InvalidOptionError, "finite"),
+    (dict(dtype=torch.int8), UnsupportedDtypeError, "fp8 dtype"),
+    (dict(dtype=torch.float8_e4m3fnuz), UnsupportedDtypeError, "torch.float8_e4m3fn"),
+    (dict(group=48), InvalidOptionError, "power of two"),
+    (dict(group=True), InvalidOptionError, "power of two"),
+    (dict(group=256), ShapeMismatchError, "does not divide the normalized dim N=96"),
+    (dict(scale=torch.tensor([1.0, 2.0])), InvalidOptionError, "1-element fp32 tensor"),
+    (dict(scale=torch.tensor(1.0, dtype=torch.float16)), InvalidOptionError, "1-element fp32 tensor"),
+    (dict(scale=0.5), InvalidOptionError, "1-element fp32 tensor"),
+    (dict(scale=torch.tensor([1.0]), group=32), InvalidOptionError, "quant_scale=None"),
+    (dict(scale=torch.tensor([1.0]), amax_min=1e-12), InvalidOptionError, "shape a dynamic scale"),
+    (dict(scale=torch.tensor([1.0]), scale_out="reciprocal"), InvalidOptionError, "dynamic scale"),
+    (dict(scale_form="amax/qmax"), InvalidOptionError, "Did you mean 'amax/max'?"),
+    (dict(apply="multiply"), InvalidOptionError, "'div', 'mul', 'mul_reciprocal'"),
+    (dict(scale_out="inverse"), InvalidOptionError, "quant_scale_out"),
+    (dict(clamp=-448.0), InvalidOptionError, "> 0"),
+    (dict(amax_min=float("nan")), InvalidOptionError, "finite"),
     (dict(weight1=torch.ones(96)), InvalidOptionError, "weight1"),
 ])
 def test_bad_arguments(kwargs, error, words):
-    kwargs.setdefault("quant_dtype", E4M3)
+    """``kwargs``: Fp8Quant's fields, or add_norm's weight1 (the spec is built inside pytest.raises:
+    it checks its own values)."""
     with pytest.raises(error) as info:
-        normfuse.add_rms_norm(torch.randn(4, 96), torch.randn(4, 96), torch.ones(96), **kwargs)
+        fields = {k: v for k, v in kwargs.items() if k != "weight1"}
+        normfuse.add_rms_norm(torch.randn(4, 96), torch.randn(4, 96), torch.ones(96), quant=Fp8Quant(**fields),
+                              weight1=kwargs.get("weight1"))
     assert isinstance(info.value, NormfuseError) and words in str(info.value)
 
 
 def test_static_scale_requiring_grad_is_refused():
     with pytest.raises(InvalidOptionError, match="detach"):
-        normfuse.add_rms_norm(torch.randn(2, 8), None, None, quant_dtype=E4M3,
-                              quant_scale=torch.tensor([1.0], requires_grad=True))
+        normfuse.add_rms_norm(torch.randn(2, 8), None, None,
+                              quant=Fp8Quant(E4M3, scale=torch.tensor([1.0], requires_grad=True)))
 
 
 # ---- DTensor: q and the scales shard like the rows ----------------------------------------------
@@ -505,8 +509,8 @@ def _dtensor_quant_worker(rank):
                     x, r = (distribute_tensor(v, mesh, [placement]) for v in (x, r))
                     w = distribute_tensor(w, mesh, [Replicate()])
                     scale_in = None if static is None else distribute_tensor(static, mesh, [Replicate()])
-                q, scale, y, s = normfuse.add_rms_norm(x, r, w, quant_dtype=E4M3, quant_group=group,
-                                                       quant_scale=scale_in, return_norm=True)
+                q, scale, y, s = normfuse.add_rms_norm(x, r, w, quant=Fp8Quant(E4M3, scale=scale_in, group=group),
+                                                       return_norm=True)
                 return q, scale, y, s
             got, want = run(True), run(False)
             # gloo gathers no fp8: q is compared in fp32 (exact)

@@ -4,6 +4,7 @@
     triton.py      the Triton kernels and launchers (the Triton backend)
     library.py     the ops' schemas, declared at ``import normfuse`` (saved programs load)
     ops.py         the custom ops, their fakes and autograd, and which path a call runs
+    specs.py       the names of the ops' outputs and arguments; add_norm's option groups
     add_norm.py    the functional API (add_norm, norm_add, add_rms_norm, ...)
     norm_linear.py norm_linears: linears on a norm output that is recomputed in backward
     qk_rope.py     qk_norm_rope: per-head RMSNorm of q and k, then RoPE (its semantics, reference and ops)
@@ -18,7 +19,9 @@ import importlib
 
 _EXPORTS = {
     **{name: "normfuse.kernels.add_norm"
-       for name in ("add_norm", "add_rms_norm", "add_layer_norm", "norm_add", "rms_norm_add", "layer_norm_add")},
+       for name in ("add_norm", "fused_add_norm", "add_rms_norm", "add_layer_norm", "norm_add", "rms_norm_add",
+                    "layer_norm_add")},
+    **{name: "normfuse.kernels.specs" for name in ("Gate", "Fp8Quant", "Dropout")},
     **{name: "normfuse.kernels.reference" for name in ("add_norm_ref", "norm_add_ref", "add_norm_bwd_ref")},
     "dropout_keep_mask": "normfuse.kernels.ops",
     **{name: "normfuse.kernels.qk_rope" for name in ("qk_norm_rope", "qk_norm_rope_ref")},

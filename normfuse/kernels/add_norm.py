@@ -7,23 +7,33 @@ module, the functions users and the rewritten graphs call::
 
     add_norm(x, residual, weight, bias, kind=..., eps=..., ...)  -> (y, s)     # y = norm(x + r), s = x + r
     add_norm(..., weight1=w1)                                    -> (y, y1, s) # y1 = norm(s) with w1
-    add_norm(..., quant_dtype=torch.float8_e4m3fn)               -> (q, scale, y or None, s)  # q = fp8(y / scale)
-    add_norm(..., gate=z, gate_position="before", norm_group=G)  -> (y, s)     # gated norms (Mamba2, Qwen3-Next)
+    add_norm(..., quant=Fp8Quant())                              -> (q, scale, y or None, s)  # q = fp8(y / scale)
+    add_norm(..., gate=Gate(z), norm_group=G)                    -> (y, s)     # gated norms (Mamba2, Qwen3-Next)
+    add_norm(..., dropout=Dropout(0.1, seed=s))                  -> (y, s)     # dropout on x, mask from the seed
     norm_add(x, residual, weight, bias, kind=..., eps=..., ...)  -> (out, y)   # out = r + norm(x)
 
 with the shorthands ``add_rms_norm``, ``add_layer_norm``, ``rms_norm_add``,
-``layer_norm_add``. Arguments are validated here, once per call.
+``layer_norm_add``. The option groups (Gate, Fp8Quant, Dropout) and the names of the outputs
+are in ``specs.py``. ``fused_add_norm`` takes the same options as flat keywords: the rewritten
+graphs call it (fx cannot see a tensor inside a dataclass), and add_norm calls it.
+Arguments are validated here, once per call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
+import os
+import sys
+import warnings
 
 import torch
+from torch import Tensor
 
-from normfuse.errors import InvalidOptionError
-from normfuse.kernels.ops import (_grad_needed, forward_for, seed_tensor, validate, validate_gate, validate_modes,
-                                  validate_quant)
+from normfuse.errors import InvalidOptionError, closest
+from normfuse.kernels.ops import _grad_needed, forward_for, seed_tensor, validate, validate_modes, validate_norm_group
+from normfuse.kernels.specs import SPECS, Dropout, Fp8Quant, Gate
 from normfuse.kernels.reference import (KINDS, SUPPORTED_DTYPES, add_norm_bwd_ref, add_norm_dtypes,
                                         add_norm_ref, norm_add_dtypes, norm_add_ref)
 from normfuse.kernels.reference import has_sum as has_sum_of
@@ -36,7 +46,7 @@ from normfuse.kernels.triton import (  # noqa: F401
     _blocking)
 
 __all__ = [
-    "add_norm", "add_rms_norm", "add_layer_norm",
+    "add_norm", "fused_add_norm", "Gate", "Fp8Quant", "Dropout", "add_rms_norm", "add_layer_norm",
     "norm_add", "rms_norm_add", "layer_norm_add",
     "add_norm_ref", "norm_add_ref", "add_norm_bwd_ref",
     "KINDS", "SUPPORTED_DTYPES",
@@ -56,14 +66,108 @@ def _one_call_when_fx_traced(fn):
 
 
 @_one_call_when_fx_traced
+def fused_add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offset=0.0, residual_scale=1.0,
+                   sum_dtype=None, norm_round_dtype=None, out_dtype=None, return_sum=True, round_sum_first=True,
+                   x1=None, rowscale=None, weight1=None, bias1=None, dropout_p=0.0, generator=None, seed=None,
+                   quant_dtype=None, quant_scale=None, quant_group=None, quant_scale_form="amax/max",
+                   quant_amax_min=None, quant_scale_min=None, quant_apply="div", quant_clamp=None,
+                   quant_scale_out="scale", return_norm=False, gate=None, gate_position="before",
+                   gate_activation="silu", norm_group=None, gate_out_dtype=None):
+    """:func:`add_norm` with every option a flat keyword: what the rewritten graphs call (a
+    tensor inside a Gate or Fp8Quant would be invisible to torch.fx) and the one route of
+    add_norm to the ops. gate, gate_*: the fields of :class:`Gate`; quant_*: those of
+    :class:`Fp8Quant` (quantizes when quant_dtype is set); dropout_p, seed, generator: those of
+    :class:`Dropout`. Returns what add_norm returns (normfuse.kernels.specs.api_outputs)."""
+    validate(x, residual, weight, bias, kind, eps,
+             {"sum_dtype": sum_dtype, "norm_round_dtype": norm_round_dtype, "out_dtype": out_dtype})
+    validate_modes(x, x1, rowscale, weight1, bias1)
+    if seed is not None or generator is not None or type(dropout_p) not in (float, int) or dropout_p != 0:
+        Dropout(dropout_p, seed, generator)  # checks its values
+    dropout_p = float(dropout_p)
+    if dropout_p > 0:
+        seed = seed_tensor(seed) if seed is not None else torch.randint(0, 2**62, (), generator=generator)
+    else:
+        seed = None  # p = 0 draws nothing
+    sum_dtype, out_dtype = add_norm_dtypes(x, residual, weight, sum_dtype, norm_round_dtype, out_dtype, x1)
+    has_sum = has_sum_of(residual, x1, rowscale, dropout_p)
+    if gate is not None or norm_group is not None:
+        if gate is not None:
+            Gate(gate, gate_position, gate_activation, gate_out_dtype).check(x)
+        if norm_group is not None:
+            validate_norm_group(x, norm_group)
+        if weight1 is not None:
+            raise InvalidOptionError("a second norm output (weight1) cannot be combined with gate or norm_group; "
+                                     "call add_norm once per output.")
+        if quant_dtype is not None:
+            raise InvalidOptionError("the fp8 epilogue (quant_dtype) cannot be combined with gate or norm_group yet; "
+                                     "quantize the gated output separately.")
+        norm_group = None if norm_group == x.shape[-1] else norm_group  # one group: the whole row
+    modes = tuple(t for t in (x1, rowscale, weight1, bias1, seed, gate) if t is not None)
+    store_sum = has_sum and (return_sum or _grad_needed(x, residual, weight, bias, *modes))
+    if quant_dtype is not None:
+        Fp8Quant(quant_dtype, quant_scale, quant_group, quant_scale_form, quant_amax_min, quant_scale_min,
+                 quant_apply, quant_clamp, quant_scale_out).check(x)
+        if weight1 is not None:
+            raise InvalidOptionError("the quantization epilogue quantizes the one norm output y: a second norm "
+                                     "output (weight1) cannot be combined with quant_dtype; call add_norm twice, or "
+                                     "quantize y1 separately.")
+        if quant_group is not None and quant_group == x.shape[-1]:
+            quant_group = None  # one group per row: the scale per row, shaped (..., 1) either way
+        forward = forward_for("add_norm_quant_fwd", x, residual, weight, bias, *modes,
+                              *(() if quant_scale is None else (quant_scale,)))
+        y, s, _, _, _, q, scale = forward(
+            x, residual, weight, bias, kind, float(eps), float(weight_offset), float(residual_scale), sum_dtype,
+            norm_round_dtype, out_dtype, store_sum, bool(round_sum_first), x1, rowscale, weight1, bias1, dropout_p,
+            seed, bool(return_norm), quant_dtype, quant_scale, quant_group, quant_scale_form,
+            _float_or_none(quant_amax_min), _float_or_none(quant_scale_min), quant_apply, _float_or_none(quant_clamp),
+            quant_scale_out)
+        q = q if q.dtype == quant_dtype else q.view(quant_dtype)  # the op returns q's bytes
+        return (q, quant_scale if quant_scale is not None else scale, y if return_norm else None,
+                s if has_sum and return_sum else None)
+    forward = forward_for("add_norm_fwd", x, residual, weight, bias, *modes)
+    gated = () if gate is None and norm_group is None else (gate, gate_position, gate_activation, norm_group,
+                                                            gate_out_dtype)
+    y, s, _, _, y1 = forward(x, residual, weight, bias, kind, float(eps), float(weight_offset),
+                             float(residual_scale), sum_dtype, norm_round_dtype, out_dtype, store_sum,
+                             bool(round_sum_first), x1, rowscale, weight1, bias1, dropout_p, seed, *gated)
+    s = s if has_sum and return_sum else None
+    return (y, s) if weight1 is None else (y, y1, s)
+
+
+# The flat keywords add_norm took before the grouped specs: name -> (the add_norm keyword of its
+# group, the spec, its field). They keep working for one release, with a FutureWarning.
+_FLAT = {
+    "gate_position": ("gate", Gate, "position"), "gate_activation": ("gate", Gate, "activation"),
+    "gate_out_dtype": ("gate", Gate, "out_dtype"),
+    **{f"quant_{field}": ("quant", Fp8Quant, field)
+       for field in ("dtype", "scale", "group", "scale_form", "amax_min", "scale_min", "apply", "clamp", "scale_out")},
+    "dropout_p": ("dropout", Dropout, "p"), "seed": ("dropout", Dropout, "seed"),
+    "generator": ("dropout", Dropout, "generator"),
+}
+_FIELDS = {spec: tuple(field.name for field in dataclasses.fields(spec)) for spec in SPECS}
+_PLAIN = frozenset(inspect.signature(fused_add_norm).parameters) - set(_FLAT) - {"gate"}
+
+
+def _one_call_unless_grouped(fn):
+    """Under torch.fx symbolic tracing, record ``fn`` as one call when its options are flat (a
+    rewritten graph re-traced keeps its add_norm calls); a call with a spec goes on to
+    fused_add_norm, which records itself with the spec's tensors as arguments."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        proxy = next((a for a in args if isinstance(a, torch.fx.Proxy)), None)
+        if proxy is not None and not any(isinstance(v, SPECS) for v in kwargs.values()):
+            return proxy.tracer.create_proxy("call_function", wrapper, args, kwargs)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+@_one_call_unless_grouped
 def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offset=0.0, residual_scale=1.0,
              sum_dtype=None, norm_round_dtype=None, out_dtype=None, return_sum=True, round_sum_first=True,
-             x1=None, rowscale=None, weight1=None, bias1=None, dropout_p=0.0, generator=None, seed=None,
-             quant_dtype=None, quant_scale=None, quant_group=None, quant_scale_form="amax/max", quant_amax_min=None,
-             quant_scale_min=None, quant_apply="div", quant_clamp=None, quant_scale_out="scale", return_norm=False,
-             gate=None, gate_position="before", gate_activation="silu", norm_group=None, gate_out_dtype=None):
+             x1=None, rowscale=None, weight1=None, bias1=None, norm_group=None, return_norm=False,
+             gate: Gate | None = None, quant: Fp8Quant | None = None, dropout: Dropout | None = None, **flat):
     """Fused ``s = x + residual_scale * residual; y = norm(s)``: returns (y, s), or (y, y1, s)
-    with weight1, or (q, scale, y or None, s) with quant_dtype.
+    with weight1, or (q, scale, y or None, s) with quant (normfuse.kernels.specs.api_outputs).
 
     kind: "rms_norm" or "layer_norm", over the last dim N. x, residual: (..., N) of
     equal shape, fp32/fp16/bf16; weight, bias: (N,), fp32/fp16/bf16 (any, whatever x's dtype:
@@ -87,78 +191,112 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
     (pass it detached).
     weight1, bias1: a second norm of the same sum with its own parameters (bias1 needs weight1);
     add_norm then returns (y, y1, s), y1 in y's dtype.
-    dropout_p in [0, 1): dropout on x (before rowscale and x1), scaled by 1 / (1 - p). The mask is
-    regenerated from a seed in the backward, never stored. seed: an int or an int64 CPU tensor of
-    shape () (reproducible); without one a seed is drawn from ``generator`` (a CPU
-    torch.Generator; default: torch's). normfuse.kernels.dropout_keep_mask(x, p, seed) returns the
-    mask. The reference (CPU) and Triton backends draw different masks from one seed.
+    norm_group: the statistics of each group of norm_group contiguous columns (Mamba2's
+    group_size; the weight stays per column), with or without a gate.
+    dropout: a :class:`~normfuse.kernels.specs.Dropout` (p, seed or generator) on x, before
+    rowscale and x1. normfuse.kernels.dropout_keep_mask(x, p, seed) returns its mask.
     s exists (unless return_sum=False) whenever a residual or any mode forms a sum.
+    quant: an :class:`~normfuse.kernels.specs.Fp8Quant`: y is also written as fp8 q with a scale;
+    add_norm returns (q, scale, y, s), y None unless return_norm. q and scale are not
+    differentiable; y and s are as without it. Not with weight1.
+    gate: a :class:`~normfuse.kernels.specs.Gate` (Mamba2 / NemotronH, Qwen3-Next, Kimi-Linear).
+    Differentiable in x, residual, weight, bias and the gate. Not with weight1 or quant.
 
-    Quantization epilogue (off unless quant_dtype is set; the exact steps are in
-    normfuse.kernels.reference): y is also written as q in quant_dtype (torch.float8_e4m3fn or
-    torch.float8_e5m2) with a scale, for an fp8 linear to read; add_norm then returns
-    (q, scale, y, s), y None unless return_norm. q and scale are not differentiable; y and s are as
-    without the epilogue. Not with weight1.
-    quant_scale: a static per-tensor scale (a 1-element fp32 tensor, returned as scale); None: a
-    dynamic scale from the amax of each row's rounded y, or of each group of quant_group columns (a
-    power of two dividing N: 128, 64); scale is then fp32 of shape (*y.shape[:-1], 1) or
-    (*y.shape[:-1], N // quant_group).
-    quant_scale_form: "amax/max" (scale = amax / qmax), "max/amax" (qmax / amax, one division), or
-    "max*(1/amax)" (what Python's ``qmax / amax`` computes: the reciprocal, then a multiply).
-    quant_amax_min, quant_scale_min: lower clamps of amax (e.g. 1e-12) and of the scale (vLLM's
-    1 / (qmax * 512)). quant_apply: q = y / scale ("div"), y * scale ("mul"), or y * (1 / scale)
-    ("mul_reciprocal"). quant_clamp: clamp to [-c, c] before the cast (without it the cast itself
-    saturates e4m3fn and overflows e5m2 to inf, as torch's does). quant_scale_out: return the scale
-    ("scale") or its reciprocal ("reciprocal": the dequantization scale torchao passes on).
-
-    Gated norms (Mamba2 / NemotronH, Qwen3-Next, Kimi-Linear; the exact rounding points are in
-    normfuse.kernels.reference): gate, x's shape, multiplies by act(gate) in fp32 (gate_activation
-    "silu" or "sigmoid") either the norm input ("before": Mamba2's MambaRMSNormGated, then the norm of
-    the unrounded product) or the norm output ("after": y0 rounded as usual, then
-    round(gate_out_dtype, y0 * act(gate)); gate_out_dtype defaults to out_dtype). norm_group: the
-    statistics of each group of norm_group contiguous columns (Mamba2's group_size; the weight stays
-    per column), with or without a gate. Differentiable in x, residual, weight, bias and gate. Not
-    with weight1 or quant_dtype.
+    Deprecated (one release): the flat keywords gate=<tensor>, gate_position, gate_activation,
+    gate_out_dtype, quant_dtype and the other quant_*, dropout_p, seed, generator. They warn
+    (FutureWarning) and map onto the specs; mixing them with the spec of their group raises.
+    The rewritten graphs' calls, flat until they call fused_add_norm, do not warn.
     """
-    validate(x, residual, weight, bias, kind, eps,
-             {"sum_dtype": sum_dtype, "norm_round_dtype": norm_round_dtype, "out_dtype": out_dtype})
-    validate_modes(x, x1, rowscale, weight1, bias1, dropout_p, seed, generator)
-    dropout_p = float(dropout_p)
-    if dropout_p > 0:
-        seed = seed_tensor(seed) if seed is not None else torch.randint(0, 2**62, (), generator=generator)
-    else:
-        seed = None  # p = 0 draws nothing
-    sum_dtype, out_dtype = add_norm_dtypes(x, residual, weight, sum_dtype, norm_round_dtype, out_dtype, x1)
-    has_sum = has_sum_of(residual, x1, rowscale, dropout_p)
-    if gate is not None or norm_group is not None:
-        validate_gate(x, gate, gate_position, gate_activation, norm_group, gate_out_dtype, weight1, quant_dtype)
-        norm_group = None if norm_group == x.shape[-1] else norm_group  # one group: the whole row
-    modes = tuple(t for t in (x1, rowscale, weight1, bias1, seed, gate) if t is not None)
-    store_sum = has_sum and (return_sum or _grad_needed(x, residual, weight, bias, *modes))
-    if quant_dtype is not None:
-        validate_quant(x, quant_dtype, quant_scale, quant_group, quant_scale_form, quant_amax_min, quant_scale_min,
-                       quant_apply, quant_clamp, quant_scale_out, weight1)
-        if quant_group is not None and quant_group == x.shape[-1]:
-            quant_group = None  # one group per row: the scale per row, shaped (..., 1) either way
-        forward = forward_for("add_norm_quant_fwd", x, residual, weight, bias, *modes,
-                              *(() if quant_scale is None else (quant_scale,)))
-        y, s, _, _, _, q, scale = forward(
-            x, residual, weight, bias, kind, float(eps), float(weight_offset), float(residual_scale), sum_dtype,
-            norm_round_dtype, out_dtype, store_sum, bool(round_sum_first), x1, rowscale, weight1, bias1, dropout_p,
-            seed, bool(return_norm), quant_dtype, quant_scale, quant_group, quant_scale_form,
-            _float_or_none(quant_amax_min), _float_or_none(quant_scale_min), quant_apply, _float_or_none(quant_clamp),
-            quant_scale_out)
-        q = q if q.dtype == quant_dtype else q.view(quant_dtype)  # the op returns q's bytes
-        return (q, quant_scale if quant_scale is not None else scale, y if return_norm else None,
-                s if has_sum and return_sum else None)
-    forward = forward_for("add_norm_fwd", x, residual, weight, bias, *modes)
-    gated = () if gate is None and norm_group is None else (gate, gate_position, gate_activation, norm_group,
-                                                            gate_out_dtype)
-    y, s, _, _, y1 = forward(x, residual, weight, bias, kind, float(eps), float(weight_offset),
-                             float(residual_scale), sum_dtype, norm_round_dtype, out_dtype, store_sum,
-                             bool(round_sum_first), x1, rowscale, weight1, bias1, dropout_p, seed, *gated)
-    s = s if has_sum and return_sum else None
-    return (y, s) if weight1 is None else (y, y1, s)
+    if flat or (gate is not None and not isinstance(gate, Gate)):
+        gate, quant, dropout = _from_flat(flat, gate, quant, dropout)
+    for name, value, spec in (("gate", gate, Gate), ("quant", quant, Fp8Quant), ("dropout", dropout, Dropout)):
+        if value is not None and not isinstance(value, spec):
+            raise InvalidOptionError(f"add_norm({name}=...) takes a normfuse.kernels.{spec.__name__} or None; got "
+                                     f"{type(value).__name__}.")
+    options = {}
+    for spec in (gate, quant, dropout):
+        if spec is not None:
+            options.update(spec.kernel_args())
+    return fused_add_norm(x, residual, weight, bias, kind=kind, eps=eps, weight_offset=weight_offset,
+                          residual_scale=residual_scale, sum_dtype=sum_dtype, norm_round_dtype=norm_round_dtype,
+                          out_dtype=out_dtype, return_sum=return_sum, round_sum_first=round_sum_first, x1=x1,
+                          rowscale=rowscale, weight1=weight1, bias1=bias1, norm_group=norm_group,
+                          return_norm=return_norm, **options)
+
+
+def _from_flat(flat: dict, gate, quant, dropout):
+    """The specs the deprecated flat keywords stand for (a FutureWarning per group used)."""
+    unknown = [name for name in flat if name not in _FLAT]
+    if unknown:
+        known = sorted(_PLAIN | set(_FLAT) | {"gate", "quant", "dropout"})
+        raise InvalidOptionError(f"add_norm got an unexpected keyword {unknown[0]}={flat[unknown[0]]!r}."
+                                 + closest(unknown[0], known))
+    fields: dict[str, dict] = {"gate": {}, "quant": {}, "dropout": {}}
+    for name, value in flat.items():
+        fields[_FLAT[name][0]][_FLAT[name][2]] = value
+    if isinstance(gate, Tensor):
+        fields["gate"]["z"] = gate
+        gate = None
+    given = {"gate": gate, "quant": quant, "dropout": dropout}
+    specs = {"gate": Gate, "quant": Fp8Quant, "dropout": Dropout}
+    # traced by dynamo: nothing warns (and frames are not walked); eager calls warn at their caller
+    frame, level = _caller() if not torch.compiler.is_compiling() else (None, 1)
+    warn = frame is not None and not _called_by_rewritten_graph(frame)
+    for group, values in fields.items():
+        if not values:
+            continue
+        spec = specs[group]
+        flat_names = [name for name in (*(("gate",) if "z" in values else ()), *flat)
+                      if name == "gate" or _FLAT[name][0] == group]
+        values = {name: values[name] for name in _FIELDS[spec] if name in values}  # in the spec's order
+        if given[group] is not None:
+            raise InvalidOptionError(
+                f"add_norm got {group}={spec.__name__}(...) and the flat keyword(s) {', '.join(flat_names)} of the "
+                f"same options; pass them inside {spec.__name__}(...) only (e.g. {group}={spec.__name__}("
+                f"{', '.join(f'{field}=...' for field in values)})).")
+        if warn:
+            warnings.warn(f"add_norm({', '.join(f'{name}=...' for name in flat_names)}) is deprecated; pass "
+                          f"{group}={spec.__name__}({', '.join(f'{field}=...' for field in values)})",
+                          FutureWarning, stacklevel=level)
+        given[group] = _spec_of(group, spec, values)
+    return given["gate"], given["quant"], given["dropout"]
+
+
+def _spec_of(group: str, spec, values: dict):
+    """The spec for the flat values, None where the old keywords meant "off" (no gate tensor,
+    quant_dtype None, dropout_p 0 without a seed or generator)."""
+    if group == "gate" and values.get("z") is None:
+        return None
+    if group == "quant" and values.get("dtype") is None:
+        return None
+    if group == "dropout":
+        values = {"p": 0.0, **values}
+        off = (values.get("seed") is None and values.get("generator") is None
+               and type(values["p"]) in (float, int) and values["p"] == 0)
+        if off:
+            return None
+    return spec(**values)
+
+
+def _caller() -> tuple:
+    """(the first frame outside this module, its stacklevel for warnings.warn from _from_flat):
+    the user's call, through add_norm or a shorthand (add_rms_norm, ...)."""
+    frame, level = sys._getframe(1), 1  # _from_flat
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    return frame, level
+
+
+# normfuse/, the package: its own calls (the checker calls a rewritten node's target) do not warn
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _called_by_rewritten_graph(frame) -> bool:
+    """Whether the caller is a rewritten graph: the code torch.fx generated for a GraphModule, or
+    normfuse itself running a graph's call (the checker). Goes once the rewrite calls
+    fused_add_norm."""
+    filename = frame.f_code.co_filename
+    return filename.startswith("<eval_with_key>") or os.path.abspath(filename).startswith(_PACKAGE)
 
 
 def _float_or_none(value):

@@ -46,26 +46,18 @@ from torch import Tensor
 from normfuse.errors import InvalidOptionError, ShapeMismatchError, UnsupportedDtypeError, closest
 from normfuse.kernels import reference
 from normfuse.kernels.library import implement
+from normfuse.kernels.specs import GRADIENT_OF, OP_OUTPUTS, SUPPORTED_TEXT as _SUPPORTED_TEXT, bind, op_gradients
+from normfuse.kernels.specs import dtypes_on as _dtypes_on
 from normfuse.kernels import triton as triton_backend
-from normfuse.kernels.reference import (CPU_ONLY_DTYPES, KINDS, SUPPORTED_DTYPES, acc_dtype, channel_split,
-                                        quant_scale_shape, sum_like)
-from normfuse.vocabulary import (GATE_ACTIVATIONS, GATE_POSITIONS, QUANT_APPLY, QUANT_DTYPES, QUANT_SCALE_FORMS,
-                                 QUANT_SCALE_OUT)
+from normfuse.kernels.reference import KINDS, acc_dtype, channel_split, quant_scale_shape, sum_like
 
 __all__ = ["add_norm_fwd", "add_norm_quant_fwd", "norm_add_fwd", "add_norm_bwd", "dropout_keep_mask", "validate",
-           "validate_modes", "validate_quant", "validate_gate", "forward_for"]
+           "validate_modes", "validate_norm_group", "forward_for"]
 
 
 # --------------------------------------------------------------------------------------
 # Validation
 # --------------------------------------------------------------------------------------
-
-def _dtype_names(dtypes) -> str:
-    return ", ".join(str(d) for d in dtypes)
-
-
-_SUPPORTED_TEXT = _dtype_names(SUPPORTED_DTYPES) + " (and torch.float64 on CPU)"
-
 
 def check_shapes(x, residual, weight, bias, x1=None, rowscale=None, weight1=None, bias1=None):
     """The shape checks (all a fake can check): raise a ShapeMismatchError naming the fix."""
@@ -119,11 +111,10 @@ def validate(x, residual, weight, bias, kind, eps, rounding: dict):
                                         f"{_SUPPORTED_TEXT}.")
 
 
-def validate_modes(x, x1, rowscale, weight1, bias1, dropout_p, seed, generator) -> None:
-    """The checks of add_norm's modes (x1, rowscale, weight1/bias1, dropout); shapes are
-    checked by check_shapes."""
-    if (x1 is None and rowscale is None and weight1 is None and bias1 is None and seed is None and generator is None
-            and type(dropout_p) in (float, int) and dropout_p == 0):
+def validate_modes(x, x1, rowscale, weight1, bias1) -> None:
+    """The checks of add_norm's tensor modes (x1, rowscale, weight1/bias1); shapes are checked by
+    check_shapes. The grouped options check themselves (normfuse.kernels.specs)."""
+    if x1 is None and rowscale is None and weight1 is None and bias1 is None:
         return  # no mode: the common call pays nothing more
     ok = _dtypes_on(x.device)
     for name, t in (("x1", x1), ("rowscale", rowscale), ("weight1", weight1), ("bias1", bias1)):
@@ -142,129 +133,16 @@ def validate_modes(x, x1, rowscale, weight1, bias1, dropout_p, seed, generator) 
     if rowscale is not None and _grad_needed(rowscale):
         raise InvalidOptionError("rowscale requires grad, but the fused ops do not differentiate it (it is a "
                                  "per-row mask/scale, as in stochastic depth); pass rowscale.detach().")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise InvalidOptionError(f"dropout_p={dropout_p!r} must be a number in [0, 1) (0 disables dropout; "
-                                 f"p = 1 would drop every element).")
-    if generator is not None and not (isinstance(generator, torch.Generator) and generator.device.type == "cpu"):
-        raise InvalidOptionError(f"generator must be a CPU torch.Generator (the seed is drawn on the CPU, so the "
-                                 f"kernels need no device sync); got {_describe(generator)}. Pass "
-                                 f"torch.Generator().manual_seed(...) or a seed.")
-    if seed is not None and generator is not None:
-        raise InvalidOptionError("pass either seed (a reproducible mask) or generator (a seed drawn from it), "
-                                 "not both.")
-    if seed is not None and not isinstance(seed, int) and not (
-            isinstance(seed, Tensor) and seed.dtype == torch.int64 and seed.dim() == 0
-            and seed.device.type == "cpu"):
-        raise InvalidOptionError(f"seed must be an int or an int64 CPU tensor of shape () (it is read once, "
-                                 f"without a device sync); got {_describe(seed)}. Pass e.g. "
-                                 f"torch.tensor(1234), or seed=None to draw one.")
     check_shapes(x, None, None, None, x1, rowscale, weight1, bias1)
 
 
-def validate_quant(x, quant_dtype, quant_scale, quant_group, quant_scale_form, quant_amax_min, quant_scale_min,
-                   quant_apply, quant_clamp, quant_scale_out, weight1) -> None:
-    """The checks of add_norm's quantization epilogue (quant_dtype set)."""
-    if quant_dtype not in QUANT_DTYPES:
-        raise UnsupportedDtypeError(f"quant_dtype={quant_dtype!r} is not an fp8 dtype the epilogue writes; use one of "
-                                    f"{_dtype_names(QUANT_DTYPES)} (or quant_dtype=None for no quantization).")
-    for name, value, choices in (("quant_scale_form", quant_scale_form, QUANT_SCALE_FORMS),
-                                 ("quant_apply", quant_apply, QUANT_APPLY),
-                                 ("quant_scale_out", quant_scale_out, QUANT_SCALE_OUT)):
-        if value not in choices:
-            raise InvalidOptionError(f"{name}={value!r} is not one the epilogue computes; use one of {choices}."
-                                     + closest(str(value), choices))
-    for name, value in (("quant_amax_min", quant_amax_min), ("quant_scale_min", quant_scale_min),
-                        ("quant_clamp", quant_clamp)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value) or value <= 0):
-            raise InvalidOptionError(f"{name}={value!r} must be a finite number > 0, or None for no clamp "
-                                     f"(e.g. quant_amax_min=1e-12, quant_clamp=448.0).")
-    if weight1 is not None:
-        raise InvalidOptionError("the quantization epilogue quantizes the one norm output y: a second norm output "
-                                 "(weight1) cannot be combined with quant_dtype; call add_norm twice, or quantize "
-                                 "y1 separately.")
-    n_cols = x.shape[-1]
-    if quant_scale is not None:
-        if not (isinstance(quant_scale, Tensor) and quant_scale.numel() == 1 and quant_scale.dtype == torch.float32):
-            raise InvalidOptionError(f"quant_scale must be a static per-tensor scale, a 1-element fp32 tensor; got "
-                                     f"{_describe(quant_scale)}. Pass e.g. torch.tensor([0.02], device=x.device), or "
-                                     f"quant_scale=None for a dynamic scale.")
-        if quant_scale.device != x.device:
-            raise InvalidOptionError(f"quant_scale is on {quant_scale.device} but x is on {x.device}; move it to "
-                                     f"x's device.")
-        if quant_scale.requires_grad and torch.is_grad_enabled():
-            raise InvalidOptionError("quant_scale requires grad, but the quantization is not differentiated; pass "
-                                     "quant_scale.detach().")
-        dynamic_only = [f"{name}={value!r}" for name, value, default in (
-            ("quant_group", quant_group, None), ("quant_scale_form", quant_scale_form, "amax/max"),
-            ("quant_amax_min", quant_amax_min, None), ("quant_scale_min", quant_scale_min, None),
-            ("quant_scale_out", quant_scale_out, "scale")) if value != default]
-        if dynamic_only:
-            raise InvalidOptionError(f"{', '.join(dynamic_only)} shape a dynamic scale, but quant_scale gives a static "
-                                     f"one; drop them, or pass quant_scale=None to compute the scale from each "
-                                     f"row's (or group's) amax.")
-    if quant_group is not None:
-        if isinstance(quant_group, bool) or not isinstance(quant_group, int) or quant_group <= 0 \
-                or quant_group & (quant_group - 1):
-            raise InvalidOptionError(f"quant_group={quant_group!r} must be a power of two (e.g. 64 or 128: one scale "
-                                     f"per group of that many columns), or None for one scale per row.")
-        if n_cols % quant_group:
-            raise ShapeMismatchError(f"quant_group={quant_group} does not divide the normalized dim N={n_cols}; "
-                                     f"pass a group size that divides it (e.g. {_largest_pow2_divisor(n_cols)}), or "
-                                     f"quant_group=None for one scale per row.")
-
-
-def validate_gate(x, gate, gate_position, gate_activation, norm_group, gate_out_dtype, weight1, quant_dtype) -> None:
-    """The checks of add_norm's gated norm (gate) and grouped statistics (norm_group)."""
-    if gate is None and norm_group is None:
-        return
-    if gate is not None:
-        if not isinstance(gate, Tensor):
-            raise InvalidOptionError(f"gate must be a tensor of x's shape or None; got {_describe(gate)}.")
-        if gate.shape != x.shape:
-            raise ShapeMismatchError(f"gate has shape {tuple(gate.shape)} but x has shape {tuple(x.shape)}; the gate "
-                                     f"multiplies x elementwise, so it must have x's shape.")
-        if gate.dtype not in _dtypes_on(x.device):
-            raise UnsupportedDtypeError(f"gate has dtype {gate.dtype}; the fused ops take {_SUPPORTED_TEXT}. Cast it "
-                                        f"first, e.g. gate.to(x.dtype).")
-        if gate.device != x.device:
-            raise InvalidOptionError(f"gate is on {gate.device} but x is on {x.device}; move them to one device.")
-    for name, value, choices in (("gate_position", gate_position, GATE_POSITIONS),
-                                 ("gate_activation", gate_activation, GATE_ACTIVATIONS)):
-        if value not in choices:
-            raise InvalidOptionError(f"{name}={value!r} is not one the gated norm computes; use one of {choices}."
-                                     + closest(str(value), choices))
-    if gate_out_dtype is not None and gate_out_dtype not in _dtypes_on(x.device):
-        raise UnsupportedDtypeError(f"gate_out_dtype={gate_out_dtype} is not a dtype the fused ops round to; use one "
-                                    f"of {_SUPPORTED_TEXT}.")
-    if norm_group is not None:
-        if isinstance(norm_group, bool) or not isinstance(norm_group, int) or norm_group <= 0 \
-                or x.shape[-1] % norm_group:
-            raise ShapeMismatchError(f"norm_group={norm_group!r} must be a positive number of columns that divides "
-                                     f"the normalized dim N={x.shape[-1]} (statistics per group of that many "
-                                     f"columns), or None for statistics over the whole row.")
-    if weight1 is not None:
-        raise InvalidOptionError("a second norm output (weight1) cannot be combined with gate or norm_group; call "
-                                 "add_norm once per output.")
-    if quant_dtype is not None:
-        raise InvalidOptionError("the fp8 epilogue (quant_dtype) cannot be combined with gate or norm_group yet; "
-                                 "quantize the gated output separately.")
-
-
-def _largest_pow2_divisor(n: int) -> int:
-    return min(n & -n, 128)
-
-
-def _describe(value) -> str:
-    if isinstance(value, Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
-    if isinstance(value, torch.Generator):
-        return f"a torch.Generator on {value.device}"
-    return type(value).__name__
-
-
-def _dtypes_on(device: torch.device) -> tuple:
-    return SUPPORTED_DTYPES + (CPU_ONLY_DTYPES if device.type == "cpu" else ())
+def validate_norm_group(x, norm_group) -> None:
+    """norm_group: statistics per group of that many columns."""
+    if isinstance(norm_group, bool) or not isinstance(norm_group, int) or norm_group <= 0 \
+            or x.shape[-1] % norm_group:
+        raise ShapeMismatchError(f"norm_group={norm_group!r} must be a positive number of columns that divides "
+                                 f"the normalized dim N={x.shape[-1]} (statistics per group of that many "
+                                 f"columns), or None for statistics over the whole row.")
 
 
 # --------------------------------------------------------------------------------------
@@ -617,40 +495,46 @@ def _save_common(ctx, x, weight, bias, kind, weight_offset, residual_scale, dy_d
     ctx.eager_cpu = False  # the eager path's autograd.Function sets it after this
 
 
-# add_norm_fwd's arguments after store_sum, with their defaults (callers may omit them)
-_ADD_NORM_MODE_DEFAULTS = (True, None, None, None, None, 0.0, None, None, "before", "silu", None, None)
+# where add_norm_fwd's outputs are (add_norm_quant_fwd's begin with the same), and q onwards
+_S, _MEAN, _RSTD = (OP_OUTPUTS["add_norm_fwd"].index(name) for name in ("s", "mean", "rstd"))
+_Q = OP_OUTPUTS["add_norm_quant_fwd"].index("q")
 
 
 def _add_norm_setup_context(ctx, inputs, output):
-    (x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype,
-     out_dtype, store_sum, *rest) = inputs
-    (round_sum_first, x1, rowscale, weight1, bias1, dropout_p, seed, gate, gate_position, gate_activation,
-     norm_group, gate_out_dtype) = (*rest, *_ADD_NORM_MODE_DEFAULTS[len(rest):])
-    ctx.gate_position, ctx.gate_activation, ctx.norm_group = gate_position, gate_activation, norm_group
-    _, s, mean, rstd, _ = output
-    ctx.round_sum_first = round_sum_first
-    ctx.sum_stored = bool(store_sum and reference.has_sum(residual, x1, rowscale, dropout_p))
+    _save_add_norm(ctx, bind("add_norm_fwd", inputs), output)
+
+
+def _save_add_norm(ctx, a: dict, output):
+    """What add_norm_fwd's backward needs, from its named arguments ``a`` (add_norm_quant_fwd's too:
+    it has no gate, so a.get for those)."""
+    x, residual, weight, bias, x1, rowscale = a["x"], a["residual"], a["weight"], a["bias"], a["x1"], a["rowscale"]
+    dropout_p, gate, gate_position = a["dropout_p"], a.get("gate"), a.get("gate_position", "before")
+    ctx.gate_position, ctx.gate_activation = gate_position, a.get("gate_activation", "silu")
+    ctx.norm_group = a.get("norm_group")
+    s, mean, rstd = output[_S], output[_MEAN], output[_RSTD]
+    ctx.round_sum_first = a["round_sum_first"]
+    ctx.sum_stored = bool(a["store_sum"] and reference.has_sum(residual, x1, rowscale, dropout_p))
     ctx.dropout_p = dropout_p
     # The backend the forward ran: its dropout mask is the one a rebuilt sum must use.
     ctx.mask_on_reference = dropout_p > 0 and _add_norm_backend(
-        x, residual, weight, bias, sum_dtype, norm_round_dtype, out_dtype, x1, rowscale, weight1,
-        bias1, gate, gate_out_dtype, norm_group) is reference
+        x, residual, weight, bias, a["sum_dtype"], a["norm_round_dtype"], a["out_dtype"], x1, rowscale,
+        a["weight1"], a["bias1"], gate, a.get("gate_out_dtype"), ctx.norm_group) is reference
     # Backward needs the norm input and the per-row stats (and rowscale and the seed for dx).
     # The norm input is s when s was stored and normalized; otherwise (no sum, store_sum=False,
     # or the unrounded sum normalized) it is rebuilt from the inputs (and the seed's mask).
-    seed = seed if dropout_p > 0 else None
+    seed = a["seed"] if dropout_p > 0 else None
     # a gate "after" multiplies n * w' + b: its backward needs the bias
     gate_bias = bias if gate is not None and gate_position == "after" else None
     if ctx.sum_stored and ctx.round_sum_first:
-        ctx.save_for_backward(s, None, None, rowscale, seed, weight1, gate, gate_bias, mean, rstd, weight)
+        ctx.save_for_backward(s, None, None, rowscale, seed, a["weight1"], gate, gate_bias, mean, rstd, weight)
     else:
-        ctx.save_for_backward(x, residual, x1, rowscale, seed, weight1, gate, gate_bias, mean, rstd, weight)
-    ctx.sum_dtype = sum_dtype
+        ctx.save_for_backward(x, residual, x1, rowscale, seed, a["weight1"], gate, gate_bias, mean, rstd, weight)
+    ctx.sum_dtype = a["sum_dtype"]
     ctx.residual_dtype = None if residual is None else residual.dtype
     ctx.x1_dtype = None if x1 is None else x1.dtype
-    ctx.bias1_dtype = None if bias1 is None else bias1.dtype
-    _save_common(ctx, x, weight, bias, kind, weight_offset, residual_scale,
-                 y_dtype_of(out_dtype, gate, gate_position, gate_out_dtype))
+    ctx.bias1_dtype = None if a["bias1"] is None else a["bias1"].dtype
+    _save_common(ctx, x, weight, bias, a["kind"], a["weight_offset"], a["residual_scale"],
+                 y_dtype_of(a["out_dtype"], gate, gate_position, a.get("gate_out_dtype")))
 
 
 def _rebuilt_norm_input(ctx, x, residual, x1, rowscale, seed) -> Tensor:
@@ -666,35 +550,39 @@ def _rebuilt_norm_input(ctx, x, residual, x1, rowscale, seed) -> Tensor:
                                 keep, ctx.dropout_p)[1]
 
 
-def _add_norm_backward(ctx, dy, ds, dmean, drstd, dy1):
+def _add_norm_grads(ctx, dy, ds, dy1) -> dict:
+    """{add_norm_fwd argument: its gradient} (GRADIENT_OF names them)."""
     saved = ctx.saved_tensors
     inp, residual, x1, rowscale, seed, weight1, gate, gate_bias = saved[:8]
     if not (ctx.sum_stored and ctx.round_sum_first):
         inp = _rebuilt_norm_input(ctx, inp, residual, x1, rowscale, seed)
     ds = ds if ctx.sum_stored else None
     dy1 = dy1 if weight1 is not None else None  # a traced backward may get a tangent of the empty y1
-    dx, dres, dw, db, dx1, dw1, db1, dgate = _norm_backward(
-        ctx, saved, dy, ds, inp, ctx.residual_dtype, add_after_norm=False,
-        modes=(dy1, weight1, ctx.x1_dtype, rowscale, seed, gate, gate_bias))
-    return (dx, dres, dw, db, None, None, None, None, None, None, None, None, None, dx1, None, dw1, db1, None, None,
-            dgate, None, None, None, None)
+    grads = _norm_backward(ctx, saved, dy, ds, inp, ctx.residual_dtype, add_after_norm=False,
+                           modes=(dy1, weight1, ctx.x1_dtype, rowscale, seed, gate, gate_bias))
+    return {GRADIENT_OF[name]: g for name, g in zip(OP_OUTPUTS["add_norm_bwd"], grads)}
+
+
+def _add_norm_backward(ctx, dy, ds, dmean, drstd, dy1):
+    return op_gradients("add_norm_fwd", _add_norm_grads(ctx, dy, ds, dy1))
 
 
 add_norm_fwd.register_autograd(_add_norm_backward, setup_context=_add_norm_setup_context)
 
-_ADD_NORM_ARGS = 19  # add_norm_fwd's arguments, which add_norm_quant_fwd's begin with
-
 
 def _add_norm_quant_setup_context(ctx, inputs, output):
-    _add_norm_setup_context(ctx, inputs[:_ADD_NORM_ARGS], output[:5])
-    ctx.mark_non_differentiable(*(t for t in output[5:] if t is not None))  # q and scale (None: static)
-    ctx.y_stored = inputs[_ADD_NORM_ARGS]
+    a = bind("add_norm_quant_fwd", inputs)
+    _save_add_norm(ctx, a, output)
+    ctx.mark_non_differentiable(*(t for t in output[_Q:] if t is not None))  # q and scale (None: static)
+    ctx.y_stored = a["store_y"]
 
 
 def _add_norm_quant_backward(ctx, dy, ds, dmean, drstd, dy1, dq, dscale):
     dy = dy if ctx.y_stored else None  # a traced backward may get a tangent of the empty y
-    grads = _add_norm_backward(ctx, dy, ds, dmean, drstd, dy1)[:_ADD_NORM_ARGS]
-    return (*grads, *(None,) * 10)
+    grads = _add_norm_grads(ctx, dy, ds, dy1)
+    # no gate argument in this op (the epilogue does not combine with one): its grad is None
+    del grads["gate"]
+    return op_gradients("add_norm_quant_fwd", grads)
 
 
 add_norm_quant_fwd.register_autograd(_add_norm_quant_backward, setup_context=_add_norm_quant_setup_context)
@@ -714,7 +602,9 @@ def _norm_add_backward(ctx, dout, dy, dmean, drstd):
     saved = ctx.saved_tensors
     dy = dy if ctx.norm_stored else None
     grads = _norm_backward(ctx, saved, dout, dy, saved[0], ctx.residual_dtype, add_after_norm=True)
-    return (*grads[:4], None, None, None, None, None, None, None, None)
+    # norm_add has no modes: the gradients of x, residual, weight and bias, the others None
+    grads = {GRADIENT_OF[name]: g for name, g in zip(OP_OUTPUTS["add_norm_bwd"], grads)}
+    return op_gradients("norm_add_fwd", {name: grads[name] for name in ("x", "residual", "weight", "bias")})
 
 
 norm_add_fwd.register_autograd(_norm_add_backward, setup_context=_norm_add_setup_context)

@@ -1,0 +1,365 @@
+"""What the fused calls take and return, stated once.
+
+Outputs. ``OP_OUTPUTS`` names each ``torch.ops.normfuse`` op's outputs in order; the functional
+API's tuples are ``api_outputs(...)`` (``add_norm``) and ``NORM_ADD_OUTPUTS``. Everything that
+indexes an output (the autograd formulas in ops.py, the rewrite, the checker) asks here::
+
+    OP_OUTPUTS["add_norm_fwd"]            == ("y", "s", "mean", "rstd", "y1")
+    api_outputs(second_norm=True)         == ("y", "y1", "s")
+    api_index("scale", quantized=True)    == 1
+
+Arguments. ``op_arguments(op)`` and ``op_defaults(op)`` are read from the op's schema in
+``normfuse.kernels.library.SCHEMAS``; ``bind(op, inputs)`` names an op call's inputs and
+``op_gradients(op, grads)`` turns {argument name: gradient} into the tuple an autograd formula
+returns, in the schema's order. No argument position is counted by hand.
+
+Groups of ``add_norm``'s options, frozen dataclasses that are also the kernel-facing argument
+group (``kernel_args()`` gives the flat keywords of ``fused_add_norm`` each stands for)::
+
+    Gate(z, position="before", activation="silu", out_dtype=None)
+    Fp8Quant(dtype=torch.float8_e4m3fn, scale=None, group=None, scale_form="amax/max", amax_min=None,
+             scale_min=None, apply="div", clamp=None, scale_out="scale")
+    Dropout(p, seed=None, generator=None)
+
+Each validates its own values when built (``__post_init__``); Gate and Fp8Quant also against x
+with ``check(x)`` (shapes, devices, dtypes a device takes). The error messages name the flat keywords, which the
+rewritten graphs still spell.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from normfuse.errors import InvalidOptionError, ShapeMismatchError, UnsupportedDtypeError, closest
+from normfuse.kernels.library import NAMESPACE, SCHEMAS
+from normfuse.kernels.reference import CPU_ONLY_DTYPES, SUPPORTED_DTYPES
+from normfuse.vocabulary import (GATE_ACTIVATIONS, GATE_POSITIONS, QUANT_APPLY, QUANT_DTYPES, QUANT_SCALE_FORMS,
+                                 QUANT_SCALE_OUT)
+
+__all__ = ["OP_OUTPUTS", "NORM_ADD_OUTPUTS", "GRADIENT_OF", "api_outputs", "api_index", "op_arguments",
+           "op_defaults", "op_output_index", "bind", "op_gradients", "Gate", "Fp8Quant", "Dropout", "SPECS"]
+
+
+# --------------------------------------------------------------------------------------
+# Outputs
+# --------------------------------------------------------------------------------------
+
+# Each op's outputs, in order (tests/test_specs.py checks the counts against SCHEMAS).
+OP_OUTPUTS: dict[str, tuple[str, ...]] = {
+    "add_norm_fwd": ("y", "s", "mean", "rstd", "y1"),
+    # q as its bytes (uint8): ``q.view(quant_dtype)`` is q (see ops.add_norm_quant_fwd)
+    "add_norm_quant_fwd": ("y", "s", "mean", "rstd", "y1", "q", "scale"),
+    "norm_add_fwd": ("out", "y", "mean", "rstd"),
+    "add_norm_bwd": ("dx", "dresidual", "dweight", "dbias", "dx1", "dweight1", "dbias1", "dgate"),
+    "dropout_keep_mask": ("keep",),
+    "norm_linears": ("outputs",),
+    "qk_norm_rope_fwd": ("q_out", "k_out", "q_rstd", "k_rstd"),
+    "qk_norm_rope_bwd": ("dq", "dk", "dq_weight", "dk_weight"),
+}
+
+# add_norm_bwd's outputs -> the forward argument each is the gradient of
+GRADIENT_OF: dict[str, str] = {"dx": "x", "dresidual": "residual", "dweight": "weight", "dbias": "bias",
+                               "dx1": "x1", "dweight1": "weight1", "dbias1": "bias1", "dgate": "gate"}
+
+# what norm_add returns
+NORM_ADD_OUTPUTS: tuple[str, ...] = ("out", "y")
+
+
+def api_outputs(second_norm: bool = False, quantized: bool = False) -> tuple[str, ...]:
+    """The names of what ``add_norm`` returns, in order: (y, s); (y, y1, s) with a second norm
+    (weight1); (q, scale, y, s) with the fp8 epilogue (y None unless return_norm, s None without a
+    sum or with return_sum=False). The two do not combine."""
+    if second_norm and quantized:
+        raise InvalidOptionError("add_norm has no output layout for a second norm (weight1) with the fp8 epilogue "
+                                 "(quant): the epilogue quantizes the one norm output y.")
+    if quantized:
+        return ("q", "scale", "y", "s")
+    return ("y", "y1", "s") if second_norm else ("y", "s")
+
+
+def api_index(name: str, second_norm: bool = False, quantized: bool = False) -> int:
+    """Where output ``name`` is in the tuple ``add_norm`` returns (see api_outputs)."""
+    names = api_outputs(second_norm, quantized)
+    if name not in names:
+        raise InvalidOptionError(f"add_norm(second_norm={second_norm}, quantized={quantized}) returns {names}; it "
+                                 f"has no output {name!r}." + closest(str(name), names))
+    return names.index(name)
+
+
+def op_output_index(op: str, name: str) -> int:
+    """Where output ``name`` is among the outputs of ``torch.ops.normfuse.<op>``."""
+    names = _outputs_of(op)
+    if name not in names:
+        raise InvalidOptionError(f"{NAMESPACE}::{op} returns {names}; it has no output {name!r}."
+                                 + closest(str(name), names))
+    return names.index(name)
+
+
+def _outputs_of(op: str) -> tuple[str, ...]:
+    if op not in OP_OUTPUTS:
+        raise InvalidOptionError(f"{op!r} is not a {NAMESPACE} op with named outputs; the ops are "
+                                 f"{tuple(OP_OUTPUTS)}." + closest(str(op), OP_OUTPUTS))
+    return OP_OUTPUTS[op]
+
+
+# --------------------------------------------------------------------------------------
+# Arguments, from the schemas
+# --------------------------------------------------------------------------------------
+
+@functools.cache
+def _schema(op: str) -> "torch._C.FunctionSchema":
+    if op not in SCHEMAS:
+        raise InvalidOptionError(f"{op!r} is not declared in normfuse/kernels/library.py; the ops are "
+                                 f"{tuple(SCHEMAS)}." + closest(str(op), SCHEMAS))
+    return torch._C.parse_schema(f"{NAMESPACE}::{op}{SCHEMAS[op][0]}")
+
+
+@functools.cache
+def op_arguments(op: str) -> tuple[str, ...]:
+    """The argument names of ``torch.ops.normfuse.<op>``, in the schema's order."""
+    return tuple(a.name for a in _schema(op).arguments)
+
+
+@functools.cache
+def op_defaults(op: str) -> dict[str, Any]:
+    """The arguments of ``op`` that have a default in the schema, with it."""
+    return {a.name: a.default_value for a in _schema(op).arguments if a.has_default_value()}
+
+
+@functools.cache
+def _trailing_defaults(op: str) -> tuple[tuple, int]:
+    """(the defaults of the trailing arguments that have one, where they begin)."""
+    names, defaults = op_arguments(op), op_defaults(op)
+    first = len(names)
+    while first > 0 and names[first - 1] in defaults:
+        first -= 1
+    return tuple(defaults[n] for n in names[first:]), first
+
+
+def bind(op: str, inputs: tuple) -> dict[str, Any]:
+    """{argument name: value} of one call of ``op`` with positional ``inputs`` (what
+    setup_context gets: trailing arguments with a default may be omitted)."""
+    names = op_arguments(op)
+    defaults, first = _trailing_defaults(op)
+    if not first <= len(inputs) <= len(names):
+        raise InvalidOptionError(f"{NAMESPACE}::{op} takes {first} to {len(names)} arguments {names}; got "
+                                 f"{len(inputs)}.")
+    return dict(zip(names, (*inputs, *defaults[len(inputs) - first:])))
+
+
+@functools.cache
+def _gradient_slots(op: str) -> dict[str, int]:
+    return {name: i for i, name in enumerate(op_arguments(op))}
+
+
+def op_gradients(op: str, grads: dict[str, Optional[Tensor]]) -> tuple:
+    """The tuple ``op``'s autograd formula returns: grads[name] at each argument's place, None for
+    the arguments not in ``grads``."""
+    slots = _gradient_slots(op)
+    out = [None] * len(slots)
+    for name, grad in grads.items():
+        if name not in slots:
+            raise InvalidOptionError(f"{NAMESPACE}::{op} has no argument {name!r} to return a gradient for; its "
+                                     f"arguments are {tuple(slots)}." + closest(str(name), slots))
+        out[slots[name]] = grad
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------------------
+# Shared by the checks (ops.py imports them)
+# --------------------------------------------------------------------------------------
+
+def dtype_names(dtypes) -> str:
+    return ", ".join(str(d) for d in dtypes)
+
+
+SUPPORTED_TEXT = dtype_names(SUPPORTED_DTYPES) + " (and torch.float64 on CPU)"
+
+
+def dtypes_on(device: torch.device) -> tuple:
+    return SUPPORTED_DTYPES + (CPU_ONLY_DTYPES if device.type == "cpu" else ())
+
+
+def describe(value) -> str:
+    if isinstance(value, Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+    if isinstance(value, torch.Generator):
+        return f"a torch.Generator on {value.device}"
+    return type(value).__name__
+
+
+def _largest_pow2_divisor(n: int) -> int:
+    return min(n & -n, 128)
+
+
+def _check_choice(name: str, value, choices, what: str) -> None:
+    if value not in choices:
+        raise InvalidOptionError(f"{name}={value!r} is not one {what}; use one of {choices}."
+                                 + closest(str(value), choices))
+
+
+# --------------------------------------------------------------------------------------
+# The grouped options of add_norm
+# --------------------------------------------------------------------------------------
+# eq=False: the fields hold tensors, whose == is elementwise.
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Gate:
+    """A gated norm (Mamba2 / NemotronH, Qwen3-Next, Kimi-Linear): z, x's shape, multiplies by
+    activation(z) in fp32 the norm input ("before": then the norm of the unrounded product) or the
+    norm output ("after": y0 rounded as usual, then round(out_dtype, y0 * act(z)); out_dtype
+    defaults to add_norm's out_dtype). Differentiable in z."""
+    z: Tensor
+    position: str = "before"
+    activation: str = "silu"
+    out_dtype: Optional[torch.dtype] = None
+
+    def __post_init__(self):
+        _check_choice("gate_position", self.position, GATE_POSITIONS, "the gated norm computes")
+        _check_choice("gate_activation", self.activation, GATE_ACTIVATIONS, "the gated norm computes")
+
+    def check(self, x: Tensor) -> None:
+        """The checks against x (shape, dtype, device)."""
+        gate = self.z
+        if not isinstance(gate, Tensor):
+            raise InvalidOptionError(f"gate must be a tensor of x's shape or None; got {describe(gate)}.")
+        if gate.shape != x.shape:
+            raise ShapeMismatchError(f"gate has shape {tuple(gate.shape)} but x has shape {tuple(x.shape)}; the gate "
+                                     f"multiplies x elementwise, so it must have x's shape.")
+        if gate.dtype not in dtypes_on(x.device):
+            raise UnsupportedDtypeError(f"gate has dtype {gate.dtype}; the fused ops take {SUPPORTED_TEXT}. Cast it "
+                                        f"first, e.g. gate.to(x.dtype).")
+        if gate.device != x.device:
+            raise InvalidOptionError(f"gate is on {gate.device} but x is on {x.device}; move them to one device.")
+        if self.out_dtype is not None and self.out_dtype not in dtypes_on(x.device):
+            raise UnsupportedDtypeError(f"gate_out_dtype={self.out_dtype} is not a dtype the fused ops round to; use "
+                                        f"one of {SUPPORTED_TEXT}.")
+
+    def kernel_args(self) -> dict[str, Any]:
+        """The flat keywords of fused_add_norm (and the add_norm_fwd arguments) it stands for."""
+        return {"gate": self.z, "gate_position": self.position, "gate_activation": self.activation,
+                "gate_out_dtype": self.out_dtype}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Fp8Quant:
+    """The fp8 quantization epilogue: y is also written as q in ``dtype`` (torch.float8_e4m3fn or
+    torch.float8_e5m2) with a scale, for an fp8 linear to read; add_norm then returns
+    (q, scale, y or None, s). The exact steps are in normfuse.kernels.reference.
+
+    scale: a static per-tensor scale (a 1-element fp32 tensor, returned as scale); None: a dynamic
+    scale from the amax of each row's rounded y, or of each group of ``group`` columns (a power of
+    two dividing N). scale_form: "amax/max", "max/amax" or "max*(1/amax)". amax_min, scale_min:
+    lower clamps of amax and of the scale. apply: q = y / scale ("div"), y * scale ("mul") or
+    y * (1 / scale) ("mul_reciprocal"). clamp: clamp to [-c, c] before the cast. scale_out:
+    return the scale ("scale") or its reciprocal ("reciprocal")."""
+    dtype: torch.dtype = torch.float8_e4m3fn
+    scale: Optional[Tensor] = None
+    group: Optional[int] = None
+    scale_form: str = "amax/max"
+    amax_min: Optional[float] = None
+    scale_min: Optional[float] = None
+    apply: str = "div"
+    clamp: Optional[float] = None
+    scale_out: str = "scale"
+
+    def __post_init__(self):
+        if self.dtype not in QUANT_DTYPES:
+            raise UnsupportedDtypeError(f"quant_dtype={self.dtype!r} is not an fp8 dtype the epilogue writes; use one "
+                                        f"of {dtype_names(QUANT_DTYPES)} (or quant_dtype=None for no quantization).")
+        for name, value, choices in (("quant_scale_form", self.scale_form, QUANT_SCALE_FORMS),
+                                     ("quant_apply", self.apply, QUANT_APPLY),
+                                     ("quant_scale_out", self.scale_out, QUANT_SCALE_OUT)):
+            _check_choice(name, value, choices, "the epilogue computes")
+        for name, value in (("quant_amax_min", self.amax_min), ("quant_scale_min", self.scale_min),
+                            ("quant_clamp", self.clamp)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise InvalidOptionError(f"{name}={value!r} must be a finite number > 0, or None for no clamp "
+                                         f"(e.g. quant_amax_min=1e-12, quant_clamp=448.0).")
+        if self.scale is not None:
+            dynamic_only = [f"{name}={value!r}" for name, value, default in (
+                ("quant_group", self.group, None), ("quant_scale_form", self.scale_form, "amax/max"),
+                ("quant_amax_min", self.amax_min, None), ("quant_scale_min", self.scale_min, None),
+                ("quant_scale_out", self.scale_out, "scale")) if value != default]
+            if dynamic_only:
+                raise InvalidOptionError(f"{', '.join(dynamic_only)} shape a dynamic scale, but quant_scale gives a "
+                                         f"static one; drop them, or pass quant_scale=None to compute the scale from "
+                                         f"each row's (or group's) amax.")
+        group = self.group
+        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group <= 0
+                                  or group & (group - 1)):
+            raise InvalidOptionError(f"quant_group={group!r} must be a power of two (e.g. 64 or 128: one scale "
+                                     f"per group of that many columns), or None for one scale per row.")
+
+    def check(self, x: Tensor) -> None:
+        """The checks against x (the static scale's tensor, the group dividing N)."""
+        scale = self.scale
+        if scale is not None:
+            if not (isinstance(scale, Tensor) and scale.numel() == 1 and scale.dtype == torch.float32):
+                raise InvalidOptionError(f"quant_scale must be a static per-tensor scale, a 1-element fp32 tensor; "
+                                         f"got {describe(scale)}. Pass e.g. torch.tensor([0.02], device=x.device), "
+                                         f"or quant_scale=None for a dynamic scale.")
+            if scale.device != x.device:
+                raise InvalidOptionError(f"quant_scale is on {scale.device} but x is on {x.device}; move it to "
+                                         f"x's device.")
+            if scale.requires_grad and torch.is_grad_enabled():
+                raise InvalidOptionError("quant_scale requires grad, but the quantization is not differentiated; "
+                                         "pass quant_scale.detach().")
+        n_cols = x.shape[-1]
+        if self.group is not None and n_cols % self.group:
+            raise ShapeMismatchError(f"quant_group={self.group} does not divide the normalized dim N={n_cols}; "
+                                     f"pass a group size that divides it (e.g. {_largest_pow2_divisor(n_cols)}), or "
+                                     f"quant_group=None for one scale per row.")
+
+    def kernel_args(self) -> dict[str, Any]:
+        """The flat keywords of fused_add_norm it stands for (add_norm_quant_fwd's quant_* arguments)."""
+        return {"quant_dtype": self.dtype, "quant_scale": self.scale, "quant_group": self.group,
+                "quant_scale_form": self.scale_form, "quant_amax_min": self.amax_min,
+                "quant_scale_min": self.scale_min, "quant_apply": self.apply, "quant_clamp": self.clamp,
+                "quant_scale_out": self.scale_out}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Dropout:
+    """Dropout on x (before rowscale and x1), scaled by 1 / (1 - p), p in [0, 1). The mask is
+    regenerated from a seed in the backward, never stored. seed: an int or an int64 CPU tensor of
+    shape () (reproducible); without one a seed is drawn from ``generator`` (a CPU
+    torch.Generator; default: torch's). The reference (CPU) and Triton backends draw different
+    masks from one seed."""
+    p: float
+    seed: Any = None
+    generator: Optional[torch.Generator] = None
+
+    def __post_init__(self):
+        p, seed, generator = self.p, self.seed, self.generator
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+            raise InvalidOptionError(f"dropout_p={p!r} must be a number in [0, 1) (0 disables dropout; "
+                                     f"p = 1 would drop every element).")
+        if generator is not None and not (isinstance(generator, torch.Generator) and generator.device.type == "cpu"):
+            raise InvalidOptionError(f"generator must be a CPU torch.Generator (the seed is drawn on the CPU, so the "
+                                     f"kernels need no device sync); got {describe(generator)}. Pass "
+                                     f"torch.Generator().manual_seed(...) or a seed.")
+        if seed is not None and generator is not None:
+            raise InvalidOptionError("pass either seed (a reproducible mask) or generator (a seed drawn from it), "
+                                     "not both.")
+        if seed is not None and not isinstance(seed, int) and not (
+                isinstance(seed, Tensor) and seed.dtype == torch.int64 and seed.dim() == 0
+                and seed.device.type == "cpu"):
+            raise InvalidOptionError(f"seed must be an int or an int64 CPU tensor of shape () (it is read once, "
+                                     f"without a device sync); got {describe(seed)}. Pass e.g. "
+                                     f"torch.tensor(1234), or seed=None to draw one.")
+
+    def kernel_args(self) -> dict[str, Any]:
+        """The flat keywords of fused_add_norm it stands for (nothing depends on x: the values
+        were checked when the spec was built)."""
+        return {"dropout_p": self.p, "seed": self.seed, "generator": self.generator}
+
+
+SPECS = (Gate, Fp8Quant, Dropout)
