@@ -44,6 +44,7 @@ from common import machine, markdown_table, parse_args, save_plot, write_csv, wr
 import torch.nn.functional as F  # noqa: E402
 
 from normfuse.kernels.add_norm import add_norm  # noqa: E402
+from normfuse.kernels.specs import Dropout, Fp8Quant, Gate  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 MS = [16384, 65536, 4096]           # the targets' shapes first: the time budget may cut the tail
@@ -247,7 +248,7 @@ def _mode_eager(mode: str, t: dict, p: float):
 
 
 def _mode_fused(mode: str, t: dict, p: float):
-    options = {"x1": dict(x1=t.get("x1")), "rowscale": dict(rowscale=t.get("rs")), "dropout": dict(dropout_p=p),
+    options = {"x1": dict(x1=t.get("x1")), "rowscale": dict(rowscale=t.get("rs")), "dropout": dict(dropout=Dropout(p)),
                "two_norms": dict(weight1=t.get("w1"))}[mode]
     return add_norm(t["x"], t["r"], t["w"], kind="rms_norm", eps=EPS, **options)
 
@@ -293,17 +294,17 @@ def _quant_eager(group=None, static=None, apply="div", torchao=False):
     return quantize
 
 
-QUANT_MODES = {  # name: (add_norm options given the static scale, eager quantization given it)
-    "per-token amax/448, div": (lambda sc: dict(quant_amax_min=1e-12, quant_clamp=448.0),
+QUANT_MODES = {  # name: (add_norm's Fp8Quant given the static scale, eager quantization given it)
+    "per-token amax/448, div": (lambda sc: Fp8Quant(amax_min=1e-12, clamp=448.0),
                                 lambda sc: _quant_eager()),
     "per-token torchao 448/amax, mul": (
-        lambda sc: dict(quant_amax_min=1e-12, quant_scale_form="max*(1/amax)", quant_apply="mul",
-                        quant_clamp=448.0, quant_scale_out="reciprocal"),
+        lambda sc: Fp8Quant(amax_min=1e-12, scale_form="max*(1/amax)", apply="mul", clamp=448.0,
+                            scale_out="reciprocal"),
         lambda sc: _quant_eager(apply="mul", torchao=True)),
-    "per-group 128": (lambda sc: dict(quant_group=128, quant_amax_min=1e-12, quant_clamp=448.0),
+    "per-group 128": (lambda sc: Fp8Quant(group=128, amax_min=1e-12, clamp=448.0),
                       lambda sc: _quant_eager(group=128)),
-    "static, div": (lambda sc: dict(quant_scale=sc, quant_clamp=448.0), lambda sc: _quant_eager(static=sc)),
-    "static, mul": (lambda sc: dict(quant_scale=sc, quant_apply="mul", quant_clamp=448.0),
+    "static, div": (lambda sc: Fp8Quant(scale=sc, clamp=448.0), lambda sc: _quant_eager(static=sc)),
+    "static, mul": (lambda sc: Fp8Quant(scale=sc, apply="mul", clamp=448.0),
                     lambda sc: _quant_eager(static=sc, apply="mul")),
 }
 
@@ -324,10 +325,10 @@ def quant_modes(toy: bool) -> list[dict]:
             x, r = (torch.randn(m, n, device=device, dtype=torch.bfloat16, generator=g) for _ in range(2))
             w = torch.randn(n, device=device, dtype=torch.bfloat16, generator=g)
             static = torch.tensor([0.02], device=device)
-            opts, quantize = options(static), eager_quant(static)
+            quant, quantize = options(static), eager_quant(static)
 
             def fused():
-                q, scale, _, s = add_norm(x, r, w, kind="rms_norm", eps=EPS, quant_dtype=torch.float8_e4m3fn, **opts)
+                q, scale, _, s = add_norm(x, r, w, kind="rms_norm", eps=EPS, quant=quant)
                 return q, scale, s
 
             def eager():
@@ -395,12 +396,12 @@ def gated_modes(toy: bool) -> list[dict]:
                     for _ in range(2))
             w = module.weight
             if kind == "mamba2":
-                options = dict(gate_position="before", norm_group=n // 8, norm_round_dtype=torch.bfloat16)
+                options = dict(gate=Gate(z, "before"), norm_group=n // 8, norm_round_dtype=torch.bfloat16)
             else:
-                options = dict(gate_position="after", norm_round_dtype=torch.bfloat16)
+                options = dict(gate=Gate(z, "after"), norm_round_dtype=torch.bfloat16)
 
             def fused():
-                return add_norm(x, None, w, kind="rms_norm", eps=EPS, gate=z, **options)[0]
+                return add_norm(x, None, w, kind="rms_norm", eps=EPS, **options)[0]
             providers = {"normfuse": fused, "eager HF": lambda: module(x, z),
                          "compile HF": torch.compile(lambda: module(x, z), backend=compile_backend)}
             elem = x.element_size()
