@@ -197,7 +197,7 @@ def test_flash_attn_layer_norm_modes(request, path, hidden, dtypes, kind, has_we
     def ours(x, residual, weight, bias, x1, weight1, bias1):
         outs = normfuse.add_norm(x, residual, weight, bias, kind=kind, eps=1e-6, out_dtype=input_dtype,
                                  round_sum_first=round_sum_first, x1=x1, rowscale=rowscale, weight1=weight1,
-                                 bias1=bias1, dropout_p=dropout_p, seed=1234)
+                                 bias1=bias1, dropout=normfuse.Dropout(dropout_p, seed=1234))
         return outs if weight1 is not None else (outs[0], None, outs[1])
 
     def unfused(upcast):
