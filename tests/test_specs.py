@@ -357,3 +357,19 @@ def test_fx_records_fused_add_norm_for_grouped_calls_and_add_norm_for_flat_ones(
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the graph's flat call is the rewrite's spelling: no warning
             assert torch.equal(gm(*args), expected)
+
+
+def test_calls_from_inside_normfuse_do_not_warn():
+    """The checker runs a rewritten node's target (add_norm, flat) from normfuse/verify: a caller
+    inside the package does not warn, one outside does."""
+    import os
+    t = _tensors()
+    code = "add_norm(x, r, w, None, kind='rms_norm', eps=1e-6, dropout_p=0.1, seed=1)"
+    scope = dict(add_norm=add_norm, x=t["x"], r=t["residual"], w=t["weight"])
+    inside = os.path.join(os.path.dirname(normfuse.__file__), "verify", "caller.py")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        exec(compile(code, inside, "exec"), scope)
+        assert record == []
+        exec(compile(code, os.path.join(os.path.dirname(__file__), "caller.py"), "exec"), scope)
+    assert [w.category for w in record] == [FutureWarning]
