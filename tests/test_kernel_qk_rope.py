@@ -469,3 +469,50 @@ def test_grads_layouts_and_partial_rotary(path, layout, D, R, table):
     cos, sin = _tables(3, R // 2 if table == "half" else R, FP32)
     opts = dict(eps=EPS, layout=layout, rotary_dim=R, out_dtype=BF16, transpose_out=layout == "neox")
     _grads_three_way(q, k, wq, wk, cos, sin, opts, BF16)
+
+
+def test_q_and_k_of_other_norm_dtypes(path):
+    """q's weight in fp32 and k's in bf16 with Qwen3's rounding: the norm outputs (and so the RoPE
+    dtypes) differ between q and k, which then run as two calls, each as the model computes it."""
+    q, k, _, _, cos, sin, _ = case("qwen3", BF16, B=1, S=3)
+    wq, wk = weights(64, FP32)[0], weights(64, BF16)[1]
+    with torch.no_grad():
+        got = qk_norm_rope(q, k, wq, wk, cos, sin, eps=EPS, norm_round_dtype=BF16, transpose_out=True)
+        want = hf("qwen3", q, k, wq, wk, cos, sin)
+    assert got[0].dtype == FP32 and got[1].dtype == BF16
+    for name, g, w in zip(("q", "k"), got, want):
+        assert_same(path, g, w.contiguous(), name)
+
+
+def test_no_positions(path):
+    """An empty sequence: empty outputs, and zero weight grads."""
+    q, k = qk(2, 0, 4, 2, 64, BF16)
+    wq, wk = (w.requires_grad_() for w in weights(64, BF16))
+    cos, sin = hf_tables(2, 0, 64, BF16)
+    q_out, k_out = qk_norm_rope(q, k, wq, wk, cos, sin, eps=EPS, transpose_out=True)
+    assert q_out.shape == (2, 4, 0, 64) and k_out.shape == (2, 2, 0, 64)
+    (q_out.float().sum() + k_out.float().sum()).backward()
+    assert torch.equal(wq.grad, torch.zeros_like(wq)) and torch.equal(wk.grad, torch.zeros_like(wk))
+
+
+def test_static_compile_report_toy(tmp_path):
+    """The kernels compile for sm90 (the interpreter accepts code the compiler rejects, e.g. a constexpr
+    branch returning early), without spills, the forward reading q and writing q_out once per element
+    (benchmarks/bench_static_rope.py --toy: both layouts, head and row norms, forward and backward)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_static_rope.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NORMFUSE_TRITON_CPU")}
+    proc = subprocess.run([sys.executable, str(script), "--toy", "--out", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "static_rope.json").read_text())
+    verdict = report["verdict"]
+    assert verdict["kernels_compiled"] == 8 and verdict["no_spills"], verdict
+    assert verdict["forward_reads_q_once_writes_once"], verdict
+    assert all(0 < r["regs"] <= 255 for r in report["rows"])

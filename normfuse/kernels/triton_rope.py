@@ -26,42 +26,75 @@ _TILE_BWD = 2048
 if triton is not None:
 
     @triton.jit
-    def _columns(R, D, NEOX: tl.constexpr, HALF_TABLE: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr):
-        """The column indices of tiles A, B, P, their table columns, and their masks."""
+    def _load_ab(P, rows, row_ok, col_stride, R: tl.constexpr, NEOX: tl.constexpr, HALF: tl.constexpr,
+                 HALF_TABLE: tl.constexpr = False):
+        """The two halves (a, b) of the rotated columns of some rows (offsets ``rows``), (rows, HALF) fp32.
+        neox: columns [0, R/2) and [R/2, R), two loads; gptj: one contiguous load of [0, R) split into
+        the even and odd columns (vector loads either way). HALF_TABLE: a table of one value per
+        pair (R / 2 columns), a = b."""
         i = tl.arange(0, HALF)
-        half = R // 2
-        i_ok = i < half
+        if HALF_TABLE:
+            a = tl.load(P + rows[:, None] + i[None, :] * col_stride, mask=row_ok[:, None] & (i < R // 2)[None, :],
+                        other=0.0).to(tl.float32)
+            b = a
+        elif NEOX:
+            m = row_ok[:, None] & (i < R // 2)[None, :]
+            a = tl.load(P + rows[:, None] + i[None, :] * col_stride, mask=m, other=0.0).to(tl.float32)
+            b = tl.load(P + rows[:, None] + (i + R // 2)[None, :] * col_stride, mask=m, other=0.0).to(tl.float32)
+        else:
+            j = tl.arange(0, 2 * HALF)
+            ab = tl.load(P + rows[:, None] + j[None, :] * col_stride, mask=row_ok[:, None] & (j < R)[None, :],
+                         other=0.0).to(tl.float32)
+            a, b = tl.split(tl.reshape(ab, (ab.shape[0], HALF, 2)))
+        return a, b
+
+    @triton.jit
+    def _store_ab(P, rows, row_ok, a, b, R: tl.constexpr, NEOX: tl.constexpr, HALF: tl.constexpr):
+        """Store the halves of _load_ab (contiguous columns)."""
         if NEOX:
-            col_a = i
-            col_b = i + half
+            i = tl.arange(0, HALF)
+            m = row_ok[:, None] & (i < R // 2)[None, :]
+            tl.store(P + rows[:, None] + i[None, :], a, mask=m)
+            tl.store(P + rows[:, None] + (i + R // 2)[None, :], b, mask=m)
         else:
-            col_a = 2 * i
-            col_b = 2 * i + 1
-        if HALF_TABLE:  # one value per pair (freqs_cis)
-            tab_a = i
-            tab_b = i
-        else:
-            tab_a = col_a
-            tab_b = col_b
-        col_p = R + tl.arange(0, PASS)
-        return col_a, col_b, col_p, tab_a, tab_b, i_ok, col_p < D
+            j = tl.arange(0, 2 * HALF)
+            ab = tl.reshape(tl.join(a, b), (a.shape[0], 2 * HALF))
+            tl.store(P + rows[:, None] + j[None, :], ab, mask=row_ok[:, None] & (j < R)[None, :])
 
     @triton.jit
-    def _load_tile(X, base, heads, stride_h, cols, mask):
-        return tl.load(X + base + heads[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    def _load_pass(P, rows, row_ok, R: tl.constexpr, D: tl.constexpr, PASS: tl.constexpr):
+        """The pass-through columns [R, D) of some rows, (rows, PASS) fp32."""
+        j = R + tl.arange(0, PASS)
+        return tl.load(P + rows[:, None] + j[None, :], mask=row_ok[:, None] & (j < D)[None, :],
+                       other=0.0).to(tl.float32)
 
     @triton.jit
-    def _load_weight(W, heads, h_ok, cols, col_ok, D, weight_offset, HAS_W: tl.constexpr, ROW_NORM: tl.constexpr):
-        """w' = float(w) + weight_offset of a tile's columns: per column (head norm), or per head and
-        column (row norm: W spans all heads)."""
+    def _store_pass(P, rows, row_ok, v, R: tl.constexpr, D: tl.constexpr, PASS: tl.constexpr):
+        j = R + tl.arange(0, PASS)
+        tl.store(P + rows[:, None] + j[None, :], v, mask=row_ok[:, None] & (j < D)[None, :])
+
+    @triton.jit
+    def _weights(W, heads, h_ok, weight_offset, D: tl.constexpr, R: tl.constexpr, HAS_W: tl.constexpr,
+                 ROW_NORM: tl.constexpr, NEOX: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
+                 HAS_PASS: tl.constexpr):
+        """w' = float(w) + weight_offset of the tiles (a, b, pass): one row (1, columns) for a head norm,
+        a row per head for a row norm (W spans all heads); 1.0 without a weight."""
+        wa = 1.0  # one return: the compiler (not the interpreter) rejects a constexpr branch returning early
+        wb = 1.0
+        wp = 1.0
         if HAS_W:
             if ROW_NORM:
-                w = tl.load(W + heads[:, None] * D + cols[None, :], mask=h_ok[:, None] & col_ok[None, :],
-                            other=0.0).to(tl.float32)
+                rows = heads * D
+                ok = h_ok
             else:
-                w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            return w + weight_offset
-        return 1.0
+                rows = tl.zeros([1], dtype=tl.int32)
+                ok = rows == 0
+            wa, wb = _load_ab(W, rows, ok, 1, R, NEOX, HALF)
+            wa += weight_offset
+            wb += weight_offset
+            if HAS_PASS:
+                wp = _load_pass(W, rows, ok, R, D, PASS) + weight_offset
+        return wa, wb, wp
 
     @triton.jit
     def _norm_out(x, rstd, w, HAS_W: tl.constexpr, ROUND_FIRST: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr,
@@ -79,32 +112,29 @@ if triton is not None:
         return _round(v, ROPE_DTYPE).to(tl.float32)
 
     @triton.jit
-    def _fwd_position(X, W, O, RSTD, COS, SIN, pos, b, s, H, D, R, eps, weight_offset,
-                      stride_xb, stride_xs, stride_xh, stride_ob, stride_os, stride_oh, stride_cb, stride_cs,
-                      stride_cc, HAS_W: tl.constexpr, ROW_NORM: tl.constexpr, NEOX: tl.constexpr,
+    def _fwd_position(X, W, O, RSTD, COS, SIN, pos, b, s, H, eps, weight_offset, stride_xb, stride_xs, stride_xh,
+                      stride_ob, stride_os, stride_oh, stride_cb, stride_cs, stride_cc, D: tl.constexpr,
+                      R: tl.constexpr, HAS_W: tl.constexpr, ROW_NORM: tl.constexpr, NEOX: tl.constexpr,
                       HALF_TABLE: tl.constexpr, ROUND_FIRST: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr,
                       NORM_OUT_DTYPE: tl.constexpr, ROPE_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
                       HB: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, HAS_PASS: tl.constexpr):
         """The norm and RoPE of every head of one position of q (or k)."""
-        col_a, col_b, col_p, tab_a, tab_b, i_ok, p_ok = _columns(R, D, NEOX, HALF_TABLE, HALF, PASS)
-        c_base = b * stride_cb + s * stride_cs
-        # the tables, rounded to ROPE_DTYPE as eager's y * cos promotes them (shared by all heads)
-        cos_a = _rope_step(tl.load(COS + c_base + tab_a * stride_cc, mask=i_ok, other=0.0), ROPE_DTYPE)[None, :]
-        cos_b = _rope_step(tl.load(COS + c_base + tab_b * stride_cc, mask=i_ok, other=0.0), ROPE_DTYPE)[None, :]
-        sin_a = _rope_step(tl.load(SIN + c_base + tab_a * stride_cc, mask=i_ok, other=0.0), ROPE_DTYPE)[None, :]
-        sin_b = _rope_step(tl.load(SIN + c_base + tab_b * stride_cc, mask=i_ok, other=0.0), ROPE_DTYPE)[None, :]
+        # the tables, (1, HALF), rounded to ROPE_DTYPE as eager's y * cos promotes them (shared by all heads)
+        c_row = tl.zeros([1], dtype=tl.int64) + b * stride_cb + s * stride_cs
+        cos_a, cos_b = _load_ab(COS, c_row, c_row >= 0, stride_cc, R, NEOX, HALF, HALF_TABLE)
+        sin_a, sin_b = _load_ab(SIN, c_row, c_row >= 0, stride_cc, R, NEOX, HALF, HALF_TABLE)
+        cos_a, cos_b = _rope_step(cos_a, ROPE_DTYPE), _rope_step(cos_b, ROPE_DTYPE)
+        sin_a, sin_b = _rope_step(sin_a, ROPE_DTYPE), _rope_step(sin_b, ROPE_DTYPE)
         x_base = b * stride_xb + s * stride_xs
         o_base = b * stride_ob + s * stride_os
         for h0 in range(0, H, HB):  # ROW_NORM: HB >= H, one pass
             heads = h0 + tl.arange(0, HB)
             h_ok = heads < H
-            m_ab = h_ok[:, None] & i_ok[None, :]
-            m_p = h_ok[:, None] & p_ok[None, :]
-            xa = _load_tile(X, x_base, heads, stride_xh, col_a, m_ab)
-            xb = _load_tile(X, x_base, heads, stride_xh, col_b, m_ab)
+            x_rows = x_base + heads * stride_xh
+            xa, xb = _load_ab(X, x_rows, h_ok, 1, R, NEOX, HALF)
             ss = tl.sum(xa * xa, axis=1) + tl.sum(xb * xb, axis=1)
             if HAS_PASS:
-                xp = _load_tile(X, x_base, heads, stride_xh, col_p, m_p)
+                xp = _load_pass(X, x_rows, h_ok, R, D, PASS)
                 ss += tl.sum(xp * xp, axis=1)
             if ROW_NORM:
                 rstd_row = tl.rsqrt(tl.sum(ss, axis=0) / (H * D) + eps)
@@ -113,29 +143,26 @@ if triton is not None:
             else:
                 rstd = tl.rsqrt(ss / D + eps)
                 tl.store(RSTD + pos * H + heads, rstd, mask=h_ok)
-            ya = _norm_out(xa, rstd, _load_weight(W, heads, h_ok, col_a, i_ok, D, weight_offset, HAS_W, ROW_NORM), HAS_W,
-                           ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE)
-            yb = _norm_out(xb, rstd, _load_weight(W, heads, h_ok, col_b, i_ok, D, weight_offset, HAS_W, ROW_NORM), HAS_W,
-                           ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE)
-            ya = _rope_step(ya, ROPE_DTYPE)
-            yb = _rope_step(yb, ROPE_DTYPE)
+            wa, wb, wp = _weights(W, heads, h_ok, weight_offset, D, R, HAS_W, ROW_NORM, NEOX, HALF, PASS, HAS_PASS)
+            ya = _rope_step(_norm_out(xa, rstd, wa, HAS_W, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE), ROPE_DTYPE)
+            yb = _rope_step(_norm_out(xb, rstd, wb, HAS_W, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE), ROPE_DTYPE)
             # o = round(rope, round(rope, y * c) + round(rope, sign * y[P] * s)): eager's three ops
             oa = _rope_step(_rope_step(ya * cos_a, ROPE_DTYPE) + _rope_step(-(yb * sin_a), ROPE_DTYPE), ROPE_DTYPE)
             ob = _rope_step(_rope_step(yb * cos_b, ROPE_DTYPE) + _rope_step(ya * sin_b, ROPE_DTYPE), ROPE_DTYPE)
-            tl.store(O + o_base + heads[:, None] * stride_oh + col_a[None, :], _round(oa, OUT_DTYPE), mask=m_ab)
-            tl.store(O + o_base + heads[:, None] * stride_oh + col_b[None, :], _round(ob, OUT_DTYPE), mask=m_ab)
+            o_rows = o_base + heads * stride_oh
+            _store_ab(O, o_rows, h_ok, _round(oa, OUT_DTYPE), _round(ob, OUT_DTYPE), R, NEOX, HALF)
             if HAS_PASS:
-                yp = _norm_out(xp, rstd, _load_weight(W, heads, h_ok, col_p, p_ok, D, weight_offset, HAS_W, ROW_NORM),
-                               HAS_W, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE)
-                tl.store(O + o_base + heads[:, None] * stride_oh + col_p[None, :], _round(yp, OUT_DTYPE), mask=m_p)
+                yp = _norm_out(xp, rstd, wp, HAS_W, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE)
+                _store_pass(O, o_rows, h_ok, _round(yp, OUT_DTYPE), R, D, PASS)
 
     @triton.jit
     def _qk_rope_fwd_kernel(
         Q, K, WQ, WK, QO, KO, RSTD_Q, RSTD_K, COS, SIN,
-        S, HQ, HK, D, R, eps, weight_offset,
+        S, HQ, HK, eps, weight_offset,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,          # inputs (B, S, H, D)
         stride_qob, stride_qos, stride_qoh, stride_kob, stride_kos, stride_koh,    # outputs, as (B, S, H, D)
         stride_cb, stride_cs, stride_cc,                                           # tables (B, S, R or R / 2)
+        D: tl.constexpr, R: tl.constexpr,                                          # constexpr: the masks fold
         HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr, ROW_NORM: tl.constexpr, NEOX: tl.constexpr,
         HALF_TABLE: tl.constexpr, ROUND_FIRST: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr,
         NORM_OUT_DTYPE: tl.constexpr, ROPE_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
@@ -147,25 +174,24 @@ if triton is not None:
         b = pos // S
         s = pos % S
         if tl.program_id(1) == 0:
-            _fwd_position(Q, WQ, QO, RSTD_Q, COS, SIN, pos, b, s, HQ, D, R, eps, weight_offset, stride_qb, stride_qs,
-                          stride_qh, stride_qob, stride_qos, stride_qoh, stride_cb, stride_cs, stride_cc, HAS_WQ,
+            _fwd_position(Q, WQ, QO, RSTD_Q, COS, SIN, pos, b, s, HQ, eps, weight_offset, stride_qb, stride_qs,
+                          stride_qh, stride_qob, stride_qos, stride_qoh, stride_cb, stride_cs, stride_cc, D, R, HAS_WQ,
                           ROW_NORM, NEOX, HALF_TABLE, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE, ROPE_DTYPE,
                           OUT_DTYPE, HB, HALF, PASS, HAS_PASS)
         else:
-            _fwd_position(K, WK, KO, RSTD_K, COS, SIN, pos, b, s, HK, D, R, eps, weight_offset, stride_kb, stride_ks,
-                          stride_kh, stride_kob, stride_kos, stride_koh, stride_cb, stride_cs, stride_cc, HAS_WK,
+            _fwd_position(K, WK, KO, RSTD_K, COS, SIN, pos, b, s, HK, eps, weight_offset, stride_kb, stride_ks,
+                          stride_kh, stride_kob, stride_kos, stride_koh, stride_cb, stride_cs, stride_cc, D, R, HAS_WK,
                           ROW_NORM, NEOX, HALF_TABLE, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE, ROPE_DTYPE,
                           OUT_DTYPE, HB, HALF, PASS, HAS_PASS)
 
     @triton.jit
-    def _bwd_positions(DO, X, W, DX, RSTD, COS, SIN, DW_PART, pid, rows_per_program, n_pos, S, H, D, R,
-                       weight_offset, stride_db, stride_ds, stride_dh, stride_xb, stride_xs, stride_xh, stride_cb,
-                       stride_cs, stride_cc, HAS_W: tl.constexpr, ROW_NORM: tl.constexpr, NEOX: tl.constexpr,
-                       HALF_TABLE: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
-                       HAS_PASS: tl.constexpr):
+    def _bwd_positions(DO, X, W, DX, RSTD, COS, SIN, DW_PART, pid, rows_per_program, n_pos, S, H, weight_offset,
+                       stride_db, stride_ds, stride_dh, stride_xb, stride_xs, stride_xh, stride_cb, stride_cs,
+                       stride_cc, D: tl.constexpr, R: tl.constexpr, HAS_W: tl.constexpr, ROW_NORM: tl.constexpr,
+                       NEOX: tl.constexpr, HALF_TABLE: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr,
+                       PASS: tl.constexpr, HAS_PASS: tl.constexpr):
         """dx of rows_per_program contiguous positions of q (or k), and this program's row of the fp32
         weight-gradient partials (per column; per head and column for a row norm)."""
-        col_a, col_b, col_p, tab_a, tab_b, i_ok, p_ok = _columns(R, D, NEOX, HALF_TABLE, HALF, PASS)
         acc_a = tl.zeros((HB, HALF), dtype=tl.float32)
         acc_b = tl.zeros((HB, HALF), dtype=tl.float32)
         acc_p = tl.zeros((HB, PASS), dtype=tl.float32)
@@ -174,80 +200,73 @@ if triton is not None:
             pos_ok = pos < n_pos
             b = pos // S
             s = pos % S
-            c_base = b * stride_cb + s * stride_cs
-            t_ok = i_ok & pos_ok
-            cos_a = tl.load(COS + c_base + tab_a * stride_cc, mask=t_ok, other=0.0).to(tl.float32)[None, :]
-            cos_b = tl.load(COS + c_base + tab_b * stride_cc, mask=t_ok, other=0.0).to(tl.float32)[None, :]
-            sin_a = tl.load(SIN + c_base + tab_a * stride_cc, mask=t_ok, other=0.0).to(tl.float32)[None, :]
-            sin_b = tl.load(SIN + c_base + tab_b * stride_cc, mask=t_ok, other=0.0).to(tl.float32)[None, :]
-            x_base = b * stride_xb + s * stride_xs
-            d_base = b * stride_db + s * stride_ds
+            c_row = tl.zeros([1], dtype=tl.int64) + b * stride_cb + s * stride_cs
+            cos_a, cos_b = _load_ab(COS, c_row, c_row * 0 + pos < n_pos, stride_cc, R, NEOX, HALF, HALF_TABLE)
+            sin_a, sin_b = _load_ab(SIN, c_row, c_row * 0 + pos < n_pos, stride_cc, R, NEOX, HALF, HALF_TABLE)
             for h0 in range(0, H, HB):  # ROW_NORM: HB >= H, one pass
                 heads = h0 + tl.arange(0, HB)
                 h_ok = (heads < H) & pos_ok
-                m_ab = h_ok[:, None] & i_ok[None, :]
-                m_p = h_ok[:, None] & p_ok[None, :]
                 if ROW_NORM:
                     rstd = tl.zeros([HB], dtype=tl.float32) + tl.load(RSTD + pos, mask=pos_ok, other=0.0)
                 else:
                     rstd = tl.load(RSTD + pos * H + heads, mask=h_ok, other=0.0)
-                ga = _load_tile(DO, d_base, heads, stride_dh, col_a, m_ab)
-                gb = _load_tile(DO, d_base, heads, stride_dh, col_b, m_ab)
+                ga, gb = _load_ab(DO, b * stride_db + s * stride_ds + heads * stride_dh, h_ok, 1, R, NEOX, HALF)
                 # dy = dout * c + rot^T(dout * s): A takes B's sin term, B gives A's back negated
                 dya = ga * cos_a + gb * sin_b
                 dyb = gb * cos_b - ga * sin_a
-                xha = _load_tile(X, x_base, heads, stride_xh, col_a, m_ab) * rstd[:, None]
-                xhb = _load_tile(X, x_base, heads, stride_xh, col_b, m_ab) * rstd[:, None]
-                dna = dya * _load_weight(W, heads, h_ok, col_a, i_ok, D, weight_offset, HAS_W, ROW_NORM)
-                dnb = dyb * _load_weight(W, heads, h_ok, col_b, i_ok, D, weight_offset, HAS_W, ROW_NORM)
+                x_rows = b * stride_xb + s * stride_xs + heads * stride_xh
+                xa, xb = _load_ab(X, x_rows, h_ok, 1, R, NEOX, HALF)
+                xha = xa * rstd[:, None]
+                xhb = xb * rstd[:, None]
+                wa, wb, wp = _weights(W, heads, h_ok, weight_offset, D, R, HAS_W, ROW_NORM, NEOX, HALF, PASS,
+                                      HAS_PASS)
+                dna = dya * wa
+                dnb = dyb * wb
                 dot = tl.sum(dna * xha, axis=1) + tl.sum(dnb * xhb, axis=1)
                 if HAS_PASS:
-                    dyp = _load_tile(DO, d_base, heads, stride_dh, col_p, m_p)
-                    xhp = _load_tile(X, x_base, heads, stride_xh, col_p, m_p) * rstd[:, None]
-                    dnp = dyp * _load_weight(W, heads, h_ok, col_p, p_ok, D, weight_offset, HAS_W, ROW_NORM)
+                    dyp = _load_pass(DO, b * stride_db + s * stride_ds + heads * stride_dh, h_ok, R, D, PASS)
+                    xhp = _load_pass(X, x_rows, h_ok, R, D, PASS) * rstd[:, None]
+                    dnp = dyp * wp
                     dot += tl.sum(dnp * xhp, axis=1)
                 if ROW_NORM:
                     c1 = tl.zeros([HB], dtype=tl.float32) + tl.sum(dot, axis=0) / (H * D)
                 else:
                     c1 = dot / D
                 # du = rstd * (dn - x_hat * mean(dn * x_hat)), dx = round(x.dtype, du); DX is contiguous
-                dx_base = pos * H * D + heads[:, None] * D
+                dx_rows = pos * H * D + heads * D
                 dx_ty = DX.dtype.element_ty
-                tl.store(DX + dx_base + col_a[None, :], _round((dna - xha * c1[:, None]) * rstd[:, None], dx_ty),
-                         mask=m_ab)
-                tl.store(DX + dx_base + col_b[None, :], _round((dnb - xhb * c1[:, None]) * rstd[:, None], dx_ty),
-                         mask=m_ab)
+                _store_ab(DX, dx_rows, h_ok, _round((dna - xha * c1[:, None]) * rstd[:, None], dx_ty),
+                          _round((dnb - xhb * c1[:, None]) * rstd[:, None], dx_ty), R, NEOX, HALF)
                 if HAS_W:
                     acc_a += dya * xha
                     acc_b += dyb * xhb
                 if HAS_PASS:
-                    tl.store(DX + dx_base + col_p[None, :], _round((dnp - xhp * c1[:, None]) * rstd[:, None], dx_ty),
-                             mask=m_p)
+                    _store_pass(DX, dx_rows, h_ok, _round((dnp - xhp * c1[:, None]) * rstd[:, None], dx_ty), R, D,
+                                PASS)
                     if HAS_W:
                         acc_p += dyp * xhp
         if HAS_W:
-            heads = tl.arange(0, HB)
             if ROW_NORM:  # one partial per head and column
-                part = DW_PART + pid.to(tl.int64) * (H * D) + heads[:, None] * D
-                h_ok = heads < H
-                tl.store(part + col_a[None, :], acc_a, mask=h_ok[:, None] & i_ok[None, :])
-                tl.store(part + col_b[None, :], acc_b, mask=h_ok[:, None] & i_ok[None, :])
+                heads = tl.arange(0, HB)
+                rows = pid.to(tl.int64) * (H * D) + heads * D
+                _store_ab(DW_PART, rows, heads < H, acc_a, acc_b, R, NEOX, HALF)
                 if HAS_PASS:
-                    tl.store(part + col_p[None, :], acc_p, mask=h_ok[:, None] & p_ok[None, :])
+                    _store_pass(DW_PART, rows, heads < H, acc_p, R, D, PASS)
             else:  # the heads summed: one partial per column
-                part = DW_PART + pid.to(tl.int64) * D
-                tl.store(part + col_a, tl.sum(acc_a, axis=0), mask=i_ok)
-                tl.store(part + col_b, tl.sum(acc_b, axis=0), mask=i_ok)
+                rows = tl.zeros([1], dtype=tl.int64) + pid.to(tl.int64) * D
+                _store_ab(DW_PART, rows, rows >= 0, tl.sum(acc_a, axis=0)[None, :], tl.sum(acc_b, axis=0)[None, :],
+                          R, NEOX, HALF)
                 if HAS_PASS:
-                    tl.store(part + col_p, tl.sum(acc_p, axis=0), mask=p_ok)
+                    _store_pass(DW_PART, rows, rows >= 0, tl.sum(acc_p, axis=0)[None, :], R, D, PASS)
 
     @triton.jit
     def _qk_rope_bwd_kernel(
         DQO, DKO, Q, K, WQ, WK, DQ, DK, RSTD_Q, RSTD_K, COS, SIN, DWQ_PART, DWK_PART,
-        n_pos, rows_per_program, S, HQ, HK, D, R, weight_offset,
+        n_pos, rows_per_program, S, HQ, HK, weight_offset,
         stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks, stride_dkh,   # output grads, as (B, S, H, D)
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,         # inputs (B, S, H, D)
         stride_cb, stride_cs, stride_cc,                                          # tables (B, S, R or R / 2)
+        D: tl.constexpr, R: tl.constexpr,
         HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr, ROW_NORM: tl.constexpr, NEOX: tl.constexpr,
         HALF_TABLE: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, HAS_PASS: tl.constexpr,
     ):
@@ -255,14 +274,14 @@ if triton is not None:
         gradient partials."""
         pid = tl.program_id(0)
         if tl.program_id(1) == 0:
-            _bwd_positions(DQO, Q, WQ, DQ, RSTD_Q, COS, SIN, DWQ_PART, pid, rows_per_program, n_pos, S, HQ, D, R,
+            _bwd_positions(DQO, Q, WQ, DQ, RSTD_Q, COS, SIN, DWQ_PART, pid, rows_per_program, n_pos, S, HQ,
                            weight_offset, stride_dqb, stride_dqs, stride_dqh, stride_qb, stride_qs, stride_qh,
-                           stride_cb, stride_cs, stride_cc, HAS_WQ, ROW_NORM, NEOX, HALF_TABLE, HB, HALF, PASS,
+                           stride_cb, stride_cs, stride_cc, D, R, HAS_WQ, ROW_NORM, NEOX, HALF_TABLE, HB, HALF, PASS,
                            HAS_PASS)
         else:
-            _bwd_positions(DKO, K, WK, DK, RSTD_K, COS, SIN, DWK_PART, pid, rows_per_program, n_pos, S, HK, D, R,
+            _bwd_positions(DKO, K, WK, DK, RSTD_K, COS, SIN, DWK_PART, pid, rows_per_program, n_pos, S, HK,
                            weight_offset, stride_dkb, stride_dks, stride_dkh, stride_kb, stride_ks, stride_kh,
-                           stride_cb, stride_cs, stride_cc, HAS_WK, ROW_NORM, NEOX, HALF_TABLE, HB, HALF, PASS,
+                           stride_cb, stride_cs, stride_cc, D, R, HAS_WK, ROW_NORM, NEOX, HALF_TABLE, HB, HALF, PASS,
                            HAS_PASS)
 
 
@@ -286,8 +305,12 @@ def _tile(H: int, D: int, rotary_dim: int, row_norm: bool, budget: int) -> tuple
     return heads, half, pas
 
 
-def _warps(hb: int, half: int, pas: int) -> int:
-    return min(max(hb * (2 * half + pas) // 256, 1), 8)
+def _warps(hb: int, half: int, pas: int, backward: bool = False) -> int:
+    """About 8 elements of a tile per thread forward, 4 backward (more values live: x, dout, dy and the
+    weight-gradient accumulators; gptj at head_dim 256 took an 8-byte stack frame on sm90 with 8 per
+    thread), as a power of two from 1 to 8 (the compiler takes no other counts)."""
+    warps = max(hb * (2 * half + pas) // (128 if backward else 256), 1)
+    return min(1 << (warps.bit_length() - 1), 8)
 
 
 def qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps, weight_offset, norm_round_dtype, norm_out_dtype,
@@ -315,10 +338,10 @@ def qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps, weight_offset, nor
         _qk_rope_fwd_kernel[(B * S, 1 if k is None else 2)](
             q2, kk, q_weight if q_weight is not None else q2, wk if wk is not None else q2, qo, kko, rstds[0],
             rstds[1] if k is not None else rstds[0], c3, s3,
-            S, H, kk.shape[2], D, rotary_dim, eps, weight_offset,
+            S, H, kk.shape[2], eps, weight_offset,
             q2.stride(0), q2.stride(1), q2.stride(2), kk.stride(0), kk.stride(1), kk.stride(2),
             qo.stride(0), qo.stride(1), qo.stride(2), kko.stride(0), kko.stride(1), kko.stride(2),
-            c3.stride(0), c3.stride(1), c3.stride(2),
+            c3.stride(0), c3.stride(1), c3.stride(2), D=D, R=rotary_dim,
             HAS_WQ=q_weight is not None, HAS_WK=wk is not None, ROW_NORM=full_width, NEOX=layout == "neox",
             HALF_TABLE=cos.shape[-1] != rotary_dim, ROUND_FIRST=norm_round_dtype is not None,
             NORM_ROUND_DTYPE=TL_DTYPES[norm_round_dtype or norm_out_dtype], NORM_OUT_DTYPE=TL_DTYPES[norm_out_dtype],
@@ -359,13 +382,13 @@ def qk_norm_rope_bwd(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, q_rstd,
             dq2, dko, q2, kk, dummy if q_weight is None else q_weight, dummy if k_weight is None else k_weight,
             dq, dkk, q_rstd, q_rstd if k is None else k_rstd, c3, s3, dummy if dwq is None else dwq,
             dummy if dwk is None else dwk,
-            n_pos, rows_per_program, S, H, kk.shape[2], D, rotary_dim, weight_offset,
+            n_pos, rows_per_program, S, H, kk.shape[2], weight_offset,
             dq2.stride(0), dq2.stride(1), dq2.stride(2), dko.stride(0), dko.stride(1), dko.stride(2),
             q2.stride(0), q2.stride(1), q2.stride(2), kk.stride(0), kk.stride(1), kk.stride(2),
-            c3.stride(0), c3.stride(1), c3.stride(2),
+            c3.stride(0), c3.stride(1), c3.stride(2), D=D, R=rotary_dim,
             HAS_WQ=q_weight is not None, HAS_WK=k_weight is not None, ROW_NORM=full_width, NEOX=layout == "neox",
             HALF_TABLE=cos.shape[-1] != rotary_dim, HB=hb, HALF=half, PASS=pas, HAS_PASS=D > rotary_dim,
-            num_warps=_warps(hb, half, pas))
+            num_warps=_warps(hb, half, pas, backward=True))
     # the [programs, N] fp32 partials summed in fp32, rounded once to the weight's dtype
     return (dq, dk, None if dwq is None else dwq.sum(0).to(q_weight.dtype),
             None if dwk is None else dwk.sum(0).to(k_weight.dtype))

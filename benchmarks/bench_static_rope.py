@@ -1,0 +1,171 @@
+"""Benchmark 7: static report of the qk_norm_rope kernels, compiled ahead of time without a GPU.
+
+Each launch configuration ``normfuse.kernels.triton_rope`` picks (heads per tile, column blocks,
+warps) for head_dim 64 / 128 / 256 with R = D, D / 2, D / 4, both layouts, forward and backward,
+per-head norms (32 query heads, 8 key heads) and OLMo 2's whole-row norm (head_dim 128), is compiled
+for ``GPUTarget("cuda", 90, 32)``, ``("cuda", 80, 32)`` and ``("hip", "gfx942", 64)`` with the
+helpers of bench_static_kernels.py. Reported per kernel: registers, spills (cubin LOCAL + STACK;
+AMD spill counts), occupancy, and from the PTX the global loads of q (and stores of the output, dx)
+per element of a tile: 1.0 means each element is read (written) once.
+
+Targets: no spills; q read once and q_out written once per element in the forward (per element of
+the tile's column blocks: ``masked_columns`` is the fraction of them past D, predicated off).
+
+    python benchmarks/bench_static_rope.py [--toy] [--targets cuda90 cuda80 gfx942] [--dtypes bf16]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("NORMFUSE_TRITON_CPU") == "1":
+    # kernels defined under the interpreter cannot be compiled: start again without it
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NORMFUSE_TRITON_CPU")}
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+import time
+
+from common import machine, markdown_table, parse_args, write_csv, write_json
+
+import triton
+from triton.compiler import ASTSource
+
+from bench_static_kernels import (DTYPES, TARGETS, cuda_occupancy, cuda_resources, hip_occupancy, hip_resources,
+                                  ptx_accesses)
+from normfuse.kernels import triton_rope as KR
+
+HQ, HK = 32, 8  # Qwen3-8B's heads (GQA); the tile takes the larger count
+FLOAT_ARGS = {"eps", "weight_offset"}
+SIZE_ARGS = {"S", "HQ", "HK"}  # the capital integers (D and R are constexprs)
+FP32_PTRS = {"RSTD_Q", "RSTD_K", "DWQ_PART", "DWK_PART"}
+DTYPE_ARGS = ("NORM_ROUND_DTYPE", "NORM_OUT_DTYPE", "ROPE_DTYPE", "OUT_DTYPE")
+
+
+def configurations(heads_dims, dtypes):
+    """(direction, layout, row_norm, D, R, dtype) of the report."""
+    for backward in (False, True):
+        for layout in ("neox", "gptj"):
+            for row_norm, D in heads_dims:
+                for R in (D, D // 2, D // 4):
+                    for dtype in dtypes:
+                        yield backward, layout, row_norm, D, R, dtype
+
+
+def source(backward: bool, layout: str, row_norm: bool, D: int, R: int, dtype: str) -> tuple[ASTSource, int, dict]:
+    """The kernel as the launcher specializes it for q and k of ``dtype`` (Qwen3's rounding: the norm
+    rounded first, RoPE in ``dtype``; weights in ``dtype``), contiguous rows; strides and D divisible
+    by 16. Returns (source, warps, tile)."""
+    fn = KR._qk_rope_bwd_kernel if backward else KR._qk_rope_fwd_kernel
+    hb, half, pas = KR._tile(HQ, D, R, row_norm, KR._TILE_BWD if backward else KR._TILE_FWD)
+    tl_dtype = DTYPES[dtype][1]
+    flags = dict(D=D, R=R, HAS_WQ=True, HAS_WK=True, ROW_NORM=row_norm, NEOX=layout == "neox", HALF_TABLE=False,
+                 ROUND_FIRST=True, HB=hb, HALF=half, PASS=pas, HAS_PASS=D > R)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if fn.params[i].is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[name] = tl_dtype if name in DTYPE_ARGS else flags[name]
+        elif name in FLOAT_ARGS:
+            signature[name] = "fp32"
+        elif name.isupper() and name not in SIZE_ARGS:  # pointers are named in capitals
+            signature[name] = "*fp32" if name in FP32_PTRS else f"*{dtype}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return src, KR._warps(hb, half, pas, backward), dict(HB=hb, HALF=half, PASS=pas)
+
+
+def compile_one(backward, layout, row_norm, D, R, dtype, target) -> dict:
+    src, warps, tile = source(backward, layout, row_norm, D, R, dtype)
+    t0 = time.perf_counter()
+    kernel = triton.compile(src, target=TARGETS[target], options={"num_warps": warps})
+    row = {"compile_s": time.perf_counter() - t0, "warps": warps, **tile, "shared": kernel.metadata.shared}
+    if target.startswith("cuda"):
+        res = cuda_resources(kernel.asm["cubin"])
+        row.update(res)
+        row["occupancy"] = cuda_occupancy(res["regs"], warps, kernel.metadata.shared, TARGETS[target].arch)
+        # a tile is HB heads x (2 HALF + PASS) columns, the power-of-two blocks of the halves and the
+        # pass-through; past D they are masked off (predicated instructions, no memory traffic)
+        threads = warps * TARGETS[target].warp_size
+        columns = 2 * tile["HALF"] + (tile["PASS"] if D > R else 0)
+        row["masked_columns"] = (columns - D) / columns
+        per_tile = tile["HB"] * columns * DTYPES[dtype][0].itemsize
+        fn = KR._qk_rope_bwd_kernel if backward else KR._qk_rope_fwd_kernel
+        accesses = {}  # per tensor: an address computed from a size (S) as well still reads that tensor
+        for names, rec in ptx_accesses(kernel.asm["ptx"], fn.arg_names).items():
+            tensors = set(names.split("/")) - SIZE_ARGS
+            if len(tensors) == 1:
+                total = accesses.setdefault(tensors.pop(), dict.fromkeys(rec, 0))
+                for field_, value in rec.items():
+                    total[field_] += value
+        for name in (("DQO", "Q", "DQ") if backward else ("Q", "QO")):
+            rec = accesses.get(name)
+            if rec is None:
+                continue
+            key = "ld" if name != ("DQ" if backward else "QO") else "st"
+            size = rec["load_bytes"] if key == "ld" else rec["store_bytes"]
+            row[f"{key}_{name}"] = size * threads / per_tile
+            row[f"vec_bytes_{name}"] = (rec["load_bytes"] // max(rec["loads"], 1) if key == "ld"
+                                        else rec["store_bytes"] // max(rec["stores"], 1))
+    else:
+        res = hip_resources(kernel.asm["amdgcn"])
+        row.update(res)
+        row["occupancy"] = hip_occupancy(res["regs"], res["agprs"], warps)
+    return row
+
+
+def main(argv=None) -> dict:
+    args = parse_args(__doc__.splitlines()[0], argv, lambda p: (
+        p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS)),
+        p.add_argument("--dtypes", nargs="+", default=["bf16"], choices=list(DTYPES))))
+    heads_dims = [(False, 64), (False, 128), (False, 256), (True, 128)]
+    targets, dtypes = args.targets, args.dtypes
+    if args.toy:  # both layouts and both norm widths, forward and backward: 8 kernels
+        heads_dims, targets, dtypes = [(False, 128), (True, 128)], ["cuda90"], ["bf16"]
+    rows = []
+    t_start = time.perf_counter()
+    for backward, layout, row_norm, D, R, dtype in configurations(heads_dims, dtypes):
+        if args.toy and R != D // 2:
+            continue
+        for target in targets:
+            row = {"kernel": "backward" if backward else "forward", "layout": layout,
+                   "norm": "row" if row_norm else "head", "D": D, "R": R, "dtype": dtype, "target": target,
+                   **compile_one(backward, layout, row_norm, D, R, dtype, target)}
+            problems = []
+            if row["local"] + row.get("stack", 0) > 0:
+                problems.append(f"spills {row['local'] + row.get('stack', 0)}")
+            if target.startswith("cuda") and not backward:
+                problems += [f"{t} {row[f'{k}_{t}']:g}x per element" for k, t in (("ld", "Q"), ("st", "QO"))
+                             if abs(row.get(f"{k}_{t}", 1.0) - 1.0) > 1e-6]
+            row["problems"] = "; ".join(problems)
+            rows.append(row)
+        print(f"  {'bwd' if backward else 'fwd'} {layout} {'row' if row_norm else 'head'} D={D} R={R} {dtype} "
+              f"regs(sm90)={next((r.get('regs') for r in rows[::-1] if r['target'] == 'cuda90'), None)}",
+              flush=True)
+    verdict = {
+        "kernels_compiled": len(rows), "seconds": time.perf_counter() - t_start,
+        "no_spills": not any("spills" in r["problems"] for r in rows),
+        "max_regs_cuda90": max((r["regs"] for r in rows if r["target"] == "cuda90"), default=None),
+        "forward_reads_q_once_writes_once": not any("per element" in r["problems"] for r in rows),
+        "problems": [f"{r['kernel']} {r['layout']} {r['norm']} D={r['D']} R={r['R']} {r['dtype']} {r['target']}: "
+                     f"{r['problems']}" for r in rows if r["problems"]],
+    }
+    write_csv(args.out / "static_rope.csv", rows)
+    payload = {"machine": machine(), "verdict": verdict, "rows": rows}
+    write_json(args.out / "static_rope.json", payload)
+    print(markdown_table([r for r in rows if r["target"] == "cuda90"],
+                         ["kernel", "layout", "norm", "D", "R", "dtype", "HB", "warps", "regs", "local", "stack",
+                          "occupancy", "masked_columns", "ld_Q", "st_QO", "vec_bytes_Q", "ld_DQO", "st_DQ",
+                          "problems"]))
+    print("verdict:", {k: v for k, v in verdict.items() if k != "problems"})
+    for p in verdict["problems"][:40]:
+        print("  problem:", p)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
