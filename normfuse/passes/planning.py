@@ -31,7 +31,6 @@ import torch.fx as fx
 from normfuse.passes.analysis import Analysis, SiteAnalysis
 from normfuse.passes.canonical import canonical, mutates, node_dtype, node_shape, real_users, same_shape
 from normfuse.passes.classify import stream_operand
-from normfuse.passes.find import permuted_layout
 from normfuse.passes.graph import GraphIndex
 from normfuse.passes.parts import PARTS, PlanContext, folded_nodes
 from normfuse.vocabulary import KERNEL_DTYPES, LOW_PRECISION, Placement
@@ -130,13 +129,13 @@ def refusal(site: SiteAnalysis) -> str | None:
 
 # --------------------------------------------------------------------------- one site
 
-def _choose(analysis: Analysis, site: SiteAnalysis, claimed: set, reserved: set, config, as_op: bool
-            ) -> tuple[Plan | None, str | None]:
-    """The call a site becomes (before pairing and placing), or why none."""
+def _choose(analysis: Analysis, site: SiteAnalysis, claimed: set) -> tuple[Plan | None, str | None]:
+    """The call a site becomes before the fusion parts are offered to it and it is placed: an
+    add_norm call taking the add its norm reads, when it can, else the norm alone; or why none."""
     reason = refusal(site)
     if reason:
         return None, reason
-    index, m, add, out = analysis.index, site.match, site.in_add, site.output_add
+    index, m, add = analysis.index, site.match, site.in_add
     reshaped = add is not None and add.permute is None and not same_shape(node_shape(add.node),
                                                                           node_shape(m.output))
     static = all(isinstance(d, int) for d in (node_shape(m.output) or (None,)))
@@ -148,23 +147,9 @@ def _choose(analysis: Analysis, site: SiteAnalysis, claimed: set, reserved: set,
         else:
             stream = stream_operand(index, add)
             x, residual = (b, a) if stream == 0 else (a, b)
-        if add.permute is not None and add.scaled is None \
-                and permuted_layout(residual, add.permute) != permuted_layout(add.node, add.permute):
-            x, residual = residual, x  # the call returns the sum in its residual's layout: the add's
         return Plan("add_norm", (site.number,), x, residual, residual_scale=add.residual_scale,
-                    sum_dtype=node_dtype(add.node), permute=add.permute), None
-    if config.fuse_output_add and out is not None and out.reason is None and out.node not in claimed \
-            and m.layout is None \
-            and out.node not in reserved and add is None and site.placement in (Placement.RES_POST,
-                                                                                Placement.SANDWICH) \
-            and not site.output_chain:
-        stream = stream_operand(index, out)
-        ops = out.node.all_input_nodes
-        if stream is not None and out.scaled in (None, stream) and same_shape(node_shape(ops[stream]),
-                                                                               node_shape(m.output)):
-            return Plan("norm_add", (site.number,), m.input, out.operands[stream], output_add=out.node,
-                        residual_scale=out.residual_scale), None
-    return Plan("norm", (site.number,), m.input, None, sum_dtype=node_dtype(m.input), permute=m.layout), None
+                    sum_dtype=node_dtype(add.node)), None
+    return Plan("norm", (site.number,), m.input, None, sum_dtype=node_dtype(m.input)), None
 
 
 def _add_reason(site: SiteAnalysis, p: Plan | None, claimed: set, reserved: set, config) -> str | None:
@@ -389,7 +374,8 @@ def plan(analysis: Analysis, config, as_op: bool = False, excluded: Callable[[in
     claimed: set[fx.Node] = set()
     reserved = {s.in_add.node for s in analysis.sites if s.in_add is not None and s.in_add.reason is None}
     unavailable: set[int] = set()  # sites no call may take as its second norm: excluded, or taken already
-    context = PlanContext(analysis, config, as_op, unavailable, refusal)
+    context = PlanContext(analysis, config, as_op, unavailable=unavailable, claimed=claimed, reserved=reserved,
+                          norm_refusal=refusal)
     for site in analysis.sites:
         if excluded(site.number):
             decisions[site.number] = Decision(reason="excluded by filter_fn")
@@ -397,7 +383,7 @@ def plan(analysis: Analysis, config, as_op: bool = False, excluded: Callable[[in
     for site in analysis.sites:
         if site.number in unavailable:
             continue
-        chosen, reason = _choose(analysis, site, claimed, reserved, config, as_op)
+        chosen, reason = _choose(analysis, site, claimed)
         part_reasons = _take_parts(context, site, chosen) if chosen is not None else {}
         if chosen is not None:
             chosen.insertion, reason = _place(analysis, chosen)

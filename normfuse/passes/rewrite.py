@@ -3,6 +3,9 @@
 The plans were decided on the analysed graph before anything changed; here each becomes
 its call, inserted where its ``Insertion`` says (late operands moved up first), its users
 rerouted to the call's outputs and its old nodes erased when nothing reads them any more.
+An add_norm call is built here with what each fusion part it takes adds (its operands as the
+call reads them, its options, the outputs it hands back or adds: ``parts/base.py``); a part
+that computes the site with another op (the add after the norm: ``norm_add``) builds its call.
 Values an earlier call replaced are looked up through ``Rewriting.resolve``. Then the
 stream sums a plan keeps wider (``residual_dtype``) are widened, and the linears a plan
 recomputes its output for become one ``norm_linears`` call.
@@ -22,9 +25,9 @@ import torch.fx as fx
 
 from normfuse.kernels.add_norm import add_norm, norm_add
 from normfuse.passes.analysis import Analysis
-from normfuse.passes.canonical import canonical, node_dtype, node_shape, real_users, same_shape, tensor_meta
+from normfuse.passes.canonical import canonical, node_dtype, node_shape, real_users, same_shape
 from normfuse.passes.graph import copy_meta
-from normfuse.passes.parts import PARTS, folded_nodes
+from normfuse.passes.parts import folded_nodes, taken_parts
 from normfuse.passes.planning import Plan, Planning
 from normfuse.passes.record import CallRecord, record_call
 
@@ -54,42 +57,9 @@ class Rewriting:
         old.replace_all_uses_with(new)
         self.replaced[old] = new
 
-
-def _permuted(graph: fx.Graph, value: fx.Node, dims: tuple[int, ...], as_op: bool) -> fx.Node:
-    """``value.permute(*dims)``, its fake value permuted too."""
-    if as_op:
-        node = graph.call_function(torch.ops.aten.permute.default, (value, list(dims)))
-    else:
-        node = graph.call_method("permute", (value, *dims))
-    val = tensor_meta(value)
-    for key in ("val", "example_value"):
-        if key in value.meta and isinstance(val, torch.Tensor):
-            node.meta[key] = val.permute(dims)
-    return node
-
-
-_VIEWS = ("view", "view_as", torch.Tensor.view, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
-
-
-def _viewed_later(node: fx.Node) -> bool:
-    """Whether a value computed from ``node`` (through any op: convolutions and elementwise ops
-    keep a channels_last input's layout) reaches a ``.view()``, which may need the layout eager gave it."""
-    seen, todo = set(), [node]
-    while todo:
-        for user in todo.pop().users:
-            if user in seen:
-                continue
-            seen.add(user)
-            if user.op in ("call_method", "call_function") and user.target in _VIEWS:
-                return True
-            todo.append(user)
-    return False
-
-
-def _contiguous(graph: fx.Graph, value: fx.Node, as_op: bool) -> fx.Node:
-    if as_op:
-        return graph.call_function(torch.ops.aten.clone.default, (value,), {"memory_format": torch.contiguous_format})
-    return graph.call_method("contiguous", (value,))
+    def fused_call(self, family: str, args: tuple, options: dict) -> fx.Node:
+        """A call of ``family`` ("add_norm" or "norm_add") inserted at the graph's insertion point."""
+        return _fused_call(self.graph, family, args, options, self.as_op)
 
 
 def _fused_call(graph: fx.Graph, family: str, args: tuple, options: dict, as_op: bool) -> fx.Node:
@@ -139,10 +109,10 @@ def _insertion_point(r: Rewriting, p: Plan) -> fx.Node:
 def apply(r: Rewriting, p: Plan) -> fx.Node:
     """Insert the plan's call and reroute the users of what it computes; returns the call and
     adds its record to ``r.records``."""
-    graph, as_op = r.graph, r.as_op
+    graph = r.graph
     lead = r.analysis.sites[p.lead]
     m = lead.match
-    x, residual = r.resolve(p.x), r.resolve(p.residual)
+    parts = taken_parts(p.taken)
     # for the call's record: the original values its arguments carry, the node each output
     # replaces, the original value each node inserted here holds
     reads: set = {p.x, p.residual, m.weight, m.bias}
@@ -155,100 +125,15 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
     if m.group is not None:  # statistics per group of columns (only then: plain calls read as before)
         modes["norm_group"] = m.group
     old_nodes = list(m.nodes)
+    builder = next(((part, found) for part, found in parts if part.builds_call), None)
     with graph.inserting_before(first):
-        if p.op == "norm_add":
-            post = p.output_add
-            y_used = any(u is not post for u in real_users(m.output))
-            add_dtype = p.residual_dtype if p.widens else node_dtype(post)
-            call = _fused_call(graph, "norm_add", (x, residual, m.weight, m.bias),
-                               dict(modes, add_dtype=add_dtype, return_norm=y_used), as_op)
-            out = graph.call_function(operator.getitem, (call, 0))
-            copy_meta(out, post)
-            inserted = [call, out]
-            stands_for.append((0, post))
-            if y_used:
-                stands_for.append((1, m.output))
-                y = graph.call_function(operator.getitem, (call, 1))
-                copy_meta(y, m.output)
-                inserted.append(y)
-            r.replace(post, out)
-            if y_used:
-                r.replace(m.output, y)
-            old_nodes.append(post)
+        if builder is not None:  # a part computes the site with a call of its own op (norm_add)
+            built = builder[0].build(builder[1], p, r, modes)
+            call, inserted = built.call, built.inserted
+            stands_for += built.stands_for
+            old_nodes += built.old_nodes
         else:
-            add = lead.in_add if p.op == "add_norm" else None
-            s_used = add is not None and any(
-                u not in set(add.chain) | set(m.nodes) for node in (add.node, *add.chain) for u in real_users(node))
-            inserted = []
-            if p.permute is not None:  # the add moves through the permute: sum(a, b).permute == a.permute + b.permute
-                x, residual = (None if v is None else _permuted(graph, v, p.permute, as_op) for v in (x, residual))
-                inserted += [v for v in (x, residual) if v is not None]
-                holds.update({v: orig for v, orig in ((x, p.x), (residual, p.residual)) if v is not None})
-            extra = {}
-            sum_dtype = p.residual_dtype if p.widens else p.sum_dtype
-            parts = [(part, p.taken[part.name]) for part in PARTS if part.name in p.taken]
-            output = m.output  # the original node the call's y replaces
-            for part, found in parts:
-                piece = part.call(found, r)
-                extra.update(piece.options)
-                inserted += piece.inserted
-                holds.update(piece.holds)
-                reads.update(part.reads(found))
-                old_nodes += part.nodes(found)
-                output = part.y_output(found, output)
-            call = _fused_call(graph, "add_norm", (x, residual, m.weight, m.bias),
-                               dict(modes, sum_dtype=sum_dtype, return_sum=s_used, **extra), as_op)
-            where = output_index(as_op, len(p.sites) > 1, "quant_dtype" in extra)
-            inserted.append(call)
-            if all(part.y_read(found) for part, found in parts):  # else y was read only by a part's step
-                y = graph.call_function(operator.getitem, (call, where["y"]))
-                copy_meta(y, output)
-                inserted.append(y)
-                stands_for.append((where["y"], output))
-                result = y
-                if m.layout is not None:  # a channel norm written out: y comes with its channels last
-                    y.meta.update({k: v.permute(m.layout) for k, v in y.meta.items()
-                                   if k in ("val", "example_value") and isinstance(v, torch.Tensor)})
-                    inverse = tuple(sorted(range(len(m.layout)), key=m.layout.__getitem__))
-                    result = _permuted(graph, y, inverse, as_op)
-                    permuted_back[where["y"]] = inverse
-                    copy_meta(result, output)
-                    inserted.append(result)
-                    if _viewed_later(output):  # eager's y had x's layout: a .view() downstream may need it
-                        result = _contiguous(graph, result, as_op)
-                        copy_meta(result, output)
-                        inserted.append(result)
-                elif add is not None and not same_shape(node_shape(add.node), node_shape(output)):
-                    # the add and the norm see the rows in different shapes (a view between them)
-                    result = graph.call_method("reshape", (y, *node_shape(output)))
-                    copy_meta(result, output)
-                    inserted.append(result)
-                r.replace(output, result)
-            kernel_shape = node_shape(add.node) if add is not None else node_shape(m.output)
-            for part, found in parts:  # the outputs a part adds (a second norm's y1, fp8 q and its scale)
-                more, replaced = part.outputs(found, r, call, kernel_shape, where)
-                inserted += more
-                stands_for += replaced
-            if s_used:
-                s = graph.call_function(operator.getitem, (call, where["s"]))
-                copy_meta(s, add.node)
-                inserted.append(s)
-                stands_for.append((where["s"], add.node))
-                if p.permute is not None:  # hand the sum back in the add's layout
-                    inverse = tuple(sorted(range(len(p.permute)), key=p.permute.__getitem__))
-                    permuted_back[where["s"]] = inverse
-                    s.meta.update({k: v.permute(p.permute) for k, v in s.meta.items()
-                                   if k in ("val", "example_value") and isinstance(v, torch.Tensor)})
-                    s = _permuted(graph, s, inverse, as_op)
-                    copy_meta(s, add.node)
-                    inserted.append(s)
-                r.replace(add.node, s)
-            if add is not None:
-                folded = folded_nodes(p.taken)
-                old_nodes += [add.node, *add.chain, *folded]
-                # the operands' scaling / upcasts that the kernel now does itself
-                old_nodes += [n for n in add.node.all_input_nodes]
-                old_nodes += [n for b in folded for n in b.all_input_nodes]
+            call, inserted = _add_norm_call(r, p, parts, modes, reads, stands_for, holds, permuted_back, old_nodes)
     for i, node in enumerate(inserted):  # keep graph order known for later ancestor queries
         r.order[node] = r.order[first] - 0.5 + i * 1e-3
     # the call's outputs, and what the rewrite made of them (reshaped, permuted back), hold the
@@ -267,6 +152,80 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
     call.meta["nn_module_stack"] = m.output.meta.get("nn_module_stack")
     _erase_dead(graph, old_nodes, r.order)
     return call
+
+
+def _add_norm_call(r: Rewriting, p: Plan, parts: list, modes: dict, reads: set, stands_for: list, holds: dict,
+                   permuted_back: dict, old_nodes: list) -> tuple[fx.Node, list[fx.Node]]:
+    """The add_norm call of plan ``p`` (a norm alone: ``add_norm(x, None, ...)``) with what its
+    parts add, its outputs rerouted; returns the call and the nodes inserted (the record's
+    arguments are filled in)."""
+    graph = r.graph
+    lead = r.analysis.sites[p.lead]
+    m = lead.match
+    add = lead.in_add if p.op == "add_norm" else None
+    s_used = add is not None and any(
+        u not in set(add.chain) | set(m.nodes) for node in (add.node, *add.chain) for u in real_users(node))
+    operands, inserted = (r.resolve(p.x), r.resolve(p.residual)), []
+    options: dict = {}
+    output = m.output  # the original node the call's y replaces
+    for part, found in parts:
+        operands, piece = part.operands(found, operands, (p.x, p.residual), r)
+        inserted += piece.inserted
+        holds.update(piece.holds)
+    for part, found in parts:
+        piece = part.call(found, r)
+        options.update(piece.options)
+        inserted += piece.inserted
+        holds.update(piece.holds)
+        reads.update(part.reads(found))
+        old_nodes += part.nodes(found)
+        output = part.y_output(found, output)
+    sum_dtype = p.residual_dtype if p.widens else p.sum_dtype
+    call = r.fused_call("add_norm", (*operands, m.weight, m.bias),
+                        dict(modes, sum_dtype=sum_dtype, return_sum=s_used, **options))
+    where = output_index(r.as_op, len(p.sites) > 1, "quant_dtype" in options)
+    inserted.append(call)
+    if all(part.y_read(found) for part, found in parts):  # else y was read only by a part's step
+        y = graph.call_function(operator.getitem, (call, where["y"]))
+        copy_meta(y, output)
+        inserted.append(y)
+        stands_for.append((where["y"], output))
+        result = _returned(r, parts, "y", y, output, where, inserted, permuted_back)
+        if result is y and add is not None and not same_shape(node_shape(add.node), node_shape(output)):
+            # the add and the norm see the rows in different shapes (a view between them)
+            result = graph.call_method("reshape", (y, *node_shape(output)))
+            copy_meta(result, output)
+            inserted.append(result)
+        r.replace(output, result)
+    kernel_shape = node_shape(add.node) if add is not None else node_shape(m.output)
+    for part, found in parts:  # the outputs a part adds (a second norm's y1, fp8 q and its scale)
+        more, replaced = part.outputs(found, r, call, kernel_shape, where)
+        inserted += more
+        stands_for += replaced
+    if s_used:
+        s = graph.call_function(operator.getitem, (call, where["s"]))
+        copy_meta(s, add.node)
+        inserted.append(s)
+        stands_for.append((where["s"], add.node))
+        r.replace(add.node, _returned(r, parts, "s", s, add.node, where, inserted, permuted_back))
+    if add is not None:
+        folded = folded_nodes(p.taken)
+        old_nodes += [add.node, *add.chain, *folded]
+        # the operands' scaling / upcasts that the kernel now does itself
+        old_nodes += [n for n in add.node.all_input_nodes]
+        old_nodes += [n for b in folded for n in b.all_input_nodes]
+    return call, inserted
+
+
+def _returned(r: Rewriting, parts: list, name: str, value: fx.Node, original: fx.Node, where: dict,
+              inserted: list, permuted_back: dict) -> fx.Node:
+    """The call's output ``name`` as the parts hand it back in place of ``original``."""
+    for part, found in parts:
+        value, more, dims = part.returned(found, name, value, original, r)
+        inserted += more
+        if dims is not None:
+            permuted_back[where[name]] = dims
+    return value
 
 
 def _erase_dead(graph: fx.Graph, nodes: list[fx.Node], order: dict) -> None:

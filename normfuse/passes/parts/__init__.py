@@ -1,6 +1,8 @@
 """Fusion parts: the steps a fused call takes over besides the norm and its add, one module each.
 
     base.py   FusionPart: the hooks each part declares (find, plan, rewrite, report, audit, checker)
+    layout.py the permuted (channel) layout: operands read permuted, outputs handed back
+    output_add.py  the add after the norm: x + norm(f) as one norm_add call
     branch.py the add's branch: a second add, drop path's per-sample scale, dropout (x1, rowscale, dropout_p)
     gate.py   the gate of a gated norm: norm(x * act(z)), norm(x) * act(z)  (Mamba2, Qwen3-Next)
     quant.py  the fp8 quantization of the norm's output (q and its scale)
@@ -16,12 +18,14 @@ from __future__ import annotations
 from normfuse.passes.parts.base import CallPiece, FusionPart, PlanContext
 from normfuse.passes.parts.branch import BRANCH
 from normfuse.passes.parts.gate import GATE
+from normfuse.passes.parts.layout import LAYOUT
+from normfuse.passes.parts.output_add import OUTPUT_ADD
 from normfuse.passes.parts.quant import QUANT
 from normfuse.passes.parts.second_norm import SECOND_NORM
 
 __all__ = ["PARTS", "FusionPart", "CallPiece", "PlanContext", "part_named", "taken_parts", "folded_nodes"]
 
-PARTS: tuple[FusionPart, ...] = (BRANCH, GATE, QUANT, SECOND_NORM)
+PARTS: tuple[FusionPart, ...] = (LAYOUT, OUTPUT_ADD, BRANCH, GATE, QUANT, SECOND_NORM)
 
 
 def part_named(name: str) -> FusionPart:

@@ -4,18 +4,22 @@ A fused call computes the norm (and its add); a part is one more step it takes o
 graph, before or after the norm (``parts/__init__.py`` lists them). One module per part
 declares all of it, and the stages know no part by name:
 
-=============  ===========================  ==========================================================
-stage          hook                         what the part says
-=============  ===========================  ==========================================================
-find           ``find(index, match)``       what it recognizes at a norm (a frozen match), or None
-plan           ``offer(...)``               whether the planned call takes it (and what that changes)
-plan, record   ``reads``/``nodes``/``folded``  its operands / the nodes it replaces / those ahead of the add
-rewrite        ``call`` / ``outputs``       its options in the call / the call's outputs it adds
-checker        ``symbolic_input``           its step on x before the sum, in exact arithmetic
-report         ``report``                   the report's fields for it
-audit          ``eager_nodes``/``fused_bytes``  its traffic, eager and fused
-checker        ``symbolic`` / ``check_arguments``  its formula / its arguments for a numeric run
-=============  ===========================  ==========================================================
+========  ======================================  ===================================================
+stage     hook                                    what the part says
+========  ======================================  ===================================================
+find      ``find(index, match)``                  what it recognizes at a norm (a frozen match), or None
+plan      ``offer(ctx, site, found, plan)``       whether the planned call takes it (and what that changes)
+plan      ``reads`` / ``spans``                   its operands / nodes that decide where the call starts
+plan      ``may_drop`` / ``drop``                 whether the call goes without it when an operand is late
+record    ``nodes`` / ``folded``                  the nodes it replaces / those ahead of the add it computes
+rewrite   ``operands`` / ``call``                 the call's x and residual / its options in the call
+rewrite   ``returned`` / ``outputs``              y and s made back into the graph's / outputs it adds
+rewrite   ``build`` (``builds_call``)             the call of another op it makes itself
+report    ``report``                              the report's fields for it
+audit     ``eager_nodes`` / ``fused_bytes``       its traffic, eager and fused
+checker   ``symbolic_input`` / ``symbolic``       its step on x before the sum / its outputs' formula
+checker   ``check_arguments``                     its arguments for a numeric run of the call
+========  ======================================  ===================================================
 
 The kernel side of a part (its arguments, outputs and reference semantics) is in
 ``normfuse.kernels``; a part's module names the options it passes (``call``) and the outputs it
@@ -32,7 +36,18 @@ import torch.fx as fx
 if TYPE_CHECKING:
     from normfuse.passes.graph import GraphIndex
 
-__all__ = ["FusionPart", "CallPiece", "PlanContext"]
+__all__ = ["FusionPart", "CallPiece", "BuiltCall", "PlanContext"]
+
+
+@dataclass
+class BuiltCall:
+    """A call a part made itself (``FusionPart.build``): the call, the nodes inserted with it, the
+    original node each of its outputs replaced, and the original nodes it computes."""
+
+    call: fx.Node
+    inserted: list[fx.Node]
+    stands_for: list[tuple[int, fx.Node]]
+    old_nodes: list[fx.Node]
 
 
 @dataclass
@@ -45,6 +60,8 @@ class PlanContext:
     config: Any                        # the FuseConfig
     as_op: bool
     unavailable: set[int]              # site numbers excluded, or computed by a call already
+    claimed: set                       # adds (and folded nodes) a call took: no other call may
+    reserved: set                      # adds some norm reads its sum from (an add_norm may take them)
     norm_refusal: Callable[[Any], str | None]  # planning.refusal: why a site's norm cannot be fused
 
 
@@ -113,6 +130,17 @@ class FusionPart:
     operand_name: str = "its operand"
 
     # ---------------------------------------------------------------- rewrite
+    builds_call: bool = False  # the part makes the call itself (another op): ``build``
+
+    def build(self, found, plan, rewriting, modes: dict) -> BuiltCall:
+        """The call of another op the part computes the site with (``builds_call``)."""
+        raise NotImplementedError
+
+    def operands(self, found, values: tuple, originals: tuple, rewriting) -> tuple[tuple, CallPiece]:
+        """The call's x and residual (``values``; ``originals``: the original nodes they hold) as
+        the call reads them, and the nodes inserted for that."""
+        return values, CallPiece()
+
     def call(self, found, rewriting) -> CallPiece:
         """The part's options in the rewritten call (``rewriting``: a rewrite.Rewriting)."""
         return CallPiece()
@@ -125,6 +153,13 @@ class FusionPart:
     def y_read(self, found) -> bool:
         """Whether the call still returns y (False: y was read only by the part's step)."""
         return True
+
+    def returned(self, found, name: str, value: fx.Node, original: fx.Node, rewriting
+                 ) -> tuple[fx.Node, list[fx.Node], tuple[int, ...] | None]:
+        """The call's output ``name`` ("y" or "s"; ``value``, its getitem) made into what the graph
+        had as ``original``: (the node replacing it, the nodes inserted, the dims it is permuted
+        back by, or None)."""
+        return value, [], None
 
     def outputs(self, found, rewriting, call: fx.Node, kernel_shape: tuple, where: dict[str, int]
                 ) -> tuple[list[fx.Node], list[tuple[int, fx.Node]]]:

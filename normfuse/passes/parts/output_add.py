@@ -1,0 +1,74 @@
+"""The add after the norm, a fusion part: ``x + norm(f)`` as one ``norm_add`` call.
+
+Res-post and sandwich blocks (Swin v2, OLMo 2, Gemma 2's post-norms) add the norm's output into
+the stream: ``out = residual + norm(f)``. The call ``norm_add(f, residual, w, b, ...)`` returns
+``out`` (and y while anything else reads it): the stream is read and written once, y never
+(``normfuse.kernels.reference``: "Norm-then-add").
+
+``OUTPUT_ADD`` is the part: a plain norm's call (no add before the norm, not permuted) becomes
+a ``norm_add`` call when the add after it is the stream's residual add, nothing sits between
+them, and no add_norm call claims that add (``fuse_output_add``). It builds its call itself.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from normfuse.passes.canonical import node_dtype, node_shape, real_users, same_shape
+from normfuse.passes.classify import stream_operand
+from normfuse.passes.graph import copy_meta
+from normfuse.passes.parts.base import BuiltCall, FusionPart, PlanContext
+from normfuse.vocabulary import Placement
+
+__all__ = ["OUTPUT_ADD"]
+
+
+class _OutputAdd(FusionPart):
+    name, flag = "output_add", "fuse_output_add"
+    exclusive = True  # y goes into the add in the same call
+    builds_call = True
+
+    def offer(self, ctx: PlanContext, site, found, plan):
+        out, m = site.output_add, site.match
+        if plan.op != "norm" or plan.permute is not None or site.in_add is not None or out is None \
+                or not ctx.config.fuse_output_add or out.reason is not None or out.node in ctx.claimed \
+                or out.node in ctx.reserved or site.placement not in (Placement.RES_POST, Placement.SANDWICH) \
+                or site.output_chain:
+            return None, None  # why not: the report's add_reason (planning._add_reason)
+        stream = stream_operand(ctx.analysis.index, out)
+        ops = out.node.all_input_nodes
+        if stream is None or out.scaled not in (None, stream) \
+                or not same_shape(node_shape(ops[stream]), node_shape(m.output)):
+            return None, None
+        plan.op, plan.x, plan.residual = "norm_add", m.input, out.operands[stream]
+        plan.output_add, plan.residual_scale, plan.sum_dtype = out.node, out.residual_scale, None
+        return out, None
+
+    def spans(self, out) -> tuple[fx.Node, ...]:
+        return (out.node,)
+
+    def build(self, out, plan, rewriting, modes: dict) -> BuiltCall:
+        m = rewriting.analysis.sites[plan.lead].match
+        graph, post = rewriting.graph, out.node
+        y_used = any(u is not post for u in real_users(m.output))
+        add_dtype = plan.residual_dtype if plan.widens else node_dtype(post)
+        x, residual = rewriting.resolve(plan.x), rewriting.resolve(plan.residual)
+        call = rewriting.fused_call("norm_add", (x, residual, m.weight, m.bias),
+                                    dict(modes, add_dtype=add_dtype, return_norm=y_used))
+        result = graph.call_function(operator.getitem, (call, 0))
+        copy_meta(result, post)
+        built = BuiltCall(call, [call, result], [(0, post)], [post])
+        if y_used:
+            y = graph.call_function(operator.getitem, (call, 1))
+            copy_meta(y, m.output)
+            built.inserted.append(y)
+            built.stands_for.append((1, m.output))
+        rewriting.replace(post, result)
+        if y_used:
+            rewriting.replace(m.output, y)
+        return built
+
+
+OUTPUT_ADD = _OutputAdd()
