@@ -321,6 +321,7 @@ def _bad(**change):
     (dict(norm_width="heads"), InvalidOptionError, "Did you mean 'head'?"),
     (dict(eps=-1.0), InvalidOptionError, "eps=-1.0"),
     (dict(rope_dtype=torch.int8), UnsupportedDtypeError, "rope_dtype"),
+    (dict(cos=None), InvalidOptionError, "cos must be a tensor"),
 ])
 def test_bad_arguments(change, error, words):
     with pytest.raises(error) as info:

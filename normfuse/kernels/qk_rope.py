@@ -188,7 +188,7 @@ def qk_norm_rope_ref(q, k, q_weight, k_weight, cos, sin, *, eps, weight_offset=0
     """Plain-PyTorch :func:`qk_norm_rope` (same arguments), differentiable with plain autograd (with
     its rounding steps: for an fp64 reference pass fp64 tensors and fp64 dtypes). Returns (q_out,
     k_out), k_out None without k."""
-    cos, sin, rotary_dim = _tables(q, cos, sin, rotary_dim)
+    cos, sin, rotary_dim = _tables(cos, sin, rotary_dim)
     outs = []
     for x, w in ((q, q_weight), (k, k_weight)):
         if x is None:
@@ -211,13 +211,16 @@ def _dtypes_on(device: torch.device) -> tuple:
 _DTYPES_TEXT = ", ".join(str(d) for d in SUPPORTED_DTYPES) + " (and torch.float64 on CPU)"
 
 
-def _tables(q: Tensor, cos: Tensor, sin: Tensor, rotary_dim: Optional[int]) -> tuple[Tensor, Tensor, int]:
-    """cos and sin as 4-d (1 | B, 1 | S, 1, R or R / 2) views, and rotary_dim (default cos.shape[-1])."""
+def _tables(cos: Tensor, sin: Tensor, rotary_dim: Optional[int]) -> tuple[Tensor, Tensor, int]:
+    """cos and sin as 4-d (1 | B, 1 | S, 1, R or R / 2) views, and rotary_dim (default cos.shape[-1]);
+    what is not a tensor is left to validate's message."""
     if isinstance(cos, Tensor) and cos.dim() == 3:
         cos = cos.unsqueeze(2)  # HF's (B, S, R): the heads axis it unsqueezes in apply_rotary_pos_emb
     if isinstance(sin, Tensor) and sin.dim() == 3:
         sin = sin.unsqueeze(2)
-    return cos, sin, (cos.shape[-1] if rotary_dim is None else rotary_dim)
+    if rotary_dim is None and isinstance(cos, Tensor):
+        rotary_dim = cos.shape[-1]
+    return cos, sin, rotary_dim
 
 
 def _check_tensor(name: str, t, device) -> None:
@@ -422,7 +425,7 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps, weight_offset=0.0, 
     The exact semantics, defaults and each model family's settings are in this module's docstring.
     Differentiable in q, k and the weights; cos and sin must not require grad.
     """
-    cos, sin, rotary_dim = _tables(q, cos, sin, rotary_dim)
+    cos, sin, rotary_dim = _tables(cos, sin, rotary_dim)
     validate(q, k, q_weight, k_weight, cos, sin, eps, layout, rotary_dim, norm_width,
              {"norm_round_dtype": norm_round_dtype, "norm_out_dtype": norm_out_dtype, "rope_dtype": rope_dtype,
               "out_dtype": out_dtype})
