@@ -57,10 +57,10 @@ def source(backward: bool, layout: str, row_norm: bool, D: int, R: int, dtype: s
     rounded first, RoPE in ``dtype``; weights in ``dtype``), contiguous rows; strides and D divisible
     by 16. Returns (source, warps, tile)."""
     fn = KR._qk_rope_bwd_kernel if backward else KR._qk_rope_fwd_kernel
-    hb, half, pas = KR._tile(HQ, D, R, row_norm, KR._TILE_BWD if backward else KR._TILE_FWD)
+    hb, half, pas, pas2 = KR._tile(HQ, D, R, row_norm, KR._TILE_BWD if backward else KR._TILE_FWD)
     tl_dtype = DTYPES[dtype][1]
     flags = dict(D=D, R=R, HAS_WQ=True, HAS_WK=True, ROW_NORM=row_norm, NEOX=layout == "neox", HALF_TABLE=False,
-                 ROUND_FIRST=True, HB=hb, HALF=half, PASS=pas, HAS_PASS=D > R)
+                 ROUND_FIRST=True, HB=hb, HALF=half, PASS=pas, HAS_PASS=D > R, PASS2=pas2)
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if fn.params[i].is_constexpr:
@@ -76,7 +76,7 @@ def source(backward: bool, layout: str, row_norm: bool, D: int, R: int, dtype: s
             if name.startswith("stride"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return src, KR._warps(hb, half, pas, backward), dict(HB=hb, HALF=half, PASS=pas)
+    return src, KR._warps(hb, KR._columns(half, pas, pas2), backward), dict(HB=hb, HALF=half, PASS=pas, PASS2=pas2)
 
 
 def compile_one(backward, layout, row_norm, D, R, dtype, target) -> dict:
@@ -89,10 +89,10 @@ def compile_one(backward, layout, row_norm, D, R, dtype, target) -> dict:
         res = cuda_resources(kernel.asm["cubin"])
         row.update(res)
         row["occupancy"] = cuda_occupancy(res["regs"], warps, kernel.metadata.shared, TARGETS[target].arch)
-        # a tile is HB heads x (2 HALF + PASS) columns, the power-of-two blocks of the halves and the
-        # pass-through; past D they are masked off (predicated instructions, no memory traffic)
+        # a tile is HB heads x (2 HALF + PASS + PASS2) columns, the power-of-two blocks of the halves and
+        # the pass-through; past D they are masked off (predicated instructions, no memory traffic)
         threads = warps * TARGETS[target].warp_size
-        columns = 2 * tile["HALF"] + (tile["PASS"] if D > R else 0)
+        columns = 2 * tile["HALF"] + (tile["PASS"] + tile["PASS2"] if D > R else 0)
         row["masked_columns"] = (columns - D) / columns
         per_tile = tile["HB"] * columns * DTYPES[dtype][0].itemsize
         fn = KR._qk_rope_bwd_kernel if backward else KR._qk_rope_fwd_kernel

@@ -62,26 +62,27 @@ if triton is not None:
             tl.store(P + rows[:, None] + j[None, :], ab, mask=row_ok[:, None] & (j < R)[None, :])
 
     @triton.jit
-    def _load_pass(P, rows, row_ok, R: tl.constexpr, D: tl.constexpr, PASS: tl.constexpr):
-        """The pass-through columns [R, D) of some rows, (rows, PASS) fp32."""
-        j = R + tl.arange(0, PASS)
+    def _load_pass(P, rows, row_ok, START: tl.constexpr, D: tl.constexpr, PASS: tl.constexpr):
+        """A block of the pass-through columns, [START, min(START + PASS, D)), of some rows, (rows, PASS) fp32."""
+        j = START + tl.arange(0, PASS)
         return tl.load(P + rows[:, None] + j[None, :], mask=row_ok[:, None] & (j < D)[None, :],
                        other=0.0).to(tl.float32)
 
     @triton.jit
-    def _store_pass(P, rows, row_ok, v, R: tl.constexpr, D: tl.constexpr, PASS: tl.constexpr):
-        j = R + tl.arange(0, PASS)
+    def _store_pass(P, rows, row_ok, v, START: tl.constexpr, D: tl.constexpr, PASS: tl.constexpr):
+        j = START + tl.arange(0, PASS)
         tl.store(P + rows[:, None] + j[None, :], v, mask=row_ok[:, None] & (j < D)[None, :])
 
     @triton.jit
     def _weights(W, heads, h_ok, weight_offset, D: tl.constexpr, R: tl.constexpr, HAS_W: tl.constexpr,
                  ROW_NORM: tl.constexpr, NEOX: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
-                 HAS_PASS: tl.constexpr):
-        """w' = float(w) + weight_offset of the tiles (a, b, pass): one row (1, columns) for a head norm,
-        a row per head for a row norm (W spans all heads); 1.0 without a weight."""
+                 HAS_PASS: tl.constexpr, PASS2: tl.constexpr):
+        """w' = float(w) + weight_offset of the tiles (a, b, pass, pass2): one row (1, columns) for a head
+        norm, a row per head for a row norm (W spans all heads); 1.0 without a weight."""
         wa = 1.0  # one return: the compiler (not the interpreter) rejects a constexpr branch returning early
         wb = 1.0
         wp = 1.0
+        wp2 = 1.0
         if HAS_W:
             if ROW_NORM:
                 rows = heads * D
@@ -94,7 +95,9 @@ if triton is not None:
             wb += weight_offset
             if HAS_PASS:
                 wp = _load_pass(W, rows, ok, R, D, PASS) + weight_offset
-        return wa, wb, wp
+            if PASS2 > 0:
+                wp2 = _load_pass(W, rows, ok, R + PASS, D, PASS2) + weight_offset
+        return wa, wb, wp, wp2
 
     @triton.jit
     def _norm_out(x, rstd, w, HAS_W: tl.constexpr, ROUND_FIRST: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr,
@@ -117,7 +120,8 @@ if triton is not None:
                       R: tl.constexpr, HAS_W: tl.constexpr, ROW_NORM: tl.constexpr, NEOX: tl.constexpr,
                       HALF_TABLE: tl.constexpr, ROUND_FIRST: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr,
                       NORM_OUT_DTYPE: tl.constexpr, ROPE_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                      HB: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, HAS_PASS: tl.constexpr):
+                      HB: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, HAS_PASS: tl.constexpr,
+                      PASS2: tl.constexpr):
         """The norm and RoPE of every head of one position of q (or k)."""
         # the tables, (1, HALF), rounded to ROPE_DTYPE as eager's y * cos promotes them (shared by all heads)
         c_row = tl.zeros([1], dtype=tl.int64) + b * stride_cb + s * stride_cs
@@ -136,6 +140,9 @@ if triton is not None:
             if HAS_PASS:
                 xp = _load_pass(X, x_rows, h_ok, R, D, PASS)
                 ss += tl.sum(xp * xp, axis=1)
+            if PASS2 > 0:  # the rest of a pass-through that is not a power of two (R = D / 4: D / 2 + D / 4)
+                xp2 = _load_pass(X, x_rows, h_ok, R + PASS, D, PASS2)
+                ss += tl.sum(xp2 * xp2, axis=1)
             if ROW_NORM:
                 rstd_row = tl.rsqrt(tl.sum(ss, axis=0) / (H * D) + eps)
                 tl.store(RSTD + pos, rstd_row)
@@ -143,7 +150,8 @@ if triton is not None:
             else:
                 rstd = tl.rsqrt(ss / D + eps)
                 tl.store(RSTD + pos * H + heads, rstd, mask=h_ok)
-            wa, wb, wp = _weights(W, heads, h_ok, weight_offset, D, R, HAS_W, ROW_NORM, NEOX, HALF, PASS, HAS_PASS)
+            wa, wb, wp, wp2 = _weights(W, heads, h_ok, weight_offset, D, R, HAS_W, ROW_NORM, NEOX, HALF, PASS,
+                                       HAS_PASS, PASS2)
             ya = _rope_step(_norm_out(xa, rstd, wa, HAS_W, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE), ROPE_DTYPE)
             yb = _rope_step(_norm_out(xb, rstd, wb, HAS_W, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE), ROPE_DTYPE)
             # o = round(rope, round(rope, y * c) + round(rope, sign * y[P] * s)): eager's three ops
@@ -154,6 +162,9 @@ if triton is not None:
             if HAS_PASS:
                 yp = _norm_out(xp, rstd, wp, HAS_W, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE)
                 _store_pass(O, o_rows, h_ok, _round(yp, OUT_DTYPE), R, D, PASS)
+            if PASS2 > 0:
+                yp2 = _norm_out(xp2, rstd, wp2, HAS_W, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE)
+                _store_pass(O, o_rows, h_ok, _round(yp2, OUT_DTYPE), R + PASS, D, PASS2)
 
     @triton.jit
     def _qk_rope_fwd_kernel(
@@ -166,7 +177,7 @@ if triton is not None:
         HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr, ROW_NORM: tl.constexpr, NEOX: tl.constexpr,
         HALF_TABLE: tl.constexpr, ROUND_FIRST: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr,
         NORM_OUT_DTYPE: tl.constexpr, ROPE_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        HB: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, HAS_PASS: tl.constexpr,
+        HB: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, HAS_PASS: tl.constexpr, PASS2: tl.constexpr,
     ):
         """Program (position, tensor): the norm and RoPE of all heads of q (axis 1 = 0) or k (1) at one
         position."""
@@ -177,24 +188,26 @@ if triton is not None:
             _fwd_position(Q, WQ, QO, RSTD_Q, COS, SIN, pos, b, s, HQ, eps, weight_offset, stride_qb, stride_qs,
                           stride_qh, stride_qob, stride_qos, stride_qoh, stride_cb, stride_cs, stride_cc, D, R, HAS_WQ,
                           ROW_NORM, NEOX, HALF_TABLE, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE, ROPE_DTYPE,
-                          OUT_DTYPE, HB, HALF, PASS, HAS_PASS)
+                          OUT_DTYPE, HB, HALF, PASS, HAS_PASS, PASS2)
         else:
             _fwd_position(K, WK, KO, RSTD_K, COS, SIN, pos, b, s, HK, eps, weight_offset, stride_kb, stride_ks,
                           stride_kh, stride_kob, stride_kos, stride_koh, stride_cb, stride_cs, stride_cc, D, R, HAS_WK,
                           ROW_NORM, NEOX, HALF_TABLE, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE, ROPE_DTYPE,
-                          OUT_DTYPE, HB, HALF, PASS, HAS_PASS)
+                          OUT_DTYPE, HB, HALF, PASS, HAS_PASS, PASS2)
 
     @triton.jit
     def _bwd_positions(DO, X, W, DX, RSTD, COS, SIN, DW_PART, pid, rows_per_program, n_pos, S, H, weight_offset,
                        stride_db, stride_ds, stride_dh, stride_xb, stride_xs, stride_xh, stride_cb, stride_cs,
                        stride_cc, D: tl.constexpr, R: tl.constexpr, HAS_W: tl.constexpr, ROW_NORM: tl.constexpr,
                        NEOX: tl.constexpr, HALF_TABLE: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr,
-                       PASS: tl.constexpr, HAS_PASS: tl.constexpr):
+                       PASS: tl.constexpr, HAS_PASS: tl.constexpr, PASS2: tl.constexpr):
         """dx of rows_per_program contiguous positions of q (or k), and this program's row of the fp32
         weight-gradient partials (per column; per head and column for a row norm)."""
         acc_a = tl.zeros((HB, HALF), dtype=tl.float32)
         acc_b = tl.zeros((HB, HALF), dtype=tl.float32)
         acc_p = tl.zeros((HB, PASS), dtype=tl.float32)
+        if PASS2 > 0:
+            acc_p2 = tl.zeros((HB, PASS2), dtype=tl.float32)
         for i in range(rows_per_program):
             pos = (pid * rows_per_program + i).to(tl.int64)
             pos_ok = pos < n_pos
@@ -218,8 +231,8 @@ if triton is not None:
                 xa, xb = _load_ab(X, x_rows, h_ok, 1, R, NEOX, HALF)
                 xha = xa * rstd[:, None]
                 xhb = xb * rstd[:, None]
-                wa, wb, wp = _weights(W, heads, h_ok, weight_offset, D, R, HAS_W, ROW_NORM, NEOX, HALF, PASS,
-                                      HAS_PASS)
+                wa, wb, wp, wp2 = _weights(W, heads, h_ok, weight_offset, D, R, HAS_W, ROW_NORM, NEOX, HALF, PASS,
+                                           HAS_PASS, PASS2)
                 dna = dya * wa
                 dnb = dyb * wb
                 dot = tl.sum(dna * xha, axis=1) + tl.sum(dnb * xhb, axis=1)
@@ -228,6 +241,11 @@ if triton is not None:
                     xhp = _load_pass(X, x_rows, h_ok, R, D, PASS) * rstd[:, None]
                     dnp = dyp * wp
                     dot += tl.sum(dnp * xhp, axis=1)
+                if PASS2 > 0:
+                    dyp2 = _load_pass(DO, b * stride_db + s * stride_ds + heads * stride_dh, h_ok, R + PASS, D, PASS2)
+                    xhp2 = _load_pass(X, x_rows, h_ok, R + PASS, D, PASS2) * rstd[:, None]
+                    dnp2 = dyp2 * wp2
+                    dot += tl.sum(dnp2 * xhp2, axis=1)
                 if ROW_NORM:
                     c1 = tl.zeros([HB], dtype=tl.float32) + tl.sum(dot, axis=0) / (H * D)
                 else:
@@ -245,6 +263,11 @@ if triton is not None:
                                 PASS)
                     if HAS_W:
                         acc_p += dyp * xhp
+                if PASS2 > 0:
+                    _store_pass(DX, dx_rows, h_ok, _round((dnp2 - xhp2 * c1[:, None]) * rstd[:, None], dx_ty),
+                                R + PASS, D, PASS2)
+                    if HAS_W:
+                        acc_p2 += dyp2 * xhp2
         if HAS_W:
             if ROW_NORM:  # one partial per head and column
                 heads = tl.arange(0, HB)
@@ -252,12 +275,16 @@ if triton is not None:
                 _store_ab(DW_PART, rows, heads < H, acc_a, acc_b, R, NEOX, HALF)
                 if HAS_PASS:
                     _store_pass(DW_PART, rows, heads < H, acc_p, R, D, PASS)
+                if PASS2 > 0:
+                    _store_pass(DW_PART, rows, heads < H, acc_p2, R + PASS, D, PASS2)
             else:  # the heads summed: one partial per column
                 rows = tl.zeros([1], dtype=tl.int64) + pid.to(tl.int64) * D
                 _store_ab(DW_PART, rows, rows >= 0, tl.sum(acc_a, axis=0)[None, :], tl.sum(acc_b, axis=0)[None, :],
                           R, NEOX, HALF)
                 if HAS_PASS:
                     _store_pass(DW_PART, rows, rows >= 0, tl.sum(acc_p, axis=0)[None, :], R, D, PASS)
+                if PASS2 > 0:
+                    _store_pass(DW_PART, rows, rows >= 0, tl.sum(acc_p2, axis=0)[None, :], R + PASS, D, PASS2)
 
     @triton.jit
     def _qk_rope_bwd_kernel(
@@ -269,6 +296,7 @@ if triton is not None:
         D: tl.constexpr, R: tl.constexpr,
         HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr, ROW_NORM: tl.constexpr, NEOX: tl.constexpr,
         HALF_TABLE: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, HAS_PASS: tl.constexpr,
+        PASS2: tl.constexpr,
     ):
         """Program (chunk, tensor): dq (axis 1 = 0) or dk (1) of a chunk of positions, and its weight
         gradient partials."""
@@ -277,12 +305,12 @@ if triton is not None:
             _bwd_positions(DQO, Q, WQ, DQ, RSTD_Q, COS, SIN, DWQ_PART, pid, rows_per_program, n_pos, S, HQ,
                            weight_offset, stride_dqb, stride_dqs, stride_dqh, stride_qb, stride_qs, stride_qh,
                            stride_cb, stride_cs, stride_cc, D, R, HAS_WQ, ROW_NORM, NEOX, HALF_TABLE, HB, HALF, PASS,
-                           HAS_PASS)
+                           HAS_PASS, PASS2)
         else:
             _bwd_positions(DKO, K, WK, DK, RSTD_K, COS, SIN, DWK_PART, pid, rows_per_program, n_pos, S, HK,
                            weight_offset, stride_dkb, stride_dks, stride_dkh, stride_kb, stride_ks, stride_kh,
                            stride_cb, stride_cs, stride_cc, D, R, HAS_WK, ROW_NORM, NEOX, HALF_TABLE, HB, HALF, PASS,
-                           HAS_PASS)
+                           HAS_PASS, PASS2)
 
 
 # --------------------------------------------------------------------------------------
@@ -294,22 +322,30 @@ def _tables_3d(t: torch.Tensor, B: int, S: int) -> torch.Tensor:
     return t.squeeze(2).expand(B, S, t.shape[-1])
 
 
-def _tile(H: int, D: int, rotary_dim: int, row_norm: bool, budget: int) -> tuple[int, int, int]:
-    """(HB, HALF, PASS): heads per tile and the column blocks of the A/B halves and the pass-through."""
+def _tile(H: int, D: int, rotary_dim: int, row_norm: bool, budget: int) -> tuple[int, int, int, int]:
+    """(HB, HALF, PASS, PASS2): heads per tile and the column blocks of the A/B halves and of the
+    pass-through: the largest power of two in it, and the rest (0: none) rounded up to one (R = D / 4:
+    D / 2 + D / 4, where one block of D would leave 20% of the tile's columns masked off)."""
     half = triton.next_power_of_2(rotary_dim // 2)
-    pas = triton.next_power_of_2(D - rotary_dim) if D > rotary_dim else 1
+    rest = D - rotary_dim
+    pas = 1 << (rest.bit_length() - 1) if rest else 1
+    pas2 = triton.next_power_of_2(rest - pas) if rest > pas else 0
     heads = triton.next_power_of_2(H)
     if not row_norm:
-        heads = min(heads, max(1, budget // (2 * half + pas)))
+        heads = min(heads, max(1, budget // _columns(half, pas, pas2)))
         heads = 1 << (heads.bit_length() - 1)  # a power of two
-    return heads, half, pas
+    return heads, half, pas, pas2
 
 
-def _warps(hb: int, half: int, pas: int, backward: bool = False) -> int:
+def _columns(half: int, pas: int, pas2: int) -> int:
+    return 2 * half + pas + pas2
+
+
+def _warps(hb: int, columns: int, backward: bool = False) -> int:
     """About 8 elements of a tile per thread forward, 4 backward (more values live: x, dout, dy and the
     weight-gradient accumulators; gptj at head_dim 256 took an 8-byte stack frame on sm90 with 8 per
     thread), as a power of two from 1 to 8 (the compiler takes no other counts)."""
-    warps = max(hb * (2 * half + pas) // (128 if backward else 256), 1)
+    warps = max(hb * columns // (128 if backward else 256), 1)
     return min(1 << (warps.bit_length() - 1), 8)
 
 
@@ -331,7 +367,7 @@ def qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps, weight_offset, nor
         if c3.stride() != s3.stride():  # one set of strides serves both
             c3, s3 = c3.contiguous(), s3.contiguous()
         q2, k2 = (None if x is None else (x if x.stride(-1) == 1 else x.contiguous()) for x in (q, k))
-        hb, half, pas = _tile(max(H, 0 if k is None else k.shape[2]), D, rotary_dim, full_width, _TILE_FWD)
+        hb, half, pas, pas2 = _tile(max(H, 0 if k is None else k.shape[2]), D, rotary_dim, full_width, _TILE_FWD)
         qo, ko = outs
         kk, kko = (q2, qo) if k is None else (k2, ko)   # k absent: axis 1 has one program, k's arguments unused
         wk = k_weight if k is not None else None
@@ -346,7 +382,7 @@ def qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps, weight_offset, nor
             HALF_TABLE=cos.shape[-1] != rotary_dim, ROUND_FIRST=norm_round_dtype is not None,
             NORM_ROUND_DTYPE=TL_DTYPES[norm_round_dtype or norm_out_dtype], NORM_OUT_DTYPE=TL_DTYPES[norm_out_dtype],
             ROPE_DTYPE=TL_DTYPES[rope_dtype], OUT_DTYPE=TL_DTYPES[out_dtype], HB=hb, HALF=half, PASS=pas,
-            HAS_PASS=D > rotary_dim, num_warps=_warps(hb, half, pas),
+            HAS_PASS=D > rotary_dim, PASS2=pas2, num_warps=_warps(hb, _columns(half, pas, pas2)),
             enable_fp_fusion=False)  # an fp32 rope_dtype rounds y * c before the add, as eager does
     q_out, k_out = (None if o is None else (o.transpose(1, 2) if transpose_out else o) for o in outs)
     return q_out, k_out, rstds[0], rstds[1]
@@ -375,7 +411,7 @@ def qk_norm_rope_bwd(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, q_rstd,
         c3, s3 = _tables_3d(cos, B, S), _tables_3d(sin, B, S)
         if c3.stride() != s3.stride():  # one set of strides serves both
             c3, s3 = c3.contiguous(), s3.contiguous()
-        hb, half, pas = _tile(max(H, 0 if k is None else k.shape[2]), D, rotary_dim, full_width, _TILE_BWD)
+        hb, half, pas, pas2 = _tile(max(H, 0 if k is None else k.shape[2]), D, rotary_dim, full_width, _TILE_BWD)
         kk, dkk, dko = (q2, dq, dq2) if k is None else (k2, dk, dk2)  # k absent: one program per chunk on axis 1
         dummy = q_rstd
         _qk_rope_bwd_kernel[(programs, 1 if k is None else 2)](
@@ -388,7 +424,7 @@ def qk_norm_rope_bwd(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, q_rstd,
             c3.stride(0), c3.stride(1), c3.stride(2), D=D, R=rotary_dim,
             HAS_WQ=q_weight is not None, HAS_WK=k_weight is not None, ROW_NORM=full_width, NEOX=layout == "neox",
             HALF_TABLE=cos.shape[-1] != rotary_dim, HB=hb, HALF=half, PASS=pas, HAS_PASS=D > rotary_dim,
-            num_warps=_warps(hb, half, pas, backward=True))
+            PASS2=pas2, num_warps=_warps(hb, _columns(half, pas, pas2), backward=True))
     # the [programs, N] fp32 partials summed in fp32, rounded once to the weight's dtype
     return (dq, dk, None if dwq is None else dwq.sum(0).to(q_weight.dtype),
             None if dwk is None else dwk.sum(0).to(k_weight.dtype))
