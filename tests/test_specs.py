@@ -359,17 +359,21 @@ def test_fx_records_fused_add_norm_for_grouped_calls_and_add_norm_for_flat_ones(
             assert torch.equal(gm(*args), expected)
 
 
-def test_calls_from_inside_normfuse_do_not_warn():
-    """The checker runs a rewritten node's target (add_norm, flat) from normfuse/verify: a caller
-    inside the package does not warn, one outside does."""
-    import os
+def test_rewritten_graphs_call_fused_add_norm_and_neither_running_nor_checking_them_warns():
+    """The rewrite spells its calls with the flat keywords of fused_add_norm (a graph cannot carry
+    a Gate's tensor inside an object); the model's forward and the checker, which runs each
+    call's target, raise no FutureWarning. User code calling add_norm flat does."""
+    from tests.fp8_models import Fp8Llama, optimized_copy, token_ids
+    model = Fp8Llama().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        optimized = optimized_copy(model)
+        optimized(token_ids())
+        targets = {n.target for gm in normfuse.report(optimized).graph_modules for n in gm.graph.nodes
+                   if n.op == "call_function" and n.target in (add_norm, fused_add_norm)}
+        assert targets == {fused_add_norm}
+        result = normfuse.check(model, token_ids(), backward=False)
+        assert result.ok, str(result)
     t = _tensors()
-    code = "add_norm(x, r, w, None, kind='rms_norm', eps=1e-6, dropout_p=0.1, seed=1)"
-    scope = dict(add_norm=add_norm, x=t["x"], r=t["residual"], w=t["weight"])
-    inside = os.path.join(os.path.dirname(normfuse.__file__), "verify", "caller.py")
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        exec(compile(code, inside, "exec"), scope)
-        assert record == []
-        exec(compile(code, os.path.join(os.path.dirname(__file__), "caller.py"), "exec"), scope)
-    assert [w.category for w in record] == [FutureWarning]
+    with pytest.warns(FutureWarning, match="deprecated"):
+        add_norm(t["x"], t["residual"], t["weight"], None, kind="rms_norm", eps=1e-6, dropout_p=0.1, seed=1)

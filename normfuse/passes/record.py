@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from normfuse.kernels.add_norm import add_norm, norm_add
+from normfuse.kernels.add_norm import add_norm, fused_add_norm, norm_add
+from normfuse.kernels.specs import OP_OUTPUTS, api_outputs
 from normfuse.passes.find import live_dropout_p
 from normfuse.passes.parts import PARTS, folded_nodes
 
@@ -63,10 +64,11 @@ def records_of(gm: fx.GraphModule) -> tuple[CallRecord, ...] | None:
     return getattr(gm, "meta", {}).get(_RECORDS)
 
 
-# What a rewritten graph calls: the functional API (graphs that run eagerly or go through
-# AOTAutograd, which traces it into the custom ops) or, in graphs Inductor already
-# lowered to ATen (custom post-grad passes), the custom ops themselves.
-_FUNCTIONS = {add_norm: "add_norm", norm_add: "norm_add"}
+# What a rewritten graph calls: the functional API's flat entry (graphs that run eagerly or go
+# through AOTAutograd, which traces it into the custom ops; graphs rewritten by 0.1 call
+# add_norm itself) or, in graphs Inductor already lowered to ATen (custom post-grad passes),
+# the custom ops themselves.
+_FUNCTIONS = {fused_add_norm: "add_norm", add_norm: "add_norm", norm_add: "norm_add"}
 
 
 @functools.cache
@@ -88,12 +90,13 @@ def is_fused_call(node: fx.Node) -> bool:
     return fused_op_name(node) is not None
 
 
-def output_names(options: dict) -> tuple[str, ...]:
-    """The outputs of a functional ``add_norm`` call with these keyword options, in the order it
-    returns them."""
-    if options.get("quant_dtype") is not None:
-        return ("q", "scale", "y", "s")
-    return ("y", "y1", "s") if options.get("weight1") is not None else ("y", "s")
+def output_names(options: dict, as_op: bool = False) -> tuple[str, ...]:
+    """The outputs of a rewritten add_norm call with these keyword options, in order: the
+    functional API's (normfuse.kernels.specs.api_outputs), or (``as_op``) the custom op's."""
+    if as_op:
+        return OP_OUTPUTS["add_norm_fwd"]
+    return api_outputs(second_norm=options.get("weight1") is not None,
+                       quantized=options.get("quant_dtype") is not None)
 
 
 # --------------------------------------------------------------------------- building one record

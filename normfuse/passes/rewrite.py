@@ -23,13 +23,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from normfuse.kernels.add_norm import add_norm, norm_add
+from normfuse.kernels.add_norm import fused_add_norm, norm_add
+from normfuse.kernels.specs import op_arguments, op_defaults
 from normfuse.passes.analysis import Analysis
 from normfuse.passes.canonical import canonical, node_dtype, node_shape, real_users, same_shape
 from normfuse.passes.graph import copy_meta
 from normfuse.passes.parts import folded_nodes, taken_parts
 from normfuse.passes.planning import Plan, Planning
-from normfuse.passes.record import CallRecord, record_call
+from normfuse.passes.record import CallRecord, output_names, record_call
 
 __all__ = ["Rewriting", "apply_plans", "output_index"]
 
@@ -66,17 +67,15 @@ def _fused_call(graph: fx.Graph, family: str, args: tuple, options: dict, as_op:
     """One call of the functional API, or (``as_op``) of its custom op with every option
     spelled out and the fake result as its ``val`` (Inductor lowers from that)."""
     if not as_op:
-        return graph.call_function(add_norm if family == "add_norm" else norm_add, args, options)
-    o = options
-    if family == "add_norm":
-        target = torch.ops.normfuse.add_norm_fwd.default
-        op_args = (*args, o["kind"], o["eps"], o["weight_offset"], o["residual_scale"], o["sum_dtype"],
-                   o["norm_round_dtype"], o["out_dtype"], o["return_sum"], True, o.get("x1"), o.get("rowscale"),
-                   o.get("weight1"), o.get("bias1"))
-    else:
-        target = torch.ops.normfuse.norm_add_fwd.default
-        op_args = (*args, o["kind"], o["eps"], o["weight_offset"], o["residual_scale"], o["norm_round_dtype"],
-                   o["out_dtype"], o["add_dtype"], o["return_norm"])
+        return graph.call_function(fused_add_norm if family == "add_norm" else norm_add, args, options)
+    # the op's arguments by their schema names (the functional options that differ: return_sum
+    # is store_sum, return_norm store_norm); the op's defaults for the rest of its modes
+    op = "add_norm_fwd" if family == "add_norm" else "norm_add_fwd"
+    named = dict(zip(("x", "residual", "weight", "bias"), args), **options, store_sum=options.get("return_sum"),
+                 store_norm=options.get("return_norm"))
+    defaults = op_defaults(op)
+    op_args = tuple(named[name] if name in named else defaults[name] for name in op_arguments(op))
+    target = getattr(torch.ops.normfuse, op).default
     call = graph.call_function(target, op_args)
     vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in op_args]
     fake_mode = torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
@@ -86,15 +85,9 @@ def _fused_call(graph: fx.Graph, family: str, args: tuple, options: dict, as_op:
     return call
 
 
-def output_index(as_op: bool, paired: bool, quantized: bool = False) -> dict[str, int]:
-    """Where y, y1, s (and q, scale) are among the outputs of a rewritten call: the functional
-    API returns (y, s), (y, y1, s) with a second norm, (q, scale, y, s) with the fp8 epilogue;
-    the custom op (y, s, mean, rstd, y1)."""
-    if as_op:
-        return {"y": 0, "s": 1, "y1": 4}
-    if quantized:
-        return {"q": 0, "scale": 1, "y": 2, "s": 3}
-    return {"y": 0, "y1": 1, "s": 2} if paired else {"y": 0, "s": 1}
+def output_index(options: dict, as_op: bool = False) -> dict[str, int]:
+    """Where each output (y, s, y1, q, scale) is among a rewritten add_norm call's outputs."""
+    return {name: i for i, name in enumerate(output_names(options, as_op))}
 
 
 def _insertion_point(r: Rewriting, p: Plan) -> fx.Node:
@@ -183,7 +176,7 @@ def _add_norm_call(r: Rewriting, p: Plan, parts: list, modes: dict, reads: set, 
     sum_dtype = p.residual_dtype if p.widens else p.sum_dtype
     call = r.fused_call("add_norm", (*operands, m.weight, m.bias),
                         dict(modes, sum_dtype=sum_dtype, return_sum=s_used, **options))
-    where = output_index(r.as_op, len(p.sites) > 1, "quant_dtype" in options)
+    where = output_index(options, r.as_op)
     inserted.append(call)
     if all(part.y_read(found) for part, found in parts):  # else y was read only by a part's step
         y = graph.call_function(operator.getitem, (call, where["y"]))
@@ -264,8 +257,7 @@ def _widen(r: Rewriting, planning: Planning, calls: list[fx.Node]) -> None:
         if not p.widens:
             continue
         call = calls[i]
-        quantized = "quant_dtype" in call.kwargs
-        out = _output(call, 0 if p.op == "norm_add" else output_index(False, len(p.sites) > 1, quantized)["s"])
+        out = _output(call, 0 if p.op == "norm_add" else output_index(call.kwargs)["s"])
         if out is None:
             continue
         old = node_dtype(out)
