@@ -42,7 +42,7 @@ class FuseConfig:
                 checkpoints (normfuse/passes/cross_block/).
     fuse_branch: fold what the branch does just before its residual add into the kernel: a
                 second add (``x + attn + mlp``) and a per-sample scale (timm's drop_path).
-                Exact (normfuse/passes/parts/branch.py).
+                Exact (normfuse/passes/parts/branch_fold.py).
     fuse_dropout: with fuse_branch, also draw the branch's training-mode dropout in the
                 kernel: the same distribution from another random stream (the checker
                 compares such sites given the kernel's mask).

@@ -107,3 +107,25 @@ def test_the_checker_reads_the_rewrite_s_record_and_runs_no_analysis():
         reached = nx.descendants(graph, module)
         assert "normfuse.passes.analysis" not in reached, (module, nx.shortest_path(graph, module,
                                                                                     "normfuse.passes.analysis"))
+
+
+def test_each_fusion_part_lives_in_its_module():
+    """A fusion part (normfuse/passes/parts/) is declared in one module: outside it and the
+    kernels (the op it extends, normfuse/kernels/), its name appears in at most 5 modules of the
+    package (the registry, the option that switches it off, the report's fields); and no stage
+    of the pass imports a part's module, only the registry."""
+    import re
+
+    from normfuse.passes.parts import PARTS
+
+    modules = _modules()
+    graph = import_graph()
+    for part in PARTS:
+        own = f"normfuse.passes.parts.{part.name}"
+        assert own in modules, f"part {part.name!r} has no module {own}"
+        word = re.compile(rf"\b{re.escape(part.name)}\b")
+        naming = [name for name, path in modules.items()
+                  if name != own and not name.startswith("normfuse.kernels") and word.search(path.read_text())]
+        assert len(naming) <= 5, (part.name, naming)
+        importers = {m for m in graph.predecessors(own) if not m.startswith("normfuse.passes.parts")}
+        assert not importers, (part.name, sorted(importers))

@@ -1,12 +1,12 @@
 """Fusion parts: the steps a fused call takes over besides the norm and its add, one module each.
 
-    base.py   FusionPart: the hooks each part declares (find, plan, rewrite, report, audit, checker)
-    layout.py the permuted (channel) layout: operands read permuted, outputs handed back
-    output_add.py  the add after the norm: x + norm(f) as one norm_add call
-    branch.py the add's branch: a second add, drop path's per-sample scale, dropout (x1, rowscale, dropout_p)
-    gate.py   the gate of a gated norm: norm(x * act(z)), norm(x) * act(z)  (Mamba2, Qwen3-Next)
-    quant.py  the fp8 quantization of the norm's output (q and its scale)
-    second_norm.py  a second norm of the same value (parallel blocks): weight1 / bias1 -> y1
+    base.py            FusionPart: the hooks each part declares (find, plan, rewrite, report, audit, checker)
+    channel_layout.py  the permuted (channel) layout: operands read permuted, outputs handed back
+    add_after_norm.py  the add after the norm: x + norm(f) as one norm_add call
+    branch_fold.py     the add's branch: a second add, drop path's per-sample scale, dropout
+    gate.py            the gate of a gated norm: norm(x * act(z)), norm(x) * act(z)  (Mamba2, Qwen3-Next)
+    quant.py           the fp8 quantization of the norm's output (q and its scale)
+    second_norm.py     a second norm of the same value (parallel blocks): weight1 / bias1 -> y1
 
 ``PARTS`` is the order the planner offers them to a call (a later part sees what earlier ones
 took). Adding a part: write its module, add it here; no stage of the pass changes
@@ -16,10 +16,10 @@ took). Adding a part: write its module, add it here; no stage of the pass change
 from __future__ import annotations
 
 from normfuse.passes.parts.base import CallPiece, FusionPart, PlanContext
-from normfuse.passes.parts.branch import BRANCH
+from normfuse.passes.parts.branch_fold import BRANCH
 from normfuse.passes.parts.gate import GATE
-from normfuse.passes.parts.layout import LAYOUT
-from normfuse.passes.parts.output_add import OUTPUT_ADD
+from normfuse.passes.parts.channel_layout import LAYOUT
+from normfuse.passes.parts.add_after_norm import OUTPUT_ADD
 from normfuse.passes.parts.quant import QUANT
 from normfuse.passes.parts.second_norm import SECOND_NORM
 

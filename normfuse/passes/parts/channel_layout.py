@@ -77,7 +77,7 @@ def _contiguous(graph: fx.Graph, value: fx.Node, as_op: bool) -> fx.Node:
 
 
 class _Layout(FusionPart):
-    name = "layout"
+    name = "channel_layout"
     exclusive = False
 
     def offer(self, ctx: PlanContext, site, found, plan):

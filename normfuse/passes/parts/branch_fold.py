@@ -181,7 +181,7 @@ def _per_row(graph: fx.Graph, scale: fx.Node, shape: tuple, as_op: bool) -> list
 
 
 class _Branch(FusionPart):
-    name, flag = "branch", "fuse_branch"
+    name, flag = "branch_fold", "fuse_branch"
     exclusive = False  # y is still the norm of the sum: a second norm may share the call
     roles = {"x1": "xb", "rowscale": "k"}
 

@@ -26,7 +26,7 @@ __all__ = ["OUTPUT_ADD"]
 
 
 class _OutputAdd(FusionPart):
-    name, flag = "output_add", "fuse_output_add"
+    name, flag = "add_after_norm", "fuse_output_add"
     exclusive = True  # y goes into the add in the same call
     builds_call = True
 
