@@ -78,6 +78,15 @@ class Site:
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, **asdict(self), "call": self.call}
 
+    def __setstate__(self, state: dict) -> None:
+        # a Site pickled by 0.1 holds its id and call as strings ("g0.c3"): the call's number is kept
+        state = dict(state)
+        state.pop("id", None)
+        call = state.pop("call", None)
+        if call is not None and "call_number" not in state:
+            state["call_number"] = int(call.rpartition(".c")[2])
+        self.__dict__.update(state)
+
 
 @dataclass
 class Region:

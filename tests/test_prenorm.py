@@ -14,6 +14,7 @@ import normfuse
 from normfuse.vocabulary import FINAL_NORM_NAME
 from normfuse.verify.structure import check_structure
 from normfuse.passes import prenorm
+from normfuse.passes.record import fused_op_name
 from normfuse.zoo import ToyTransformer
 from helpers import assert_close
 
@@ -162,7 +163,7 @@ def test_structure_check_catches_a_non_add_on_the_stream():
     _, rep = _converted(post, _ids())
     gm = rep.graph_modules[0]
     # put a scale on the stream between two blocks
-    call = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is normfuse.add_norm
+    call = next(n for n in gm.graph.nodes if fused_op_name(n) == "add_norm"
                 and n.meta.get("nn_module_stack") and "blocks.1.norm1" in str(list(n.meta["nn_module_stack"].values())[-1]))
     stream = next(a for a in call.args[:2] if a.target is operator.getitem)
     with gm.graph.inserting_after(stream):

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from normfuse.kernels.specs import Dropout
 from normfuse.passes.canonical import mutates, node_dtype, node_shape, real_users, same_dim, same_shape, tensor_meta
 from normfuse.passes.find import as_add, identity_dropout, live_dropout_p
 from normfuse.passes.graph import GraphIndex
@@ -221,8 +222,8 @@ class _Branch(FusionPart):
             piece.inserted = _per_row(rewriting.graph, found.rowscale, found.shape, rewriting.as_op)
             piece.options["rowscale"] = piece.inserted[-1]
             piece.holds = {view: found.rowscale for view in piece.inserted}
-        if found.dropout_p:
-            piece.options["dropout_p"] = found.dropout_p
+        if found.dropout_p:  # no seed: the call draws one per run, as eager's dropout draws a mask
+            piece.options.update(Dropout(found.dropout_p).kernel_args())
         return piece
 
     def report(self, record, found: BranchFold, fused: bool, reason: str | None) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from normfuse.kernels.specs import Gate
 from normfuse.passes.canonical import is_exact_upcast, node_dtype, node_shape, real_users, same_shape
 from normfuse.passes.find import upcasts
 from normfuse.passes.graph import GraphIndex
@@ -45,11 +46,10 @@ class GateMatch:
     out_dtype: torch.dtype | None = None  # "after": the dtype the gated output is rounded to
     nodes: tuple[fx.Node, ...] = ()      # the gate's own nodes (the product, the activation, casts)
 
-    def options(self) -> dict[str, Any]:
-        options = dict(gate_position=self.position, gate_activation=self.activation)
-        if self.position == "after":
-            options["gate_out_dtype"] = self.out_dtype
-        return options
+    def spec(self, z: Any) -> Gate:
+        """The kernel-facing argument group (``normfuse.kernels.specs.Gate``) with ``z`` the gate
+        the call reads."""
+        return Gate(z, self.position, self.activation, self.out_dtype if self.position == "after" else None)
 
 
 def _gating(index: GraphIndex, product: Any) -> tuple[str, Any, Any, list] | None:
@@ -150,7 +150,7 @@ class _Gate(FusionPart):
         return found.nodes
 
     def call(self, found: GateMatch, rewriting) -> CallPiece:
-        return CallPiece(dict(found.options(), gate=rewriting.resolve(found.gate)))
+        return CallPiece(found.spec(rewriting.resolve(found.gate)).kernel_args())
 
     def y_output(self, found: GateMatch, y: fx.Node) -> fx.Node:
         return found.output if found.position == "after" else y

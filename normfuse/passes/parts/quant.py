@@ -44,7 +44,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from normfuse.errors import InvalidOptionError
 from normfuse.kernels.reference import quant_max, quantize
+from normfuse.kernels.specs import Fp8Quant
 from normfuse.passes.canonical import is_exact_upcast, node_dtype, node_shape, real_users, same_shape, tensor_meta
 from normfuse.passes.find import const_value, strip_upcasts, upcasts
 from normfuse.passes.graph import GraphIndex, copy_meta
@@ -75,11 +77,12 @@ class QuantMatch:
     reads_y: bool = False                  # y (or an upcast or view of it) is read outside it too
     reason: str | None = None              # why the call cannot take it over
 
-    def options(self) -> dict[str, Any]:
-        """The fused call's quantization options (``normfuse.kernels.add_norm``)."""
-        return dict(quant_dtype=self.dtype, quant_scale=self.static_scale, quant_group=self.group,
-                    quant_scale_form=self.scale_form, quant_amax_min=self.amax_min, quant_scale_min=self.scale_min,
-                    quant_apply=self.apply, quant_clamp=self.clamp)
+    def spec(self, scale: Any = None) -> Fp8Quant:
+        """The kernel-facing argument group (``normfuse.kernels.specs.Fp8Quant``), with ``scale``
+        the static scale the call reads (None: dynamic). Raises InvalidOptionError for options the
+        epilogue does not take together."""
+        return Fp8Quant(self.dtype, scale, self.group, self.scale_form, self.amax_min, self.scale_min, self.apply,
+                        self.clamp)
 
     def describe(self) -> str:
         """What the report says of it, e.g. "float8_e4m3fn, dynamic per row"."""
@@ -537,6 +540,11 @@ class _Quant(FusionPart):
         if found is None:
             return None, None
         reason = self._refusal(ctx, site, found, plan)
+        if reason is None:
+            try:
+                found.spec(found.static_scale)
+            except InvalidOptionError as error:  # options the epilogue does not take together
+                reason = str(error)
         return (found, None) if reason is None else (None, reason)
 
     def _refusal(self, ctx, site, found: QuantMatch, plan) -> str | None:
@@ -565,7 +573,7 @@ class _Quant(FusionPart):
 
     def call(self, found: QuantMatch, rewriting) -> CallPiece:
         scale = _fp32_scale(rewriting.graph, rewriting.resolve(found.static_scale))
-        piece = CallPiece(dict(found.options(), quant_scale=scale, return_norm=found.reads_y))
+        piece = CallPiece(dict(found.spec(scale).kernel_args(), return_norm=found.reads_y))
         if scale is not None and scale is not found.static_scale:
             piece.inserted.append(scale)
             piece.holds[scale] = found.static_scale
