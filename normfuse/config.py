@@ -53,6 +53,9 @@ class FuseConfig:
                 its scale in the same call (normfuse/passes/parts/quant.py lists the spellings read).
     fuse_gate:  a gated RMSNorm, ``norm(x * act(z))`` (Mamba2) or ``norm(x) * act(z)`` (Qwen3-Next),
                 act silu or sigmoid in fp32, takes the gate into its call (normfuse/passes/parts/gate.py).
+    fuse_rope:  a q/k norm whose output goes into HF's rotary embedding (``q * cos + rotate_half(q) *
+                sin``, partial rotary included) becomes one ``qk_norm_rope`` call, q and k of one
+                attention together (normfuse/passes/parts/qk_rope.py).
     """
 
     filter_fn: Callable[[Any], bool] | None = None
@@ -69,6 +72,7 @@ class FuseConfig:
     pair_norms: bool = True
     fuse_quant: bool = True
     fuse_gate: bool = True
+    fuse_rope: bool = True
 
     def __post_init__(self):
         if self.filter_fn is not None and not callable(self.filter_fn):
@@ -81,7 +85,8 @@ class FuseConfig:
                 f"{self.residual_dtype!r}. Pass residual_dtype=torch.float32.")
         for name in ("standalone", "fuse_output_add", "prenorm", "check", "recompute_norm_output", "cross_block",
                      "cross_checkpoints",
-                     "fuse_branch", "fuse_dropout", "pair_norms", "fuse_quant", "fuse_gate"):
+                     "fuse_branch", "fuse_dropout", "pair_norms", "fuse_quant", "fuse_gate",
+                     "fuse_rope"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidOptionError(f"{name} must be True or False, got {value!r}.")

@@ -53,6 +53,9 @@ class Site:
     quant: str | None = None      # the graph quantizes the norm's output: "float8_e4m3fn, dynamic per row", ...
     fused_quant: bool = False     # ... and the call computes that quantization (q and its scale) too
     quant_reason: str | None = None  # why it does not (when the graph quantizes and the site is fused)
+    rope: str | None = None       # the norm's output goes into a rotary embedding: "neox, rotary 64 of 128"
+    fused_rope: bool = False      # ... and the call (qk_norm_rope) computes that RoPE too
+    rope_reason: str | None = None  # why it does not
     graph: int = 0              # the graph run it was found in (nested subgraphs count as graphs)
     number: int = 0             # its place among that graph's sites, in graph order
     # dynamo runs one compiled graph for every module whose forward is the same code (the
@@ -149,6 +152,8 @@ class FusionReport:
             "fused_quant": sum(s.fused_quant for s in self.fused),
             "gated": sum(s.gate is not None for s in self.sites),
             "fused_gate": sum(s.fused_gate for s in self.fused),
+            "rope": sum(s.rope is not None for s in self.sites),
+            "fused_rope": sum(s.fused_rope for s in self.fused),
             "not_captured": len(self.uncaptured),
         }
 
@@ -239,7 +244,7 @@ def folded_steps(site: Site) -> str:
     the add's branch, and the fp8 quantization of its output (or why not)."""
     steps = [name for name, on in (("x1", site.fused_x1), ("drop_path", site.fused_rowscale),
                                    ("dropout", site.fused_dropout), ("gate", site.fused_gate),
-                                   ("fp8 quant", site.fused_quant)) if on]
+                                   ("fp8 quant", site.fused_quant), ("rope", site.fused_rope)) if on]
     text = "".join(f" + {step}" for step in steps)
     if site.quant is not None and not site.fused_quant and site.fused:
         text += f" (fp8 quantization left: {site.quant_reason})"

@@ -66,6 +66,10 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "clamp": ("input", "min", "max"),
     "neg": ("input",),
     "unsqueeze": ("input", "dim"),  # a new dim of size 1: x.unsqueeze(d), x[:, None], x[..., None]
+    # ... the rotary embedding after q/k norms (parts/qk_rope.py): halves, rotate_half's cat, heads transpose
+    "slice": ("input", "dim", "start", "end", "step"),  # x[..., a:b], aten.slice
+    "cat": ("tensors", "dim"),
+    "transpose": ("input", "dim0", "dim1"),
     # ... and activations (passes/parts/)
     "silu": ("input",),
     "sigmoid": ("input",),
@@ -110,6 +114,9 @@ SPELLINGS: dict[str, list[Any]] = {
               *_aten("clamp.Tensor", "clamp_min.Tensor", "clamp_max.Tensor")],  # bounds as tensors
     "neg": [torch.neg, operator.neg, "neg", "__neg__", *_aten("neg.default")],
     "unsqueeze": [torch.unsqueeze, "unsqueeze", *_aten("unsqueeze.default")],
+    "slice": [*_aten("slice.Tensor")],  # the getitem spelling: canonical() reads its index
+    "cat": [torch.cat, torch.concat, torch.concatenate, *_aten("cat.default")],
+    "transpose": [torch.transpose, "transpose", *_aten("transpose.int")],
     "silu": [F.silu, "silu", *_aten("silu.default")],
     "sigmoid": [torch.sigmoid, F.sigmoid, "sigmoid", *_aten("sigmoid.default")],
 }
@@ -133,6 +140,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "rms_norm": {"weight": None, "eps": None},
     "amax": {"dim": (), "keepdim": False},
     "clamp": {"min": None, "max": None},
+    "slice": {"dim": [0], "start": None, "end": None, "step": 1},
+    "cat": {"dim": [0]},
 }
 
 # ATen spellings whose positional layout differs from the canonical one.
@@ -239,6 +248,17 @@ def _new_dims(index: Any) -> bool:
         i is None or isinstance(i, slice) and i == slice(None) for i in items)
 
 
+def _sliced_dim(index: Any) -> int | None:
+    """The dim ``x[index]`` slices when the index is full slices, at most one leading Ellipsis and
+    one slice with bounds (``x[..., :d]``, ``x[:, :, :, d:]``); None for any other index."""
+    items = index if isinstance(index, tuple) else (index,)
+    full = lambda i: isinstance(i, slice) and i == slice(None)
+    cut = [k for k, i in enumerate(items) if isinstance(i, slice) and not full(i)]
+    if len(cut) != 1 or not all(full(i) or k == cut[0] or (i is Ellipsis and k == 0) for k, i in enumerate(items)):
+        return None
+    return cut[0] - len(items) if items[0] is Ellipsis else cut[0]
+
+
 def _bind(node: fx.Node, names: tuple[str, ...]) -> dict[str, Any]:
     args = dict(zip(names, node.args))
     for key, value in node.kwargs.items():
@@ -258,6 +278,11 @@ def canonical(node: fx.Node) -> Canon | None:
         return Canon("unsqueeze", {"input": node.args[0], "dim": _new_dim(node.args[1])})
     if node.op == "call_function" and node.target is operator.getitem and _new_dims(node.args[1]):
         return Canon("view", {"input": node.args[0]})  # x[:, None, None]: the same values, reshaped
+    if node.op == "call_function" and node.target is operator.getitem and _sliced_dim(node.args[1]) is not None:
+        cut = next(i for i in (node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],))
+                   if isinstance(i, slice) and i != slice(None))
+        return Canon("slice", {"input": node.args[0], "dim": [_sliced_dim(node.args[1])], "start": cut.start,
+                               "end": cut.stop, "step": 1 if cut.step is None else cut.step})
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         return _tuple_item(node.args[0], node.args[1])
     if node.op == "call_function":

@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from normfuse.kernels.add_norm import add_norm, fused_add_norm, norm_add
+from normfuse.kernels.qk_rope import qk_norm_rope
 from normfuse.kernels.specs import OP_OUTPUTS, api_outputs
 from normfuse.passes.find import live_dropout_p
 from normfuse.passes.parts import PARTS, folded_nodes
@@ -43,7 +44,7 @@ class CallRecord:
     """One fused call of a rewritten graph and the original subgraph it stands for."""
 
     call: str                                  # the call's node name in the rewritten graph
-    op: str                                    # "add_norm" | "norm_add" | "norm"
+    op: str                                    # "add_norm" | "norm_add" | "norm" | "qk_norm_rope"
     sites: tuple[int, ...]                     # the sites it computes (their numbers): the lead, then a paired norm
     nodes: tuple[str, ...]                     # the original nodes it stands for, in graph order
     outputs: tuple[tuple[int, str], ...]       # (call output index, original node it replaced)
@@ -68,16 +69,17 @@ def records_of(gm: fx.GraphModule) -> tuple[CallRecord, ...] | None:
 # through AOTAutograd, which traces it into the custom ops; graphs rewritten by 0.1 call
 # add_norm itself) or, in graphs Inductor already lowered to ATen (custom post-grad passes),
 # the custom ops themselves.
-_FUNCTIONS = {fused_add_norm: "add_norm", add_norm: "add_norm", norm_add: "norm_add"}
+_FUNCTIONS = {fused_add_norm: "add_norm", add_norm: "add_norm", norm_add: "norm_add", qk_norm_rope: "qk_norm_rope"}
 
 
 @functools.cache
 def _op_overloads() -> dict:
-    return {torch.ops.normfuse.add_norm_fwd.default: "add_norm", torch.ops.normfuse.norm_add_fwd.default: "norm_add"}
+    return {torch.ops.normfuse.add_norm_fwd.default: "add_norm", torch.ops.normfuse.norm_add_fwd.default: "norm_add",
+            torch.ops.normfuse.qk_norm_rope_fwd.default: "qk_norm_rope"}
 
 
 def fused_op_name(node: fx.Node) -> str | None:
-    """"add_norm", "norm_add" or "norm" for a call of a fused op; None for any other node."""
+    """"add_norm", "norm_add", "norm" or "qk_norm_rope" for a call of a fused op; None for any other node."""
     if node.op != "call_function":
         return None
     family = _FUNCTIONS.get(node.target) or _op_overloads().get(node.target)

@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
-from normfuse.passes.canonical import canonical, mutates
+from normfuse.passes.canonical import canonical, mutates, node_shape
 from normfuse.passes.find import autocast_upcast
 from normfuse.passes.graph import copy_graph_module  # noqa: F401  (one graph copy for the project)
 from normfuse.passes.parts import PARTS
@@ -474,6 +474,11 @@ def _call_arguments(pair: SitePair, env: dict[fx.Node, Any]) -> tuple[list, dict
     args = [value(pair.args[r]) for r in roles[:4]]
     if pair.layout is not None:  # the call reads x and residual permuted; its sum goes back permuted
         args[:2] = [a if a is None else a.permute(pair.layout) for a in args[:2]]
+    for i, arg in enumerate(pair.call.args[:4]):  # an operand the rewrite reshaped for the kernel (OLMo 2's q)
+        shape = node_shape(arg)
+        if isinstance(args[i], torch.Tensor) and shape is not None and tuple(args[i].shape) != shape \
+                and all(isinstance(d, int) for d in shape) and args[i].numel() == torch.Size(shape).numel():
+            args[i] = args[i].reshape(shape)
     kwargs = dict(pair.call.kwargs)
     for role in roles[4:]:
         kwargs[role] = value(pair.args[role])

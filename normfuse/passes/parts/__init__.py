@@ -7,6 +7,7 @@
     gate.py            the gate of a gated norm: norm(x * act(z)), norm(x) * act(z)  (Mamba2, Qwen3-Next)
     quant.py           the fp8 quantization of the norm's output (q and its scale)
     second_norm.py     a second norm of the same value (parallel blocks): weight1 / bias1 -> y1
+    qk_rope.py         the rotary embedding after q/k norms: one qk_norm_rope call per attention
 
 ``PARTS`` is the order the planner offers them to a call (a later part sees what earlier ones
 took). Adding a part: write its module, add it here; no stage of the pass changes
@@ -22,10 +23,11 @@ from normfuse.passes.parts.channel_layout import LAYOUT
 from normfuse.passes.parts.add_after_norm import OUTPUT_ADD
 from normfuse.passes.parts.quant import QUANT
 from normfuse.passes.parts.second_norm import SECOND_NORM
+from normfuse.passes.parts.qk_rope import QK_ROPE
 
 __all__ = ["PARTS", "FusionPart", "CallPiece", "PlanContext", "part_named", "taken_parts", "folded_nodes"]
 
-PARTS: tuple[FusionPart, ...] = (LAYOUT, OUTPUT_ADD, BRANCH, GATE, QUANT, SECOND_NORM)
+PARTS: tuple[FusionPart, ...] = (LAYOUT, OUTPUT_ADD, BRANCH, GATE, QUANT, SECOND_NORM, QK_ROPE)
 
 
 def part_named(name: str) -> FusionPart:

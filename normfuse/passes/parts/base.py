@@ -42,12 +42,14 @@ __all__ = ["FusionPart", "CallPiece", "BuiltCall", "PlanContext"]
 @dataclass
 class BuiltCall:
     """A call a part made itself (``FusionPart.build``): the call, the nodes inserted with it, the
-    original node each of its outputs replaced, and the original nodes it computes."""
+    original node each of its outputs replaced, the original nodes it computes, and the original
+    value each node inserted for its arguments holds (an operand reshaped for the kernel)."""
 
     call: fx.Node
     inserted: list[fx.Node]
     stands_for: list[tuple[int, fx.Node]]
     old_nodes: list[fx.Node]
+    holds: dict[fx.Node, fx.Node] = field(default_factory=dict)
 
 
 @dataclass

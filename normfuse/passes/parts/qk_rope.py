@@ -1,0 +1,380 @@
+"""The rotary embedding after a q/k norm, a fusion part: QK-norm + RoPE as one ``qk_norm_rope`` call.
+
+Qwen3, Gemma 3, OLMo 2 and GLM-4 MoE (``use_qk_norm``) normalize q and k and rotate them right
+after, as HF writes it (``apply_rotary_pos_emb``)::
+
+    q = q_norm(q_proj(x).view(B, S, H, D)).transpose(1, 2)        # OLMo 2: the norm over H * D, then the view
+    q_embed = q * cos.unsqueeze(1) + cat((-q[..., D/2:], q[..., :D/2]), -1) * sin.unsqueeze(1)
+    GLM (partial rotary): q_rot, q_pass = q[..., :R], q[..., R:]; the same on q_rot; cat((q_embed, q_pass), -1)
+    OLMo 2: cos, sin stay fp32, so the products are fp32, then ``q_embed.to(q_type)``
+
+``qk_norm_rope`` (``normfuse.kernels.qk_rope``: its docstring is the semantics) computes the norm
+and the rotation with the graph's dtypes: the norm's rounding modes are the norm match's, the
+rotation's dtype (``rope_dtype``) is what the graph's ``y * cos`` computed in, ``out_dtype`` the
+dtype of the value the call replaces (a cast after the sum included).
+
+``find`` reads, from the norm's output, a view to heads (a norm over the whole row), the
+transpose to (B, H, S, D), and the RoPE above on the canonical view; every value on the way is
+read by the next step only, or the site keeps its RoPE with a reason. ``offer`` takes the k
+norm of the same attention (the same cos and sin, the same modes) as the call's second site;
+the call replaces both RoPE outputs. A q whose k is not found is fused alone.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from normfuse.kernels.qk_rope import qk_norm_rope
+from normfuse.passes.canonical import node_dtype, node_shape, real_users
+from normfuse.passes.graph import copy_meta
+from normfuse.passes.parts.base import BuiltCall, FusionPart, PlanContext
+from normfuse.vocabulary import KERNEL_DTYPES
+
+__all__ = ["QK_ROPE", "RopeMatch"]
+
+
+@dataclass(frozen=True)
+class RopeMatch:
+    """The RoPE found after one q/k norm (``reason`` set: found, but the call cannot take it)."""
+
+    nodes: tuple[fx.Node, ...] = ()   # the nodes after the norm the call replaces (views, transpose, RoPE)
+    output: fx.Node | None = None     # the node whose value the call's output replaces
+    cos: fx.Node | None = None        # the tables as the kernel reads them: (1 | B, S, R)
+    sin: fx.Node | None = None
+    layout: str = "neox"
+    rotary_dim: int = 0
+    head_dim: int = 0
+    heads_shape: tuple[int, ...] = ()  # (B, S, H, D): q as the kernel reads it
+    operand: fx.Node | None = None    # what the kernel reads as q when not the norm's input (Gemma 3's
+    #                                   norm reads q transposed: the kernel reads it before the transpose)
+    norm_width: str = "head"          # "row": the norm is over H * D (OLMo 2), q is reshaped to heads
+    transpose_out: bool = False       # the RoPE reads q transposed to (B, H, S, D)
+    rope_dtype: torch.dtype | None = None
+    out_dtype: torch.dtype | None = None
+    reason: str | None = None
+
+    def describe(self) -> str:
+        return f"{self.layout}, rotary {self.rotary_dim} of {self.head_dim}"
+
+
+@dataclass(frozen=True)
+class QkPair:
+    """What one call takes: the q site's norm and RoPE, and the k site's (None: q alone)."""
+
+    q_norm: object
+    q: RopeMatch
+    k_norm: object | None = None
+    k: RopeMatch | None = None
+    k_site: int | None = None
+
+
+# --------------------------------------------------------------------------- find
+
+def _prim(index, node):
+    return index.prim(node) if isinstance(node, fx.Node) else None
+
+
+def _last(dims, ndim: int | None) -> bool:
+    dims = dims if isinstance(dims, (list, tuple)) else [dims]
+    return len(dims) == 1 and ndim is not None and dims[0] in (-1, ndim - 1)
+
+
+def _other(index, node: fx.Node, value: fx.Node):
+    """The operand of the mul ``node`` that is not ``value`` (None when it is not such a mul)."""
+    c = index.canon(node)
+    if c is None or c.prim != "mul":
+        return None
+    a, b = c["input"], c["other"]
+    return b if a is value else a if b is value else None
+
+
+def _slice_of(index, node: fx.Node, value: fx.Node, width: int):
+    """(start, end) of ``value[..., start:end]`` over the last dim, bounds resolved; None otherwise."""
+    c = index.canon(node)
+    if c is None or c.prim != "slice" or c["input"] is not value or c["step"] not in (1, None):
+        return None
+    if not _last(c["dim"], len(node_shape(value) or ())):
+        return None
+    start, end = c["start"], c["end"]
+    if not all(b is None or isinstance(b, int) for b in (start, end)):
+        return None
+    start = 0 if start is None else start + width if start < 0 else start
+    end = width if end is None else end + width if end < 0 else min(end, width)
+    return start, end
+
+
+def _single_user(node: fx.Node) -> fx.Node | None:
+    users = real_users(node)
+    return users[0] if len(users) == 1 else None
+
+
+def _rotate_half(index, r: fx.Node, width: int):
+    """``r * c + cat((-r2, r1), -1) * s`` on ``r`` of last dim ``width``: (sum, c, s, nodes), or
+    None when r's readers are not that; a str when they are, but something else reads a step."""
+    users = real_users(r)
+    half = width // 2
+    muls = [(u, _other(index, u, r)) for u in users if _other(index, u, r) is not None]
+    halves = {_slice_of(index, u, r, width): u for u in users if index.prim(u) == "slice"}
+    if width % 2 or len(muls) != 1 or set(halves) != {(0, half), (half, width)}:
+        return None
+    a, c = muls[0]
+    x1, x2 = halves[(0, half)], halves[(half, width)]
+    neg = _single_user(x2)
+    if neg is None or index.prim(neg) != "neg" or index.canon(neg)["input"] is not x2:
+        return None
+    cat = _single_user(neg)
+    cc = index.canon(cat) if cat is not None else None
+    if cc is None or cc.prim != "cat" or list(cc["tensors"]) != [neg, x1] \
+            or not _last(cc["dim"], len(node_shape(cat) or ())):
+        return None
+    b = _single_user(cat)
+    s = _other(index, b, cat) if b is not None else None
+    if s is None:
+        return None
+    o = _single_user(a)
+    co = index.canon(o) if o is not None else None
+    if co is None or co.prim != "add" or co["alpha"] != 1 or {co["input"], co["other"]} != {a, b}:
+        return None
+    if len(users) != 3 or real_users(x1) != [cat] or real_users(b) != [o]:
+        return "the normalized q/k is read outside its RoPE"
+    return o, c, s, [a, x1, x2, neg, cat, b, o]
+
+
+def _swaps_heads(c) -> bool:
+    """A transpose of dims 1 and 2 of a 4-d value: (B, S, H, D) <-> (B, H, S, D)."""
+    return isinstance(c["dim0"], int) and isinstance(c["dim1"], int) and {c["dim0"] % 4, c["dim1"] % 4} == {1, 2}
+
+
+def _table(index, t, transposed: bool, batch: int, seq: int, width: int):
+    """The base of a cos/sin operand, HF's (1 | B, S, R) before ``unsqueeze(unsqueeze_dim)``, when
+    the unsqueeze adds the heads axis of the layout the RoPE reads; None otherwise."""
+    c = index.canon(t)
+    if c is None or c.prim != "unsqueeze" or not isinstance(c["input"], fx.Node):
+        return None
+    dim = c["dim"][0] if isinstance(c["dim"], (list, tuple)) else c["dim"]
+    if dim not in ((1, -3) if transposed else (2, -2)):
+        return None
+    base = c["input"]
+    shape = node_shape(base)
+    if shape is None or len(shape) != 3 or shape[0] not in (1, batch) or shape[1] != seq or shape[2] != width:
+        return None
+    return base
+
+
+def find_rope(index, m) -> RopeMatch | None:
+    """The RoPE after the norm ``m`` (see the module docstring), or None when there is none."""
+    if m.kind != "rms_norm" or m.bias is not None or m.group is not None or m.layout is not None or m.reason:
+        return None
+    value, chain, transposed = m.output, [], False
+    out_shape = node_shape(m.output)
+    if out_shape is None or not all(isinstance(d, int) for d in out_shape):
+        return None
+    user = _single_user(value)
+    if user is not None and index.prim(user) == "view" and len(out_shape) == 3:  # a norm over the row, to heads
+        value = user
+        chain.append(user)
+        user = _single_user(value)
+    shape = node_shape(value)
+    if shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in shape):
+        return None
+    operand, before = None, index.canon(m.input)
+    if user is not None and index.prim(user) == "transpose" and _swaps_heads(index.canon(user)):
+        B, S, H, D = shape
+        value, transposed = user, True
+        chain.append(user)
+    elif before is not None and before.prim == "transpose" and _swaps_heads(before) and len(out_shape) == 4:
+        B, H, S, D = shape  # Gemma 3: transposed before the norm, which is per head: the kernel reads q before it
+        operand, transposed = before["input"], True
+    else:
+        B, S, H, D = shape
+    norm_shape = (B, H, S, D) if operand is not None else (B, S, H, D)
+    width = "head" if m.hidden_size == D and tuple(out_shape) == norm_shape else \
+        "row" if m.hidden_size == H * D and tuple(out_shape) == (B, S, H * D) else None
+    if width is None:
+        return None
+    users = real_users(value)
+    halves = {_slice_of(index, u, value, D): u for u in users if index.prim(u) == "slice"}
+    rotary, passed = D, None
+    found = _rotate_half(index, value, D)
+    if found is None and len(halves) == 2 and all(k[0] == 0 or k[1] == D for k in halves):
+        (r0, r1), (p0, p1) = sorted(halves)
+        if r0 == 0 and r1 == p0 and p1 == D:  # partial rotary: value[..., :R], value[..., R:]
+            rotary, rot, passed = r1, halves[(r0, r1)], halves[(p0, p1)]
+            found = _rotate_half(index, rot, rotary)
+            if found is not None and not isinstance(found, str):
+                chain += [rot, passed]
+                if len(users) != 2:
+                    found = "the normalized q/k is read outside its RoPE"
+    if found is None:
+        return None
+    if isinstance(found, str):
+        return RopeMatch(reason=found)
+    o, c, s, nodes = found
+    chain += nodes
+    out = o
+    if passed is not None:  # cat((rotated, passed), -1)
+        cat = _single_user(o)
+        cc = index.canon(cat) if cat is not None else None
+        if cc is None or cc.prim != "cat" or list(cc["tensors"]) != [o, passed] or real_users(passed) != [cat] \
+                or not _last(cc["dim"], 4):
+            return RopeMatch(reason="the rotated columns are not concatenated back with the rest as the head")
+        out = cat
+        chain.append(cat)
+    cast = _single_user(out)
+    if cast is not None and index.prim(cast) == "cast":  # OLMo 2: q_embed.to(q_type)
+        out = cast
+        chain.append(cast)
+    cos, sin = (_table(index, t, transposed, B, S, rotary) for t in (c, s))
+    if cos is None or sin is None:
+        return RopeMatch(reason="cos/sin are not HF's (batch, seq, rotary) tables unsqueezed at the heads axis")
+    chain += [t for t in (c, s) if t not in chain]
+    rope_dtype, out_dtype = node_dtype(o), node_dtype(out)
+    want = torch.promote_types(torch.promote_types(node_dtype(m.output), node_dtype(cos)), node_dtype(sin))
+    if rope_dtype != want or any(node_dtype(n) != rope_dtype for n in (nodes[0], nodes[5])):
+        return RopeMatch(reason=f"the RoPE computes in {rope_dtype}, not in the promotion of q and cos/sin ({want})")
+    if rope_dtype not in KERNEL_DTYPES or out_dtype not in KERNEL_DTYPES:
+        return RopeMatch(reason=f"RoPE dtypes {rope_dtype} -> {out_dtype} are not ones the kernels take")
+    return RopeMatch(tuple(chain), out, cos, sin, "neox", rotary, D, (B, S, H, D), operand, width, transposed,
+                     rope_dtype, out_dtype)
+
+
+# --------------------------------------------------------------------------- plan
+
+def _modes(site) -> tuple:
+    m = site.match
+    return m.eps, m.weight_offset, m.norm_round_dtype, m.out_dtype
+
+
+def _same_rope(a: RopeMatch, b: RopeMatch) -> bool:
+    return (a.layout, a.rotary_dim, a.head_dim, a.norm_width, a.transpose_out, a.rope_dtype, a.out_dtype) == (
+        b.layout, b.rotary_dim, b.head_dim, b.norm_width, b.transpose_out, b.rope_dtype, b.out_dtype) \
+        and a.heads_shape[:2] == b.heads_shape[:2]
+
+
+def _partner(ctx: PlanContext, site, found: RopeMatch):
+    """The k norm of the same attention: a later site whose RoPE reads the same cos and sin, with
+    the same modes, that no call took yet (the first such in graph order)."""
+    index = ctx.analysis.index
+    for other in ctx.analysis.sites:
+        theirs = other.parts.get(QK_ROPE.name)
+        if other is site or other.number in ctx.unavailable or theirs is None or theirs.reason is not None:
+            continue
+        if index.order[other.match.output] < index.order[site.match.output] or ctx.norm_refusal(other) is not None:
+            continue
+        if index.same(theirs.cos, found.cos) and index.same(theirs.sin, found.sin) and _same_rope(theirs, found) \
+                and _modes(other) == _modes(site) and (other.match.weight is None) == (site.match.weight is None):
+            return other
+    return None
+
+
+class _QkRope(FusionPart):
+    name, flag = "qk_rope", "fuse_rope"
+    exclusive = True  # y is rotated in the call: nothing else reads it
+    builds_call = True
+    roles = {"cos": "c", "sin": "sn"}
+    operand_name = "the k norm's operands"
+
+    def find(self, index, match) -> RopeMatch | None:
+        return find_rope(index, match)
+
+    def offer(self, ctx: PlanContext, site, found: RopeMatch | None, plan):
+        if found is None:
+            return None, None
+        if found.reason is not None:
+            return None, found.reason
+        if not ctx.config.fuse_rope:
+            return None, "not fused (fuse_rope=False)"
+        if ctx.as_op:
+            return None, "qk_norm_rope calls are made in torch-level graphs (dynamo, export), not ATen post-grad ones"
+        if plan.op != "norm" or plan.taken or plan.permute is not None:
+            return None, "the norm's call takes another step"
+        partner = _partner(ctx, site, found)
+        plan.op = "qk_norm_rope"
+        if partner is None:
+            return QkPair(site.match, found), None
+        plan.sites = (site.number, partner.number)
+        return QkPair(site.match, found, partner.match, partner.parts[self.name], partner.number), None
+
+    def may_drop(self, pair: QkPair) -> bool:
+        return True  # the norm alone, its RoPE left in the graph
+
+    def drop(self, plan, pair: QkPair) -> None:
+        plan.op, plan.sites = "norm", plan.sites[:1]
+
+    def reads(self, pair: QkPair) -> tuple[fx.Node, ...]:
+        k = () if pair.k_norm is None else (pair.k.operand or pair.k_norm.input, pair.k_norm.weight)
+        return tuple(t for t in (*k, pair.q.cos, pair.q.sin) if isinstance(t, fx.Node))
+
+    def nodes(self, pair: QkPair) -> tuple[fx.Node, ...]:
+        k = () if pair.k_norm is None else (*pair.k_norm.nodes, *pair.k.nodes)
+        return (*pair.q.nodes, *k)
+
+    def spans(self, pair: QkPair) -> tuple[fx.Node, ...]:
+        k = () if pair.k_norm is None else (*pair.k_norm.nodes, pair.k_norm.output, *pair.k.nodes)
+        return (*pair.q.nodes, *k)
+
+    def build(self, pair: QkPair, plan, rewriting, modes: dict) -> BuiltCall:
+        graph, inserted, holds = rewriting.graph, [], {}
+        operands = []
+        for m, rope in ((pair.q_norm, pair.q), (pair.k_norm, pair.k)):
+            if m is None:
+                operands.append(None)
+                continue
+            x = rewriting.resolve(rope.operand or m.input)
+            if rope.norm_width == "row":  # (B, S, H * D) -> (B, S, H, D): the kernel reads heads
+                x = graph.call_method("reshape", (x, *rope.heads_shape))
+                copy_meta(x, m.input)
+                for key in ("example_value", "val"):
+                    if isinstance(x.meta.get(key), torch.Tensor):
+                        x.meta[key] = x.meta[key].reshape(rope.heads_shape)
+                x.meta.pop("tensor_meta", None)
+                inserted.append(x)
+                holds[x] = m.input
+            operands.append(x)
+        q = pair.q
+        options = dict(cos=q.cos, sin=q.sin, eps=modes["eps"], weight_offset=modes["weight_offset"],
+                       norm_round_dtype=modes["norm_round_dtype"], norm_out_dtype=modes["out_dtype"],
+                       rope_dtype=q.rope_dtype, out_dtype=q.out_dtype, layout=q.layout, rotary_dim=q.rotary_dim,
+                       norm_width=q.norm_width, transpose_out=q.transpose_out)
+        weights = (pair.q_norm.weight, None if pair.k_norm is None else pair.k_norm.weight)
+        call = graph.call_function(qk_norm_rope, (*operands, *weights), options)
+        inserted.append(call)
+        built = BuiltCall(call, inserted, [], [*q.nodes], holds)
+        for k, rope in enumerate((q, pair.k)):
+            if rope is None:
+                continue
+            out = graph.call_function(operator.getitem, (call, k))
+            copy_meta(out, rope.output)
+            inserted.append(out)
+            built.stands_for.append((k, rope.output))
+            rewriting.replace(rope.output, out)
+        if pair.k_norm is not None:
+            built.old_nodes += [*pair.k_norm.nodes, *pair.k.nodes]
+        return built
+
+    def report(self, record, found, fused: bool, reason: str | None) -> None:
+        rope = found.q if isinstance(found, QkPair) else found
+        if rope.reason is None:
+            record.rope = rope.describe()
+        # the k site of a call is not its lead: the call computes its RoPE all the same
+        record.fused_rope = fused or (record.op == "qk_norm_rope" and record.fused)
+        record.rope_reason = None if record.fused_rope else (rope.reason or reason)
+
+    def eager_nodes(self, pair: QkPair) -> tuple[fx.Node, ...]:
+        # the RoPE of q and of k (the k norm itself is priced at its own site)
+        return (*pair.q.nodes, *(() if pair.k is None else pair.k.nodes))
+
+    def fused_bytes(self, pair: QkPair, y_bytes: int, size) -> int:
+        # the call writes q_out and k_out where the norms wrote y (k's y is priced at its site,
+        # which does not read k: the call does)
+        extra = size.bytes(pair.q.output) - y_bytes
+        if pair.k is not None:
+            extra += size.bytes(pair.k.output) - size.bytes(pair.k_norm.output) + size.bytes(pair.k_norm.input)
+        return extra
+
+
+QK_ROPE = _QkRope()
