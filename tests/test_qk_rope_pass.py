@@ -1,0 +1,193 @@
+"""The graph pass fuses q/k norms with their rotary embedding (parts/qk_rope.py).
+
+HF models built from configs (2 layers, no download); each layer has one q_norm and one k_norm
+whose outputs go into ``apply_rotary_pos_emb``: 2L = 4 norms, fused with their RoPE in L = 2
+``qk_norm_rope`` calls (q and k of one attention share cos/sin):
+- qwen3:       per-head RMSNorm, the transpose after it, bf16 tables (three roundings)
+- gemma3_text: (1 + w), q transposed before the norm
+- olmo2:       the norm over the whole row, then the view to heads; fp32 tables, cast back
+- glm4_moe:    use_qk_norm, partial rotary (half of the head rotated)
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import normfuse
+from normfuse.runs import tracked
+from normfuse.verify.numeric import perturb_vectors
+from normfuse.verify.sites import fused_calls
+from normfuse.zoo import example_inputs, hf_model
+
+pytest.importorskip("transformers")
+
+MODELS = {"qwen3": {}, "gemma3_text": {}, "olmo2": {}, "glm4_moe": {"use_qk_norm": True}}
+ROPE = {"qwen3": "neox, rotary 16 of 16", "gemma3_text": "neox, rotary 16 of 16", "olmo2": "neox, rotary 16 of 16",
+        "glm4_moe": "neox, rotary 8 of 16"}
+
+
+def _model(name, dtype):
+    torch._dynamo.reset()
+    return perturb_vectors(hf_model(name, dtype, **MODELS[name]))
+
+
+def _qk_sites(rep):
+    return [s for s in rep.sites if s.fqn.endswith(("q_norm", "k_norm"))]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_qk_norm_is_fused_with_its_rope(name, dtype):
+    model = _model(name, dtype)
+    inputs = example_inputs(model)
+    with torch.no_grad():
+        ref = model(**inputs)[0]
+        normfuse.optimize(model)
+        out = model(**inputs)[0]
+    rep = normfuse.report(model)
+    qk = _qk_sites(rep)
+    assert len(qk) == 4 and rep.counts()["rope"] == 4 and rep.counts()["fused_rope"] == 4, rep
+    assert all(s.op == "qk_norm_rope" and s.rope == ROPE[name] and s.rope_reason is None for s in qk), rep
+    assert len({s.call for s in qk}) == 2  # q and k of each attention in one call
+    assert "+ rope" in str(rep)
+    assert torch.equal(out, ref)  # the reference path rounds where eager rounds
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_check_passes_every_site_with_gradients(name):
+    model = _model(name, torch.bfloat16)
+    res = normfuse.check(model)  # outputs and every gradient vs fp64 (normfuse/tolerances.py), site by site
+    assert res.ok, str(res)
+    qk = [s for s in res.sites if s.op == "qk_norm_rope"]
+    assert len(qk) == 4 and all(s.passed and s.numeric.passed for s in qk), str(res)
+    assert all(s.symbolic.status == "unsupported" and "qk_norm_rope" in s.symbolic.detail for s in qk)
+
+
+# --------------------------------------------------------------------------- planted faults
+
+def _plant(gm, fault):
+    """Edit the first qk_norm_rope call of a rewritten graph the way a buggy rewrite would."""
+    call = next(n for n in fused_calls(gm.graph) if n.kwargs.get("rotary_dim") is not None)
+    kw = dict(call.kwargs)
+    if fault == "wrong_half":      # the partner of column j taken as in adjacent pairs
+        kw["layout"] = "gptj"
+    elif fault == "rotated_sign":  # sin for cos: the rotated half enters with the other sign and table
+        kw["cos"], kw["sin"] = kw["sin"], kw["cos"]
+    elif fault == "rotary_dim":    # GLM: the whole head rotated instead of its first half
+        assert kw["rotary_dim"] < call.args[0].meta["example_value"].shape[-1]
+        kw["rotary_dim"] *= 2
+    elif fault == "no_bf16_round":  # y * cos + rot(y) * sin in fp32, rounded once
+        assert kw["rope_dtype"] == torch.bfloat16
+        kw["norm_out_dtype"] = kw["rope_dtype"] = torch.float32
+    else:
+        raise ValueError(fault)
+    call.kwargs = kw
+    gm.recompile()
+
+
+def _faulty_copy(model, fault):
+    m = normfuse.optimize(copy.deepcopy(model))
+    fusing = m.forward.make_backend
+
+    def make_backend():
+        inner = fusing()
+
+        def backend(gm, example_inputs):
+            compiled = inner(gm, example_inputs)
+            _plant(gm, fault)
+            return tracked(gm.forward, compiled.normfuse_record)
+        return backend
+    m.forward.make_backend = make_backend
+    return m
+
+
+@pytest.mark.parametrize("name,fault", [("qwen3", "wrong_half"), ("qwen3", "rotated_sign"),
+                                        ("qwen3", "no_bf16_round"), ("glm4_moe", "rotary_dim")])
+def test_planted_fault_is_refuted_at_its_site(name, fault):
+    model = _model(name, torch.bfloat16)
+    res = normfuse.check(model, optimized=_faulty_copy(model, fault), backward=False)
+    assert not res.ok
+    failing = [s.id for s in res.sites if not s.passed]
+    assert failing and set(failing) <= {"g0.s1", "g0.s2"}, failing  # layer 0's q_norm / k_norm call only
+    assert res.first_divergence is not None and res.first_divergence.id in failing
+    assert res.first_divergence.numeric.passed is False
+
+
+# --------------------------------------------------------------------------- left as it was
+
+def test_fuse_rope_false_leaves_the_rope():
+    model = _model("qwen3", torch.bfloat16)
+    inputs = example_inputs(model)
+    with torch.no_grad():
+        ref = model(**inputs)[0]
+        normfuse.optimize(model, fuse_rope=False)
+        out = model(**inputs)[0]
+    rep = normfuse.report(model)
+    qk = _qk_sites(rep)
+    assert len(qk) == 4 and all(s.fused and s.op == "norm" and not s.fused_rope for s in qk), rep
+    assert all(s.rope == ROPE["qwen3"] and s.rope_reason == "not fused (fuse_rope=False)" for s in qk)
+    assert torch.equal(out, ref)
+
+
+class _Attention(nn.Module):
+    """q/k RMSNorm per head, then a RoPE: ``"neox"`` as HF writes it, ``"pairs"`` the interleaved
+    form (not recognized); ``leak`` also returns the normalized q."""
+
+    def __init__(self, rope="neox", leak=False, heads=2, dim=8):
+        super().__init__()
+        self.rope, self.leak, self.heads, self.dim = rope, leak, heads, dim
+        self.q_norm, self.k_norm = nn.RMSNorm(dim, eps=1e-6), nn.RMSNorm(dim, eps=1e-6)
+        with torch.no_grad():
+            self.q_norm.weight.uniform_(0.5, 1.5)
+            self.k_norm.weight.uniform_(0.5, 1.5)
+
+    def _rotate(self, x, cos, sin):
+        if self.rope == "neox":
+            x1, x2 = x[..., : self.dim // 2], x[..., self.dim // 2:]
+            return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+        pairs = x.unflatten(-1, (-1, 2))
+        rot = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+        return x * cos + rot * sin
+
+    def forward(self, q, k, cos, sin):
+        B, S = q.shape[:2]
+        qn = self.q_norm(q.view(B, S, self.heads, self.dim)).transpose(1, 2)
+        kn = self.k_norm(k.view(B, S, self.heads, self.dim)).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        v = k.view(B, S, self.heads, self.dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(self._rotate(qn, cos, sin), self._rotate(kn, cos, sin), v)
+        return (out, qn) if self.leak else out
+
+
+def _toy_inputs():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g)
+    angles = torch.randn(1, 5, 4, generator=g)
+    emb = torch.cat((angles, angles), dim=-1)
+    return q, k, emb.cos(), emb.sin()
+
+
+@pytest.mark.parametrize("rope,leak,why", [("neox", False, None), ("pairs", False, None),
+                                           ("neox", True, "the normalized q/k is read outside its RoPE")])
+def test_toy_rope_recognized_or_left(rope, leak, why):
+    torch._dynamo.reset()
+    model = _Attention(rope, leak)
+    args = _toy_inputs()
+    with torch.no_grad():
+        ref = model(*args)
+        normfuse.optimize(model)
+        out = model(*args)
+    rep = normfuse.report(model)
+    assert len(rep.sites) == 2 and all(s.fused for s in rep.sites), rep
+    q, k = rep.sites
+    if rope == "neox" and not leak:
+        assert q.op == k.op == "qk_norm_rope" and q.call == k.call and q.fused_rope and k.fused_rope
+    elif leak:  # q keeps its RoPE (the graph reads its normalized value too); k is fused alone with its own
+        assert q.op == "norm" and not q.fused_rope and q.rope_reason == why, rep
+        assert k.op == "qk_norm_rope" and k.fused_rope and k.call != q.call
+    else:  # interleaved pairs are not HF's rotate_half: the norms fused alone, the RoPE left as it was
+        assert q.op == k.op == "norm" and q.rope is None and k.rope is None, rep
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
