@@ -240,8 +240,7 @@ def site_bytes(index, site: SiteAnalysis, plan: Plan | None, residual_dtype: tor
         add = site.in_add.node
         operands = sum(_bytes(a) for a in _kernel_operands(site, plan) if isinstance(a, fx.Node))
         s_bytes = _bytes(add)
-        sum_chain = [add, *site.in_add.chain]
-        stored = any(_escapes(n, inside) for n in sum_chain)
+        stored = site.sum_continues
         # fwd: read x, residual, weight, bias; write y, s (when used elsewhere), stats
         fused.add(fwd=operands + params + y_bytes + (s_bytes if stored else 0) + stats)
         # bwd: when grads are needed the kernel always stores s (add_norm's return_sum or

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 import torch.fx as fx
 
 from normfuse.passes.canonical import canonicalize
-from normfuse.passes.classify import Found, classify
+from normfuse.passes.classify import Found, classify, sum_continues
 from normfuse.passes.find import AddMatch, NormMatch, find_input_add, find_norms, find_output_add
 from normfuse.passes.graph import GraphIndex
 from normfuse.passes.parts import PARTS
@@ -43,6 +43,7 @@ class SiteAnalysis:
     output_chain: tuple[fx.Node, ...]        # views / identity dropout between the norm and that add
     placement: Placement
     group: tuple[int, ...]                   # the norms that read the same value (itself included)
+    sum_continues: bool = False              # the sum it reads is read by more than the norm (in_add)
     # what each fusion part (parts/) found at it: part name -> its frozen match
     parts: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), compare=False)
 
@@ -76,7 +77,7 @@ def analyze(graph: fx.Graph, stage: Callable[[str], None] = lambda name: None) -
     stage("classify")
     placements, groups = classify(index, found)
     sites = tuple(SiteAnalysis(number, f.match, f.in_add, f.output_add, tuple(f.output_chain), placement, group,
-                               _parts_found(index, f.match))
+                               sum_continues(f), _parts_found(index, f.match))
                   for number, (f, placement, group) in enumerate(zip(found, placements, groups)))
     index.freeze()
     return Analysis(index, sites)

@@ -63,8 +63,11 @@ def _root_value(index: GraphIndex, found: Found) -> fx.Node:
     return node
 
 
-def _sum_continues(found: Found) -> bool:
-    """Whether the sum the norm reads is read by anything but the norm (the stream goes on)."""
+def sum_continues(found: Found) -> bool:
+    """Whether the sum the norm reads is read by anything but the norm (the stream goes on; a
+    call of the site then returns the sum). The one answer: the analysis keeps it per site."""
+    if found.in_add is None:
+        return False
     add = found.in_add
     inside = set(add.chain) | set(found.match.nodes)
     for node in (add.node, *add.chain):
@@ -106,7 +109,7 @@ def _place(index: GraphIndex, f: Found, shared: bool, feeding: set, upstream_fou
     stream = stream_operand(index, add)
     if add.scaled is not None and add.residual_scale != 1.0:
         return Placement.DEEPNORM
-    if _sum_continues(f):
+    if sum_continues(f):
         return Placement.PRE
     # post-style: the norm alone reads the sum
     ancestors = index.ancestors(add.node)

@@ -269,12 +269,7 @@ def sum_node(analysis: Analysis, p: Plan) -> fx.Node | None:
 
 def sum_escapes(analysis: Analysis, p: Plan) -> bool:
     """Whether anything but the call reads its sum (so the call returns it)."""
-    lead = analysis.sites[p.lead]
-    add = lead.in_add if p.op == "add_norm" else None
-    if add is None:
-        return False
-    inside = set(add.chain) | set(lead.match.nodes)
-    return any(u not in inside for node in (add.node, *add.chain) for u in real_users(node))
+    return p.op == "add_norm" and analysis.sites[p.lead].sum_continues
 
 
 def _absorbed(analysis: Analysis, p: Plan) -> set[fx.Node]:

@@ -29,7 +29,7 @@ from normfuse.passes.analysis import Analysis
 from normfuse.passes.canonical import canonical, node_dtype, node_shape, real_users, same_shape
 from normfuse.passes.graph import copy_meta
 from normfuse.passes.parts import folded_nodes, taken_parts
-from normfuse.passes.planning import Plan, Planning
+from normfuse.passes.planning import Plan, Planning, sum_escapes
 from normfuse.passes.record import CallRecord, output_names, record_call
 
 __all__ = ["Rewriting", "apply_plans", "output_index"]
@@ -157,8 +157,7 @@ def _add_norm_call(r: Rewriting, p: Plan, parts: list, modes: dict, reads: set, 
     lead = r.analysis.sites[p.lead]
     m = lead.match
     add = lead.in_add if p.op == "add_norm" else None
-    s_used = add is not None and any(
-        u not in set(add.chain) | set(m.nodes) for node in (add.node, *add.chain) for u in real_users(node))
+    s_used = sum_escapes(r.analysis, p)
     operands, inserted = (r.resolve(p.x), r.resolve(p.residual)), []
     options: dict = {}
     output = m.output  # the original node the call's y replaces
