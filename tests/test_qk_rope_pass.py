@@ -191,3 +191,29 @@ def test_toy_rope_recognized_or_left(rope, leak, why):
     else:  # interleaved pairs are not HF's rotate_half: the norms fused alone, the RoPE left as it was
         assert q.op == k.op == "norm" and q.rope is None and k.rope is None, rep
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_audit_prices_the_rope():
+    """q and k read once and their rotated values written once: the fused forward bytes of one
+    attention's call are exactly that plus the weights and the fp32 rstd per norm row."""
+    from normfuse.auditing import audit
+    from normfuse.config import FuseConfig
+
+    B, S = 1, 64
+    priced = {}
+    for fuse in (True, False):
+        model = _model("qwen3", torch.bfloat16)
+        rep = audit(model, **example_inputs(model, batch=B, seq=S), config=FuseConfig(fuse_rope=fuse))
+        priced[fuse] = {s.site.fqn: s for s in rep.sites if s.site.fqn.endswith(("q_norm", "k_norm"))}
+    cfg = model.config
+    D, H, Hk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    q_bytes, k_bytes = B * S * H * D * 2, B * S * Hk * D * 2
+    want = 2 * (q_bytes + k_bytes) + 2 * D * 2 + 4 * B * S * (H + Hk)
+    for layer in range(2):
+        q, k = (priced[True][f"layers.{layer}.self_attn.{n}"] for n in ("q_norm", "k_norm"))
+        assert q.site.op == k.site.op == "qk_norm_rope"
+        assert q.fused.fwd + k.fused.fwd == want
+        assert q.fused.fwd_kernels + k.fused.fwd_kernels == 1
+        # the RoPE's eager traffic is priced at the lead: more saved than by the norms alone
+        alone = priced[False][f"layers.{layer}.self_attn.q_norm"]
+        assert q.eager.fwd > alone.eager.fwd and q.eager.fwd - q.fused.fwd > alone.eager.fwd - alone.fused.fwd

@@ -369,11 +369,13 @@ class _QkRope(FusionPart):
         return (*pair.q.nodes, *(() if pair.k is None else pair.k.nodes))
 
     def fused_bytes(self, pair: QkPair, y_bytes: int, size) -> int:
-        # the call writes q_out and k_out where the norms wrote y (k's y is priced at its site,
-        # which does not read k: the call does)
+        # the call writes q_out and k_out where the norms wrote y; k's y is priced at its own site,
+        # which reads neither k nor writes its rstd (a second norm of one value would share both)
         extra = size.bytes(pair.q.output) - y_bytes
         if pair.k is not None:
-            extra += size.bytes(pair.k.output) - size.bytes(pair.k_norm.output) + size.bytes(pair.k_norm.input)
+            k = pair.k_norm
+            extra += size.bytes(pair.k.output) - size.bytes(k.output) + size.bytes(k.input) \
+                + 4 * (size.numel(k.input) // k.hidden_size)
         return extra
 
 
