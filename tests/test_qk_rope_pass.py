@@ -7,6 +7,7 @@ whose outputs go into ``apply_rotary_pos_emb``: 2L = 4 norms, fused with their R
 - gemma3_text: (1 + w), q transposed before the norm
 - olmo2:       the norm over the whole row, then the view to heads; fp32 tables, cast back
 - glm4_moe:    use_qk_norm, partial rotary (half of the head rotated)
+- qwen3_moe:   qwen3's attention
 """
 
 import copy
@@ -24,8 +25,8 @@ from normfuse.zoo import example_inputs, hf_model
 
 pytest.importorskip("transformers")
 
-MODELS = {"qwen3": {}, "gemma3_text": {}, "olmo2": {}, "glm4_moe": {"use_qk_norm": True}}
-ROPE = {"qwen3": "neox, rotary 16 of 16", "gemma3_text": "neox, rotary 16 of 16", "olmo2": "neox, rotary 16 of 16",
+MODELS = {"qwen3": {}, "gemma3_text": {}, "olmo2": {}, "glm4_moe": {"use_qk_norm": True}, "qwen3_moe": {}}
+ROPE = {"qwen3": "neox, rotary 16 of 16", "qwen3_moe": "neox, rotary 16 of 16", "gemma3_text": "neox, rotary 16 of 16", "olmo2": "neox, rotary 16 of 16",
         "glm4_moe": "neox, rotary 8 of 16"}
 
 
@@ -64,6 +65,18 @@ def test_check_passes_every_site_with_gradients(name):
     qk = [s for s in res.sites if s.op == "qk_norm_rope"]
     assert len(qk) == 4 and all(s.passed and s.numeric.passed for s in qk), str(res)
     assert all(s.symbolic.status == "unsupported" and "qk_norm_rope" in s.symbolic.detail for s in qk)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "olmo2", "glm4_moe"])
+def test_triton_kernels_in_a_training_step(name, triton_cpu):
+    """The Triton forward and backward (interpreted on CPU) in place of the reference: outputs
+    and every gradient within normfuse/tolerances.py of fp64, each q/k call within its budget."""
+    model = _model(name, torch.bfloat16)
+    res = normfuse.check(model)
+    assert res.ok, str(res)
+    qk = [s for s in res.sites if s.op == "qk_norm_rope"]
+    assert len(qk) == 4 and all(s.numeric.passed for s in qk), str(res)
+    assert any(o.name.startswith("grad:") and "q_norm" in o.name for o in res.outputs)
 
 
 # --------------------------------------------------------------------------- planted faults
