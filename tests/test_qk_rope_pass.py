@@ -67,6 +67,21 @@ def test_check_passes_every_site_with_gradients(name):
     assert all(s.symbolic.status == "unsupported" and "qk_norm_rope" in s.symbolic.detail for s in qk)
 
 
+@pytest.mark.parametrize("name", ["qwen3", "glm4_moe"])
+def test_torch_export_graph(name):
+    """An exported ATen graph spells the RoPE aten.slice / cat / unsqueeze / transpose; fuse_graph takes it."""
+    model = _model(name, torch.bfloat16)
+    inputs = example_inputs(model)
+    gm = torch.export.export(model, (), inputs).module()
+    with torch.no_grad():
+        ref = gm(**inputs)[0]
+        gm, rep = normfuse.fuse_graph(gm)
+        out = gm(**inputs)[0]
+    qk = _qk_sites(rep)
+    assert len(qk) == 4 and all(s.op == "qk_norm_rope" and s.rope == ROPE[name] for s in qk), rep
+    assert torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("name", ["qwen3", "olmo2", "glm4_moe"])
 def test_triton_kernels_in_a_training_step(name, triton_cpu):
     """The Triton forward and backward (interpreted on CPU) in place of the reference: outputs
