@@ -25,6 +25,7 @@ from typing import Any
 import sympy
 import torch.fx as fx
 
+from normfuse.kernels.specs import OP_OUTPUTS
 from normfuse.passes.canonical import TUPLE_SPELLINGS, canonical, node_shape
 from normfuse.passes.find import live_dropout_p
 from normfuse.passes.parts import PARTS
@@ -136,6 +137,8 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym) -> Any:
             return value[idx]
         if getattr(canonical(node), "prim", None) in ("unsqueeze", "view"):  # x[:, None], w[:, None, None]:
             return value                                                       # the row as it is
+        if getattr(canonical(node), "prim", None) == "slice":  # x[..., a:b]: a block of the row
+            return _slice_row(node, canonical(node), value)
         raise _Unsupported(f"{node.name} indexes a value that is not a tuple")
     c = canonical(node)
     if c is None and _max_values(node):  # torch.max(x, dim) returns (values, indices): the row's maximum
@@ -178,6 +181,17 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym) -> Any:
         return _elementwise(operator.neg, val(c["input"]))
     if p == "unsqueeze":  # the dim an amax without keepdim dropped, put back: the row as it is
         return val(c["input"])
+    if p == "transpose":  # of two dims before the last (q's heads and positions): each row as it is
+        if _touches_last(node, c["dim0"], c["dim1"]):
+            raise _Unsupported(f"{node.name} transposes the last dim")
+        return val(c["input"])
+    if p == "slice":
+        return _slice_row(node, c, val(c["input"]))
+    if p == "cat":  # rows joined along the last dim (rotate_half's cat((-x2, x1), -1))
+        ndim = len(node_shape(node) or ())
+        if list(c["dim"]) not in ([-1], [ndim - 1]):
+            raise _Unsupported(f"{node.name} concatenates along a dim other than the last")
+        return [v for t in c["tensors"] for v in val(t)]
     if p == "amax":  # over the last dim, keepdim (the matcher took no other): the row's maximum
         return [_max(*val(c["input"]))]
     if p == "clamp":
@@ -188,6 +202,31 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym) -> Any:
         y = _norm(p, val(c["input"]), weight, bias, eps_sym)
         return (y, None, None) if c.multi_output else y
     raise _Unsupported(f"no symbolic rule for primitive {p!r} (node {node.name})")
+
+
+def _touches_last(node: fx.Node, *dims: Any) -> bool:
+    ndim = len(node_shape(node) or ())
+    return not ndim or any(not isinstance(d, int) or d % ndim == ndim - 1 for d in dims)
+
+
+def _slice_row(node: fx.Node, c, row: list) -> list:
+    """``x[..., a:b]`` of a row whose ``len(row)`` symbols stand for the value's last dim of
+    ``width`` columns: the block a:b of it, when its bounds fall on symbols."""
+    width = (node_shape(c["input"]) or (None,))[-1]
+    start, end = c["start"], c["end"]
+    if not isinstance(width, int) or not width:
+        raise _Unsupported(f"{node.name} slices a row of unknown width")
+    ndim = len(node_shape(c["input"]) or ())
+    if list(c["dim"]) not in ([-1], [ndim - 1]) or c["step"] not in (1, None) \
+            or not all(b is None or isinstance(b, int) for b in (start, end)):
+        raise _Unsupported(f"{node.name} is not a slice of the last dim with constant bounds")
+    start = 0 if start is None else max(start + width, 0) if start < 0 else min(start, width)
+    end = width if end is None else max(end + width, 0) if end < 0 else min(end, width)
+    lo, hi = start * len(row), end * len(row)
+    if lo % width or hi % width:
+        raise _Unsupported(f"{node.name} slices columns {start}:{end} of {width}, not whole symbols of a row of "
+                           f"{len(row)}")
+    return row[lo // width:hi // width]
 
 
 def _bound(bound: Any, val) -> Any:
@@ -254,7 +293,9 @@ def _source(node: fx.Node, inside: set) -> fx.Node:
     cast is the numeric check's business)."""
     while node not in inside:
         c = canonical(node)
-        if c is None or c.prim not in ("cast", "dropout", "view") or not isinstance(c["input"], fx.Node):
+        if c is None or c.prim not in ("cast", "dropout", "view", "transpose") or not isinstance(c["input"], fx.Node):
+            return node
+        if c.prim == "transpose" and _touches_last(node, c["dim0"], c["dim1"]):
             return node
         if c.prim == "view" and (node_shape(node) or (None,))[-1:] != (node_shape(c["input"]) or (None,))[-1:]:
             return node  # a view that changes the row is not the same row
@@ -268,7 +309,8 @@ def _fused(pair: SitePair, rows: dict[str, Any], eps_sym, eps: float | None) -> 
     """The fused call's outputs by the defining formula (normfuse/kernels/reference.py), in the
     order the functional API returns them."""
     kw = pair.call.kwargs
-    kind = kw.get("kind")
+    qk = fused_op_name(pair.call) == "qk_norm_rope"
+    kind = "rms_norm" if qk else kw.get("kind")
     x, r, w, b = (rows[k] for k in ("x", "residual", "weight", "bias"))
     scale = _const(float(kw.get("residual_scale", 1.0)), None, None)
     offset = _const(float(kw.get("weight_offset", 0.0)), None, None) if w is not None else 0
@@ -285,7 +327,7 @@ def _fused(pair: SitePair, rows: dict[str, Any], eps_sym, eps: float | None) -> 
     for part in PARTS:  # a fusion part in the call may give the outputs by its own formula
         by_name = part.symbolic(kw, rows, s, normalize, _ROW_OPS) if part.uses(kw) else None
         if by_name is not None:
-            return [by_name[name] for name in output_names(kw)]
+            return [by_name[name] for name in (OP_OUTPUTS["qk_norm_rope_fwd"][:2] if qk else output_names(kw))]
     return [normalize(s), s]
 
 
@@ -365,9 +407,6 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
                                                     "by design")
     if pair.problem:
         return SymbolicResult("unsupported", detail=pair.problem)
-    if fused_op_name(pair.call) == "qk_norm_rope":
-        return SymbolicResult("unsupported", detail="qk_norm_rope has no symbolic form here yet (the rotation mixes "
-                                                    "a head's columns); the numeric check holds the site")
     hidden = pair.site.hidden_size
     eps_sym = sympy.Symbol("eps", positive=True)
     inside = set(pair.nodes)

@@ -378,5 +378,29 @@ class _QkRope(FusionPart):
                 + 4 * (size.numel(k.input) // k.hidden_size)
         return extra
 
+    # ---------------------------------------------------------------- checker
+    def uses(self, options: dict) -> bool:
+        return options.get("rotary_dim") is not None
+
+    def symbolic(self, options: dict, rows: dict, s: list, norm, ops) -> dict[str, list]:
+        """q_out, k_out: each normalized with its weight (the call's x / weight, residual / bias
+        roles), then rotated on whole rows (the checker's rows stand for a head's columns; a
+        partial rotary or a half table does not make such rows, and stays unsupported)."""
+        out = {}
+        for name, x, w in (("q_out", rows["x"], rows["weight"]), ("k_out", rows["residual"], rows["bias"])):
+            out[name] = None if x is None else _rotated(norm(x, w, None), rows["cos"], rows["sin"],
+                                                        options.get("layout", "neox"))
+        return out
+
+
+def _rotated(y: list, c: list, s: list, layout: str) -> list:
+    """y * c + rot(y) * s on a row, rot(y)[j] = sign(j) * y[P(j)] (normfuse/kernels/qk_rope.py)."""
+    n, half = len(y), len(y) // 2
+    if layout == "neox":
+        rot = [-y[j + half] if j < half else y[j - half] for j in range(n)]
+    else:
+        rot = [-y[j + 1] if j % 2 == 0 else y[j - 1] for j in range(n)]
+    return [y[j] * c[j] + rot[j] * s[j] for j in range(n)]
+
 
 QK_ROPE = _QkRope()
