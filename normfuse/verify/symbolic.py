@@ -285,7 +285,7 @@ def _leaf(node: fx.Node, name: str, hidden: int | None, layout: tuple[int, ...] 
     raise _Unsupported(f"input {node.name} of shape {shape} is neither a row of the hidden size nor a scalar")
 
 
-def _source(node: fx.Node, inside: set) -> fx.Node:
+def _source(node: fx.Node, inside: set, transposes: bool = False) -> fx.Node:
     """The value ``node`` holds in exact arithmetic: through the casts, identity dropouts and
     row-keeping views between it and the node they read, stopping at the subgraph. A model
     may cast outside a norm's subgraph (Mamba: ``norm(h.to(norm.weight.dtype))``) while the
@@ -295,7 +295,10 @@ def _source(node: fx.Node, inside: set) -> fx.Node:
         c = canonical(node)
         if c is None or c.prim not in ("cast", "dropout", "view", "transpose") or not isinstance(c["input"], fx.Node):
             return node
-        if c.prim == "transpose" and _touches_last(node, c["dim0"], c["dim1"]):
+        # a transpose keeps each row only for a call that reads q before it (qk_norm_rope's
+        # transpose_out); elsewhere it stays a value of its own, so a call reading the
+        # untransposed value is refuted
+        if c.prim == "transpose" and (not transposes or _touches_last(node, c["dim0"], c["dim1"])):
             return node
         if c.prim == "view" and (node_shape(node) or (None,))[-1:] != (node_shape(c["input"]) or (None,))[-1:]:
             return node  # a view that changes the row is not the same row
@@ -408,6 +411,7 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
     if pair.problem:
         return SymbolicResult("unsupported", detail=pair.problem)
     hidden = pair.site.hidden_size
+    transposes = fused_op_name(pair.call) == "qk_norm_rope" and bool(pair.call.kwargs.get("transpose_out"))
     eps_sym = sympy.Symbol("eps", positive=True)
     inside = set(pair.nodes)
     try:
@@ -417,14 +421,14 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
             if node is None:
                 rows[role] = None
             elif isinstance(node, fx.Node):
-                source = _source(node, inside)
+                source = _source(node, inside, transposes)
                 if source not in leaves:
                     leaves[source] = _leaf(source, _SYMBOL_PREFIX[role], hidden, pair.layout)
                 rows[role] = leaves[source]
             else:
                 raise _Unsupported(f"the fused call's {role} is a constant {node!r}")
         for i, node in enumerate(pair.inputs):  # values the original reads that the call does not
-            source = _source(node, inside)
+            source = _source(node, inside, transposes)
             if source not in leaves and source not in inside:
                 leaves[source] = _leaf(source, f"z{i}_", hidden, pair.layout)
         values: dict[fx.Node, Any] = {}
@@ -432,7 +436,7 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
         def load(n):
             if n in values:
                 return values[n]
-            source = _source(n, inside)
+            source = _source(n, inside, transposes)
             if source in values:
                 return values[source]
             if source in leaves:
