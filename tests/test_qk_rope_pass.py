@@ -255,3 +255,29 @@ def test_audit_prices_the_rope():
         # the RoPE's eager traffic is priced at the lead: more saved than by the norms alone
         alone = priced[False][f"layers.{layer}.self_attn.q_norm"]
         assert q.eager.fwd > alone.eager.fwd and q.eager.fwd - q.fused.fwd > alone.eager.fwd - alone.fused.fwd
+
+
+class _Strided(nn.Module):
+    """A normalized q read by two slices that are not a RoPE's halves (one with a step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.RMSNorm(8, eps=1e-6)
+
+    def forward(self, q):
+        qn = self.norm(q.view(2, 5, 2, 8)).transpose(1, 2)
+        return qn[..., ::2] * qn[..., :4]
+
+
+def test_slices_that_are_not_halves_leave_the_norm_alone():
+    torch._dynamo.reset()
+    model = _Strided()
+    q = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(q)
+        normfuse.optimize(model)
+        out = model(q)
+    rep = normfuse.report(model)
+    assert [(s.op, s.rope) for s in rep.sites] == [("norm", None)], rep
+    assert not rep.warnings and not rep.notes, rep
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)

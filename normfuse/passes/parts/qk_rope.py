@@ -200,7 +200,7 @@ def find_rope(index, m) -> RopeMatch | None:
     halves = {_slice_of(index, u, value, D): u for u in users if index.prim(u) == "slice"}
     rotary, passed = D, None
     found = _rotate_half(index, value, D)
-    if found is None and len(halves) == 2 and all(k[0] == 0 or k[1] == D for k in halves):
+    if found is None and len(halves) == 2 and None not in halves:
         (r0, r1), (p0, p1) = sorted(halves)
         if r0 == 0 and r1 == p0 and p1 == D:  # partial rotary: value[..., :R], value[..., R:]
             rotary, rot, passed = r1, halves[(r0, r1)], halves[(p0, p1)]
