@@ -143,14 +143,14 @@ class CheckResult:
             lines.append(f"  ... {len(rest)} more gradients, {sum(o.passed for o in rest)} pass")
         if self.sites:
             lines.append("")
-            lines.append(f"  {'site':8s} {'fqn':40s} {'op':9s} {'ulp':>4s} {'diff%':>6s} {'symbolic':12s} result")
+            lines.append(f"  {'site':8s} {'fqn':40s} {'op':12s} {'ulp':>4s} {'diff%':>6s} {'symbolic':12s} result")
             for site in self.sites:
                 outs = site.numeric.outputs
                 ulp = max((o.ulp_max for o in outs), default=0.0)
                 diff = max((o.mismatch for o in outs), default=0.0)
                 sym = site.symbolic.status
                 numbers = f"{ulp:4.0f} {100 * diff:6.2f}" if site.compared else f"{'-':>4s} {'-':>6s}"
-                lines.append(f"  {site.id:8s} {(site.fqn or '?')[:40]:40s} {site.op or '?':9s} {numbers} "
+                lines.append(f"  {site.id:8s} {(site.fqn or '?')[:40]:40s} {site.op or '?':12s} {numbers} "
                              f"{sym:12s} {_site_result(site)}")
         if self.first_divergence is not None:
             lines.append("")
