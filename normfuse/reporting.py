@@ -50,6 +50,7 @@ class Site:
     norm_group: int | None = None  # statistics per group of this many columns (Mamba2, NemotronH)
     gate: str | None = None       # a gated norm: "silu(z) before the norm" (Mamba2), "sigmoid(z) after" (Kimi)
     fused_gate: bool = False      # ... and the call applies the gate
+    gate_reason: str | None = None  # why it does not (when the norm is gated)
     quant: str | None = None      # the graph quantizes the norm's output: "float8_e4m3fn, dynamic per row", ...
     fused_quant: bool = False     # ... and the call computes that quantization (q and its scale) too
     quant_reason: str | None = None  # why it does not (when the graph quantizes and the site is fused)

@@ -45,8 +45,9 @@ POST_FAMILY = (Placement.POST, Placement.DEEPNORM)
 FORMS = ("module", "functional", "aten", "decomposed:layer_norm", "decomposed:rms_norm", "decomposed:llama",
          "decomposed:gemma")
 
-# what a site becomes: the add before the norm folded in, the add after it, or the norm alone
-FUSED_OPS = ("add_norm", "norm_add", "norm")
+# what a site becomes: the add before the norm folded in, the add after it, the norm alone, or
+# (q and k norms) the norm with the rotary embedding after it
+FUSED_OPS = ("add_norm", "norm_add", "norm", "qk_norm_rope")
 
 # activation, weight and rounding dtypes the fused kernels take (fp64 runs on CPU only)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -121,6 +121,8 @@ def test_fuse_gate_false_leaves_the_gate():
         assert torch.equal(_output(optimized(**inputs)), _output(model(**inputs)))
     rep = normfuse.report(optimized)
     assert rep.counts()["gated"] == 2 and rep.counts()["fused_gate"] == 0
+    gated = [s for s in rep.sites if s.gate is not None]
+    assert all(s.gate_reason == "gates are not fused (fuse_gate=False)" for s in gated), [s.gate_reason for s in gated]
 
 
 def test_training_through_a_gated_norm_keeps_the_gradients():

@@ -5,7 +5,6 @@
     find.py        norms and the adds next to them
     classify.py    placement on the residual stream
     analysis.py    analyze(graph) -> Analysis: the three stages above, frozen
-    branch.py      what the add's branch hands the kernel (x1, drop path, dropout)
     parts/         fusion parts: each step a call takes over besides norm and add, one module each
     planning.py    plan(analysis, config) -> every fused call, decided before the graph changes
     rewrite.py     apply the plans: fused op calls in the graph

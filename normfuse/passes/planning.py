@@ -382,7 +382,9 @@ def plan(analysis: Analysis, config, as_op: bool = False, excluded: Callable[[in
         part_reasons = _take_parts(context, site, chosen) if chosen is not None else {}
         if chosen is not None:
             chosen.insertion, reason = _place(analysis, chosen)
-            for part in reversed(PARTS):  # a part whose operand comes too late: the call without it
+            # a part whose operand comes too late: the call without it, the last part offered
+            # first (an earlier part may have decided what a later one took)
+            for part in reversed(PARTS):
                 if reason and part.name in chosen.taken and part.may_drop(chosen.taken[part.name]):
                     part.drop(chosen, chosen.taken.pop(part.name))
                     part_reasons[part.name] = f"{part.operand_name}: {reason}"

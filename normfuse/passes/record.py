@@ -31,8 +31,8 @@ from normfuse.passes.parts import PARTS, folded_nodes
 __all__ = ["CallRecord", "record_call", "records_of", "attach_records", "fused_op_name", "is_fused_call", "output_names",
            "ARG_ROLES", "OPTION_ROLES"]
 
-# the roles of a fused call's tensor arguments, in the order the checker passes them:
-# positional, then the keyword options a call takes when it has them (the fusion parts' last)
+# the roles of a fused call's tensor arguments: positional (the checker passes them in this
+# order), then the keyword options the fusion parts put into a call (read by name)
 ARG_ROLES = ("x", "residual", "weight", "bias")
 OPTION_ROLES = tuple(role for part in PARTS for role in part.roles)
 

@@ -73,8 +73,12 @@ def _fused_call(graph: fx.Graph, family: str, args: tuple, options: dict, as_op:
     op = "add_norm_fwd" if family == "add_norm" else "norm_add_fwd"
     named = dict(zip(("x", "residual", "weight", "bias"), args), **options, store_sum=options.get("return_sum"),
                  store_norm=options.get("return_norm"))
-    defaults = op_defaults(op)
-    op_args = tuple(named[name] if name in named else defaults[name] for name in op_arguments(op))
+    defaults, arguments = op_defaults(op), op_arguments(op)
+    unknown = set(named) - set(arguments) - {"return_sum", "return_norm"}
+    if unknown:  # an option the op does not take would be dropped: its call would compute something else
+        raise RuntimeError(f"torch.ops.normfuse.{op} takes no argument {', '.join(sorted(unknown))}; the call "
+                           f"cannot be written as the custom op")
+    op_args = tuple(named[name] if name in named else defaults[name] for name in arguments)
     target = getattr(torch.ops.normfuse, op).default
     call = graph.call_function(target, op_args)
     vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in op_args]

@@ -16,22 +16,18 @@ took). Adding a part: write its module, add it here; no stage of the pass change
 
 from __future__ import annotations
 
+from normfuse.passes.parts.add_after_norm import ADD_AFTER_NORM
 from normfuse.passes.parts.base import CallPiece, FusionPart, PlanContext
-from normfuse.passes.parts.branch_fold import BRANCH
+from normfuse.passes.parts.branch_fold import BRANCH_FOLD
+from normfuse.passes.parts.channel_layout import CHANNEL_LAYOUT
 from normfuse.passes.parts.gate import GATE
-from normfuse.passes.parts.channel_layout import LAYOUT
-from normfuse.passes.parts.add_after_norm import OUTPUT_ADD
+from normfuse.passes.parts.qk_rope import QK_ROPE
 from normfuse.passes.parts.quant import QUANT
 from normfuse.passes.parts.second_norm import SECOND_NORM
-from normfuse.passes.parts.qk_rope import QK_ROPE
 
-__all__ = ["PARTS", "FusionPart", "CallPiece", "PlanContext", "part_named", "taken_parts", "folded_nodes"]
+__all__ = ["PARTS", "FusionPart", "CallPiece", "PlanContext", "taken_parts", "folded_nodes"]
 
-PARTS: tuple[FusionPart, ...] = (LAYOUT, OUTPUT_ADD, BRANCH, GATE, QUANT, SECOND_NORM, QK_ROPE)
-
-
-def part_named(name: str) -> FusionPart:
-    return next(p for p in PARTS if p.name == name)
+PARTS: tuple[FusionPart, ...] = (CHANNEL_LAYOUT, ADD_AFTER_NORM, BRANCH_FOLD, GATE, QUANT, SECOND_NORM, QK_ROPE)
 
 
 def taken_parts(taken: dict) -> list[tuple[FusionPart, object]]:

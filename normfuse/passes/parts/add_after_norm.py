@@ -5,7 +5,7 @@ the stream: ``out = residual + norm(f)``. The call ``norm_add(f, residual, w, b,
 ``out`` (and y while anything else reads it): the stream is read and written once, y never
 (``normfuse.kernels.reference``: "Norm-then-add").
 
-``OUTPUT_ADD`` is the part: a plain norm's call (no add before the norm, not permuted) becomes
+``ADD_AFTER_NORM`` is the part: a plain norm's call (no add before the norm, not permuted) becomes
 a ``norm_add`` call when the add after it is the stream's residual add, nothing sits between
 them, and no add_norm call claims that add (``fuse_output_add``). It builds its call itself.
 """
@@ -22,11 +22,11 @@ from normfuse.passes.graph import copy_meta
 from normfuse.passes.parts.base import BuiltCall, FusionPart, PlanContext
 from normfuse.vocabulary import Placement
 
-__all__ = ["OUTPUT_ADD"]
+__all__ = ["ADD_AFTER_NORM"]
 
 
-class _OutputAdd(FusionPart):
-    name, flag = "add_after_norm", "fuse_output_add"
+class _AddAfterNorm(FusionPart):
+    name = "add_after_norm"
     exclusive = True  # y goes into the add in the same call
     builds_call = True
 
@@ -71,4 +71,4 @@ class _OutputAdd(FusionPart):
         return built
 
 
-OUTPUT_ADD = _OutputAdd()
+ADD_AFTER_NORM = _AddAfterNorm()

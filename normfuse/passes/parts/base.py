@@ -11,13 +11,16 @@ find      ``find(index, match)``                  what it recognizes at a norm (
 plan      ``offer(ctx, site, found, plan)``       whether the planned call takes it (and what that changes)
 plan      ``reads`` / ``spans``                   its operands / nodes that decide where the call starts
 plan      ``may_drop`` / ``drop``                 whether the call goes without it when an operand is late
+plan      ``exclusive``                           it changes y: no second norm, no recompute of y
 record    ``nodes`` / ``folded``                  the nodes it replaces / those ahead of the add it computes
 rewrite   ``operands`` / ``call``                 the call's x and residual / its options in the call
+rewrite   ``y_output`` / ``y_read``               the node y replaces / whether the call still returns y
 rewrite   ``returned`` / ``outputs``              y and s made back into the graph's / outputs it adds
 rewrite   ``build`` (``builds_call``)             the call of another op it makes itself
 report    ``report``                              the report's fields for it
 audit     ``eager_nodes`` / ``fused_bytes``       its traffic, eager and fused
 checker   ``symbolic_input`` / ``symbolic``       its step on x before the sum / its outputs' formula
+checker   ``uses`` / ``roles``                    whether a call computes it / its tensor options' symbols
 checker   ``check_arguments``                     its arguments for a numeric run of the call
 ========  ======================================  ===================================================
 
@@ -29,7 +32,8 @@ reads back (``outputs``) by the names the functional API gives them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch.fx as fx
 
@@ -82,9 +86,9 @@ class FusionPart:
     that reads nothing, replaces nothing and adds no output; a part overrides what it does."""
 
     name: str = ""            # the key of its match in SiteAnalysis.parts and Plan.taken
-    flag: str = ""            # the FuseConfig switch that turns it off
     exclusive: bool = True    # it changes what y is: no second norm shares the call, no linear recomputes y
-    roles: dict[str, str] = {}  # call options holding tensors the checker reads -> their symbol prefix
+    # the call's options holding tensors the checker reads -> the prefix of their symbols
+    roles: Mapping[str, str] = MappingProxyType({})
 
     # ---------------------------------------------------------------- find
     def find(self, index: GraphIndex, match) -> Any | None:
@@ -96,12 +100,9 @@ class FusionPart:
         """The planned call ``plan`` of ``site`` (a planning.Plan, parts earlier in PARTS already
         taken) is offered the part: (what the call takes, None), adjusting the plan where the
         part changes it (e.g. the call's x), or (None, why not). ``found``: what ``find`` found at
-        the site (None: nothing, or the part has no ``find``)."""
-        if found is None:
-            return None, None
-        if not getattr(ctx.config, self.flag):
-            return None, f"not fused ({self.flag}=False)"
-        return found, None
+        the site (None: nothing, or the part has no ``find``). Each part checks its own option
+        (``fuse_<name>``) here, and says why in its words."""
+        return None, None
 
     def reads(self, found) -> tuple[fx.Node, ...]:
         """The original values the call reads for the part (its operands)."""

@@ -15,7 +15,7 @@ graph's order and rounding (dropout, then the per-row scale, then the second bra
 draws its mask from another random stream (the checker replays the kernel's mask
 through the original subgraph: "equal given the mask").
 
-A node is folded only when the step after it is its one reader. ``BRANCH`` is the part: an
+A node is folded only when the step after it is its one reader. ``BRANCH_FOLD`` is the part: an
 add_norm call (not a permuted one) takes what ``fold_branch`` folds of its x (or, when that
 folds nothing and the stream is unknown, of its residual) as ``x1``, ``rowscale`` and
 ``dropout_p`` (``fuse_branch``; dropout also ``fuse_dropout``, and never where the call cannot
@@ -36,7 +36,7 @@ from normfuse.passes.find import as_add, identity_dropout, live_dropout_p
 from normfuse.passes.graph import GraphIndex
 from normfuse.passes.parts.base import CallPiece, FusionPart
 
-__all__ = ["BranchFold", "fold_branch", "BRANCH"]
+__all__ = ["BranchFold", "fold_branch", "BRANCH_FOLD"]
 
 
 @dataclass
@@ -181,8 +181,8 @@ def _per_row(graph: fx.Graph, scale: fx.Node, shape: tuple, as_op: bool) -> list
     return [flat, rows]
 
 
-class _Branch(FusionPart):
-    name, flag = "branch_fold", "fuse_branch"
+class _BranchFold(FusionPart):
+    name = "branch_fold"
     exclusive = False  # y is still the norm of the sum: a second norm may share the call
     roles = {"x1": "xb", "rowscale": "k"}
 
@@ -252,4 +252,4 @@ class _Branch(FusionPart):
             options["rowscale"] = scale.reshape(scale.shape[:-1]).expand(x.shape[:-1])
 
 
-BRANCH = _Branch()
+BRANCH_FOLD = _BranchFold()

@@ -7,7 +7,7 @@ the norm out over dim 1. The kernels read such operands in place, rows along a s
 (``normfuse.kernels.triton``: the channels-first kernels), so the call reads x and residual
 permuted, and its outputs go back to the layout the graph gave them.
 
-``LAYOUT`` is the part: an add_norm call whose add was found through a permute (``find``'s
+``CHANNEL_LAYOUT`` is the part: an add_norm call whose add was found through a permute (``find``'s
 ``AddMatch.permute``), or a norm written out over dim 1 (``NormMatch.layout``), reads its operands
 permuted by those dims (``Plan.permute``), and hands y and the sum back permuted.
 """
@@ -24,7 +24,7 @@ from normfuse.passes.find import permuted_layout
 from normfuse.passes.graph import copy_meta
 from normfuse.passes.parts.base import CallPiece, FusionPart, PlanContext
 
-__all__ = ["LAYOUT", "Layout"]
+__all__ = ["CHANNEL_LAYOUT", "Layout"]
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def _contiguous(graph: fx.Graph, value: fx.Node, as_op: bool) -> fx.Node:
     return graph.call_method("contiguous", (value,))
 
 
-class _Layout(FusionPart):
+class _ChannelLayout(FusionPart):
     name = "channel_layout"
     exclusive = False
 
@@ -124,4 +124,4 @@ class _Layout(FusionPart):
         return result, inserted, inverse
 
 
-LAYOUT = _Layout()
+CHANNEL_LAYOUT = _ChannelLayout()

@@ -8,7 +8,7 @@ gate is two more kernels and one more round trip of the row; the fused call take
 (``gate=``, ``gate_position``, ``gate_activation``, ``gate_out_dtype``; the rounding points
 are in ``normfuse.kernels.reference``, "Gated norms").
 
-``find_gate(index, match)`` returns a ``GateMatch`` (the call's gate options, the nodes it
+``find_gate(index, match)`` returns a ``GateMatch`` (what the gate is, its ``spec`` for the call, the nodes it
 replaces) or None when the norm is not gated in a way the kernel computes. ``GATE`` is the part:
 a plain norm's call, or an add_norm call gating after the norm, takes the gate ("before" gates
 the norm's input, so the call reads x and z instead of the add's sum).
@@ -122,7 +122,7 @@ def find_gate(index: GraphIndex, match) -> GateMatch | None:
 
 
 class _Gate(FusionPart):
-    name, flag = "gate", "fuse_gate"
+    name = "gate"
     roles = {"gate": "g"}
 
     def find(self, index: GraphIndex, match) -> GateMatch | None:
@@ -158,6 +158,8 @@ class _Gate(FusionPart):
     def report(self, record, found: GateMatch, fused: bool, reason: str | None) -> None:
         record.gate = f"{found.activation}(z) {found.position} the norm"
         record.fused_gate = fused
+        if not fused and reason is not None:
+            record.gate_reason = reason
 
     def uses(self, options: dict) -> bool:
         return options.get("gate") is not None

@@ -6,7 +6,7 @@ range and cast. Written out in the graph it reads y back from memory right after
 wrote it; the fused call computes it from the value it still holds (the steps and their
 rounding points: ``normfuse.kernels.reference``, "Quantization epilogue").
 
-``find_quant(index, match)`` reads, on the canonical view, these spellings of it::
+``find_quant(index, y)`` reads, on the canonical view, these spellings of it::
 
     ys    = y.float() | y | either viewed as (..., N // G, G) or (M, N)   # the value quantized
     amax  = ys.abs().amax(-1, keepdim=True) [.float()] [.clamp(min=a)]
@@ -529,7 +529,7 @@ def _reshaped(graph: fx.Graph, value: fx.Node, like: fx.Node, shape: tuple) -> f
 
 
 class _Quant(FusionPart):
-    name, flag = "quant", "fuse_quant"
+    name = "quant"
     roles = {"quant_scale": "qs"}
     operand_name = "the static scale"
 

@@ -54,7 +54,7 @@ def _partner(ctx: PlanContext, site):
 
 
 class _SecondNorm(FusionPart):
-    name, flag = "second_norm", "pair_norms"
+    name = "second_norm"
     exclusive = False
     roles = {"weight1": "wb", "bias1": "bb"}
     operand_name = "the second norm's parameters"
