@@ -197,7 +197,26 @@ class _Attention(nn.Module):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         v = k.view(B, S, self.heads, self.dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(self._rotate(qn, cos, sin), self._rotate(kn, cos, sin), v)
+        if self.leak == "k":
+            return out, kn
         return (out, qn) if self.leak else out
+
+
+class _KLeakingStack(nn.Module):
+    """Two attentions reading one cos/sin table, the second computed from the first's output;
+    each also returns its normalized k, so no q has the k of its own attention to pair with."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Attention(leak="k") for _ in range(2)])
+
+    def forward(self, q, k, cos, sin):
+        leaked = []
+        for layer in self.layers:
+            out, kn = layer(q, k, cos, sin)
+            leaked.append(kn)
+            q = k = out.transpose(1, 2).flatten(2)
+        return q, *leaked
 
 
 def _toy_inputs():
@@ -228,6 +247,43 @@ def test_toy_rope_recognized_or_left(rope, leak, why):
         assert k.op == "qk_norm_rope" and k.fused_rope and k.call != q.call
     else:  # interleaved pairs are not HF's rotate_half: the norms fused alone, the RoPE left as it was
         assert q.op == k.op == "norm" and q.rope is None and k.rope is None, rep
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_a_q_norm_does_not_pair_with_the_next_layer_s_q_norm():
+    """Every layer reads one cos/sin table: a q whose own k cannot join it is fused with its RoPE
+    alone, not paired with the next layer's q (computed from this layer's output, so that call
+    could not start where this one does, and the RoPE would be left out)."""
+    torch._dynamo.reset()
+    model = _KLeakingStack()
+    args = _toy_inputs()
+    with torch.no_grad():
+        ref = model(*args)
+        normfuse.optimize(model)
+        out = model(*args)
+    rep = normfuse.report(model)
+    q_sites = [s for s in rep.sites if s.fqn.endswith("q_norm")]
+    k_sites = [s for s in rep.sites if s.fqn.endswith("k_norm")]
+    assert len(q_sites) == len(k_sites) == 2, rep
+    assert all(s.op == "qk_norm_rope" and s.fused_rope for s in q_sites), rep
+    assert len({s.call for s in q_sites}) == 2  # one call each
+    assert all(s.op == "norm" and s.rope_reason == "the normalized q/k is read outside its RoPE" for s in k_sites)
+    for got, want in zip(out, ref):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_standalone_false_leaves_the_q_k_norms_and_their_rope():
+    """q/k norms have no add next to them: with standalone=False they stay as the model wrote them."""
+    torch._dynamo.reset()
+    model = _Attention()
+    args = _toy_inputs()
+    with torch.no_grad():
+        ref = model(*args)
+        normfuse.optimize(model, standalone=False)
+        out = model(*args)
+    rep = normfuse.report(model)
+    assert len(rep.sites) == 2 and not any(s.fused for s in rep.sites), rep
+    assert all(s.rope_reason == "standalone norms not rewritten (standalone=False)" for s in rep.sites), rep
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 

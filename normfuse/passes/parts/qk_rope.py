@@ -257,13 +257,17 @@ def _same_rope(a: RopeMatch, b: RopeMatch) -> bool:
 
 def _partner(ctx: PlanContext, site, found: RopeMatch):
     """The k norm of the same attention: a later site whose RoPE reads the same cos and sin, with
-    the same modes, that no call took yet (the first such in graph order)."""
+    the same modes, that no call took yet (the first such in graph order). Not a norm computed
+    from this one's output: every layer reads one cos/sin table, and the next layer's q norm,
+    downstream of this one, is no partner (its call could not start where this one does)."""
     index = ctx.analysis.index
     for other in ctx.analysis.sites:
         theirs = other.parts.get(QK_ROPE.name)
         if other is site or other.number in ctx.unavailable or theirs is None or theirs.reason is not None:
             continue
         if index.order[other.match.output] < index.order[site.match.output] or ctx.norm_refusal(other) is not None:
+            continue
+        if index.is_ancestor(site.match.output, other.match.input):
             continue
         if index.same(theirs.cos, found.cos) and index.same(theirs.sin, found.sin) and _same_rope(theirs, found) \
                 and _modes(other) == _modes(site) and (other.match.weight is None) == (site.match.weight is None):
@@ -272,7 +276,7 @@ def _partner(ctx: PlanContext, site, found: RopeMatch):
 
 
 class _QkRope(FusionPart):
-    name, flag = "qk_rope", "fuse_rope"
+    name = "qk_rope"
     exclusive = True  # y is rotated in the call: nothing else reads it
     builds_call = True
     roles = {"cos": "c", "sin": "sn"}
@@ -288,6 +292,8 @@ class _QkRope(FusionPart):
             return None, found.reason
         if not ctx.config.fuse_rope:
             return None, "not fused (fuse_rope=False)"
+        if not ctx.config.standalone:  # a q/k norm has no add: its call is a standalone norm's
+            return None, "standalone norms not rewritten (standalone=False)"
         if ctx.as_op:
             return None, "qk_norm_rope calls are made in torch-level graphs (dynamo, export), not ATen post-grad ones"
         if plan.op != "norm" or plan.taken or plan.permute is not None:
