@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from normfuse.kernels.add_norm import fused_add_norm, norm_add
-from normfuse.kernels.specs import op_arguments, op_defaults
+from normfuse.kernels.specs import NORM_ADD_OUTPUTS, op_arguments, op_defaults
 from normfuse.passes.analysis import Analysis
 from normfuse.passes.canonical import canonical, node_dtype, node_shape, real_users, same_shape
 from normfuse.passes.graph import copy_meta
@@ -261,7 +261,7 @@ def _widen(r: Rewriting, planning: Planning, calls: list[fx.Node]) -> None:
         if not p.widens:
             continue
         call = calls[i]
-        out = _output(call, 0 if p.op == "norm_add" else output_index(call.kwargs)["s"])
+        out = _output(call, NORM_ADD_OUTPUTS.index("out") if p.op == "norm_add" else output_index(call.kwargs)["s"])
         if out is None:
             continue
         old = node_dtype(out)
@@ -290,7 +290,8 @@ def _recompute(r: Rewriting, planning: Planning, calls: list[fx.Node]) -> None:
         if not p.recompute:
             continue
         call, linears = calls[i], list(p.recompute)
-        y = _output(call, 0)
+        where = output_index(call.kwargs)
+        y = _output(call, where["y"])
         users = real_users(y)
         if len(users) == 1 and users[0].op == "call_method" and users[0].target in ("reshape", "view") \
                 and users[0].args[0] is y:
@@ -300,10 +301,10 @@ def _recompute(r: Rewriting, planning: Planning, calls: list[fx.Node]) -> None:
         if residual is not None:  # the norm's input is the sum: make the call return it
             if not call.kwargs.get("return_sum"):
                 call.kwargs = {**call.kwargs, "return_sum": True}
-            inp = _output(call, 1)
+            inp = _output(call, where["s"])
             if inp is None:
                 with graph.inserting_after(call):
-                    inp = graph.call_function(operator.getitem, (call, 1))
+                    inp = graph.call_function(operator.getitem, (call, where["s"]))
         else:
             inp = x
         modes = {k: call.kwargs[k] for k in ("kind", "eps", "weight_offset", "sum_dtype", "norm_round_dtype",

@@ -16,6 +16,7 @@ import operator
 
 import torch.fx as fx
 
+from normfuse.kernels.specs import NORM_ADD_OUTPUTS
 from normfuse.passes.canonical import node_dtype, node_shape, real_users, same_shape
 from normfuse.passes.classify import stream_operand
 from normfuse.passes.graph import copy_meta
@@ -57,14 +58,15 @@ class _AddAfterNorm(FusionPart):
         x, residual = rewriting.resolve(plan.x), rewriting.resolve(plan.residual)
         call = rewriting.fused_call("norm_add", (x, residual, m.weight, m.bias),
                                     dict(modes, add_dtype=add_dtype, return_norm=y_used))
-        result = graph.call_function(operator.getitem, (call, 0))
+        where = {name: i for i, name in enumerate(NORM_ADD_OUTPUTS)}  # norm_add returns (out, y)
+        result = graph.call_function(operator.getitem, (call, where["out"]))
         copy_meta(result, post)
-        built = BuiltCall(call, [call, result], [(0, post)], [post])
+        built = BuiltCall(call, [call, result], [(where["out"], post)], [post])
         if y_used:
-            y = graph.call_function(operator.getitem, (call, 1))
+            y = graph.call_function(operator.getitem, (call, where["y"]))
             copy_meta(y, m.output)
             built.inserted.append(y)
-            built.stands_for.append((1, m.output))
+            built.stands_for.append((where["y"], m.output))
         rewriting.replace(post, result)
         if y_used:
             rewriting.replace(m.output, y)
