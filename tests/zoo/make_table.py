@@ -21,7 +21,7 @@ GROUPS = ("encoder", "decoder", "moe", "hybrid", "encoder-decoder", "vision", "t
 
 def _entry_text(name: str, got: dict) -> str:
     keys = ("norms", "fused", "fused_with_add", "input_is_add", "placements", "eager_norms", "eager_input_is_add",
-            "check", "checked_sites", "bitwise", "gated", "fused_gate")
+            "check", "checked_sites", "bitwise", "gated", "fused_gate", "rope", "fused_rope")
     body = ", ".join(f"{k}={got[k]!r}" for k in keys if k in got)
     return f'    "{name}": dict({body}),'
 
@@ -41,6 +41,7 @@ def measure(names: list[str]) -> None:
 
 def _cell(want: dict) -> str:
     add = f", {want['fused_with_add']} with add" if want["fused_with_add"] else ""
+    add += f", {want['fused_rope']} with RoPE" if want.get("fused_rope") else ""
     eager = f" (eager count: {want['eager_norms']} norms)" if want["eager_norms"] != want["norms"] else ""
     return f"{want['fused']}/{want['norms']}{add}{eager}"
 
@@ -53,15 +54,18 @@ def table() -> str:
     for name, model in zoo_models().items():
         groups[model.group].append(name)
     lines = ["<!-- written by `python -m tests.zoo.make_table` from tests/zoo/expected.py; do not edit -->", "",
-             "| group | models | norm calls (eager count) | norm sites found | fused | fused with their add | check ok |",
-             "|---|---|---|---|---|---|---|"]
+             "| group | models | norm calls (eager count) | norm sites found | fused | fused with their add "
+             "| fused with their RoPE | check ok |",
+             "|---|---|---|---|---|---|---|---|"]
     for group in GROUPS:
         names = groups[group]
         rows = [EXPECTED[n] for n in names]
         lines.append(f"| {group} | {len(names)} | {sum(r['eager_norms'] for r in rows)} | {sum(r['norms'] for r in rows)} | {sum(r['fused'] for r in rows)} "
-                     f"| {sum(r['fused_with_add'] for r in rows)} | {sum(r['check'] == 'ok' for r in rows)} |")
-    lines += ["", "Per model: fused/found norm sites, how many with their residual add, and the independent eager "
-              "count where it differs; a ⚠ marks a finding explained in tests/zoo/expected.py.", ""]
+                     f"| {sum(r['fused_with_add'] for r in rows)} | {sum(r.get('fused_rope', 0) for r in rows)} "
+                     f"| {sum(r['check'] == 'ok' for r in rows)} |")
+    lines += ["", "Per model: fused/found norm sites, how many with their residual add, how many q/k norms with "
+              "their rotary embedding, and the independent eager count where it differs; a ⚠ marks a finding "
+              "explained in tests/zoo/expected.py.", ""]
     for group in GROUPS:
         cells = []
         for name in sorted(groups[group]):

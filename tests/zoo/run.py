@@ -38,6 +38,8 @@ def measure(entry: ZooModel, check: bool = True) -> dict[str, Any]:
                   input_is_add=c["input_is_add"], placements=dict(sorted(Counter(s.placement for s in report.sites).items())))
     if c["gated"]:  # gated norms (Mamba2, NemotronH, Qwen3-Next): found, and their gate in the call
         record.update(gated=c["gated"], fused_gate=c["fused_gate"])
+    if c["rope"]:  # q/k norms whose output goes into a rotary embedding, and those fused with it
+        record.update(rope=c["rope"], fused_rope=c["fused_rope"])
     if result is not None:
         forward = [o for o in result.outputs if not o.name.startswith("grad:")]
         record["check"] = "ok" if result.ok else "FAILS"

@@ -21,8 +21,9 @@ from .run import measure
 
 MODELS = zoo_models()
 ASSERTED = ("norms", "fused", "fused_with_add", "input_is_add", "placements", "eager_norms", "eager_input_is_add",
-            "check", "checked_sites", "bitwise", "gated", "fused_gate")
-OPTIONAL = {"checked_sites", "bitwise", "gated", "fused_gate"}  # asserted where the entry has them
+            "check", "checked_sites", "bitwise", "gated", "fused_gate", "rope", "fused_rope")
+# asserted where the entry has them
+OPTIONAL = {"checked_sites", "bitwise", "gated", "fused_gate", "rope", "fused_rope"}
 
 
 def _run(name: str) -> None:
@@ -45,6 +46,7 @@ def test_table_covers_the_zoo():
     for name, want in EXPECTED.items():
         assert set(ASSERTED) - OPTIONAL <= set(want), name
         assert want.get("fused_gate", 0) == want.get("gated", 0) or want.get("note"), name
+        assert want.get("fused_rope", 0) == want.get("rope", 0) or want.get("note"), name
         # every departure from "all found, all fused, all checked, counts agree" is explained
         clean = (want["fused"] == want["norms"] and want["check"] == "ok" and want.get("bitwise", True)
                  and (want["norms"], want["input_is_add"]) == (want["eager_norms"], want["eager_input_is_add"])
