@@ -71,10 +71,12 @@ def _fused_call(graph: fx.Graph, family: str, args: tuple, options: dict, as_op:
     # the op's arguments by their schema names (the functional options that differ: return_sum
     # is store_sum, return_norm store_norm); the op's defaults for the rest of its modes
     op = "add_norm_fwd" if family == "add_norm" else "norm_add_fwd"
-    named = dict(zip(("x", "residual", "weight", "bias"), args), **options, store_sum=options.get("return_sum"),
-                 store_norm=options.get("return_norm"))
+    named = dict(zip(("x", "residual", "weight", "bias"), args), **options)
+    for option, argument in (("return_sum", "store_sum"), ("return_norm", "store_norm")):
+        if option in named:
+            named[argument] = named.pop(option)
     defaults, arguments = op_defaults(op), op_arguments(op)
-    unknown = set(named) - set(arguments) - {"return_sum", "return_norm"}
+    unknown = set(named) - set(arguments)
     if unknown:  # an option the op does not take would be dropped: its call would compute something else
         raise RuntimeError(f"torch.ops.normfuse.{op} takes no argument {', '.join(sorted(unknown))}; the call "
                            f"cannot be written as the custom op")
