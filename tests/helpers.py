@@ -75,3 +75,28 @@ def run_on_ranks(body, *args) -> list:
             # machine: two xdist workers, two ranks each), after the work this test checks
             warnings.warn(f"a rank died after saving its result ({error}); its result is used", RuntimeWarning)
         return [torch.load(path, weights_only=False) for path in results]
+
+
+def optimized_with_fault(model, plant):
+    """``normfuse.optimize`` of a deep copy whose rewritten graphs ``plant(gm)`` then edits (a
+    planted fault the checker must find at its site), each kept as the graph that ran."""
+    import copy
+
+    import normfuse
+    from normfuse.runs import tracked
+
+    optimized = normfuse.optimize(copy.deepcopy(model))
+    fusing = optimized.forward.make_backend
+
+    def make_backend():
+        inner = fusing()
+
+        def backend(gm, example_inputs):
+            compiled = inner(gm, example_inputs)
+            plant(gm)
+            return tracked(gm.forward, compiled.normfuse_record)
+
+        return backend
+
+    optimized.forward.make_backend = make_backend
+    return optimized

@@ -16,13 +16,11 @@ import torch
 import normfuse
 from normfuse.api import LOG_ATTR
 from normfuse.capture import Recorder
-from normfuse.runs import tracked
-from normfuse.reporting import FusionReport
 from normfuse.verify.graph_check import check_graph_on_first_call
 from normfuse.verify.numeric import Fp64Mode, perturb_vectors, ulp_diff
 from normfuse.verify.sites import fused_calls
 from normfuse.zoo import ToyTransformer, hf_model
-from helpers import assert_close
+from helpers import assert_close, optimized_with_fault
 
 pytest.importorskip("transformers")
 pytest.importorskip("sympy")
@@ -66,21 +64,7 @@ def plant(gm, index, fault):
 
 def faulty_copy(model, index, fault):
     """normfuse.optimize of a deep copy, with ``fault`` planted in fused call ``index``."""
-    m = normfuse.optimize(copy.deepcopy(model))
-    fusing = m.forward.make_backend
-
-    def make_backend():
-        inner = fusing()
-
-        def backend(gm, example_inputs):
-            compiled = inner(gm, example_inputs)
-            plant(gm, index, fault)
-            return tracked(gm.forward, compiled.normfuse_record)
-
-        return backend
-
-    m.forward.make_backend = make_backend
-    return m
+    return optimized_with_fault(model, lambda gm: plant(gm, index, fault))
 
 
 # (family, dtype, fused call index, fault, whether the exact math changes)

@@ -10,18 +10,16 @@ whose outputs go into ``apply_rotary_pos_emb``: 2L = 4 norms, fused with their R
 - qwen3_moe:   qwen3's attention
 """
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import normfuse
-from normfuse.runs import tracked
 from normfuse.verify.numeric import perturb_vectors
 from normfuse.verify.sites import fused_calls
 from normfuse.zoo import example_inputs, hf_model
+from helpers import optimized_with_fault
 
 pytest.importorskip("transformers")
 
@@ -123,19 +121,7 @@ def _plant(gm, fault):
 
 
 def _faulty_copy(model, fault):
-    m = normfuse.optimize(copy.deepcopy(model))
-    fusing = m.forward.make_backend
-
-    def make_backend():
-        inner = fusing()
-
-        def backend(gm, example_inputs):
-            compiled = inner(gm, example_inputs)
-            _plant(gm, fault)
-            return tracked(gm.forward, compiled.normfuse_record)
-        return backend
-    m.forward.make_backend = make_backend
-    return m
+    return optimized_with_fault(model, lambda gm: _plant(gm, fault))
 
 
 @pytest.mark.parametrize("name,fault", [("qwen3", "wrong_half"), ("qwen3", "rotated_sign"),
@@ -227,17 +213,21 @@ def _toy_inputs():
     return q, k, emb.cos(), emb.sin()
 
 
-@pytest.mark.parametrize("rope,leak,why", [("neox", False, None), ("pairs", False, None),
-                                           ("neox", True, "the normalized q/k is read outside its RoPE")])
-def test_toy_rope_recognized_or_left(rope, leak, why):
+def _optimized_toy(model, **options):
+    """(eager output, optimized output, report) of a toy model optimized in place."""
     torch._dynamo.reset()
-    model = _Attention(rope, leak)
     args = _toy_inputs()
     with torch.no_grad():
         ref = model(*args)
-        normfuse.optimize(model)
+        normfuse.optimize(model, **options)
         out = model(*args)
-    rep = normfuse.report(model)
+    return ref, out, normfuse.report(model)
+
+
+@pytest.mark.parametrize("rope,leak,why", [("neox", False, None), ("pairs", False, None),
+                                           ("neox", True, "the normalized q/k is read outside its RoPE")])
+def test_toy_rope_recognized_or_left(rope, leak, why):
+    ref, out, rep = _optimized_toy(_Attention(rope, leak))
     assert len(rep.sites) == 2 and all(s.fused for s in rep.sites), rep
     q, k = rep.sites
     if rope == "neox" and not leak:
@@ -254,14 +244,7 @@ def test_a_q_norm_does_not_pair_with_the_next_layer_s_q_norm():
     """Every layer reads one cos/sin table: a q whose own k cannot join it is fused with its RoPE
     alone, not paired with the next layer's q (computed from this layer's output, so that call
     could not start where this one does, and the RoPE would be left out)."""
-    torch._dynamo.reset()
-    model = _KLeakingStack()
-    args = _toy_inputs()
-    with torch.no_grad():
-        ref = model(*args)
-        normfuse.optimize(model)
-        out = model(*args)
-    rep = normfuse.report(model)
+    ref, out, rep = _optimized_toy(_KLeakingStack())
     q_sites = [s for s in rep.sites if s.fqn.endswith("q_norm")]
     k_sites = [s for s in rep.sites if s.fqn.endswith("k_norm")]
     assert len(q_sites) == len(k_sites) == 2, rep
@@ -274,14 +257,7 @@ def test_a_q_norm_does_not_pair_with_the_next_layer_s_q_norm():
 
 def test_standalone_false_leaves_the_q_k_norms_and_their_rope():
     """q/k norms have no add next to them: with standalone=False they stay as the model wrote them."""
-    torch._dynamo.reset()
-    model = _Attention()
-    args = _toy_inputs()
-    with torch.no_grad():
-        ref = model(*args)
-        normfuse.optimize(model, standalone=False)
-        out = model(*args)
-    rep = normfuse.report(model)
+    ref, out, rep = _optimized_toy(_Attention(), standalone=False)
     assert len(rep.sites) == 2 and not any(s.fused for s in rep.sites), rep
     assert all(s.rope_reason == "standalone norms not rewritten (standalone=False)" for s in rep.sites), rep
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
