@@ -73,8 +73,9 @@ from torch import Tensor
 from normfuse.errors import InvalidOptionError, ShapeMismatchError, UnsupportedDtypeError, closest
 from normfuse.kernels import triton as triton_backend
 from normfuse.kernels.library import implement
+from normfuse.kernels.specs import SUPPORTED_TEXT, dtypes_on
 from normfuse.kernels.ops import _backend, _eager_cpu, _eager_function, _grad_needed, _op_outputs
-from normfuse.kernels.reference import (CPU_ONLY_DTYPES, SUPPORTED_DTYPES, _default_out_dtype, _norm_grads,
+from normfuse.kernels.reference import (_default_out_dtype, _norm_grads,
                                         acc_dtype, normalize)
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_ref", "qk_norm_rope_bwd_ref", "qk_norm_rope_dtypes", "LAYOUTS",
@@ -204,13 +205,6 @@ def qk_norm_rope_ref(q, k, q_weight, k_weight, cos, sin, *, eps, weight_offset=0
 # Validation (once per functional call; the fakes check shapes only)
 # --------------------------------------------------------------------------------------
 
-def _dtypes_on(device: torch.device) -> tuple:
-    return SUPPORTED_DTYPES + (CPU_ONLY_DTYPES if device.type == "cpu" else ())
-
-
-_DTYPES_TEXT = ", ".join(str(d) for d in SUPPORTED_DTYPES) + " (and torch.float64 on CPU)"
-
-
 def _tables(cos: Tensor, sin: Tensor, rotary_dim: Optional[int]) -> tuple[Tensor, Tensor, int]:
     """cos and sin as 4-d (1 | B, 1 | S, 1, R or R / 2) views, and rotary_dim (default cos.shape[-1]);
     what is not a tensor is left to validate's message."""
@@ -226,8 +220,8 @@ def _tables(cos: Tensor, sin: Tensor, rotary_dim: Optional[int]) -> tuple[Tensor
 def _check_tensor(name: str, t, device) -> None:
     if not isinstance(t, Tensor):
         raise InvalidOptionError(f"{name} must be a tensor; got {type(t).__name__}.")
-    if t.dtype not in _dtypes_on(t.device):
-        raise UnsupportedDtypeError(f"{name} has dtype {t.dtype} on {t.device}; qk_norm_rope takes {_DTYPES_TEXT}. "
+    if t.dtype not in dtypes_on(t.device):
+        raise UnsupportedDtypeError(f"{name} has dtype {t.dtype} on {t.device}; qk_norm_rope takes {SUPPORTED_TEXT}. "
                                     f"Cast it first, e.g. {name}.to(torch.bfloat16).")
     if t.device != device:
         raise InvalidOptionError(f"{name} is on {t.device} but q is on {device}; move them to one device.")
@@ -287,9 +281,9 @@ def validate(q, k, q_weight, k_weight, cos, sin, eps, layout, rotary_dim, norm_w
                                  f"table of last dim R / 2 = {rotary_dim // 2} (freqs_cis.real / .imag) with "
                                  f"rotary_dim given.")
     for name, dtype in rounding.items():
-        if dtype is not None and dtype not in _dtypes_on(q.device):
+        if dtype is not None and dtype not in dtypes_on(q.device):
             raise UnsupportedDtypeError(f"{name}={dtype} is not a dtype qk_norm_rope rounds to; use one of "
-                                        f"{_DTYPES_TEXT}.")
+                                        f"{SUPPORTED_TEXT}.")
 
 
 # --------------------------------------------------------------------------------------
