@@ -15,14 +15,22 @@ the gated RMSNorms of Mamba2 and Qwen3-Next against HF's modules, eager and comp
 median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``; plain ``do_bench``
 where capture fails), so Python overhead is not counted; GB/s counts the bytes a fused
 kernel must move (forward: read x, r, write y, s; backward: read dy, ds, s, write dx),
-and % is of the device's copy bandwidth, measured here with a large ``clone``. Last, one
+and % is of the device's copy bandwidth, measured here with a large ``clone``. Then one
 HF llama block forward+backward, eager vs ``normfuse.optimize``.
+
+Last, QK-norm + RoPE (``qk_norm_rope``), bf16, B = 1 and T in {2048, 8192, 32768} tokens, in HF's
+form (q, k from the projections' views, outputs (B, H, T, D)): Qwen3-8B's heads (32 q, 8 kv, head_dim
+128; Qwen3's rounding) and Gemma 3's (transformers' Gemma3TextConfig defaults: 8 q, 4 kv, head_dim 256;
+weight offset 1), forward and forward+backward, against HF's ``Qwen3RMSNorm`` / ``Gemma3RMSNorm``
+then ``apply_rotary_pos_emb`` in eager, the same under ``torch.compile``, and Liger's RMSNorm then
+Liger's RoPE where liger_kernel imports; GB/s by the bytes the fused kernel moves (``qk_rope_bytes``),
+with each provider's largest output and gradient difference from HF eager.
 
 Results go under ``$OUT`` (default ``benchmarks/results/gpu``). Without CUDA the script
 runs the Triton kernels under Triton's interpreter at a toy size (``--toy``), to prove it
 runs end to end; its numbers then mean nothing.
 
-    python benchmarks/bench_gpu.py [--toy] [--budget-s 420]
+    python benchmarks/bench_gpu.py [--toy] [--budget-s 420] [--only ops llama_block modes quant gated qk_rope]
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from common import machine, markdown_table, parse_args, save_plot, write_csv, wr
 
 import torch.nn.functional as F  # noqa: E402
 
+from normfuse.kernels import qk_norm_rope  # noqa: E402
 from normfuse.kernels.add_norm import add_norm  # noqa: E402
 from normfuse.kernels.specs import Dropout, Fp8Quant, Gate  # noqa: E402
 
@@ -163,6 +172,7 @@ def _hf_factory(n, dtype, device):
 
 
 UNAVAILABLE: dict[str, str] = {}
+SECTIONS = ("ops", "llama_block", "modes", "quant", "gated", "qk_rope")
 
 
 # ------------------------------------------------------------------ timing
@@ -428,6 +438,168 @@ def gated_modes(toy: bool) -> list[dict]:
     return rows
 
 
+# QK-norm + RoPE: (q heads, kv heads, head_dim) per family. Qwen3-8B's published config (32, 8, 128);
+# Gemma 3: transformers' Gemma3TextConfig defaults (8, 4, 256), Gemma-3 4B's attention
+QK_FAMILIES = {"qwen3": (32, 8, 128), "gemma3": (8, 4, 256)}
+QK_TOKENS = [8192, 32768, 2048]  # B = 1, S = T
+
+
+def _hf_qk(family: str):
+    """(norm module class, apply_rotary_pos_emb) of HF's ``family``, or None when transformers does not import."""
+    try:
+        from normfuse.zoo import prepare_torchvision
+        prepare_torchvision()
+        if family == "qwen3":
+            from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm as Norm
+            from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+        else:
+            from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm as Norm
+            from transformers.models.gemma3.modeling_gemma3 import apply_rotary_pos_emb
+        return Norm, apply_rotary_pos_emb
+    except ImportError:
+        return None
+
+
+def _qk_eager_fn(family: str, d: int, device):
+    """fn(q, k, wq, wk, cos, sin) -> (q_out, k_out) as HF's attention computes it: q (B, S, H, D) from the
+    projection's view; Qwen3 normalizes and then transposes to (B, H, S, D), Gemma 3 transposes first;
+    then ``apply_rotary_pos_emb`` (rotate_half) with cos, sin (B, S, D) unsqueezed at the heads axis."""
+    from torch.func import functional_call
+    Norm, rope = _hf_qk(family)
+    norm = Norm(d, eps=EPS).to(device, torch.bfloat16)
+
+    def fn(q, k, wq, wk, cos, sin):
+        if family == "qwen3":
+            q = functional_call(norm, {"weight": wq}, (q,)).transpose(1, 2)
+            k = functional_call(norm, {"weight": wk}, (k,)).transpose(1, 2)
+        else:
+            q = functional_call(norm, {"weight": wq}, (q.transpose(1, 2),))
+            k = functional_call(norm, {"weight": wk}, (k.transpose(1, 2),))
+        return rope(q, k, cos, sin)
+    return fn
+
+
+def _qk_liger_fn(family: str, d: int, device):
+    """Liger-Kernel's RMSNorm on q and k (HF's rounding: casting mode "llama" for Qwen3, "gemma" with
+    offset 1 for Gemma 3), then Liger's RoPE kernel on the (B, H, S, D) views; raises ImportError
+    when liger_kernel is not installed."""
+    from torch.func import functional_call
+
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    if family == "qwen3":
+        norm = LigerRMSNorm(d, eps=EPS, offset=0.0, casting_mode="llama", in_place=False)
+    else:
+        norm = LigerRMSNorm(d, eps=EPS, offset=1.0, casting_mode="gemma", init_fn="zeros", in_place=False)
+    norm = norm.to(device, torch.bfloat16)
+
+    def fn(q, k, wq, wk, cos, sin):
+        q = functional_call(norm, {"weight": wq}, (q,)).transpose(1, 2)
+        k = functional_call(norm, {"weight": wk}, (k,)).transpose(1, 2)
+        return liger_rotary_pos_emb(q, k, cos, sin)
+    return fn
+
+
+def _qk_normfuse_fn(family: str, d: int, device):
+    options = (dict(norm_round_dtype=torch.bfloat16) if family == "qwen3" else dict(weight_offset=1.0))
+
+    def fn(q, k, wq, wk, cos, sin):
+        return qk_norm_rope(q, k, wq, wk, cos, sin, eps=EPS, transpose_out=True, **options)
+    return fn
+
+
+def qk_rope_bytes(t: int, h: int, hk: int, d: int) -> tuple[int, int]:
+    """(forward, backward) bytes the fused kernel must move, bf16, B = 1, S = t. Forward: read q, k,
+    q_weight, k_weight, cos, sin; write q_out, k_out (the rstd the training forward also stores is
+    not counted). Backward: read dq_out, dk_out, q, k, cos, sin, the weights and the fp32 rstd of each
+    head row; write dq, dk, dq_weight, dk_weight."""
+    qk = 2 * t * (h + hk) * d          # q and k (or q_out and k_out, dq and dk, ...)
+    tables = 2 * 2 * t * d             # cos and sin, (1, S, D)
+    weights = 2 * 2 * d
+    rstd = 4 * t * (h + hk)
+    return 2 * qk + weights + tables, 3 * qk + tables + 2 * weights + rstd
+
+
+def qk_rope(toy: bool) -> list[dict]:
+    """QK-norm + RoPE, bf16, forward and forward+backward, in HF's form (q, k (1, T, H, D) from the
+    projections' views, out (1, H, T, D)), Qwen3's and Gemma 3's rounding: HF's eager modules, the
+    same function under ``torch.compile``, Liger's RMSNorm then Liger's RoPE (where it imports), and
+    normfuse's ``qk_norm_rope`` (one launch for q and k, ``transpose_out=True``). GB/s by
+    ``qk_rope_bytes``; "fwd_bwd" times the forward and the backward of one step together, by the
+    forward's plus the backward's bytes. ``max_abs_vs_eager``: the largest difference of q_out, k_out
+    from eager's; ``grad_max_abs_vs_eager``: of dq, dk, dq_weight, dk_weight."""
+    device = "cuda" if CUDA else "cpu"
+    compile_backend = "inductor" if CUDA else "aot_eager"
+    families = {"qwen3": (4, 2, 128), "gemma3": (2, 1, 256)} if toy else QK_FAMILIES
+    tokens = [16] if toy else QK_TOKENS
+    rows = []
+    for family, (h, hk, d) in families.items():
+        if _hf_qk(family) is None:
+            UNAVAILABLE["transformers qk norms"] = "transformers does not import"
+            return rows
+        eager = _qk_eager_fn(family, d, device)
+        factories = {"eager HF": lambda: eager,
+                     "compile HF": lambda: torch.compile(eager, backend=compile_backend, dynamic=True),
+                     "liger rms_norm + rope": lambda: _qk_liger_fn(family, d, device),
+                     "normfuse": lambda: _qk_normfuse_fn(family, d, device)}
+        fns = {}
+        for name, make in factories.items():
+            try:
+                fns[name] = make()
+            except Exception as error:  # noqa: BLE001 - a peer that does not import is reported, not fatal
+                UNAVAILABLE[f"qk_rope {name}"] = f"{type(error).__name__}: {error}"
+        for t in tokens:
+            g = torch.Generator(device=device).manual_seed(0)
+
+            def randn(*shape):
+                return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=g)
+            q = randn(1, t, h * d).view(1, t, h, d).requires_grad_()   # q_proj(x).view(B, S, H, D)
+            k = randn(1, t, hk * d).view(1, t, hk, d).requires_grad_()
+            wq, wk = (randn(d).requires_grad_() for _ in range(2))
+            angles = torch.arange(t, device=device)[:, None] * 1e6 ** (-torch.arange(0, d, 2, device=device) / d)
+            emb = torch.cat((angles, angles), dim=-1)[None]            # (1, S, D), HF's rotary embedding
+            cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+            dq, dk = randn(1, h, t, d), randn(1, hk, t, d)
+            fwd_bytes, bwd_bytes = qk_rope_bytes(t, h, hk, d)
+            row = {"family": family, "T": t, "H": h, "Hk": hk, "D": d, "fwd_bytes": fwd_bytes, "bwd_bytes": bwd_bytes}
+            reference = None
+            for name, fn in fns.items():
+                try:
+                    with torch.no_grad():
+                        ms, row["timing"] = _time_ms(lambda: fn(q, k, wq, wk, cos, sin), toy)
+                    row[f"{name}_fwd_ms"], row[f"{name}_fwd_GBps"] = ms, fwd_bytes / (ms * 1e-3) / 1e9
+
+                    def step():
+                        q_out, k_out = fn(q, k, wq, wk, cos, sin)
+                        return torch.autograd.grad((q_out, k_out), (q, k, wq, wk), (dq, dk))
+                    ms, _ = _time_ms(step, toy)
+                    row[f"{name}_fwd_bwd_ms"] = ms
+                    row[f"{name}_fwd_bwd_GBps"] = (fwd_bytes + bwd_bytes) / (ms * 1e-3) / 1e9
+                    with torch.no_grad():
+                        outs = fn(q, k, wq, wk, cos, sin)
+                    grads = step()
+                    if name == "eager HF":
+                        reference = outs, grads
+                    elif reference is not None:
+                        for what, mine, theirs in (("max_abs_vs_eager", outs, reference[0]),
+                                                   ("grad_max_abs_vs_eager", grads, reference[1])):
+                            row[f"{name}_{what}"] = max((a.float() - b.float()).abs().max().item()
+                                                        for a, b in zip(mine, theirs))
+                except Exception as error:  # noqa: BLE001 - one provider failing must not end the run
+                    row[f"{name}_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+                if CUDA:
+                    torch.cuda.empty_cache()
+            for name in fns:
+                for step_name in ("fwd", "fwd_bwd"):
+                    if name != "normfuse" and f"{name}_{step_name}_ms" in row and f"normfuse_{step_name}_ms" in row:
+                        row[f"{step_name}_x_vs_{name}"] = (row[f"{name}_{step_name}_ms"]
+                                                           / row[f"normfuse_{step_name}_ms"])
+            rows.append(row)
+            print(f"  qk_rope {family} T={t}: " + ", ".join(
+                f"{k_[:-5]} {v:.0f} GB/s" for k_, v in row.items() if k_.endswith("_GBps")), flush=True)
+    return rows
+
+
 def llama_block(toy: bool) -> list[dict]:
     """One HF llama decoder block (inside LlamaModel, 1 layer) forward+backward."""
     import copy
@@ -466,8 +638,10 @@ def llama_block(toy: bool) -> list[dict]:
 
 
 def main(argv=None) -> dict:
-    args = parse_args(__doc__.splitlines()[0], argv, lambda p: p.add_argument(
-        "--budget-s", type=float, default=420, help="stop starting new shapes after this many seconds"))
+    def options(p):
+        p.add_argument("--budget-s", type=float, default=420, help="stop starting new shapes after this many seconds")
+        p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="run only these sections")
+    args = parse_args(__doc__.splitlines()[0], argv, options)
     explicit = "--out" in (sys.argv[1:] if argv is None else argv)
     out = args.out if explicit else Path(os.environ["OUT"]) if os.environ.get("OUT") else args.out / "gpu"
     out.mkdir(parents=True, exist_ok=True)
@@ -483,7 +657,7 @@ def main(argv=None) -> dict:
     bandwidth = copy_bandwidth(args.toy)
     print(f"copy bandwidth: {bandwidth:.0f} GB/s", flush=True)
     rows, skipped = [], []
-    for op in ("rms", "ln"):
+    for op in ("rms", "ln") if "ops" in args.only else ():
         table = providers(op, args.toy)
         for dtype_name, dtype in dtypes.items():
             for m in ms:
@@ -514,12 +688,18 @@ def main(argv=None) -> dict:
                 r[f"fwd_x_vs_{p['provider']}"] = p["fwd_ms"] / r["fwd_ms"]
                 r[f"bwd_x_vs_{p['provider']}"] = p["bwd_ms"] / r["bwd_ms"]
     block, mode_rows = [], []
-    if time.perf_counter() - t_start < args.budget_s + 60:
+    def runs(section: str, grace_s: float) -> bool:  # chosen, and started before the budget (+ grace) is spent
+        return section in args.only and time.perf_counter() - t_start < args.budget_s + grace_s
+    if runs("llama_block", 60):
         block = llama_block(args.toy)
-    if time.perf_counter() - t_start < args.budget_s + 120:
+    if runs("modes", 120):
         mode_rows = modes(args.toy)
-    quant_rows = quant_modes(args.toy) if time.perf_counter() - t_start < args.budget_s + 180 else []
-    gated_rows = gated_modes(args.toy) if time.perf_counter() - t_start < args.budget_s + 240 else []
+    quant_rows = quant_modes(args.toy) if runs("quant", 180) else []
+    gated_rows = gated_modes(args.toy) if runs("gated", 240) else []
+    qk_rows = qk_rope(args.toy) if runs("qk_rope", 300) else []
+    for r in qk_rows:  # % of the copy bandwidth measured above
+        for key in [k for k in r if k.endswith("_GBps")]:
+            r[key[:-5] + "_pct_copy"] = 100 * r[key] / bandwidth
     ours = [r for r in rows if r["provider"] == "normfuse" and "fwd_ms" in r]
     big = [r for r in ours if r["N"] >= 1024 and r["M"] >= 16384]
     verdict = {
@@ -532,7 +712,8 @@ def main(argv=None) -> dict:
         "min_fwd_x_vs_hf_eager": min((r2.get("fwd_x_vs_eager HF LlamaRMSNorm", float("inf"))
                                       for r2 in rows if r2["provider"] == "normfuse (llama rounding)"), default=None),
     }
-    write_csv(out / "gpu_ops.csv", rows)
+    if rows:
+        write_csv(out / "gpu_ops.csv", rows)
     if block:
         write_csv(out / "gpu_llama_block.csv", block)
     if mode_rows:
@@ -541,11 +722,19 @@ def main(argv=None) -> dict:
         write_csv(out / "gpu_quant.csv", quant_rows)
     if gated_rows:
         write_csv(out / "gpu_gated.csv", gated_rows)
+    if qk_rows:
+        write_csv(out / "gpu_qk_rope.csv", qk_rows)
     verdict["min_quant_x_vs_eager"] = min((r["x_vs_eager"] for r in quant_rows if "x_vs_eager" in r), default=None)
     verdict["min_gated_x_vs_eager_hf"] = min((v for r in gated_rows for k, v in r.items()
                                               if k.endswith("_x_vs_eager HF")), default=None)
+    verdict["min_qk_rope_x_vs_peer"] = {step: min((v for r in qk_rows for k, v in r.items()
+                                                   if k.startswith(f"{step}_x_vs_")), default=None)
+                                        for step in ("fwd", "fwd_bwd")}
+    verdict["min_qk_rope_normfuse_pct_copy"] = {
+        step: min((r[f"normfuse_{step}_pct_copy"] for r in qk_rows if f"normfuse_{step}_pct_copy" in r), default=None)
+        for step in ("fwd", "fwd_bwd")}
     write_json(out / "gpu.json", {"machine": machine(), "verdict": verdict, "rows": rows, "llama_block": block,
-                                  "modes": mode_rows, "quant": quant_rows, "gated": gated_rows})
+                                  "modes": mode_rows, "quant": quant_rows, "gated": gated_rows, "qk_rope": qk_rows})
 
     def draw(ax):
         for prov in sorted({r["provider"] for r in rows if r["op"] == "rms" and r["dtype"] == "bfloat16"}):
@@ -555,12 +744,31 @@ def main(argv=None) -> dict:
                 ax.plot(*zip(*sorted(pts)), "o-", label=prov, markersize=3)
         ax.set(xscale="log", xlabel="N", ylabel="% of copy bandwidth", title=f"add + RMSNorm forward, bf16, M={ms[0]}")
         ax.legend(fontsize=6)
-    save_plot(out / "gpu_rms_fwd.png", draw)
+    if rows:
+        save_plot(out / "gpu_rms_fwd.png", draw)
+
+    def draw_qk(ax):
+        names = sorted({k[:-len("_fwd_bwd_pct_copy")] for r in qk_rows for k in r if k.endswith("_fwd_bwd_pct_copy")})
+        for family in sorted({r["family"] for r in qk_rows}):
+            for name in names:
+                pts = [(r["T"], r[f"{name}_fwd_bwd_pct_copy"]) for r in qk_rows
+                       if r["family"] == family and f"{name}_fwd_bwd_pct_copy" in r]
+                if pts:
+                    ax.plot(*zip(*sorted(pts)), "o-" if family == "qwen3" else "s--", label=f"{family} {name}",
+                            markersize=3)
+        ax.set(xscale="log", xlabel="tokens", ylabel="% of copy bandwidth",
+               title="QK-norm + RoPE forward+backward, bf16")
+        ax.legend(fontsize=6)
+    if qk_rows:
+        save_plot(out / "gpu_qk_rope.png", draw_qk)
     print(markdown_table([r for r in rows if "fwd_ms" in r],
                          ["op", "provider", "dtype", "M", "N", "fwd_GBps", "fwd_pct_copy", "bwd_GBps", "bwd_pct_copy",
                           "timing"]))
     if block:
         print(markdown_table(block))
+    if qk_rows:
+        print(markdown_table(qk_rows, ["family", "T", "H", "Hk", "D"] + [
+            k for k in qk_rows[0] if k.endswith(("_GBps", "_pct_copy")) or "_x_vs_" in k]))
     print("verdict:", verdict)
     return verdict
 

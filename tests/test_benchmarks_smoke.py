@@ -97,6 +97,15 @@ def test_gpu_suite_toy_under_interpreter(tmp_path):
     assert all(r["timing"] == "cpu-interpreter" and r["fwd_ms"] > 0 and r["bwd_ms"] > 0 for r in ok)
     block = result["llama_block"]
     assert [b["variant"] for b in block] == ["eager", "normfuse"] and block[1]["fused"] == 3
+    # QK-norm + RoPE: Qwen3's and Gemma 3's rounding, every provider forward and forward+backward, and
+    # the fused kernel's outputs equal to HF eager's (bf16, the interpreter)
+    qk = result["qk_rope"]
+    assert [r["family"] for r in qk] == ["qwen3", "gemma3"]
+    for r in qk:
+        assert not [k for k in r if k.endswith("_error")], r
+        for name in ("eager HF", "compile HF", "normfuse"):
+            assert r[f"{name}_fwd_ms"] > 0 and r[f"{name}_fwd_bwd_ms"] > 0 and r[f"{name}_fwd_pct_copy"] > 0
+        assert r["normfuse_max_abs_vs_eager"] == 0.0
 
 
 def test_residual_dtype_toy(tmp_path):
