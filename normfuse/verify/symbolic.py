@@ -16,6 +16,7 @@ every point are reported as such (``method``), never as an algebraic proof.
 
 from __future__ import annotations
 
+import math
 import operator
 import random
 from dataclasses import asdict, dataclass
@@ -58,6 +59,42 @@ def _row(name: str, n: int) -> list:
     return [sympy.Symbol(f"{name}{i}", real=True) for i in range(n)]
 
 
+class _Heads(list):
+    """A value split into heads: one row per head (a norm over all heads of a position, then the
+    view to (..., H, D): OLMo 2's q/k). Elementwise steps, slices and cats act per head."""
+
+
+@dataclass(frozen=True)
+class _HeadRows:
+    """How the rows of a ``qk_norm_rope`` call stand for heads: a head's ``head_dim`` columns are
+    ``per_head`` symbols, so many that the rotary columns and their halves fall on whole symbols.
+    A value of m heads (m * head_dim columns) is one row of 2 heads when m is even, else of one,
+    each symbol standing for the same columns of every head it covers (the statistics over the
+    row are the same mean)."""
+
+    head_dim: int
+    per_head: int
+
+    def symbols(self, width: int) -> int | None:
+        """The symbols of a value whose last dim is ``width`` columns (None: not whole symbols)."""
+        if width % self.head_dim == 0:
+            heads = width // self.head_dim
+            return self.per_head * (2 if heads % 2 == 0 else 1)
+        return width * self.per_head // self.head_dim if width * self.per_head % self.head_dim == 0 else None
+
+
+def _head_rows(pair: SitePair) -> _HeadRows | None:
+    """The heads of a ``qk_norm_rope`` call's rows (None for every other call)."""
+    if fused_op_name(pair.call) != "qk_norm_rope" or not pair.outputs:
+        return None
+    head_dim = (node_shape(pair.outputs[0][1]) or (None,))[-1]
+    if not isinstance(head_dim, int) or head_dim % 2:
+        raise _Unsupported(f"the RoPE output {pair.outputs[0][1].name} has no even head_dim")
+    rotary = pair.call.kwargs.get("rotary_dim") or head_dim
+    # p * rotary / 2 a multiple of head_dim: the halves of the rotary columns are whole symbols
+    return _HeadRows(head_dim, math.lcm(ROW, 2 * head_dim // math.gcd(rotary, 2 * head_dim)))
+
+
 def _bcast(a: list, b: list) -> tuple[list, list]:
     if len(a) == len(b):
         return a, b
@@ -69,6 +106,12 @@ def _bcast(a: list, b: list) -> tuple[list, list]:
 
 
 def _elementwise(fn, *rows):
+    heads = {len(r) for r in rows if isinstance(r, _Heads)}
+    if len(heads) > 1:
+        raise _Unsupported(f"values of {sorted(heads)} heads meet in one step")
+    if heads:  # per head; a row (cos, sin) meets every head
+        return _Heads(_elementwise(fn, *(r[h] if isinstance(r, _Heads) else r for r in rows))
+                      for h in range(heads.pop()))
     rows = [r if isinstance(r, list) else [r] for r in rows]
     if len(rows) == 2:
         rows = list(_bcast(*rows))
@@ -87,11 +130,19 @@ def _const(value: Any, eps: float | None, eps_sym) -> Any:
     return value
 
 
+def _whole(row: Any) -> Any:
+    if isinstance(row, _Heads):
+        raise _Unsupported("a statistic over a value split into heads")
+    return row
+
+
 def _mean(row: list) -> list:
+    row = _whole(row)
     return [sympy.Add(*row) / len(row)]
 
 
 def _var(row: list, unbiased: bool) -> list:
+    row = _whole(row)
     m = _mean(row)[0]
     return [sympy.Add(*[(v - m) ** 2 for v in row]) / (len(row) - (1 if unbiased else 0))]
 
@@ -126,7 +177,7 @@ def _live_dropout_scale(c) -> Any:
     return None if p is None else sympy.Rational(1.0 / (1.0 - p))
 
 
-def _eval_node(node: fx.Node, load, eps: float | None, eps_sym) -> Any:
+def _eval_node(node: fx.Node, load, eps: float | None, eps_sym, heads: _HeadRows | None = None) -> Any:
     def val(a):
         return load(a) if isinstance(a, fx.Node) else _const(a, eps, eps_sym)
 
@@ -149,6 +200,8 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym) -> Any:
     scale = _live_dropout_scale(c) if p == "dropout" else None
     if scale is not None:  # given the mask: input * m * 1/(1-p)
         return _elementwise(lambda a, m: a * m * scale, val(c["input"]), _MASK)
+    if p == "view" and heads is not None:
+        return _split_heads(node, c, val(c["input"]), heads)
     if p in ("cast", "view", "permute", "dropout"):  # a row keeps its values (a permute moves it whole)
         return val(c["input"])
     if p in ("add", "sub"):
@@ -191,9 +244,14 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym) -> Any:
         ndim = len(node_shape(node) or ())
         if list(c["dim"]) not in ([-1], [ndim - 1]):
             raise _Unsupported(f"{node.name} concatenates along a dim other than the last")
-        return [v for t in c["tensors"] for v in val(t)]
+        parts = [val(t) for t in c["tensors"]]
+        if any(isinstance(t, _Heads) for t in parts):  # head by head
+            if not all(isinstance(t, _Heads) and len(t) == len(parts[0]) for t in parts):
+                raise _Unsupported(f"{node.name} concatenates a value split into heads with another")
+            return _Heads([v for t in part for v in t] for part in zip(*parts))
+        return [v for t in parts for v in t]
     if p == "amax":  # over the last dim, keepdim (the matcher took no other): the row's maximum
-        return [_max(*val(c["input"]))]
+        return [_max(*_whole(val(c["input"])))]
     if p == "clamp":
         return _clamp(val(c["input"]), _bound(c["min"], val), _bound(c["max"], val), eps, eps_sym)
     if p in ("layer_norm", "rms_norm"):
@@ -209,9 +267,22 @@ def _touches_last(node: fx.Node, *dims: Any) -> bool:
     return not ndim or any(not isinstance(d, int) or d % ndim == ndim - 1 for d in dims)
 
 
+def _split_heads(node: fx.Node, c, row: Any, heads: _HeadRows) -> Any:
+    """A view of a qk_norm_rope call's value: one that splits the last dim into heads of
+    ``head_dim`` columns makes the row heads; any other keeps the row as it is."""
+    before, after = (node_shape(c["input"]) or (None,))[-1], (node_shape(node) or (None,))[-1]
+    if before == after or isinstance(row, _Heads):
+        return row
+    if after != heads.head_dim or not isinstance(before, int) or before % after or len(row) % heads.per_head:
+        raise _Unsupported(f"{node.name} reshapes the row ({before} -> {after} columns) but not into heads")
+    return _Heads(row[i:i + heads.per_head] for i in range(0, len(row), heads.per_head))
+
+
 def _slice_row(node: fx.Node, c, row: list) -> list:
     """``x[..., a:b]`` of a row whose ``len(row)`` symbols stand for the value's last dim of
-    ``width`` columns: the block a:b of it, when its bounds fall on symbols."""
+    ``width`` columns: the block a:b of it, when its bounds fall on symbols (of each head)."""
+    if isinstance(row, _Heads):
+        return _Heads(_slice_row(node, c, head) for head in row)
     width = (node_shape(c["input"]) or (None,))[-1]
     start, end = c["start"], c["end"]
     if not isinstance(width, int) or not width:
@@ -270,18 +341,21 @@ def _clamp(row: list, low: Any, high: Any, eps: float | None = None, eps_sym=Non
 # the row operations a fusion part's symbolic form is written with
 _ROW_OPS = SimpleNamespace(elementwise=_elementwise, mul=operator.mul, add=operator.add, mask=_MASK,
                           activation=_activation, max=_max, clamp=lambda row, low, high: _clamp(row, low, high),
-                          abs=sympy.Abs, rational=sympy.Rational)
+                          abs=sympy.Abs, rational=sympy.Rational, unsupported=_Unsupported)
 
 
-def _leaf(node: fx.Node, name: str, hidden: int | None, layout: tuple[int, ...] | None = None) -> list:
+def _leaf(node: fx.Node, name: str, hidden: int | None, layout: tuple[int, ...] | None = None,
+          heads: _HeadRows | None = None) -> list:
     shape = node_shape(node)
     if layout is not None and shape and len(shape) == len(layout):
         shape = tuple(shape[d] for d in layout)  # the row the call reads is along the permuted last dim
     last = shape[-1] if shape else 1
-    if hidden is not None and last == hidden:
+    if heads is None and hidden is not None and last == hidden:
         return _row(name, ROW)
     if last == 1:
         return _row(name, 1)
+    if heads is not None and isinstance(last, int) and heads.symbols(last):
+        return _row(name, heads.symbols(last))
     raise _Unsupported(f"input {node.name} of shape {shape} is neither a row of the hidden size nor a scalar")
 
 
@@ -415,6 +489,7 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
     eps_sym = sympy.Symbol("eps", positive=True)
     inside = set(pair.nodes)
     try:
+        heads = _head_rows(pair)
         leaves: dict[fx.Node, Any] = {}   # keyed by source (see _source): a value and its casts share symbols
         rows: dict[str, Any] = {}
         for role, node in pair.args.items():
@@ -423,14 +498,14 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
             elif isinstance(node, fx.Node):
                 source = _source(node, inside, transposes)
                 if source not in leaves:
-                    leaves[source] = _leaf(source, _SYMBOL_PREFIX[role], hidden, pair.layout)
+                    leaves[source] = _leaf(source, _SYMBOL_PREFIX[role], hidden, pair.layout, heads)
                 rows[role] = leaves[source]
             else:
                 raise _Unsupported(f"the fused call's {role} is a constant {node!r}")
         for i, node in enumerate(pair.inputs):  # values the original reads that the call does not
             source = _source(node, inside, transposes)
             if source not in leaves and source not in inside:
-                leaves[source] = _leaf(source, f"z{i}_", hidden, pair.layout)
+                leaves[source] = _leaf(source, f"z{i}_", hidden, pair.layout, heads)
         values: dict[fx.Node, Any] = {}
 
         def load(n):
@@ -444,7 +519,8 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
             raise _Unsupported(f"{n.name} is read by the subgraph but is outside it")
 
         for node in pair.nodes:
-            values[node] = _eval_node(node, load, pair.eps, eps_sym)
+            values[node] = _eval_node(node, load, pair.eps, eps_sym, heads)
+        rows["heads"] = heads
         fused = _fused(pair, rows, eps_sym, pair.eps)
     except _Unsupported as why:
         return SymbolicResult("unsupported", detail=str(why))
@@ -455,10 +531,15 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
                                                     f"{str(error)[:120]})")
 
 
+def _flat(value: Any) -> Any:
+    """A value split into heads as one row, heads in order."""
+    return [v for head in value for v in head] if isinstance(value, _Heads) else value
+
+
 def _prove_outputs(pair: SitePair, values: dict, fused: list, rng: random.Random) -> SymbolicResult:
     methods = []
     for k, orig in pair.outputs:
-        want, got = values[orig], fused[k]
+        want, got = _flat(values[orig]), _flat(fused[k])
         if not isinstance(want, list) or len(want) != len(got):
             return SymbolicResult("unsupported", detail=f"{orig.name} is not a row of the hidden size")
         for i, (a, b) in enumerate(zip(want, got)):

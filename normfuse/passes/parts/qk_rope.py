@@ -390,23 +390,45 @@ class _QkRope(FusionPart):
 
     def symbolic(self, options: dict, rows: dict, s: list, norm, ops) -> dict[str, list]:
         """q_out, k_out: each normalized with its weight (the call's x / weight, residual / bias
-        roles), then rotated on whole rows (the checker's rows stand for a head's columns; a
-        partial rotary or a half table does not make such rows, and stays unsupported)."""
+        roles) over its rows (norm_width: each head, or all heads of a position), then rotated head by head
+        (``rows["heads"]``: a head is ``per_head`` symbols, the first ``per_head * R / D`` rotated)."""
+        heads, layout = rows["heads"], options.get("layout", "neox")
+        rotated = heads.per_head * (options.get("rotary_dim") or heads.head_dim) // heads.head_dim
+        c, sn = (_per_column(rows[t], rotated, layout, ops) for t in ("cos", "sin"))
         out = {}
         for name, x, w in (("q_out", rows["x"], rows["weight"]), ("k_out", rows["residual"], rows["bias"])):
-            out[name] = None if x is None else _rotated(norm(x, w, None), rows["cos"], rows["sin"],
-                                                        options.get("layout", "neox"))
+            if x is None:
+                out[name] = None
+                continue
+            p = heads.per_head
+            if options.get("norm_width", "head") == "row":
+                y = norm(x, w, None)
+            else:  # each head's statistics (a weight of all heads' columns read head by head)
+                y = [v for h in range(0, len(x), p)
+                     for v in norm(x[h:h + p], w if w is None or len(w) == p else w[h:h + p], None)]
+            out[name] = [v for h in range(0, len(y), p) for v in _rotated(y[h:h + p], c, sn, layout, rotated)]
         return out
 
 
-def _rotated(y: list, c: list, s: list, layout: str) -> list:
-    """y * c + rot(y) * s on a row, rot(y)[j] = sign(j) * y[P(j)] (normfuse/kernels/qk_rope.py)."""
-    n, half = len(y), len(y) // 2
+def _per_column(table: list, rotated: int, layout: str, ops) -> list:
+    """A table row with one value per rotated symbol: a half table (one value per pair, as the
+    complex form's) repeated as the layout pairs its columns (normfuse/kernels/qk_rope.py)."""
+    if len(table) == rotated:
+        return table
+    if 2 * len(table) != rotated:
+        raise ops.unsupported(f"a table of {len(table)} symbols for {rotated} rotated ones")
+    return [table[j % len(table)] if layout == "neox" else table[j // 2] for j in range(rotated)]
+
+
+def _rotated(y: list, c: list, s: list, layout: str, rotated: int) -> list:
+    """y * c + rot(y) * s on the first ``rotated`` symbols of a head, rot(y)[j] = sign(j) * y[P(j)]
+    (normfuse/kernels/qk_rope.py); the others as they are (partial rotary)."""
+    half = rotated // 2
     if layout == "neox":
-        rot = [-y[j + half] if j < half else y[j - half] for j in range(n)]
+        rot = [-y[j + half] if j < half else y[j - half] for j in range(rotated)]
     else:
-        rot = [-y[j + 1] if j % 2 == 0 else y[j - 1] for j in range(n)]
-    return [y[j] * c[j] + rot[j] * s[j] for j in range(n)]
+        rot = [-y[j + 1] if j % 2 == 0 else y[j - 1] for j in range(rotated)]
+    return [y[j] * c[j] + rot[j] * s[j] for j in range(rotated)] + y[rotated:]
 
 
 QK_ROPE = _QkRope()
