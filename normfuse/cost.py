@@ -275,7 +275,8 @@ def site_bytes(index, site: SiteAnalysis, plan: Plan | None, residual_dtype: tor
         fused.add(bwd=y_bytes + x_bytes + stats + 2 * params + x_bytes)
     for part in PARTS:  # what the parts the call takes write (or save) besides y and s
         if part.name in plan.taken:
-            fused.add(fwd=part.fused_bytes(plan.taken[part.name], y_bytes, _SIZES))
+            fwd, bwd = part.fused_bytes(plan.taken[part.name], y_bytes, _SIZES)
+            fused.add(fwd=fwd, bwd=bwd)
     return eager, fused, nodes
 
 

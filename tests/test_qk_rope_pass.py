@@ -266,7 +266,9 @@ def test_standalone_false_leaves_the_q_k_norms_and_their_rope():
 
 def test_audit_prices_the_rope():
     """q and k read once and their rotated values written once: the fused forward bytes of one
-    attention's call are exactly that plus the weights and the fp32 rstd per norm row."""
+    attention's call are exactly that plus the weights, the cos/sin tables and the fp32 rstd per
+    norm row; its backward reads dq_out, dk_out, q, k, rstd, the weights and the tables and writes
+    dq, dk and the weights' grads."""
     from normfuse.auditing import audit
     from normfuse.config import FuseConfig
 
@@ -279,11 +281,14 @@ def test_audit_prices_the_rope():
     cfg = model.config
     D, H, Hk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     q_bytes, k_bytes = B * S * H * D * 2, B * S * Hk * D * 2
-    want = 2 * (q_bytes + k_bytes) + 2 * D * 2 + 4 * B * S * (H + Hk)
+    weights, tables, rstd = 2 * D * 2, 2 * S * D * 2, 4 * B * S * (H + Hk)  # bf16 (D,) weights, (1, S, D) tables
+    want = 2 * (q_bytes + k_bytes) + weights + tables + rstd
+    want_bwd = 3 * (q_bytes + k_bytes) + 2 * weights + tables + rstd
     for layer in range(2):
         q, k = (priced[True][f"layers.{layer}.self_attn.{n}"] for n in ("q_norm", "k_norm"))
         assert q.site.op == k.site.op == "qk_norm_rope"
         assert q.fused.fwd + k.fused.fwd == want
+        assert q.fused.bwd + k.fused.bwd == want_bwd
         assert q.fused.fwd_kernels + k.fused.fwd_kernels == 1
         # the RoPE's eager traffic is priced at the lead: more saved than by the norms alone
         alone = priced[False][f"layers.{layer}.self_attn.q_norm"]

@@ -178,10 +178,10 @@ class FusionPart:
         """The nodes the audit prices as the eager cost of the step (those the call removes)."""
         return ()
 
-    def fused_bytes(self, found, y_bytes: int, size) -> int:
-        """Forward bytes the call writes (or saves) for the part, with y of ``y_bytes``
-        (``size.bytes(node)``, ``size.numel(node)``: the audit's sizes of a node's value)."""
-        return 0
+    def fused_bytes(self, found, y_bytes: int, size) -> tuple[int, int]:
+        """(forward, backward) bytes the call moves for the part besides the norm's own, with y of
+        ``y_bytes`` (``size.bytes(node)``, ``size.numel(node)``: the audit's sizes of a node's value)."""
+        return 0, 0
 
     # ---------------------------------------------------------------- checker
     def uses(self, options: dict) -> bool:

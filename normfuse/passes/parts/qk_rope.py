@@ -374,15 +374,20 @@ class _QkRope(FusionPart):
         # the RoPE of q and of k (the k norm itself is priced at its own site)
         return (*pair.q.nodes, *(() if pair.k is None else pair.k.nodes))
 
-    def fused_bytes(self, pair: QkPair, y_bytes: int, size) -> int:
-        # the call writes q_out and k_out where the norms wrote y; k's y is priced at its own site,
-        # which reads neither k nor writes its rstd (a second norm of one value would share both)
-        extra = size.bytes(pair.q.output) - y_bytes
+    def fused_bytes(self, pair: QkPair, y_bytes: int, size) -> tuple[int, int]:
+        """The q site is priced as a norm (read q and its weight, write y and rstd; backward: read
+        dy, q, rstd, the weight, write dq and dweight); the k site, computed by this call, adds only
+        its weight and y (backward: dy, its weight's grads). Besides: q_out, k_out in place of the
+        norms' y, dq_out, dk_out in place of their dy, cos and sin read once each way, and k's read,
+        rstd and dk."""
+        tables = sum(size.bytes(t) for t in (pair.q.cos, pair.q.sin) if isinstance(t, fx.Node))
+        fwd = bwd = size.bytes(pair.q.output) - y_bytes + tables
         if pair.k is not None:
             k = pair.k_norm
-            extra += size.bytes(pair.k.output) - size.bytes(k.output) + size.bytes(k.input) \
-                + 4 * (size.numel(k.input) // k.hidden_size)
-        return extra
+            k_out, k_in, rstd = size.bytes(pair.k.output), size.bytes(k.input), 4 * (size.numel(k.input) // k.hidden_size)
+            fwd += k_out - size.bytes(k.output) + k_in + rstd
+            bwd += k_out - size.bytes(k.output) + k_in + rstd + k_in  # dk_out for dy; read k, rstd; write dk
+        return fwd, bwd
 
     # ---------------------------------------------------------------- checker
     def uses(self, options: dict) -> bool:

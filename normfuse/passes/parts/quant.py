@@ -612,10 +612,11 @@ class _Quant(FusionPart):
     def eager_nodes(self, found: QuantMatch) -> tuple[fx.Node, ...]:
         return found.nodes  # eager reads y back to quantize it
 
-    def fused_bytes(self, found: QuantMatch, y_bytes: int, size) -> int:
-        """q (one byte an element) and a dynamic scale written; y only while still read."""
+    def fused_bytes(self, found: QuantMatch, y_bytes: int, size) -> tuple[int, int]:
+        """q (one byte an element) and a dynamic scale written; y only while still read. No
+        backward: a quantized value has no gradient."""
         scale = size.bytes(found.scale_node) if found.scale_node is not None else 0
-        return size.numel(found.q) * found.dtype.itemsize + scale - (0 if found.reads_y else y_bytes)
+        return size.numel(found.q) * found.dtype.itemsize + scale - (0 if found.reads_y else y_bytes), 0
 
     def uses(self, options: dict) -> bool:
         return options.get("quant_dtype") is not None
