@@ -70,6 +70,13 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "slice": ("input", "dim", "start", "end", "step"),  # x[..., a:b], aten.slice
     "cat": ("tensors", "dim"),
     "transpose": ("input", "dim0", "dim1"),
+    # ... torchtitan's complex RoPE: (B, S, H, D) -> (B, S, H, D/2) complex pairs, times freqs_cis, back
+    "flatten": ("input", "start_dim", "end_dim"),
+    "view_as_complex": ("input",),
+    "view_as_real": ("input",),
+    # ... and torchtitan's cache gathered at given positions (pure: a table the call reads may move up)
+    "expand": ("input", "size"),
+    "gather": ("input", "dim", "index"),
     # ... and activations (passes/parts/)
     "silu": ("input",),
     "sigmoid": ("input",),
@@ -117,6 +124,11 @@ SPELLINGS: dict[str, list[Any]] = {
     "slice": [*_aten("slice.Tensor")],  # the getitem spelling: canonical() reads its index
     "cat": [torch.cat, torch.concat, torch.concatenate, *_aten("cat.default")],
     "transpose": [torch.transpose, "transpose", *_aten("transpose.int")],
+    "flatten": [torch.flatten, "flatten", *_aten("flatten.using_ints")],
+    "view_as_complex": [torch.view_as_complex, *_aten("view_as_complex.default")],
+    "view_as_real": [torch.view_as_real, *_aten("view_as_real.default")],
+    "expand": ["expand", *_aten("expand.default")],
+    "gather": [torch.gather, "gather", *_aten("gather.default")],
     "silu": [F.silu, "silu", *_aten("silu.default")],
     "sigmoid": [torch.sigmoid, F.sigmoid, "sigmoid", *_aten("sigmoid.default")],
 }
@@ -142,6 +154,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "clamp": {"min": None, "max": None},
     "slice": {"dim": [0], "start": None, "end": None, "step": 1},
     "cat": {"dim": [0]},
+    "flatten": {"start_dim": 0, "end_dim": -1},
 }
 
 # ATen spellings whose positional layout differs from the canonical one.
@@ -303,6 +316,8 @@ def canonical(node: fx.Node) -> Canon | None:
     args = _bind(node, names)
     if prim == "permute" and len(node.args) > 2:  # x.permute(0, 2, 3, 1): the dims as varargs
         args["dims"] = tuple(node.args[1:])
+    if prim == "expand" and len(node.args) > 2:  # x.expand(2, -1): the sizes as varargs
+        args["size"] = tuple(node.args[1:])
     if prim == "dropout" and "train" in args:
         args["training"] = args.pop("train")
     multi = node.target in _aten("native_layer_norm.default", "_fused_rms_norm.default")

@@ -190,8 +190,11 @@ def model_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def fp64_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A deep copy of ``model`` with every floating parameter and buffer in fp64."""
-    return model_copy(model).to(F64)
+    """A deep copy of ``model`` with every floating parameter and buffer in fp64, and every complex
+    one in complex128 (``Module.to(torch.float64)`` would drop the imaginary part of a complex
+    buffer: torchtitan's ``freqs_cis``)."""
+    return model_copy(model)._apply(
+        lambda t: t.to(torch.complex128) if t.is_complex() else t.to(F64) if t.is_floating_point() else t)
 
 
 def perturb_vectors(model: torch.nn.Module, scale: float = 0.1, seed: int = 0) -> torch.nn.Module:

@@ -8,6 +8,14 @@ after, as HF writes it (``apply_rotary_pos_emb``)::
     GLM (partial rotary): q_rot, q_pass = q[..., :R], q[..., R:]; the same on q_rot; cat((q_embed, q_pass), -1)
     OLMo 2: cos, sin stay fp32, so the products are fp32, then ``q_embed.to(q_type)``
 
+torchtitan (``models/common/rope.py``) rotates q (B, S, H, D) untransposed, upcast, and casts back::
+
+    q_f = q_norm(q).float()
+    CosSinRoPE:  q_f * cos + cat((-q_f2, q_f1), -1) * sin     cos, sin: 4-d slices of a (1 | B, S, 1, 2D) cache
+    ComplexRoPE: view_as_real(view_as_complex(q_f.reshape(B, S, H, D/2, 2)) * freqs_cis).flatten(3)
+                 (the pair rotation in fp32: layout "gptj"; the call reads freqs_cis.real and .imag)
+    then ``.type_as(q)``, a cast that reads q's dtype, not its values
+
 ``qk_norm_rope`` (``normfuse.kernels.qk_rope``: its docstring is the semantics) computes the norm
 and the rotation with the graph's dtypes: the norm's rounding modes are the norm match's, the
 rotation's dtype (``rope_dtype``) is what the graph's ``y * cos`` computed in, ``out_dtype`` the
@@ -29,7 +37,7 @@ import torch
 import torch.fx as fx
 
 from normfuse.kernels.qk_rope import qk_norm_rope
-from normfuse.passes.canonical import node_dtype, node_shape, real_users
+from normfuse.passes.canonical import canonical, is_exact_upcast, node_dtype, node_shape, real_users
 from normfuse.passes.graph import copy_meta
 from normfuse.passes.parts.base import BuiltCall, FusionPart, PlanContext
 from normfuse.vocabulary import KERNEL_DTYPES
@@ -43,8 +51,8 @@ class RopeMatch:
 
     nodes: tuple[fx.Node, ...] = ()   # the nodes after the norm the call replaces (views, transpose, RoPE)
     output: fx.Node | None = None     # the node whose value the call's output replaces
-    cos: fx.Node | None = None        # the tables as the kernel reads them: (1 | B, S, R)
-    sin: fx.Node | None = None
+    cos: fx.Node | None = None        # the tables as the kernel reads them: (1 | B, S, R) or (1 | B, 1 | S, 1, R)
+    sin: fx.Node | None = None        # (complex form: cos and sin are freqs_cis, the call reads .real / .imag)
     layout: str = "neox"
     rotary_dim: int = 0
     head_dim: int = 0
@@ -56,6 +64,7 @@ class RopeMatch:
     rope_dtype: torch.dtype | None = None
     out_dtype: torch.dtype | None = None
     reason: str | None = None
+    complex_table: bool = False       # cos / sin are one complex (1 | B, 1 | S, 1, D / 2) freqs_cis
 
     def describe(self) -> str:
         return f"{self.layout}, rotary {self.rotary_dim} of {self.head_dim}"
@@ -107,15 +116,26 @@ def _slice_of(index, node: fx.Node, value: fx.Node, width: int):
     return start, end
 
 
+def _readers(node: fx.Node) -> list[fx.Node]:
+    """The users that read the values of ``node``: not a cast that takes only its dtype
+    (torchtitan's ``rotated.type_as(query)`` reads query's dtype, not query)."""
+    users = []
+    for u in real_users(node):
+        c = canonical(u)
+        if c is None or c.prim != "cast" or c["input"] is node:
+            users.append(u)
+    return users
+
+
 def _single_user(node: fx.Node) -> fx.Node | None:
-    users = real_users(node)
+    users = _readers(node)
     return users[0] if len(users) == 1 else None
 
 
 def _rotate_half(index, r: fx.Node, width: int):
     """``r * c + cat((-r2, r1), -1) * s`` on ``r`` of last dim ``width``: (sum, c, s, nodes), or
     None when r's readers are not that; a str when they are, but something else reads a step."""
-    users = real_users(r)
+    users = _readers(r)
     half = width // 2
     muls = [(u, _other(index, u, r)) for u in users if _other(index, u, r) is not None]
     halves = {_slice_of(index, u, r, width): u for u in users if index.prim(u) == "slice"}
@@ -139,7 +159,7 @@ def _rotate_half(index, r: fx.Node, width: int):
     co = index.canon(o) if o is not None else None
     if co is None or co.prim != "add" or co["alpha"] != 1 or {co["input"], co["other"]} != {a, b}:
         return None
-    if len(users) != 3 or real_users(x1) != [cat] or real_users(b) != [o]:
+    if len(users) != 3 or _readers(x1) != [cat] or _readers(b) != [o]:
         return "the normalized q/k is read outside its RoPE"
     return o, c, s, [a, x1, x2, neg, cat, b, o]
 
@@ -149,10 +169,57 @@ def _swaps_heads(c) -> bool:
     return isinstance(c["dim0"], int) and isinstance(c["dim1"], int) and {c["dim0"] % 4, c["dim1"] % 4} == {1, 2}
 
 
+def _reader(index, node: fx.Node, prim: str):
+    """(the first reader of ``node`` that is a ``prim``, whether anything else reads ``node``)."""
+    readers = _readers(node)
+    hits = [u for u in readers if index.prim(u) == prim]
+    return (hits[0] if hits else None), len(readers) > 1
+
+
+def _complex_rotation(index, r: fx.Node, shape: tuple):
+    """torchtitan's ComplexRoPE on ``r`` (B, S, H, D)::
+
+        view_as_real(view_as_complex(r.reshape(B, S, H, D/2, 2)) * freqs_cis).flatten(3)
+
+    (flat, freqs_cis, nodes), or None when r's readers are not that; a str when they are, but
+    something else reads a step."""
+    B, S, H, D = shape
+    pairs, leak = _reader(index, r, "view")
+    if pairs is None or node_shape(pairs) != (B, S, H, D // 2, 2):
+        return None
+    z, more = _reader(index, pairs, "view_as_complex")
+    mul, more2 = _reader(index, z, "mul") if z is not None else (None, False)
+    f = _other(index, mul, z) if mul is not None else None
+    real, more3 = _reader(index, mul, "view_as_real") if f is not None else (None, False)
+    if real is None:
+        return None
+    flat, more4 = _reader(index, real, "flatten")
+    if flat is None:  # ATen graphs spell the flatten as a view
+        flat, more4 = _reader(index, real, "view")
+    if flat is None or node_shape(flat) != (B, S, H, D):
+        return None
+    if leak or more or more2 or more3 or more4:
+        return "the normalized q/k is read outside its RoPE"
+    return flat, f, [pairs, z, mul, real, flat]
+
+
+def _freqs_cis(f, batch: int, seq: int, half: int) -> bool:
+    """A complex (1 | B, 1 | S, 1, D / 2) table: one rotation per position and pair."""
+    shape, dtype = node_shape(f), node_dtype(f)
+    return shape is not None and len(shape) == 4 and shape[0] in (1, batch) and shape[1] in (1, seq) \
+        and shape[2] == 1 and shape[3] == half and dtype == torch.complex64
+
+
 def _table(index, t, transposed: bool, batch: int, seq: int, width: int):
-    """The base of a cos/sin operand, HF's (1 | B, S, R) before ``unsqueeze(unsqueeze_dim)``, when
-    the unsqueeze adds the heads axis of the layout the RoPE reads; None otherwise."""
+    """The cos/sin table the kernel reads for an operand ``t`` of the RoPE's products: HF's (1 | B, S, R)
+    before ``unsqueeze(unsqueeze_dim)``, when the unsqueeze adds the heads axis of the layout the
+    RoPE reads; ``t`` itself when it is a 4-d (1 | B, 1 | S, 1, R) value (torchtitan's CosSinRoPE
+    slices its cache: the kernel reads any strides) on q untransposed; None otherwise."""
     c = index.canon(t)
+    shape = node_shape(t)
+    if (c is None or c.prim != "unsqueeze") and not transposed and shape is not None and len(shape) == 4 \
+            and shape[0] in (1, batch) and shape[1] in (1, seq) and shape[2] == 1 and shape[3] == width:
+        return t
     if c is None or c.prim != "unsqueeze" or not isinstance(c["input"], fx.Node):
         return None
     dim = c["dim"][0] if isinstance(c["dim"], (list, tuple)) else c["dim"]
@@ -196,7 +263,16 @@ def find_rope(index, m) -> RopeMatch | None:
         "row" if m.hidden_size == H * D and tuple(out_shape) == (B, S, H * D) else None
     if width is None:
         return None
-    users = real_users(value)
+    upcast, leak = _reader(index, value, "cast")
+    if upcast is not None:  # torchtitan: query.float(), the RoPE in fp32
+        value = upcast
+        chain.append(upcast)
+        exact = is_exact_upcast(node_dtype(m.output), node_dtype(upcast))
+        if not transposed:
+            found = _complex_rotation(index, value, (B, S, H, D))
+            if found is not None:
+                return _complex_match(m, found, chain, leak, exact, (B, S, H, D), width, operand)
+    users = _readers(value)
     halves = {_slice_of(index, u, value, D): u for u in users if index.prim(u) == "slice"}
     rotary, passed = D, None
     found = _rotate_half(index, value, D)
@@ -211,15 +287,18 @@ def find_rope(index, m) -> RopeMatch | None:
                     found = "the normalized q/k is read outside its RoPE"
     if found is None:
         return None
-    if isinstance(found, str):
-        return RopeMatch(reason=found)
+    if isinstance(found, str) or (upcast is not None and leak):
+        return RopeMatch(reason=found if isinstance(found, str) else "the normalized q/k is read outside its RoPE")
+    if upcast is not None and not exact:
+        return RopeMatch(reason=f"q/k is cast from {node_dtype(m.output)} to {node_dtype(upcast)} before its RoPE, "
+                                f"a rounding the kernel does not make")
     o, c, s, nodes = found
     chain += nodes
     out = o
     if passed is not None:  # cat((rotated, passed), -1)
         cat = _single_user(o)
         cc = index.canon(cat) if cat is not None else None
-        if cc is None or cc.prim != "cat" or list(cc["tensors"]) != [o, passed] or real_users(passed) != [cat] \
+        if cc is None or cc.prim != "cat" or list(cc["tensors"]) != [o, passed] or _readers(passed) != [cat] \
                 or not _last(cc["dim"], 4):
             return RopeMatch(reason="the rotated columns are not concatenated back with the rest as the head")
         out = cat
@@ -230,16 +309,40 @@ def find_rope(index, m) -> RopeMatch | None:
         chain.append(cast)
     cos, sin = (_table(index, t, transposed, B, S, rotary) for t in (c, s))
     if cos is None or sin is None:
-        return RopeMatch(reason="cos/sin are not HF's (batch, seq, rotary) tables unsqueezed at the heads axis")
-    chain += [t for t in (c, s) if t not in chain]
+        return RopeMatch(reason="cos/sin are neither HF's (batch, seq, rotary) tables unsqueezed at the heads axis "
+                                "nor (1 | batch, 1 | seq, 1, rotary) tables")
+    chain += [t for t, table in ((c, cos), (s, sin)) if t is not table and t not in chain]
     rope_dtype, out_dtype = node_dtype(o), node_dtype(out)
-    want = torch.promote_types(torch.promote_types(node_dtype(m.output), node_dtype(cos)), node_dtype(sin))
+    want = torch.promote_types(torch.promote_types(node_dtype(value), node_dtype(cos)), node_dtype(sin))
     if rope_dtype != want or any(node_dtype(n) != rope_dtype for n in (nodes[0], nodes[5])):
         return RopeMatch(reason=f"the RoPE computes in {rope_dtype}, not in the promotion of q and cos/sin ({want})")
     if rope_dtype not in KERNEL_DTYPES or out_dtype not in KERNEL_DTYPES:
         return RopeMatch(reason=f"RoPE dtypes {rope_dtype} -> {out_dtype} are not ones the kernels take")
     return RopeMatch(tuple(chain), out, cos, sin, "neox", rotary, D, (B, S, H, D), operand, width, transposed,
                      rope_dtype, out_dtype)
+
+
+def _complex_match(m, found, chain: list, leak: bool, exact: bool, shape: tuple, width: str, operand) -> RopeMatch:
+    """The RopeMatch of torchtitan's ComplexRoPE after the upcast of q (``found``: _complex_rotation's):
+    the pair rotation in fp32, ``freqs_cis.real`` / ``.imag`` as half tables, layout "gptj"."""
+    if isinstance(found, str) or leak:
+        return RopeMatch(reason="the normalized q/k is read outside its RoPE")
+    flat, f, nodes = found
+    B, S, H, D = shape
+    if not exact or node_dtype(flat) != torch.float32 or not _freqs_cis(f, B, S, D // 2):
+        return RopeMatch(reason=f"the complex RoPE is not the pair rotation in fp32 of q upcast from "
+                                f"{node_dtype(m.output)} by a complex64 (1 | batch, 1 | seq, 1, {D // 2}) freqs_cis")
+    chain += nodes
+    out = flat
+    cast = _single_user(flat)
+    if cast is not None and canonical(cast) is not None and canonical(cast).prim == "cast":  # .type_as(query)
+        out = cast
+        chain.append(cast)
+    out_dtype = node_dtype(out)
+    if out_dtype not in KERNEL_DTYPES:
+        return RopeMatch(reason=f"RoPE dtypes {torch.float32} -> {out_dtype} are not ones the kernels take")
+    return RopeMatch(tuple(chain), out, f, f, "gptj", D, D, shape, operand, width, False, torch.float32, out_dtype,
+                     complex_table=True)
 
 
 # --------------------------------------------------------------------------- plan
@@ -342,7 +445,18 @@ class _QkRope(FusionPart):
                 holds[x] = m.input
             operands.append(x)
         q = pair.q
-        options = dict(cos=q.cos, sin=q.sin, eps=modes["eps"], weight_offset=modes["weight_offset"],
+        cos, sin = q.cos, q.sin
+        if q.complex_table:  # freqs_cis = cos + i sin, one per pair: the kernel reads .real and .imag
+            cos, sin = (graph.call_function(part, (q.cos,)) for part in (torch.real, torch.imag))
+            for t, part in ((cos, torch.real), (sin, torch.imag)):
+                copy_meta(t, q.cos)
+                for key in ("example_value", "val"):
+                    if isinstance(t.meta.get(key), torch.Tensor):
+                        t.meta[key] = part(t.meta[key])
+                t.meta.pop("tensor_meta", None)
+                inserted.append(t)
+                holds[t] = q.cos  # a part of freqs_cis: check_arguments takes it
+        options = dict(cos=cos, sin=sin, eps=modes["eps"], weight_offset=modes["weight_offset"],
                        norm_round_dtype=modes["norm_round_dtype"], norm_out_dtype=modes["out_dtype"],
                        rope_dtype=q.rope_dtype, out_dtype=q.out_dtype, layout=q.layout, rotary_dim=q.rotary_dim,
                        norm_width=q.norm_width, transpose_out=q.transpose_out)
@@ -361,6 +475,10 @@ class _QkRope(FusionPart):
         if pair.k_norm is not None:
             built.old_nodes += [*pair.k_norm.nodes, *pair.k.nodes]
         return built
+
+    def check_arguments(self, options: dict, x) -> None:
+        if isinstance(options.get("cos"), torch.Tensor) and options["cos"].is_complex():  # freqs_cis (build)
+            options["cos"], options["sin"] = options["cos"].real, options["sin"].imag
 
     def report(self, record, found, fused: bool, reason: str | None) -> None:
         rope = found.q if isinstance(found, QkPair) else found

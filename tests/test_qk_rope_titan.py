@@ -1,0 +1,207 @@
+"""The graph pass fuses torchtitan's q/k norms with their rotary embedding (parts/qk_rope.py).
+
+torchtitan's Qwen3 (``Qwen3Model.Config`` with ``_build_qwen3_layers``, shrunk to 2 layers of dim 64,
+4 heads, 2 kv heads, head_dim 16), its attention ``GQAttention`` with ``qk_norm``, and each of its two
+RoPE formats (``torchtitan/models/common/rope.py``):
+- CosSinRoPE:  ``q.float() * cos + rotate_half(q.float()) * sin`` in fp32, cos / sin slices of a
+               (1 | B, S, 1, 2D) cache, ``.type_as(q)``: layout "neox"
+- ComplexRoPE: ``view_as_real(view_as_complex(q.float().reshape(..., D/2, 2)) * freqs_cis).flatten(3)``,
+               ``.type_as(q)``: layout "gptj", the half tables freqs_cis.real / .imag
+No transpose before the RoPE (the inner attention transposes). Each layer's q_norm and k_norm are
+fused with their RoPE in one ``qk_norm_rope`` call: 4 norms, 2 calls.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import normfuse
+from normfuse.verify.numeric import perturb_vectors
+from normfuse.verify.sites import fused_calls
+
+from helpers import optimized_with_fault
+
+pytest.importorskip("torchtitan")
+
+DIM, HEADS, KV_HEADS, HEAD_DIM, VOCAB, SEQ, BATCH = 64, 4, 2, 16, 128, 8, 2
+ROPE = {"cossin": "neox, rotary 16 of 16", "complex": "gptj, rotary 16 of 16"}
+
+
+class CausalSDPA(nn.Module):
+    """torchtitan's inner attention contract, computed with causal SDPA: (B, L, N, H) in and out
+    (FlexAttention has no CPU backward)."""
+
+    def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, **kwargs):
+        out = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
+            enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+
+def _titan_qwen3(rope: str, dtype: torch.dtype) -> nn.Module:
+    """torchtitan's Qwen3 with the given RoPE format. The parameters in ``dtype``, the RoPE caches as
+    torchtitan computes them (fp32 cos/sin, complex64 freqs_cis): ``Module.to(dtype)`` would also
+    cast the caches (and drop freqs_cis's imaginary part)."""
+    from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear
+    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers, _qwen3_norm
+
+    torch._dynamo.reset()
+    rope_config = (CosSinRoPE if rope == "cossin" else ComplexRoPE).Config(dim=HEAD_DIM, max_seq_len=32, theta=1e6)
+    config = Qwen3Model.Config(
+        vocab_size=VOCAB, dim=DIM, norm=_qwen3_norm(DIM), enable_weight_tying=False,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
+                                        param_init={"weight": nn.init.normal_}),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB,
+                              param_init={"weight": lambda w: nn.init.normal_(w, 0.0, 0.1)}),
+        layers=_build_qwen3_layers(n_layers=2, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                   hidden_dim=128, attn_backend="flex", rope=rope_config))
+    torch.manual_seed(0)
+    model = config.build()
+    model.init_states()
+    for block in model.layers.values():
+        block.attention.inner_attention = CausalSDPA()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+    return perturb_vectors(model).eval()
+
+
+def _tokens():
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def _qk_sites(sites):
+    return [s for s in sites if s.fqn.endswith(("q_norm", "k_norm"))]
+
+
+@pytest.mark.parametrize("rope", list(ROPE))
+@pytest.mark.parametrize("dtype,positions", [(torch.bfloat16, False), (torch.float32, False),
+                                             (torch.bfloat16, True)])
+def test_every_qk_norm_is_fused_with_its_rope(rope, dtype, positions):
+    """positions given: the cache gathered per sample, (B, S, 1, .) tables instead of (1, S, 1, .)."""
+    model = _titan_qwen3(rope, dtype)
+    ids = _tokens()
+    kwargs = {"positions": torch.arange(SEQ).flip(0).expand(BATCH, SEQ)} if positions else {}
+    with torch.no_grad():
+        ref = model(ids, **kwargs)
+        normfuse.optimize(model)
+        out = model(ids, **kwargs)
+    rep = normfuse.report(model)
+    qk = _qk_sites(rep.sites)
+    assert len(qk) == 4 and rep.counts()["rope"] == 4 and rep.counts()["fused_rope"] == 4, rep
+    assert all(s.op == "qk_norm_rope" and s.rope == ROPE[rope] and s.rope_reason is None for s in qk), rep
+    assert len({s.call for s in qk}) == 2  # q and k of each attention in one call
+    assert torch.equal(out, ref)  # the reference path rounds where eager rounds
+
+
+@pytest.mark.parametrize("rope", list(ROPE))
+def test_check_passes_every_site_with_gradients(rope):
+    model = _titan_qwen3(rope, torch.bfloat16)
+    res = normfuse.check(model, _tokens())  # outputs and every gradient vs fp64, site by site
+    assert res.ok, str(res)
+    qk = [s for s in res.sites if s.op == "qk_norm_rope"]
+    assert len(qk) == 4 and all(s.passed and s.numeric.passed for s in qk), str(res)
+    assert any(o.name.startswith("grad:") and "q_norm" in o.name for o in res.outputs)
+    if rope == "cossin":
+        assert all(s.symbolic.status == "proved" for s in qk), str(res)
+    else:  # the checker's rows have no complex numbers: never refuted, said why
+        assert all(s.symbolic.status == "unsupported" and s.symbolic.detail for s in qk), str(res)
+
+
+@pytest.mark.parametrize("rope", list(ROPE))
+def test_torch_export_graph(rope):
+    """An exported ATen graph spells the casts aten._to_copy, the slices aten.slice, the complex
+    steps aten.view_as_complex / mul / view_as_real and the flatten as a view; fuse_graph takes it."""
+    model = _titan_qwen3(rope, torch.bfloat16)
+    ids = _tokens()
+    gm = torch.export.export(model, (ids,)).module()
+    with torch.no_grad():
+        ref = gm(ids)
+        gm, rep = normfuse.fuse_graph(gm)
+        out = gm(ids)
+    qk = _qk_sites(rep.sites)
+    assert len(qk) == 4 and all(s.op == "qk_norm_rope" and s.rope == ROPE[rope] for s in qk), rep
+    assert len({s.call for s in qk}) == 2
+    assert torch.equal(out, ref)
+
+
+# --------------------------------------------------------------------------- planted faults
+
+def _plant(gm, fault):
+    """Edit the first qk_norm_rope call of a rewritten graph the way a buggy rewrite would."""
+    call = next(n for n in fused_calls(gm.graph) if n.kwargs.get("rotary_dim") is not None)
+    kw = dict(call.kwargs)
+    if fault == "other_layout":    # rotate_half's partners for adjacent pairs, or the reverse
+        kw["layout"] = "gptj" if kw["layout"] == "neox" else "neox"
+    elif fault == "rotated_sign":  # sin for cos
+        kw["cos"], kw["sin"] = kw["sin"], kw["cos"]
+    elif fault == "bf16_rope":     # the products and the sum rounded to bf16 (eager computes them in fp32)
+        assert kw["rope_dtype"] == torch.float32
+        kw["rope_dtype"] = torch.bfloat16
+    else:
+        raise ValueError(fault)
+    call.kwargs = kw
+    gm.recompile()
+
+
+@pytest.mark.parametrize("rope,fault", [("cossin", "other_layout"), ("cossin", "rotated_sign"),
+                                        ("complex", "other_layout")])
+def test_planted_fault_is_refuted_at_its_site(rope, fault):
+    model = _titan_qwen3(rope, torch.bfloat16)
+    res = normfuse.check(model, _tokens(), optimized=optimized_with_fault(model, lambda gm: _plant(gm, fault)),
+                         backward=False)
+    assert not res.ok
+    failing = [s.id for s in res.sites if not s.passed]
+    assert failing and set(failing) <= {"g0.s1", "g0.s2"}, failing  # layer 0's q_norm / k_norm call only
+    assert res.first_divergence is not None and res.first_divergence.id in failing
+    assert res.first_divergence.numeric.passed is False
+    want = "refuted" if rope == "cossin" else "unsupported"
+    assert res.first_divergence.symbolic.status == want, res.first_divergence.symbolic
+
+
+# --------------------------------------------------------------------------- left as it was
+
+class _Attention(nn.Module):
+    """q/k RMSNorm per head on (B, S, H, D), then torchtitan's own RoPE module; ``leak``: also
+    returns the normalized q."""
+
+    def __init__(self, rope: str, leak: bool = False):
+        super().__init__()
+        from torchtitan.models.common import ComplexRoPE, CosSinRoPE
+
+        self.leak = leak
+        self.q_norm, self.k_norm = nn.RMSNorm(HEAD_DIM, eps=1e-6), nn.RMSNorm(HEAD_DIM, eps=1e-6)
+        config = (CosSinRoPE if rope == "cossin" else ComplexRoPE).Config(dim=HEAD_DIM, max_seq_len=SEQ)
+        self.rope = config.build()
+        with torch.no_grad():
+            self.q_norm.weight.uniform_(0.5, 1.5)
+            self.k_norm.weight.uniform_(0.5, 1.5)
+
+    def forward(self, q, k):
+        qn, kn = self.q_norm(q), self.k_norm(k)
+        rq, rk = self.rope(qn, kn)
+        return (rq, rk, qn) if self.leak else (rq, rk)
+
+
+@pytest.mark.parametrize("rope", list(ROPE))
+def test_a_q_read_outside_its_rope_keeps_it(rope):
+    """The normalized q is also returned: q's norm is fused alone and its RoPE stays, with the
+    reason; k is fused with its own RoPE."""
+    torch._dynamo.reset()
+    model = _Attention(rope, leak=True)
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(BATCH, SEQ, h, HEAD_DIM, generator=g).to(torch.bfloat16) for h in (HEADS, KV_HEADS))
+    with torch.no_grad():
+        for p in model.parameters():  # the RoPE cache stays as torchtitan computes it
+            p.data = p.data.to(torch.bfloat16)
+    with torch.no_grad():
+        ref = model(q, k)
+        normfuse.optimize(model)
+        out = model(q, k)
+    rep = normfuse.report(model)
+    assert len(rep.sites) == 2 and all(s.fused for s in rep.sites), rep
+    qs, ks = rep.sites
+    assert qs.op == "norm" and not qs.fused_rope and qs.rope_reason == "the normalized q/k is read outside its RoPE"
+    assert ks.op == "qk_norm_rope" and ks.fused_rope and ks.rope == ROPE[rope], rep
+    for got, want in zip(out, ref):
+        assert torch.equal(got, want)
