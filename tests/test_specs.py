@@ -377,3 +377,24 @@ def test_rewritten_graphs_call_fused_add_norm_and_neither_running_nor_checking_t
     t = _tensors()
     with pytest.warns(FutureWarning, match="deprecated"):
         add_norm(t["x"], t["residual"], t["weight"], None, kind="rms_norm", eps=1e-6, dropout_p=0.1, seed=1)
+
+
+@pytest.mark.parametrize("path", ["eager", "custom_op"])
+def test_qk_norm_rope_gradients_have_the_schema_argument_count(path):
+    """The QK-norm + RoPE autograd binds its inputs and returns its gradients by argument name."""
+    from normfuse.kernels import qk_rope
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 4, h, 8, generator=g, requires_grad=True) for h in (4, 2))
+    wq, wk = (torch.randn(8, generator=g, requires_grad=True) for _ in range(2))
+    cos, sin = torch.randn(1, 4, 1, 8, generator=g), torch.randn(1, 4, 1, 8, generator=g)  # (1, S, 1, R)
+    op = qk_rope._EAGER.apply if path == "eager" else torch.ops.normfuse.qk_norm_rope_fwd.default
+    q_out, k_out, _, _ = op(q, k, wq, wk, cos, sin, 1e-6, 0.0, None, FP32, FP32, FP32, "neox", 8, False, True)
+    dq_out, dk_out = torch.randn_like(q_out), torch.randn_like(k_out)
+    grads = torch.autograd.grad((q_out, k_out), (q, k, wq, wk), (dq_out, dk_out), retain_graph=True)
+    returned = qk_rope._backward(q_out.grad_fn, dq_out, dk_out, None, None)
+    assert len(returned) == len(op_arguments("qk_norm_rope_fwd"))
+    by_name = dict(zip(op_arguments("qk_norm_rope_fwd"), returned))
+    for arg, grad in zip(("q", "k", "q_weight", "k_weight"), grads):
+        assert torch.equal(by_name[arg], grad), arg
+    assert all(v is None for name, v in by_name.items() if name not in ("q", "k", "q_weight", "k_weight"))

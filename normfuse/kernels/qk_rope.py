@@ -73,7 +73,7 @@ from torch import Tensor
 from normfuse.errors import InvalidOptionError, ShapeMismatchError, UnsupportedDtypeError, closest
 from normfuse.kernels import triton as triton_backend
 from normfuse.kernels.library import implement
-from normfuse.kernels.specs import SUPPORTED_TEXT, dtypes_on
+from normfuse.kernels.specs import OP_OUTPUTS, SUPPORTED_TEXT, bind, dtypes_on, op_gradients
 from normfuse.kernels.ops import _backend, _eager_cpu, _eager_function, _grad_needed, _op_outputs
 from normfuse.kernels.reference import (_default_out_dtype, _norm_grads,
                                         acc_dtype, normalize)
@@ -365,13 +365,13 @@ def _qk_norm_rope_bwd_fake(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, q
 # --------------------------------------------------------------------------------------
 
 def _setup_context(ctx, inputs, output):
-    (q, k, q_weight, k_weight, cos, sin, eps, weight_offset, norm_round_dtype, norm_out_dtype, rope_dtype, out_dtype,
-     layout, rotary_dim, full_width, transpose_out) = inputs
-    _, _, q_rstd, k_rstd = output
+    a = bind("qk_norm_rope_fwd", inputs)
+    out = dict(zip(OP_OUTPUTS["qk_norm_rope_fwd"], output))
     ctx.set_materialize_grads(False)  # an unused q_out or k_out gets None, not a zero tensor to read
-    ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd)
-    ctx.weight_offset, ctx.layout, ctx.rotary_dim = weight_offset, layout, rotary_dim
-    ctx.full_width, ctx.transpose_out, ctx.out_dtype = full_width, transpose_out, out_dtype
+    ctx.save_for_backward(a["q"], a["k"], a["q_weight"], a["k_weight"], a["cos"], a["sin"], out["q_rstd"],
+                          out["k_rstd"])
+    ctx.weight_offset, ctx.layout, ctx.rotary_dim = a["weight_offset"], a["layout"], a["rotary_dim"]
+    ctx.full_width, ctx.transpose_out, ctx.out_dtype = a["full_width"], a["transpose_out"], a["out_dtype"]
     ctx.eager_cpu = False  # the eager path's autograd.Function sets it after this
 
 
@@ -390,8 +390,9 @@ def _backward(ctx, dq_out, dk_out, dq_rstd, dk_rstd):
     dq, dk, dwq, dwk = backward(dq_out, dk_out, q, k if has_k else None, q_weight, k_weight if has_k else None, cos,
                                 sin, q_rstd, k_rstd if has_k else None, ctx.weight_offset, ctx.layout, ctx.rotary_dim,
                                 ctx.full_width)
-    return (dq, dk if has_k else None, dwq if q_weight is not None else None,
-            dwk if has_k and k_weight is not None else None, *(None,) * 12)
+    return op_gradients("qk_norm_rope_fwd", {"q": dq, "k": dk if has_k else None,
+                                             "q_weight": dwq if q_weight is not None else None,
+                                             "k_weight": dwk if has_k and k_weight is not None else None})
 
 
 qk_norm_rope_fwd.register_autograd(_backward, setup_context=_setup_context)
