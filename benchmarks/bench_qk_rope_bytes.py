@@ -9,8 +9,9 @@ sites of the first layer, forward and backward bytes:
   (upcast, mean of squares, rsqrt, the multiplies, the downcasts; then ``q * cos``,
   ``rotate_half``, ``* sin``, the sum), each reading and writing HBM;
 * fused: the one ``qk_norm_rope`` launch, which the audit splits between the two sites: the q site
-  carries the call's reads of q, k, cos, sin and its writes of q_out, k_out (the lead), the k site
-  its weight and output (forward) and gradients (backward).
+  (the call's lead) carries the reads of q, k, cos, sin and the writes of q_out, k_out and the rstd
+  (backward: dq_out, dk_out, q, k, cos, sin, rstd in, dq, dk out), the k site its weight and output
+  (backward: its output's gradient and its weight's); the two together are the launch.
 
 The bytes are an estimate counted per kernel from the graph, not a timing. Batch 1 x 2048 tokens,
 bf16 (the audit's defaults for a transformers config).
