@@ -108,6 +108,24 @@ def test_gpu_suite_toy_under_interpreter(tmp_path):
         assert r["normfuse_max_abs_vs_eager"] == 0.0
 
 
+def test_qk_rope_bytes_toy(tmp_path):
+    _run("bench_qk_rope_bytes.py", tmp_path)
+    result = json.loads((tmp_path / "qk_rope_bytes.json").read_text())
+    rows = result["rows"]
+    assert [(r["family"], r["site"]) for r in rows] == [
+        (f, s) for f in ("qwen3", "gemma3_text", "olmo2") for s in ("q_norm", "k_norm")]
+    assert result["verdict"]["all_in_one_qk_norm_rope_call"]
+    for family in ("qwen3", "gemma3_text", "olmo2"):
+        pair = [r for r in rows if r["family"] == family]
+        assert sum(r["fused_fwd_kernels"] for r in pair) == sum(r["fused_bwd_kernels"] for r in pair) == 1
+        q, k = pair
+        # the launch moves at least q, k in and q_out, k_out out (bf16) and cos, sin; eager moves more
+        floor = 2 * 2 * result["verdict"]["tokens"] * (q["heads"] + k["heads"]) * q["head_dim"]
+        assert floor < q["fused_fwd_B"] + k["fused_fwd_B"] < q["eager_fwd_B"] + k["eager_fwd_B"]
+        assert 1.5 * floor < q["fused_bwd_B"] + k["fused_bwd_B"] < q["eager_bwd_B"] + k["eager_bwd_B"]
+    assert (tmp_path / "qk_rope_bytes.png").stat().st_size > 0
+
+
 def test_residual_dtype_toy(tmp_path):
     _run("bench_residual_dtype.py", tmp_path)
     result = json.loads((tmp_path / "residual_dtype.json").read_text())
