@@ -205,3 +205,78 @@ def test_a_q_read_outside_its_rope_keeps_it(rope):
     assert ks.op == "qk_norm_rope" and ks.fused_rope and ks.rope == ROPE[rope], rep
     for got, want in zip(out, ref):
         assert torch.equal(got, want)
+
+
+# --------------------------------------------------------------------------- GPT-J's pairs written out
+
+class _PairsAttention(nn.Module):
+    """q/k RMSNorm per head on (B, S, H, D), then GPT-J's interleaved RoPE written out, with full
+    tables (each angle repeated for its pair) in q's dtype; ``leak``: also returns the normalized q."""
+
+    def __init__(self, leak: bool = False):
+        super().__init__()
+        self.leak = leak
+        angles = torch.randn(1, SEQ, 1, HEAD_DIM // 2, generator=torch.Generator().manual_seed(1))
+        self.register_buffer("angles", angles.repeat_interleave(2, dim=-1))
+        self.q_norm, self.k_norm = nn.RMSNorm(HEAD_DIM, eps=1e-6), nn.RMSNorm(HEAD_DIM, eps=1e-6)
+        with torch.no_grad():
+            self.q_norm.weight.uniform_(0.5, 1.5)
+            self.k_norm.weight.uniform_(0.5, 1.5)
+
+    @staticmethod
+    def _rotate(x, cos, sin):
+        x1, x2 = x[..., ::2], x[..., 1::2]
+        return x * cos + torch.stack((-x2, x1), dim=-1).flatten(-2) * sin
+
+    def forward(self, q, k):
+        cos, sin = self.angles.cos().to(q.dtype), self.angles.sin().to(q.dtype)
+        qn, kn = self.q_norm(q), self.k_norm(k)
+        out = (self._rotate(qn, cos, sin), self._rotate(kn, cos, sin))
+        return (*out, qn) if self.leak else out
+
+
+def _pairs_inputs(dtype):
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(BATCH, SEQ, h, HEAD_DIM, generator=g).to(dtype) for h in (HEADS, KV_HEADS))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("leak", [False, True])
+def test_gptj_pairs_written_out(dtype, leak):
+    torch._dynamo.reset()
+    model = _PairsAttention(leak)
+    model.q_norm.to(dtype), model.k_norm.to(dtype)
+    args = _pairs_inputs(dtype)
+    with torch.no_grad():
+        ref = model(*args)
+        normfuse.optimize(model)
+        out = model(*args)
+    rep = normfuse.report(model)
+    assert len(rep.sites) == 2 and all(s.fused for s in rep.sites), rep
+    qs, ks = rep.sites
+    assert ks.op == "qk_norm_rope" and ks.fused_rope and ks.rope == "gptj, rotary 16 of 16", rep
+    if leak:  # q keeps its RoPE, k is fused alone with its own
+        assert qs.op == "norm" and qs.rope_reason == "the normalized q/k is read outside its RoPE", rep
+    else:
+        assert qs.op == "qk_norm_rope" and qs.call == ks.call and qs.rope == ks.rope, rep
+    for got, want in zip(out, ref):
+        assert torch.equal(got, want)  # bf16: eager's three roundings
+
+
+def test_gptj_pairs_check_and_export():
+    model = _PairsAttention()
+    model.q_norm.to(torch.bfloat16), model.k_norm.to(torch.bfloat16)
+    args = _pairs_inputs(torch.bfloat16)
+    torch._dynamo.reset()
+    res = normfuse.check(model, *args)
+    assert res.ok, str(res)
+    qk = [s for s in res.sites if s.op == "qk_norm_rope"]
+    assert len(qk) == 2 and all(s.numeric.passed and s.symbolic.status != "refuted" for s in qk), str(res)
+    gm = torch.export.export(model, args).module()
+    with torch.no_grad():
+        ref = gm(*args)
+        gm, rep = normfuse.fuse_graph(gm)
+        out = gm(*args)
+    assert [(s.op, s.rope) for s in rep.sites] == [("qk_norm_rope", "gptj, rotary 16 of 16")] * 2, rep
+    for got, want in zip(out, ref):
+        assert torch.equal(got, want)

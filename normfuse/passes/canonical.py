@@ -69,6 +69,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
     # ... the rotary embedding after q/k norms (parts/qk_rope.py): halves, rotate_half's cat, heads transpose
     "slice": ("input", "dim", "start", "end", "step"),  # x[..., a:b], aten.slice
     "cat": ("tensors", "dim"),
+    "stack": ("tensors", "dim"),  # GPT-J's rotation written out: stack((-x[..., 1::2], x[..., ::2]), -1)
     "transpose": ("input", "dim0", "dim1"),
     # ... torchtitan's complex RoPE: (B, S, H, D) -> (B, S, H, D/2) complex pairs, times freqs_cis, back
     "flatten": ("input", "start_dim", "end_dim"),
@@ -124,6 +125,7 @@ SPELLINGS: dict[str, list[Any]] = {
     "slice": [*_aten("slice.Tensor")],  # the getitem spelling: canonical() reads its index
     "cat": [torch.cat, torch.concat, torch.concatenate, *_aten("cat.default")],
     "transpose": [torch.transpose, "transpose", *_aten("transpose.int")],
+    "stack": [torch.stack, *_aten("stack.default")],
     "flatten": [torch.flatten, "flatten", *_aten("flatten.using_ints")],
     "view_as_complex": [torch.view_as_complex, *_aten("view_as_complex.default")],
     "view_as_real": [torch.view_as_real, *_aten("view_as_real.default")],
@@ -154,6 +156,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "clamp": {"min": None, "max": None},
     "slice": {"dim": [0], "start": None, "end": None, "step": 1},
     "cat": {"dim": [0]},
+    "stack": {"dim": [0]},
     "flatten": {"start_dim": 0, "end_dim": -1},
 }
 

@@ -164,6 +164,56 @@ def _rotate_half(index, r: fx.Node, width: int):
     return o, c, s, [a, x1, x2, neg, cat, b, o]
 
 
+def _every_other(index, node: fx.Node, value: fx.Node, width: int):
+    """The first column of ``value[..., a::2]`` over the last dim (0 or 1); None otherwise."""
+    c = index.canon(node)
+    if c is None or c.prim != "slice" or c["input"] is not value or c["step"] != 2:
+        return None
+    if not _last(c["dim"], len(node_shape(value) or ())):
+        return None
+    start, end = c["start"] or 0, c["end"]
+    if start not in (0, 1) or not (end is None or isinstance(end, int) and end >= width):
+        return None
+    return start
+
+
+def _rotate_pairs(index, r: fx.Node, width: int):
+    """GPT-J's rotation written out on ``r`` of last dim ``width``::
+
+        r * c + stack((-r[..., 1::2], r[..., ::2]), -1).flatten(-2) * s
+
+    (sum, c, s, nodes) as _rotate_half's, or None; a str when something else reads a step."""
+    users = _readers(r)
+    muls = [(u, _other(index, u, r)) for u in users if _other(index, u, r) is not None]
+    halves = {_every_other(index, u, r, width): u for u in users if index.prim(u) == "slice"}
+    if width % 2 or len(muls) != 1 or set(halves) != {0, 1}:
+        return None
+    a, c = muls[0]
+    x1, x2 = halves[0], halves[1]
+    neg = _single_user(x2)
+    if neg is None or index.prim(neg) != "neg" or index.canon(neg)["input"] is not x2:
+        return None
+    stack = _single_user(neg)
+    cs = index.canon(stack) if stack is not None else None
+    if cs is None or cs.prim != "stack" or list(cs["tensors"]) != [neg, x1] \
+            or not _last(cs["dim"], len(node_shape(stack) or ())):
+        return None
+    flat = _single_user(stack)
+    if flat is None or index.prim(flat) not in ("flatten", "view") or node_shape(flat) != node_shape(r):
+        return None
+    b = _single_user(flat)
+    s = _other(index, b, flat) if b is not None else None
+    if s is None:
+        return None
+    o = _single_user(a)
+    co = index.canon(o) if o is not None else None
+    if co is None or co.prim != "add" or co["alpha"] != 1 or {co["input"], co["other"]} != {a, b}:
+        return None
+    if len(users) != 3 or _readers(x1) != [stack] or _readers(b) != [o]:
+        return "the normalized q/k is read outside its RoPE"
+    return o, c, s, [a, x1, x2, neg, stack, b, o, flat]  # a and b at _rotate_half's positions
+
+
 def _swaps_heads(c) -> bool:
     """A transpose of dims 1 and 2 of a 4-d value: (B, S, H, D) <-> (B, H, S, D)."""
     return isinstance(c["dim0"], int) and isinstance(c["dim1"], int) and {c["dim0"] % 4, c["dim1"] % 4} == {1, 2}
@@ -274,8 +324,10 @@ def find_rope(index, m) -> RopeMatch | None:
                 return _complex_match(m, found, chain, leak, exact, (B, S, H, D), width, operand)
     users = _readers(value)
     halves = {_slice_of(index, u, value, D): u for u in users if index.prim(u) == "slice"}
-    rotary, passed = D, None
+    rotary, passed, layout = D, None, "neox"
     found = _rotate_half(index, value, D)
+    if found is None and _rotate_pairs(index, value, D) is not None:
+        found, layout = _rotate_pairs(index, value, D), "gptj"
     if found is None and len(halves) == 2 and None not in halves:
         (r0, r1), (p0, p1) = sorted(halves)
         if r0 == 0 and r1 == p0 and p1 == D:  # partial rotary: value[..., :R], value[..., R:]
@@ -318,7 +370,7 @@ def find_rope(index, m) -> RopeMatch | None:
         return RopeMatch(reason=f"the RoPE computes in {rope_dtype}, not in the promotion of q and cos/sin ({want})")
     if rope_dtype not in KERNEL_DTYPES or out_dtype not in KERNEL_DTYPES:
         return RopeMatch(reason=f"RoPE dtypes {rope_dtype} -> {out_dtype} are not ones the kernels take")
-    return RopeMatch(tuple(chain), out, cos, sin, "neox", rotary, D, (B, S, H, D), operand, width, transposed,
+    return RopeMatch(tuple(chain), out, cos, sin, layout, rotary, D, (B, S, H, D), operand, width, transposed,
                      rope_dtype, out_dtype)
 
 
