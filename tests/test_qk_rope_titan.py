@@ -280,3 +280,15 @@ def test_gptj_pairs_check_and_export():
     assert [(s.op, s.rope) for s in rep.sites] == [("qk_norm_rope", "gptj, rotary 16 of 16")] * 2, rep
     for got, want in zip(out, ref):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rope", list(ROPE))
+def test_triton_kernels_in_a_training_step(rope, triton_cpu):
+    """The Triton forward and backward (interpreted on CPU) reading the tables as the rewrite gives
+    them: CosSinRoPE's slices of its cache, freqs_cis.real / .imag (a column stride of 2)."""
+    model = _titan_qwen3(rope, torch.bfloat16)
+    res = normfuse.check(model, _tokens())
+    assert res.ok, str(res)
+    qk = [s for s in res.sites if s.op == "qk_norm_rope"]
+    assert len(qk) == 4 and all(s.numeric.passed for s in qk), str(res)
+    assert any(o.name.startswith("grad:") and "k_norm" in o.name for o in res.outputs)
