@@ -16,6 +16,9 @@ torchtitan (``models/common/rope.py``) rotates q (B, S, H, D) untransposed, upca
                  (the pair rotation in fp32: layout "gptj"; the call reads freqs_cis.real and .imag)
     then ``.type_as(q)``, a cast that reads q's dtype, not its values
 
+GPT-J's pairs written out: ``q * cos + stack((-q[..., 1::2], q[..., ::2]), -1).flatten(-2) * sin``, full
+tables (layout "gptj").
+
 ``qk_norm_rope`` (``normfuse.kernels.qk_rope``: its docstring is the semantics) computes the norm
 and the rotation with the graph's dtypes: the norm's rounding modes are the norm match's, the
 rotation's dtype (``rope_dtype``) is what the graph's ``y * cos`` computed in, ``out_dtype`` the
