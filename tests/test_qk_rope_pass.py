@@ -287,6 +287,7 @@ def test_audit_prices_the_rope():
     for layer in range(2):
         q, k = (priced[True][f"layers.{layer}.self_attn.{n}"] for n in ("q_norm", "k_norm"))
         assert q.site.op == k.site.op == "qk_norm_rope"
+        assert q.site.fused_rope and k.site.fused_rope and k.site.rope_reason is None  # k's RoPE is in q's call
         assert q.fused.fwd + k.fused.fwd == want
         assert q.fused.bwd + k.fused.bwd == want_bwd
         assert q.fused.fwd_kernels + k.fused.fwd_kernels == 1

@@ -539,8 +539,9 @@ class _QkRope(FusionPart):
         rope = found.q if isinstance(found, QkPair) else found
         if rope.reason is None:
             record.rope = rope.describe()
-        # the k site of a call is not its lead: the call computes its RoPE all the same
-        record.fused_rope = fused or (record.op == "qk_norm_rope" and record.fused)
+        # the k site of a call is not its lead: the call computes its RoPE all the same (in an
+        # audit too, where no site is rewritten: the plan's op says the call would)
+        record.fused_rope = fused or record.op == "qk_norm_rope"
         record.rope_reason = None if record.fused_rope else (rope.reason or reason)
 
     def eager_nodes(self, pair: QkPair) -> tuple[fx.Node, ...]:
