@@ -292,3 +292,29 @@ def test_triton_kernels_in_a_training_step(rope, triton_cpu):
     qk = [s for s in res.sites if s.op == "qk_norm_rope"]
     assert len(qk) == 4 and all(s.numeric.passed for s in qk), str(res)
     assert any(o.name.startswith("grad:") and "k_norm" in o.name for o in res.outputs)
+
+
+class _DowncastAttention(_PairsAttention):
+    """An fp32 norm whose output is rounded to bf16 before GPT-J's RoPE: two roundings of the
+    normalized value (fp32, then bf16), where the kernel rounds once."""
+
+    def forward(self, q, k):
+        cos, sin = self.angles.cos().bfloat16(), self.angles.sin().bfloat16()
+        qn, kn = self.q_norm(q).bfloat16(), self.k_norm(k).bfloat16()
+        return self._rotate(qn, cos, sin), self._rotate(kn, cos, sin)
+
+
+def test_a_cast_that_rounds_before_the_rope_keeps_it():
+    torch._dynamo.reset()
+    model = _DowncastAttention()
+    args = _pairs_inputs(torch.float32)
+    with torch.no_grad():
+        ref = model(*args)
+        normfuse.optimize(model)
+        out = model(*args)
+    rep = normfuse.report(model)
+    assert len(rep.sites) == 2 and all(s.fused and s.op == "norm" and not s.fused_rope for s in rep.sites), rep
+    assert all(s.rope_reason == "q/k is cast from torch.float32 to torch.bfloat16 before its RoPE, a rounding the "
+                                "kernel does not make" for s in rep.sites), rep
+    for got, want in zip(out, ref):
+        assert torch.equal(got, want)
