@@ -95,6 +95,21 @@ def test_every_qk_norm_is_fused_with_its_rope(rope, dtype, positions):
 
 
 @pytest.mark.parametrize("rope", list(ROPE))
+def test_positions_of_one_sample(rope):
+    """One sample with positions: torchtitan indexes its cache, ``cache[positions.squeeze(0)]``, after
+    the norms; the call reads the table from there, moved up with it (pure primitives)."""
+    model = _titan_qwen3(rope, torch.bfloat16)
+    ids, positions = _tokens()[:1], torch.arange(SEQ).flip(0)[None]
+    with torch.no_grad():
+        ref = model(ids, positions=positions)
+        normfuse.optimize(model)
+        out = model(ids, positions=positions)
+    qk = _qk_sites(normfuse.report(model).sites)
+    assert len(qk) == 4 and all(s.op == "qk_norm_rope" and s.fused_rope for s in qk), qk
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("rope", list(ROPE))
 def test_check_passes_every_site_with_gradients(rope):
     model = _titan_qwen3(rope, torch.bfloat16)
     res = normfuse.check(model, _tokens())  # outputs and every gradient vs fp64, site by site

@@ -78,6 +78,8 @@ PARAMS: dict[str, tuple[str, ...]] = {
     # ... and torchtitan's cache gathered at given positions (pure: a table the call reads may move up)
     "expand": ("input", "size"),
     "gather": ("input", "dim", "index"),
+    "index": ("input", "indices"),  # x[idx] with a tensor idx (one position per row of the cache)
+    "squeeze": ("input", "dim"),
     # ... and activations (passes/parts/)
     "silu": ("input",),
     "sigmoid": ("input",),
@@ -131,6 +133,8 @@ SPELLINGS: dict[str, list[Any]] = {
     "view_as_real": [torch.view_as_real, *_aten("view_as_real.default")],
     "expand": ["expand", *_aten("expand.default")],
     "gather": [torch.gather, "gather", *_aten("gather.default")],
+    "index": [*_aten("index.Tensor")],  # the getitem spelling: canonical() reads its index
+    "squeeze": [torch.squeeze, "squeeze", *_aten("squeeze.dim", "squeeze.dims", "squeeze.default")],
     "silu": [F.silu, "silu", *_aten("silu.default")],
     "sigmoid": [torch.sigmoid, F.sigmoid, "sigmoid", *_aten("sigmoid.default")],
 }
@@ -299,6 +303,8 @@ def canonical(node: fx.Node) -> Canon | None:
                    if isinstance(i, slice) and i != slice(None))
         return Canon("slice", {"input": node.args[0], "dim": [_sliced_dim(node.args[1])], "start": cut.start,
                                "end": cut.stop, "step": 1 if cut.step is None else cut.step})
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], fx.Node):
+        return Canon("index", {"input": node.args[0], "indices": [node.args[1]]})  # x[idx], idx a tensor
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         return _tuple_item(node.args[0], node.args[1])
     if node.op == "call_function":
