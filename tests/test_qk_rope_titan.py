@@ -148,7 +148,7 @@ def _plant(gm, fault):
     kw = dict(call.kwargs)
     if fault == "other_layout":    # rotate_half's partners for adjacent pairs, or the reverse
         kw["layout"] = "gptj" if kw["layout"] == "neox" else "neox"
-    elif fault == "rotated_sign":  # sin for cos
+    elif fault == "rotated_sign":  # sin for cos (complex form: freqs_cis.imag for .real)
         kw["cos"], kw["sin"] = kw["sin"], kw["cos"]
     elif fault == "bf16_rope":     # the products and the sum rounded to bf16 (eager computes them in fp32)
         assert kw["rope_dtype"] == torch.float32
@@ -160,7 +160,7 @@ def _plant(gm, fault):
 
 
 @pytest.mark.parametrize("rope,fault", [("cossin", "other_layout"), ("cossin", "rotated_sign"),
-                                        ("complex", "other_layout")])
+                                        ("complex", "other_layout"), ("complex", "rotated_sign")])
 def test_planted_fault_is_refuted_at_its_site(rope, fault):
     model = _titan_qwen3(rope, torch.bfloat16)
     res = normfuse.check(model, _tokens(), optimized=optimized_with_fault(model, lambda gm: _plant(gm, fault)),

@@ -492,6 +492,10 @@ def _call_arguments(pair: SitePair, env: dict[fx.Node, Any]) -> tuple[list, dict
     kwargs = dict(pair.call.kwargs)
     for role in roles[4:]:
         kwargs[role] = value(pair.args[role])
+        node = pair.call.kwargs.get(role)
+        if isinstance(kwargs[role], torch.Tensor) and kwargs[role].is_complex() and isinstance(node, fx.Node) \
+                and node.op == "call_function":  # a part the rewrite took of a complex value (freqs_cis.real)
+            kwargs[role] = node.target(kwargs[role], *node.args[1:], **node.kwargs)
     for part in PARTS:
         part.check_arguments(kwargs, args[0])
     if kwargs.get("dropout_p"):

@@ -510,7 +510,7 @@ class _QkRope(FusionPart):
                         t.meta[key] = part(t.meta[key])
                 t.meta.pop("tensor_meta", None)
                 inserted.append(t)
-                holds[t] = q.cos  # a part of freqs_cis: check_arguments takes it
+                holds[t] = q.cos  # the checker takes the part the same way (verify/numeric.py)
         options = dict(cos=cos, sin=sin, eps=modes["eps"], weight_offset=modes["weight_offset"],
                        norm_round_dtype=modes["norm_round_dtype"], norm_out_dtype=modes["out_dtype"],
                        rope_dtype=q.rope_dtype, out_dtype=q.out_dtype, layout=q.layout, rotary_dim=q.rotary_dim,
@@ -530,10 +530,6 @@ class _QkRope(FusionPart):
         if pair.k_norm is not None:
             built.old_nodes += [*pair.k_norm.nodes, *pair.k.nodes]
         return built
-
-    def check_arguments(self, options: dict, x) -> None:
-        if isinstance(options.get("cos"), torch.Tensor) and options["cos"].is_complex():  # freqs_cis (build)
-            options["cos"], options["sin"] = options["cos"].real, options["sin"].imag
 
     def report(self, record, found, fused: bool, reason: str | None) -> None:
         rope = found.q if isinstance(found, QkPair) else found
