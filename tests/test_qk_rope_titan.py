@@ -333,3 +333,28 @@ def test_a_cast_that_rounds_before_the_rope_keeps_it():
                                 "kernel does not make" for s in rep.sites), rep
     for got, want in zip(out, ref):
         assert torch.equal(got, want)
+
+
+class _CastLeakAttention(_PairsAttention):
+    """GPT-J's RoPE on the normalized q itself, and an upcast of q read elsewhere."""
+
+    def forward(self, q, k):
+        cos, sin = self.angles.cos().to(q.dtype), self.angles.sin().to(q.dtype)
+        qn, kn = self.q_norm(q), self.k_norm(k)
+        return self._rotate(qn, cos, sin), self._rotate(kn, cos, sin), qn.float().sum()
+
+
+def test_an_upcast_read_elsewhere_is_not_the_rope_s():
+    torch._dynamo.reset()
+    model = _CastLeakAttention()
+    model.q_norm.to(torch.bfloat16), model.k_norm.to(torch.bfloat16)
+    args = _pairs_inputs(torch.bfloat16)
+    with torch.no_grad():
+        ref = model(*args)
+        normfuse.optimize(model)
+        out = model(*args)
+    qs, ks = normfuse.report(model).sites
+    assert qs.op == "norm" and qs.rope_reason == "the normalized q/k is read outside its RoPE", qs
+    assert ks.op == "qk_norm_rope" and ks.rope == "gptj, rotary 16 of 16", ks
+    for got, want in zip(out, ref):
+        assert torch.equal(got, want)

@@ -317,6 +317,8 @@ def find_rope(index, m) -> RopeMatch | None:
     if width is None:
         return None
     upcast, leak = _reader(index, value, "cast")
+    if upcast is not None and (_rotate_half(index, value, D) or _rotate_pairs(index, value, D)):
+        upcast = None  # the RoPE reads the value itself, a cast of it is read elsewhere
     if upcast is not None:  # torchtitan: query.float(), the RoPE in fp32
         value = upcast
         chain.append(upcast)
