@@ -320,3 +320,38 @@ def test_slices_that_are_not_halves_leave_the_norm_alone():
     assert [(s.op, s.rope) for s in rep.sites] == [("norm", None)], rep
     assert not rep.warnings and not rep.notes, rep
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- dynamic shapes
+
+@pytest.mark.parametrize("name", ["qwen3", "olmo2", "gemma3_text", "glm4_moe"])
+def test_a_recompile_for_another_length_fuses_the_rope_too(name):
+    """A second length makes dynamo recompile with the batch and sequence sizes symbolic (as in
+    generation, or any run of varied lengths): that graph's q/k norms are fused with their RoPE
+    as the first graph's, and every output equals eager's."""
+    model = _model(name, torch.bfloat16)
+    lengths = (8, 12, 16)
+    with torch.no_grad():
+        refs = [model(**example_inputs(model, seq=n))[0] for n in lengths]
+        normfuse.optimize(model)
+        outs = [model(**example_inputs(model, seq=n))[0] for n in lengths]
+    rep = normfuse.report(model)
+    graphs = {s.id.split(".")[0] for s in rep.sites}
+    assert len(graphs) == 2, rep  # the static first graph, then one with symbolic sizes
+    qk = _qk_sites(rep)
+    assert len(qk) == 8 and all(s.op == "qk_norm_rope" and s.fused_rope and s.rope == ROPE[name] for s in qk), rep
+    assert all(torch.equal(out, ref) for out, ref in zip(outs, refs))
+
+
+def test_export_with_a_dynamic_sequence_length():
+    model = _model("qwen3", torch.bfloat16)
+    inputs = example_inputs(model, seq=8)
+    seq = torch.export.Dim("seq", min=2, max=64)
+    gm = torch.export.export(model, (), inputs, dynamic_shapes={"input_ids": {1: seq}}).module()
+    gm, rep = normfuse.fuse_graph(gm)
+    qk = _qk_sites(rep)
+    assert len(qk) == 4 and all(s.op == "qk_norm_rope" and s.fused_rope for s in qk), rep
+    with torch.no_grad():
+        for n in (8, 20):
+            other = example_inputs(model, seq=n)
+            assert torch.equal(gm(**other)[0], model(**other)[0])

@@ -95,6 +95,23 @@ def test_every_qk_norm_is_fused_with_its_rope(rope, dtype, positions):
 
 
 @pytest.mark.parametrize("rope", list(ROPE))
+def test_a_recompile_for_another_length_fuses_the_rope_too(rope):
+    """Lengths 8, 12, 16: dynamo recompiles once with a symbolic sequence length; that graph's q/k
+    norms are fused with their RoPE too (the cache sliced to a symbolic length)."""
+    model = _titan_qwen3(rope, torch.bfloat16)
+    ids = [torch.randint(0, VOCAB, (BATCH, n), generator=torch.Generator().manual_seed(n)) for n in (8, 12, 16)]
+    with torch.no_grad():
+        refs = [model(x) for x in ids]
+        normfuse.optimize(model)
+        outs = [model(x) for x in ids]
+    rep = normfuse.report(model)
+    assert len({s.id.split(".")[0] for s in rep.sites}) == 2, rep
+    qk = _qk_sites(rep.sites)
+    assert len(qk) == 8 and all(s.op == "qk_norm_rope" and s.rope == ROPE[rope] and s.fused_rope for s in qk), rep
+    assert all(torch.equal(out, ref) for out, ref in zip(outs, refs))
+
+
+@pytest.mark.parametrize("rope", list(ROPE))
 def test_positions_of_one_sample(rope):
     """One sample with positions: torchtitan indexes its cache, ``cache[positions.squeeze(0)]``, after
     the norms; the call reads the table from there, moved up with it (pure primitives)."""

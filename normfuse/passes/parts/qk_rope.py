@@ -40,7 +40,8 @@ import torch
 import torch.fx as fx
 
 from normfuse.kernels.qk_rope import qk_norm_rope
-from normfuse.passes.canonical import canonical, is_exact_upcast, node_dtype, node_shape, real_users
+from normfuse.passes.canonical import (canonical, is_exact_upcast, node_dtype, node_shape, real_users, same_dim,
+                                       same_shape)
 from normfuse.passes.graph import copy_meta
 from normfuse.passes.parts.base import BuiltCall, FusionPart, PlanContext
 from normfuse.vocabulary import KERNEL_DTYPES
@@ -202,7 +203,7 @@ def _rotate_pairs(index, r: fx.Node, width: int):
             or not _last(cs["dim"], len(node_shape(stack) or ())):
         return None
     flat = _single_user(stack)
-    if flat is None or index.prim(flat) not in ("flatten", "view") or node_shape(flat) != node_shape(r):
+    if flat is None or index.prim(flat) not in ("flatten", "view") or not same_shape(node_shape(flat), node_shape(r)):
         return None
     b = _single_user(flat)
     s = _other(index, b, flat) if b is not None else None
@@ -238,7 +239,7 @@ def _complex_rotation(index, r: fx.Node, shape: tuple):
     something else reads a step."""
     B, S, H, D = shape
     pairs, leak = _reader(index, r, "view")
-    if pairs is None or node_shape(pairs) != (B, S, H, D // 2, 2):
+    if pairs is None or not same_shape(node_shape(pairs), (B, S, H, D // 2, 2)):
         return None
     z, more = _reader(index, pairs, "view_as_complex")
     mul, more2 = _reader(index, z, "mul") if z is not None else (None, False)
@@ -249,7 +250,7 @@ def _complex_rotation(index, r: fx.Node, shape: tuple):
     flat, more4 = _reader(index, real, "flatten")
     if flat is None:  # ATen graphs spell the flatten as a view
         flat, more4 = _reader(index, real, "view")
-    if flat is None or node_shape(flat) != (B, S, H, D):
+    if flat is None or not same_shape(node_shape(flat), (B, S, H, D)):
         return None
     if leak or more or more2 or more3 or more4:
         return "the normalized q/k is read outside its RoPE"
@@ -259,8 +260,14 @@ def _complex_rotation(index, r: fx.Node, shape: tuple):
 def _freqs_cis(f, batch: int, seq: int, half: int) -> bool:
     """A complex (1 | B, 1 | S, 1, D / 2) table: one rotation per position and pair."""
     shape, dtype = node_shape(f), node_dtype(f)
-    return shape is not None and len(shape) == 4 and shape[0] in (1, batch) and shape[1] in (1, seq) \
+    return shape is not None and len(shape) == 4 and _one_or(shape[0], batch) and _one_or(shape[1], seq) \
         and shape[2] == 1 and shape[3] == half and dtype == torch.complex64
+
+
+def _one_or(dim, size) -> bool:
+    """A table's dim that broadcasts to ``size`` (1) or is it; sizes may be symbolic (a graph
+    captured for varied lengths)."""
+    return same_dim(dim, 1) or same_dim(dim, size)
 
 
 def _table(index, t, transposed: bool, batch: int, seq: int, width: int):
@@ -271,7 +278,7 @@ def _table(index, t, transposed: bool, batch: int, seq: int, width: int):
     c = index.canon(t)
     shape = node_shape(t)
     if (c is None or c.prim != "unsqueeze") and not transposed and shape is not None and len(shape) == 4 \
-            and shape[0] in (1, batch) and shape[1] in (1, seq) and shape[2] == 1 and shape[3] == width:
+            and _one_or(shape[0], batch) and _one_or(shape[1], seq) and shape[2] == 1 and shape[3] == width:
         return t
     if c is None or c.prim != "unsqueeze" or not isinstance(c["input"], fx.Node):
         return None
@@ -280,7 +287,8 @@ def _table(index, t, transposed: bool, batch: int, seq: int, width: int):
         return None
     base = c["input"]
     shape = node_shape(base)
-    if shape is None or len(shape) != 3 or shape[0] not in (1, batch) or shape[1] != seq or shape[2] != width:
+    if shape is None or len(shape) != 3 or not _one_or(shape[0], batch) or not same_dim(shape[1], seq) \
+            or shape[2] != width:
         return None
     return base
 
@@ -290,8 +298,8 @@ def find_rope(index, m) -> RopeMatch | None:
     if m.kind != "rms_norm" or m.bias is not None or m.group is not None or m.layout is not None or m.reason:
         return None
     value, chain, transposed = m.output, [], False
-    out_shape = node_shape(m.output)
-    if out_shape is None or not all(isinstance(d, int) for d in out_shape):
+    out_shape = node_shape(m.output)  # batch and sequence may be symbolic; heads and head_dim are not
+    if out_shape is None or not isinstance(out_shape[-1], int):
         return None
     user = _single_user(value)
     if user is not None and index.prim(user) == "view" and len(out_shape) == 3:  # a norm over the row, to heads
@@ -299,7 +307,7 @@ def find_rope(index, m) -> RopeMatch | None:
         chain.append(user)
         user = _single_user(value)
     shape = node_shape(value)
-    if shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in shape):
+    if shape is None or len(shape) != 4:
         return None
     operand, before = None, index.canon(m.input)
     if user is not None and index.prim(user) == "transpose" and _swaps_heads(index.canon(user)):
@@ -311,9 +319,11 @@ def find_rope(index, m) -> RopeMatch | None:
         operand, transposed = before["input"], True
     else:
         B, S, H, D = shape
+    if not (isinstance(H, int) and isinstance(D, int)):
+        return None
     norm_shape = (B, H, S, D) if operand is not None else (B, S, H, D)
-    width = "head" if m.hidden_size == D and tuple(out_shape) == norm_shape else \
-        "row" if m.hidden_size == H * D and tuple(out_shape) == (B, S, H * D) else None
+    width = "head" if m.hidden_size == D and same_shape(out_shape, norm_shape) else \
+        "row" if m.hidden_size == H * D and same_shape(out_shape, (B, S, H * D)) else None
     if width is None:
         return None
     upcast, leak = _reader(index, value, "cast")
@@ -412,7 +422,7 @@ def _modes(site) -> tuple:
 def _same_rope(a: RopeMatch, b: RopeMatch) -> bool:
     return (a.layout, a.rotary_dim, a.head_dim, a.norm_width, a.transpose_out, a.rope_dtype, a.out_dtype) == (
         b.layout, b.rotary_dim, b.head_dim, b.norm_width, b.transpose_out, b.rope_dtype, b.out_dtype) \
-        and a.heads_shape[:2] == b.heads_shape[:2]
+        and all(same_dim(x, y) for x, y in zip(a.heads_shape[:2], b.heads_shape[:2]))
 
 
 def _partner(ctx: PlanContext, site, found: RopeMatch):
@@ -492,11 +502,12 @@ class _QkRope(FusionPart):
                 continue
             x = rewriting.resolve(rope.operand or m.input)
             if rope.norm_width == "row":  # (B, S, H * D) -> (B, S, H, D): the kernel reads heads
-                x = graph.call_method("reshape", (x, *rope.heads_shape))
+                heads = tuple(rope.heads_shape[2:])  # static; B and S may be symbolic
+                x = graph.call_method("unflatten", (x, -1, heads))
                 copy_meta(x, m.input)
                 for key in ("example_value", "val"):
                     if isinstance(x.meta.get(key), torch.Tensor):
-                        x.meta[key] = x.meta[key].reshape(rope.heads_shape)
+                        x.meta[key] = x.meta[key].unflatten(-1, heads)
                 x.meta.pop("tensor_meta", None)
                 inserted.append(x)
                 holds[x] = m.input
