@@ -24,10 +24,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import sympy
+import torch
 import torch.fx as fx
 
 from normfuse.kernels.specs import OP_OUTPUTS
-from normfuse.passes.canonical import TUPLE_SPELLINGS, canonical, node_shape
+from normfuse.passes.canonical import TUPLE_SPELLINGS, canonical, node_dtype, node_shape
 from normfuse.passes.find import live_dropout_p
 from normfuse.passes.parts import PARTS
 from normfuse.passes.record import fused_op_name, output_names
@@ -62,6 +63,32 @@ def _row(name: str, n: int) -> list:
 class _Heads(list):
     """A value split into heads: one row per head (a norm over all heads of a position, then the
     view to (..., H, D): OLMo 2's q/k). Elementwise steps, slices and cats act per head."""
+
+
+class _Groups(list):
+    """A row whose last dim became groups along a new last dim, one tuple per group: the view
+    to (..., D/2, 2) of the complex form, a ``stack(..., -1)``; flattening them back interleaves."""
+
+
+class _Complex(list):
+    """A row of complex values as (real, imaginary) pairs of real expressions: ``view_as_complex``
+    of pairs, a complex table (freqs_cis). Kept apart so that no expression needs sympy's I."""
+
+
+def _complex_mul(a: Any, b: Any) -> "_Complex":
+    """Elementwise product of two rows, at least one complex (a real row scales both parts)."""
+    def parts(v):
+        return v if isinstance(v, tuple) else (v, 0)
+    a, b = _bcast(a, b)
+    out = []
+    for u, v in zip(a, b):
+        (ar, ai), (br, bi) = parts(u), parts(v)
+        out.append((ar * br - ai * bi, ar * bi + ai * br))
+    return _Complex(out)
+
+
+def _structured(*values: Any) -> bool:
+    return any(isinstance(v, (_Groups, _Complex)) for v in values)
 
 
 @dataclass(frozen=True)
@@ -106,6 +133,8 @@ def _bcast(a: list, b: list) -> tuple[list, list]:
 
 
 def _elementwise(fn, *rows):
+    if _structured(*rows):
+        raise _Unsupported("an elementwise step on pairs or complex values other than a product")
     heads = {len(r) for r in rows if isinstance(r, _Heads)}
     if len(heads) > 1:
         raise _Unsupported(f"values of {sorted(heads)} heads meet in one step")
@@ -209,7 +238,33 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym, heads: _HeadRows
         sign = 1 if p == "add" else -1
         return _elementwise(lambda a, b: a + sign * alpha * b, val(c["input"]), val(c["other"]))
     if p == "mul":
-        return _elementwise(operator.mul, val(c["input"]), val(c["other"]))
+        a, b = val(c["input"]), val(c["other"])
+        if isinstance(a, _Complex) or isinstance(b, _Complex):  # the complex form's rotation
+            if isinstance(a, (_Groups, _Heads)) or isinstance(b, (_Groups, _Heads)):
+                raise _Unsupported(f"{node.name} multiplies complex values with pairs or heads")
+            return _complex_mul(a, b)
+        return _elementwise(operator.mul, a, b)
+    if p == "view_as_complex":
+        value = val(c["input"])
+        if not isinstance(value, _Groups) or any(len(g) != 2 for g in value):
+            raise _Unsupported(f"{node.name} reads a value that is not pairs of columns as complex")
+        return _Complex(value)
+    if p == "view_as_real":
+        value = val(c["input"])
+        if not isinstance(value, _Complex):
+            raise _Unsupported(f"{node.name} reads a value that is not complex")
+        return _Groups(value)
+    if p == "stack":  # rows stacked along a new last dim: the groups of their columns
+        ndim = len(node_shape(node) or ())
+        dims = c["dim"] if isinstance(c["dim"], (list, tuple)) else [c["dim"]]
+        rows = [val(t) for t in c["tensors"]]
+        if list(dims) not in ([-1], [ndim - 1]) or any(not isinstance(r, list) or _structured(r) or
+                                                         isinstance(r, _Heads) for r in rows) \
+                or len({len(r) for r in rows}) != 1:
+            raise _Unsupported(f"{node.name} stacks other than rows of one length along a new last dim")
+        return _Groups(zip(*rows))
+    if p == "flatten":
+        return _flattened(node, c, val(c["input"]))
     if p == "div":
         return _elementwise(operator.truediv, val(c["input"]), val(c["other"]))
     if p == "pow":
@@ -269,8 +324,17 @@ def _touches_last(node: fx.Node, *dims: Any) -> bool:
 
 def _split_heads(node: fx.Node, c, row: Any, heads: _HeadRows) -> Any:
     """A view of a qk_norm_rope call's value: one that splits the last dim into heads of
-    ``head_dim`` columns makes the row heads; any other keeps the row as it is."""
-    before, after = (node_shape(c["input"]) or (None,))[-1], (node_shape(node) or (None,))[-1]
+    ``head_dim`` columns makes the row heads, one into pairs (..., D/2, 2) makes groups, one that
+    merges groups back interleaves them; any other keeps the row as it is."""
+    shape_in, shape_out = node_shape(c["input"]) or (None,), node_shape(node) or (None,)
+    before, after = shape_in[-1], shape_out[-1]
+    if isinstance(row, _Groups) and len(shape_in) == len(shape_out) + 1 and after == before * shape_in[-2]:
+        return _interleaved(row)
+    if after == 2 and len(shape_out) == len(shape_in) + 1 and shape_out[-2] * 2 == before \
+            and not _structured(row) and not isinstance(row, _Heads):
+        if len(row) % 2:
+            raise _Unsupported(f"{node.name} pairs the columns of a row of {len(row)} symbols")
+        return _Groups(zip(row[0::2], row[1::2]))
     if before == after or isinstance(row, _Heads):
         return row
     if after != heads.head_dim or not isinstance(before, int) or before % after or len(row) % heads.per_head:
@@ -278,21 +342,51 @@ def _split_heads(node: fx.Node, c, row: Any, heads: _HeadRows) -> Any:
     return _Heads(row[i:i + heads.per_head] for i in range(0, len(row), heads.per_head))
 
 
+def _flattened(node: fx.Node, c, value: Any) -> Any:
+    """``flatten(start, end)``: dims before the last keep each row; the last two of groups
+    interleave them back into one row."""
+    ndim = len(node_shape(c["input"]) or ())
+    if not ndim:
+        raise _Unsupported(f"{node.name} flattens a value of unknown rank")
+    start, end = c["start_dim"] % ndim, c["end_dim"] % ndim
+    if end != ndim - 1 or start == end:
+        if isinstance(value, _Groups):
+            raise _Unsupported(f"{node.name} flattens pairs other than into the last dim")
+        return value
+    if isinstance(value, _Groups) and start == ndim - 2:
+        return _interleaved(value)
+    raise _Unsupported(f"{node.name} flattens dims {start}..{end} into the last")
+
+
+def _interleaved(groups: "_Groups") -> list:
+    """(..., n, k) flattened to (..., n * k): the groups one after the other."""
+    return [v for group in groups for v in group]
+
+
 def _slice_row(node: fx.Node, c, row: list) -> list:
-    """``x[..., a:b]`` of a row whose ``len(row)`` symbols stand for the value's last dim of
-    ``width`` columns: the block a:b of it, when its bounds fall on symbols (of each head)."""
+    """``x[..., a:b:step]`` of a row whose ``len(row)`` symbols stand for the value's last dim of
+    ``width`` columns: the block a:b of it, every step-th symbol of it, when its bounds fall on
+    symbols (of each head). The rows are the same program on a narrower value: a step of 2 takes
+    every other column there as here (GPT-J's x[..., ::2], x[..., 1::2])."""
     if isinstance(row, _Heads):
         return _Heads(_slice_row(node, c, head) for head in row)
+    if _structured(row):
+        raise _Unsupported(f"{node.name} slices a row of pairs")
     width = (node_shape(c["input"]) or (None,))[-1]
-    start, end = c["start"], c["end"]
+    start, end, step = c["start"], c["end"], c["step"] or 1
     if not isinstance(width, int) or not width:
         raise _Unsupported(f"{node.name} slices a row of unknown width")
     ndim = len(node_shape(c["input"]) or ())
-    if list(c["dim"]) not in ([-1], [ndim - 1]) or c["step"] not in (1, None) \
+    if list(c["dim"]) not in ([-1], [ndim - 1]) or not isinstance(step, int) or step < 1 \
             or not all(b is None or isinstance(b, int) for b in (start, end)):
         raise _Unsupported(f"{node.name} is not a slice of the last dim with constant bounds")
     start = 0 if start is None else max(start + width, 0) if start < 0 else min(start, width)
     end = width if end is None else max(end + width, 0) if end < 0 else min(end, width)
+    if step > 1:  # every step-th column of the whole row: the same columns of the narrower row
+        if start >= step or end != width or len(row) % step:
+            raise _Unsupported(f"{node.name} takes columns {start}:{end}:{step} of {width}: not a residue class of "
+                               f"a row of {len(row)} symbols")
+        return row[start::step]
     lo, hi = start * len(row), end * len(row)
     if lo % width or hi % width:
         raise _Unsupported(f"{node.name} slices columns {start}:{end} of {width}, not whole symbols of a row of "
@@ -344,8 +438,28 @@ _ROW_OPS = SimpleNamespace(elementwise=_elementwise, mul=operator.mul, add=opera
                           abs=sympy.Abs, rational=sympy.Rational, unsupported=_Unsupported)
 
 
+def _part_read(pair: SitePair, role: str, leaf: Any) -> Any:
+    """The row a call argument holds: a complex value's real or imaginary parts when the rewrite
+    took one of them (freqs_cis.real / .imag as cos / sin), by the rewritten node itself."""
+    if not isinstance(leaf, _Complex):
+        return leaf
+    taken = pair.call.kwargs.get(role)
+    target = getattr(taken, "target", None) if isinstance(taken, fx.Node) else None
+    if target not in (torch.real, torch.imag):
+        raise _Unsupported(f"the fused call's {role} reads a complex value whole")
+    return [part[0 if target is torch.real else 1] for part in leaf]
+
+
 def _leaf(node: fx.Node, name: str, hidden: int | None, layout: tuple[int, ...] | None = None,
           heads: _HeadRows | None = None) -> list:
+    if node_dtype(node) is not None and node_dtype(node).is_complex:  # (real, imaginary) symbols
+        re, im = (_leaf_row(node, f"{name}_{part}", hidden, layout, heads) for part in ("re", "im"))
+        return _Complex(zip(re, im))
+    return _leaf_row(node, name, hidden, layout, heads)
+
+
+def _leaf_row(node: fx.Node, name: str, hidden: int | None, layout: tuple[int, ...] | None = None,
+              heads: _HeadRows | None = None) -> list:
     shape = node_shape(node)
     if layout is not None and shape and len(shape) == len(layout):
         shape = tuple(shape[d] for d in layout)  # the row the call reads is along the permuted last dim
@@ -499,7 +613,7 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
                 source = _source(node, inside, transposes)
                 if source not in leaves:
                     leaves[source] = _leaf(source, _SYMBOL_PREFIX[role], hidden, pair.layout, heads)
-                rows[role] = leaves[source]
+                rows[role] = _part_read(pair, role, leaves[source])
             else:
                 raise _Unsupported(f"the fused call's {role} is a constant {node!r}")
         for i, node in enumerate(pair.inputs):  # values the original reads that the call does not
