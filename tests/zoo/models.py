@@ -54,11 +54,24 @@ HF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "hunyuan_v1_dense": ("decoder", {}), "ernie4_5": ("decoder", {}), "apertus": ("decoder", {}),
     "bitnet": ("decoder", {}), "openai-gpt": ("decoder", {}), "vaultgemma": ("decoder", {}),
     "diffllama": ("decoder", {}), "internlm3": ("decoder", {}),
+    # q/k norms and their RoPE: on the sliding-window layers only (Flint); RoPE before weightless norms
+    # (nanochat); one weightless norm module for q and k, q scaled before its RoPE (Muse Glimmer)
+    "flint": ("decoder", dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16)),
+    "nanochat": ("decoder", {}), "muse_glimmer_text": ("decoder", {}),
     # mixtures of experts
     "mixtral": ("moe", MOE), "qwen2_moe": ("moe", dict(MOE, shared_expert_intermediate_size=32)),
     "qwen3_moe": ("moe", MOE), "olmoe": ("moe", MOE), "granitemoe": ("moe", MOE), "jetmoe": ("moe", MOE),
     "phimoe": ("moe", MOE),
     "ernie4_5_moe": ("moe", MOE), "gpt_oss": ("moe", MOE), "dots1": ("moe", MOE),
+    # q/k norms: GLM-4 MoE's behind an option (partial rotary), Llama 4's an L2 norm after its complex RoPE,
+    # MiniMax-M2's over all heads before the view to heads, Laguna's with a partial rotary
+    "glm4_moe": ("moe", dict(MOE, use_qk_norm=True)), "llama4_text": ("moe", MOE), "minimax_m2": ("moe", MOE),
+    "afmoe": ("moe", MOE),
+    "laguna": ("moe", dict(MOE, shared_expert_intermediate_size=32, num_attention_heads_per_layer=[4, 4],
+                           layer_types=["full_attention", "full_attention"], mlp_layer_types=["dense", "sparse"])),
+    # no RoPE at all (relative logits), k through a short conv with its own residual add
+    "inkling_text": ("moe", dict(MOE, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
+                                 sliding_window_size=16, rel_extent=16)),
     # hybrids (recurrent / state-space layers next to attention) and recurrent models
     "jamba": ("hybrid", dict(MOE, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                              expert_layer_offset=1, mamba_d_state=8, mamba_expand=2, use_mamba_kernels=False)),
@@ -74,6 +87,7 @@ HF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_next": ("hybrid", {}),
     "recurrent_gemma": ("hybrid", dict(lru_width=64, block_types=["recurrent", "attention"], attention_window_size=16)),
     "lfm2": ("hybrid", dict(layer_types=["conv", "full_attention"], block_ff_dim=128, block_auto_adjust_ff_dim=False)),
+    "lfm2_moe": ("hybrid", dict(MOE, layer_types=["conv", "full_attention"])),
     "rwkv": ("hybrid", dict(attention_hidden_size=64, context_length=32)),
     # encoder-decoders
     "t5": ("encoder-decoder", {}), "bart": ("encoder-decoder", {}), "mbart": ("encoder-decoder", {}),
