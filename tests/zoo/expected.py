@@ -101,6 +101,11 @@ EXPECTED = {
         eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
     "hf:eurobert": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),
+    "hf:esmc": dict(norms=9, fused=9, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 5},
+        eager_norms=9, eager_input_is_add=4, check="ok", checked_sites=9, bitwise=True,
+        note=(
+        "open: the q/k norms are bias-free LayerNorms over all heads (hidden_size), each followed by .to(dtype), "
+        "the view to heads, the transpose and HF's rotate_half RoPE: fused as norms, no RoPE found after them")),
     # --- decoder
     "hf:gpt2": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
         eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),

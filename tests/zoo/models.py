@@ -38,6 +38,9 @@ HF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "roberta-prelayernorm": ("encoder", {}), "xlm-roberta-xl": ("encoder", {}), "mobilebert": ("encoder", dict(
         embedding_size=32, intra_bottleneck_size=32, true_hidden_size=32, num_feedforward_networks=1)),
     "nomic_bert": ("encoder", {}), "eurobert": ("encoder", {}),
+    # q/k LayerNorms over all heads, before the view to heads and the RoPE; its k_norm is sized hidden_size,
+    # so as many k heads as q heads
+    "esmc": ("encoder", dict(num_key_value_heads=4)),
     # decoders
     "gpt2": ("decoder", {}), "gpt_neo": ("decoder", dict(attention_types=[[["global", "local"], 1]], window_size=16)),
     "gptj": ("decoder", dict(rotary_dim=8)), "gpt_neox": ("decoder", {}), "llama": ("decoder", {}),
