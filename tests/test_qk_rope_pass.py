@@ -161,10 +161,10 @@ class _Attention(nn.Module):
     """q/k RMSNorm per head, then a RoPE: ``"neox"`` as HF writes it, ``"pairs"`` the interleaved
     form (not recognized); ``leak`` also returns the normalized q."""
 
-    def __init__(self, rope="neox", leak=False, heads=2, dim=8):
+    def __init__(self, rope="neox", leak=False, heads=2, dim=8, norm=nn.RMSNorm, q_scale=None):
         super().__init__()
-        self.rope, self.leak, self.heads, self.dim = rope, leak, heads, dim
-        self.q_norm, self.k_norm = nn.RMSNorm(dim, eps=1e-6), nn.RMSNorm(dim, eps=1e-6)
+        self.rope, self.leak, self.heads, self.dim, self.q_scale = rope, leak, heads, dim, q_scale
+        self.q_norm, self.k_norm = norm(dim, eps=1e-6), norm(dim, eps=1e-6)
         with torch.no_grad():
             self.q_norm.weight.uniform_(0.5, 1.5)
             self.k_norm.weight.uniform_(0.5, 1.5)
@@ -179,7 +179,8 @@ class _Attention(nn.Module):
 
     def forward(self, q, k, cos, sin):
         B, S = q.shape[:2]
-        qn = self.q_norm(q.view(B, S, self.heads, self.dim)).transpose(1, 2)
+        qn = self.q_norm(q.view(B, S, self.heads, self.dim))
+        qn = (qn if self.q_scale is None else qn * self.q_scale).transpose(1, 2)
         kn = self.k_norm(k.view(B, S, self.heads, self.dim)).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         v = k.view(B, S, self.heads, self.dim).transpose(1, 2)
@@ -238,6 +239,23 @@ def test_toy_rope_recognized_or_left(rope, leak, why):
         assert k.op == "qk_norm_rope" and k.fused_rope and k.call != q.call
     else:  # interleaved pairs are not HF's rotate_half: the norms fused alone, the RoPE left as it was
         assert q.op == k.op == "norm" and q.rope is None and k.rope is None, rep
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("options,why", [
+    (dict(norm=nn.LayerNorm), "qk_norm_rope computes an RMSNorm; this q/k norm is a layer_norm"),
+    (dict(q_scale=0.5), "q/k is multiplied by 0.5 between its norm and its RoPE, a rounding the kernel does not make"),
+])
+def test_a_rope_after_a_norm_the_call_does_not_compute_is_kept_with_the_reason(options, why):
+    """Phi / Persimmon normalize q and k with LayerNorm; MuseGlimmer scales q between its norm and
+    its RoPE: the norms are fused alone, the RoPE left as it was, and the report says why."""
+    ref, out, rep = _optimized_toy(_Attention(**options))
+    q, k = rep.sites
+    assert q.fused and q.op == "norm" and not q.fused_rope and q.rope_reason == why, rep
+    if "norm" in options:
+        assert k.op == "norm" and k.rope_reason == why, rep
+    else:  # k has no scale: fused with its RoPE, alone
+        assert k.op == "qk_norm_rope" and k.fused_rope, rep
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 

@@ -214,8 +214,9 @@ EXPECTED = {
     "hf:muse_glimmer_text": dict(norms=14, fused=14, fused_with_add=4, input_is_add=4, placements={"pre": 4, "sandwich": 4, "standalone": 6},
         eager_norms=14, eager_input_is_add=4, check="ok", checked_sites=14, bitwise=True, rope=2, fused_rope=2,
         note=(
-        "open: one weightless qk_norm module normalizes q and k of each layer; q is multiplied by qk_scale_factor "
-        "between its norm and its RoPE, so only k's norm is found with its RoPE (fused alone, 2 of the 4 q/k sites)")),
+        "one weightless qk_norm module normalizes q and k of each layer; q is multiplied by qk_scale_factor "
+        "between its norm and its RoPE (a rounding the kernel does not make): q's norm is fused alone, its RoPE "
+        "kept with that reason; k's norm is fused with its RoPE (2 of the 4 q/k sites)")),
     # --- moe
     "hf:mixtral": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=4, check="ok", checked_sites=5, bitwise=True),

@@ -136,6 +136,20 @@ def _single_user(node: fx.Node) -> fx.Node | None:
     return users[0] if len(users) == 1 else None
 
 
+def _sum_with_rotated(index, a: fx.Node, rotated: fx.Node):
+    """(o, s, b) of the RoPE's sum ``o = a + b``, ``b = rotated * s``, with ``a = r * c``; None
+    when the readers of ``rotated`` and ``a`` are not that."""
+    b = _single_user(rotated)
+    s = _other(index, b, rotated) if b is not None else None
+    if s is None:
+        return None
+    o = _single_user(a)
+    co = index.canon(o) if o is not None else None
+    if co is None or co.prim != "add" or co["alpha"] != 1 or {co["input"], co["other"]} != {a, b}:
+        return None
+    return o, s, b
+
+
 def _rotate_half(index, r: fx.Node, width: int):
     """``r * c + cat((-r2, r1), -1) * s`` on ``r`` of last dim ``width``: (sum, c, s, nodes), or
     None when r's readers are not that; a str when they are, but something else reads a step."""
@@ -155,14 +169,10 @@ def _rotate_half(index, r: fx.Node, width: int):
     if cc is None or cc.prim != "cat" or list(cc["tensors"]) != [neg, x1] \
             or not _last(cc["dim"], len(node_shape(cat) or ())):
         return None
-    b = _single_user(cat)
-    s = _other(index, b, cat) if b is not None else None
-    if s is None:
+    summed = _sum_with_rotated(index, a, cat)
+    if summed is None:
         return None
-    o = _single_user(a)
-    co = index.canon(o) if o is not None else None
-    if co is None or co.prim != "add" or co["alpha"] != 1 or {co["input"], co["other"]} != {a, b}:
-        return None
+    o, s, b = summed
     if len(users) != 3 or _readers(x1) != [cat] or _readers(b) != [o]:
         return "the normalized q/k is read outside its RoPE"
     return o, c, s, [a, x1, x2, neg, cat, b, o]
@@ -205,14 +215,10 @@ def _rotate_pairs(index, r: fx.Node, width: int):
     flat = _single_user(stack)
     if flat is None or index.prim(flat) not in ("flatten", "view") or not same_shape(node_shape(flat), node_shape(r)):
         return None
-    b = _single_user(flat)
-    s = _other(index, b, flat) if b is not None else None
-    if s is None:
+    summed = _sum_with_rotated(index, a, flat)
+    if summed is None:
         return None
-    o = _single_user(a)
-    co = index.canon(o) if o is not None else None
-    if co is None or co.prim != "add" or co["alpha"] != 1 or {co["input"], co["other"]} != {a, b}:
-        return None
+    o, s, b = summed
     if len(users) != 3 or _readers(x1) != [stack] or _readers(b) != [o]:
         return "the normalized q/k is read outside its RoPE"
     return o, c, s, [a, x1, x2, neg, stack, b, o, flat]  # a and b at _rotate_half's positions
@@ -294,13 +300,42 @@ def _table(index, t, transposed: bool, batch: int, seq: int, width: int):
 
 
 def find_rope(index, m) -> RopeMatch | None:
-    """The RoPE after the norm ``m`` (see the module docstring), or None when there is none."""
-    if m.kind != "rms_norm" or m.bias is not None or m.group is not None or m.layout is not None or m.reason:
+    """The RoPE after the norm ``m`` (see the module docstring), or None when there is none; a
+    RoPE after a norm the call does not compute (a LayerNorm, a bias, q scaled between the two)
+    is found and kept, with the reason."""
+    if m.group is not None or m.layout is not None or m.reason:
         return None
+    steps: list[str] = []
+    found = _find_rope(index, m, steps)
+    refusal = (f"qk_norm_rope computes an RMSNorm; this q/k norm is a {m.kind}" if m.kind != "rms_norm" else
+               "qk_norm_rope computes an RMSNorm without a bias; this q/k norm has one" if m.bias is not None else
+               steps[0] if steps else None)
+    if found is None or found.reason is not None or refusal is None:
+        return found
+    return RopeMatch(reason=refusal)
+
+
+def _scaled(index, value: fx.Node) -> tuple[fx.Node, object] | tuple[None, None]:
+    """(the mul, the number) when the only reader of ``value`` multiplies it by a number."""
+    user = _single_user(value)
+    c = index.canon(user) if user is not None else None
+    if c is None or c.prim != "mul":
+        return None, None
+    other = c["other"] if c["input"] is value else c["input"] if c["other"] is value else None
+    return (user, other) if isinstance(other, (int, float)) and not isinstance(other, bool) else (None, None)
+
+
+def _find_rope(index, m, steps: list) -> RopeMatch | None:
+    """find_rope's search; a step the call cannot take on the way is added to ``steps``, said why."""
     value, chain, transposed = m.output, [], False
     out_shape = node_shape(m.output)  # batch and sequence may be symbolic; heads and head_dim are not
     if out_shape is None or not isinstance(out_shape[-1], int):
         return None
+    mul, number = _scaled(index, value)
+    if mul is not None:  # MuseGlimmer: qk_norm(q) * qk_scale_factor, rounded before the RoPE
+        steps.append(f"q/k is multiplied by {number} between its norm and its RoPE, a rounding the kernel does not make")
+        value = mul
+        chain.append(mul)
     user = _single_user(value)
     if user is not None and index.prim(user) == "view" and len(out_shape) == 3:  # a norm over the row, to heads
         value = user
