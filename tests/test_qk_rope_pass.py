@@ -373,3 +373,32 @@ def test_export_with_a_dynamic_sequence_length():
         for n in (8, 20):
             other = example_inputs(model, seq=n)
             assert torch.equal(gm(**other)[0], model(**other)[0])
+
+
+@pytest.mark.parametrize("heads", [3, 4])
+def test_the_proof_tells_a_norm_over_all_heads_from_one_per_head(heads, monkeypatch):
+    """OLMo 2 normalizes q and k over all heads. Asked about a call that normalized each head
+    instead, the symbolic proof refutes it, for an odd number of heads too (the rows of m heads
+    are d symbolic heads, d the least prime factor of m: one head would make both the same)."""
+    import normfuse.verify.graph_check as graph_check
+
+    prove = graph_check.prove_site
+
+    def per_head(pair):  # the call as a rewrite that took OLMo 2's norm per head would have made it
+        options = dict(pair.call.kwargs)
+        if options.get("rotary_dim") is None:
+            return prove(pair)
+        pair.call.kwargs = {**options, "norm_width": "head"}
+        try:
+            return prove(pair)
+        finally:
+            pair.call.kwargs = options
+
+    torch._dynamo.reset()
+    model = perturb_vectors(hf_model("olmo2", torch.float32, num_attention_heads=heads, num_key_value_heads=heads,
+                                     hidden_size=16 * heads, head_dim=16))
+    assert normfuse.check(model, backward=False).ok  # as rewritten: every site proved
+    monkeypatch.setattr(graph_check, "prove_site", per_head)
+    res = normfuse.check(model, backward=False)
+    qk = [s for s in res.sites if s.op == "qk_norm_rope"]
+    assert len(qk) == 4 and all(s.symbolic.status == "refuted" for s in qk), str(res)

@@ -372,3 +372,22 @@ def test_an_upcast_read_elsewhere_is_not_the_rope_s():
     assert ks.op == "qk_norm_rope" and ks.rope == "gptj, rotary 16 of 16", ks
     for got, want in zip(out, ref):
         assert torch.equal(got, want)
+
+
+def test_audit_prices_the_tables_each_form_reads():
+    """CosSinRoPE's call reads cos and sin, two fp32 (1, S, 1, D) slices of its cache; ComplexRoPE's
+    reads freqs_cis once, a complex64 (1, S, 1, D / 2) table (its real and imaginary parts): the
+    fused bytes of the q site differ by one fp32 (S, D) table each way, every other byte alike."""
+    from normfuse.auditing import audit
+
+    priced = {}
+    for rope in ROPE:
+        rep = audit(_titan_qwen3(rope, torch.bfloat16), _tokens())
+        priced[rope] = {s.site.fqn: s for s in rep.sites if s.site.fqn.endswith(("q_norm", "k_norm"))}
+    table = SEQ * HEAD_DIM * 4
+    for fqn, cossin in priced["cossin"].items():
+        complex_ = priced["complex"][fqn]
+        assert cossin.site.op == complex_.site.op == "qk_norm_rope"
+        extra = table if fqn.endswith("q_norm") else 0  # the tables are priced at the q site, the call's lead
+        assert cossin.fused.fwd - complex_.fused.fwd == extra, fqn
+        assert cossin.fused.bwd - complex_.fused.bwd == extra, fqn

@@ -395,6 +395,10 @@ def test_qk_norm_rope_gradients_have_the_schema_argument_count(path):
     returned = qk_rope._backward(q_out.grad_fn, dq_out, dk_out, None, None)
     assert len(returned) == len(op_arguments("qk_norm_rope_fwd"))
     by_name = dict(zip(op_arguments("qk_norm_rope_fwd"), returned))
-    for arg, grad in zip(("q", "k", "q_weight", "k_weight"), grads):
+    # the same function differentiated by plain autograd through the reference's ops
+    ref_out = qk_rope.qk_norm_rope_ref(q, k, wq, wk, cos, sin, eps=1e-6, transpose_out=True)
+    want = torch.autograd.grad(ref_out, (q, k, wq, wk), (dq_out, dk_out))
+    for arg, grad, ref in zip(("q", "k", "q_weight", "k_weight"), grads, want):
         assert torch.equal(by_name[arg], grad), arg
+        torch.testing.assert_close(by_name[arg], ref, rtol=1e-5, atol=1e-5), arg
     assert all(v is None for name, v in by_name.items() if name not in ("q", "k", "q_weight", "k_weight"))

@@ -95,9 +95,11 @@ def _structured(*values: Any) -> bool:
 class _HeadRows:
     """How the rows of a ``qk_norm_rope`` call stand for heads: a head's ``head_dim`` columns are
     ``per_head`` symbols, so many that the rotary columns and their halves fall on whole symbols.
-    A value of m heads (m * head_dim columns) is one row of 2 heads when m is even, else of one,
-    each symbol standing for the same columns of every head it covers (the statistics over the
-    row are the same mean)."""
+    A value of m heads (m * head_dim columns) is a row of d heads, d the least prime factor of m
+    (one head for m = 1), each symbol standing for the same columns of the m / d heads it covers:
+    a statistic over the row then differs from one per head, and heads h and h + d share
+    symbols (a permutation of heads by d would not be seen). m with no prime factor up to 7 is
+    left unsupported (the rows would grow with it)."""
 
     head_dim: int
     per_head: int
@@ -106,7 +108,8 @@ class _HeadRows:
         """The symbols of a value whose last dim is ``width`` columns (None: not whole symbols)."""
         if width % self.head_dim == 0:
             heads = width // self.head_dim
-            return self.per_head * (2 if heads % 2 == 0 else 1)
+            d = 1 if heads == 1 else next((f for f in (2, 3, 5, 7) if heads % f == 0), None)
+            return None if d is None else self.per_head * d
         return width * self.per_head // self.head_dim if width * self.per_head % self.head_dim == 0 else None
 
 

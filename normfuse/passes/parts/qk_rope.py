@@ -25,8 +25,11 @@ rotation's dtype (``rope_dtype``) is what the graph's ``y * cos`` computed in, `
 dtype of the value the call replaces (a cast after the sum included).
 
 ``find`` reads, from the norm's output, a view to heads (a norm over the whole row), the
-transpose to (B, H, S, D), and the RoPE above on the canonical view; every value on the way is
-read by the next step only, or the site keeps its RoPE with a reason. ``offer`` takes the k
+transpose to (B, H, S, D), an exact upcast (torchtitan), and one of the RoPEs above on the
+canonical view; every value on the way is read by the next step only, or the site keeps its
+RoPE with a reason. Batch and sequence sizes may be symbolic; heads and head_dim may not. A
+RoPE after a norm the call does not compute (a LayerNorm) or after q is multiplied by a number
+(MuseGlimmer's ``qk_scale_factor``) is found and kept, with the reason. ``offer`` takes the k
 norm of the same attention (the same cos and sin, the same modes) as the call's second site;
 the call replaces both RoPE outputs. A q whose k is not found is fused alone.
 """
@@ -301,14 +304,14 @@ def _table(index, t, transposed: bool, batch: int, seq: int, width: int):
 
 def find_rope(index, m) -> RopeMatch | None:
     """The RoPE after the norm ``m`` (see the module docstring), or None when there is none; a
-    RoPE after a norm the call does not compute (a LayerNorm, a bias, q scaled between the two)
+    RoPE after a norm the call does not compute (a LayerNorm, q scaled between the two)
     is found and kept, with the reason."""
     if m.group is not None or m.layout is not None or m.reason:
         return None
     steps: list[str] = []
     found = _find_rope(index, m, steps)
+    # (the matcher gives only a LayerNorm a bias)
     refusal = (f"qk_norm_rope computes an RMSNorm; this q/k norm is a {m.kind}" if m.kind != "rms_norm" else
-               "qk_norm_rope computes an RMSNorm without a bias; this q/k norm has one" if m.bias is not None else
                steps[0] if steps else None)
     if found is None or found.reason is not None or refusal is None:
         return found
@@ -420,8 +423,9 @@ def _find_rope(index, m, steps: list) -> RopeMatch | None:
         return RopeMatch(reason=f"the RoPE computes in {rope_dtype}, not in the promotion of q and cos/sin ({want})")
     if rope_dtype not in KERNEL_DTYPES or out_dtype not in KERNEL_DTYPES:
         return RopeMatch(reason=f"RoPE dtypes {rope_dtype} -> {out_dtype} are not ones the kernels take")
-    return RopeMatch(tuple(chain), out, cos, sin, layout, rotary, D, (B, S, H, D), operand, width, transposed,
-                     rope_dtype, out_dtype)
+    return RopeMatch(nodes=tuple(chain), output=out, cos=cos, sin=sin, layout=layout, rotary_dim=rotary, head_dim=D,
+                     heads_shape=(B, S, H, D), operand=operand, norm_width=width, transpose_out=transposed,
+                     rope_dtype=rope_dtype, out_dtype=out_dtype)
 
 
 def _complex_match(m, found, chain: list, leak: bool, exact: bool, shape: tuple, width: str, operand) -> RopeMatch:
@@ -443,8 +447,9 @@ def _complex_match(m, found, chain: list, leak: bool, exact: bool, shape: tuple,
     out_dtype = node_dtype(out)
     if out_dtype not in KERNEL_DTYPES:
         return RopeMatch(reason=f"RoPE dtypes {torch.float32} -> {out_dtype} are not ones the kernels take")
-    return RopeMatch(tuple(chain), out, f, f, "gptj", D, D, shape, operand, width, False, torch.float32, out_dtype,
-                     complex_table=True)
+    return RopeMatch(nodes=tuple(chain), output=out, cos=f, sin=f, layout="gptj", rotary_dim=D, head_dim=D,
+                     heads_shape=shape, operand=operand, norm_width=width, transpose_out=False,
+                     rope_dtype=torch.float32, out_dtype=out_dtype, complex_table=True)
 
 
 # --------------------------------------------------------------------------- plan
@@ -539,11 +544,7 @@ class _QkRope(FusionPart):
             if rope.norm_width == "row":  # (B, S, H * D) -> (B, S, H, D): the kernel reads heads
                 heads = tuple(rope.heads_shape[2:])  # static; B and S may be symbolic
                 x = graph.call_method("unflatten", (x, -1, heads))
-                copy_meta(x, m.input)
-                for key in ("example_value", "val"):
-                    if isinstance(x.meta.get(key), torch.Tensor):
-                        x.meta[key] = x.meta[key].unflatten(-1, heads)
-                x.meta.pop("tensor_meta", None)
+                _meta_of(x, m.input, lambda t: t.unflatten(-1, heads))
                 inserted.append(x)
                 holds[x] = m.input
             operands.append(x)
@@ -552,11 +553,7 @@ class _QkRope(FusionPart):
         if q.complex_table:  # freqs_cis = cos + i sin, one per pair: the kernel reads .real and .imag
             cos, sin = (graph.call_function(part, (q.cos,)) for part in (torch.real, torch.imag))
             for t, part in ((cos, torch.real), (sin, torch.imag)):
-                copy_meta(t, q.cos)
-                for key in ("example_value", "val"):
-                    if isinstance(t.meta.get(key), torch.Tensor):
-                        t.meta[key] = part(t.meta[key])
-                t.meta.pop("tensor_meta", None)
+                _meta_of(t, q.cos, part)
                 inserted.append(t)
                 holds[t] = q.cos  # the checker takes the part the same way (verify/numeric.py)
         options = dict(cos=cos, sin=sin, eps=modes["eps"], weight_offset=modes["weight_offset"],
@@ -596,9 +593,11 @@ class _QkRope(FusionPart):
         """The q site is priced as a norm (read q and its weight, write y and rstd; backward: read
         dy, q, rstd, the weight, write dq and dweight); the k site, computed by this call, adds only
         its weight and y (backward: dy, its weight's grads). Besides: q_out, k_out in place of the
-        norms' y, dq_out, dk_out in place of their dy, cos and sin read once each way, and k's read,
-        rstd and dk."""
-        tables = sum(size.bytes(t) for t in (pair.q.cos, pair.q.sin) if isinstance(t, fx.Node))
+        norms' y, dq_out, dk_out in place of their dy, cos and sin read once each way (the complex
+        form's freqs_cis once: its real and imaginary parts), and k's read, rstd and dk."""
+        q = pair.q
+        tables = size.bytes(q.cos) if q.complex_table else \
+            sum(size.bytes(t) for t in (q.cos, q.sin) if isinstance(t, fx.Node))
         fwd = bwd = size.bytes(pair.q.output) - y_bytes + tables
         if pair.k is not None:
             k = pair.k_norm
@@ -641,6 +640,15 @@ def _per_column(table: list, rotated: int, layout: str, ops) -> list:
     if 2 * len(table) != rotated:
         raise ops.unsupported(f"a table of {len(table)} symbols for {rotated} rotated ones")
     return [table[j % len(table)] if layout == "neox" else table[j // 2] for j in range(rotated)]
+
+
+def _meta_of(node: fx.Node, source: fx.Node, step) -> None:
+    """An inserted node's meta: ``source``'s, its example value passed through ``step``."""
+    copy_meta(node, source)
+    for key in ("example_value", "val"):
+        if isinstance(node.meta.get(key), torch.Tensor):
+            node.meta[key] = step(node.meta[key])
+    node.meta.pop("tensor_meta", None)
 
 
 def _rotated(y: list, c: list, s: list, layout: str, rotated: int) -> list:
