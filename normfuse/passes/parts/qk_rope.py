@@ -364,8 +364,14 @@ def _find_rope(index, m, steps: list) -> RopeMatch | None:
         "row" if m.hidden_size == H * D and same_shape(out_shape, (B, S, H * D)) else None
     if width is None:
         return None
+
+    def rotation(r):  # (the rotation on r, its layout), neox first
+        found = _rotate_half(index, r, D)
+        return (found, "neox") if found is not None else (_rotate_pairs(index, r, D), "gptj")
+
     upcast, leak = _reader(index, value, "cast")
-    if upcast is not None and (_rotate_half(index, value, D) or _rotate_pairs(index, value, D)):
+    on_value = rotation(value) if upcast is not None else None
+    if on_value is not None and on_value[0]:
         upcast = None  # the RoPE reads the value itself, a cast of it is read elsewhere
     if upcast is not None:  # torchtitan: query.float(), the RoPE in fp32
         value = upcast
@@ -377,10 +383,10 @@ def _find_rope(index, m, steps: list) -> RopeMatch | None:
                 return _complex_match(m, found, chain, leak, exact, (B, S, H, D), width, operand)
     users = _readers(value)
     halves = {_slice_of(index, u, value, D): u for u in users if index.prim(u) == "slice"}
-    rotary, passed, layout = D, None, "neox"
-    found = _rotate_half(index, value, D)
-    if found is None and _rotate_pairs(index, value, D) is not None:
-        found, layout = _rotate_pairs(index, value, D), "gptj"
+    rotary, passed = D, None
+    found, layout = on_value if on_value is not None and upcast is None else rotation(value)
+    if found is None:
+        layout = "neox"
     if found is None and len(halves) == 2 and None not in halves:
         (r0, r1), (p0, p1) = sorted(halves)
         if r0 == 0 and r1 == p0 and p1 == D:  # partial rotary: value[..., :R], value[..., R:]
