@@ -85,14 +85,9 @@ class QkPair:
     q: RopeMatch
     k_norm: object | None = None
     k: RopeMatch | None = None
-    k_site: int | None = None
 
 
 # --------------------------------------------------------------------------- find
-
-def _prim(index, node):
-    return index.prim(node) if isinstance(node, fx.Node) else None
-
 
 def _last(dims, ndim: int | None) -> bool:
     dims = dims if isinstance(dims, (list, tuple)) else [dims]
@@ -232,7 +227,7 @@ def _swaps_heads(c) -> bool:
     return isinstance(c["dim0"], int) and isinstance(c["dim1"], int) and {c["dim0"] % 4, c["dim1"] % 4} == {1, 2}
 
 
-def _reader(index, node: fx.Node, prim: str):
+def _first_reader(index, node: fx.Node, prim: str):
     """(the first reader of ``node`` that is a ``prim``, whether anything else reads ``node``)."""
     readers = _readers(node)
     hits = [u for u in readers if index.prim(u) == prim]
@@ -247,18 +242,18 @@ def _complex_rotation(index, r: fx.Node, shape: tuple):
     (flat, freqs_cis, nodes), or None when r's readers are not that; a str when they are, but
     something else reads a step."""
     B, S, H, D = shape
-    pairs, leak = _reader(index, r, "view")
+    pairs, leak = _first_reader(index, r, "view")
     if pairs is None or not same_shape(node_shape(pairs), (B, S, H, D // 2, 2)):
         return None
-    z, more = _reader(index, pairs, "view_as_complex")
-    mul, more2 = _reader(index, z, "mul") if z is not None else (None, False)
+    z, more = _first_reader(index, pairs, "view_as_complex")
+    mul, more2 = _first_reader(index, z, "mul") if z is not None else (None, False)
     f = _other(index, mul, z) if mul is not None else None
-    real, more3 = _reader(index, mul, "view_as_real") if f is not None else (None, False)
+    real, more3 = _first_reader(index, mul, "view_as_real") if f is not None else (None, False)
     if real is None:
         return None
-    flat, more4 = _reader(index, real, "flatten")
+    flat, more4 = _first_reader(index, real, "flatten")
     if flat is None:  # ATen graphs spell the flatten as a view
-        flat, more4 = _reader(index, real, "view")
+        flat, more4 = _first_reader(index, real, "view")
     if flat is None or not same_shape(node_shape(flat), (B, S, H, D)):
         return None
     if leak or more or more2 or more3 or more4:
@@ -369,7 +364,7 @@ def _find_rope(index, m, steps: list) -> RopeMatch | None:
         found = _rotate_half(index, r, D)
         return (found, "neox") if found is not None else (_rotate_pairs(index, r, D), "gptj")
 
-    upcast, leak = _reader(index, value, "cast")
+    upcast, leak = _first_reader(index, value, "cast")
     on_value = rotation(value) if upcast is not None else None
     if on_value is not None and on_value[0]:
         upcast = None  # the RoPE reads the value itself, a cast of it is read elsewhere
@@ -380,7 +375,7 @@ def _find_rope(index, m, steps: list) -> RopeMatch | None:
         if not transposed:
             found = _complex_rotation(index, value, (B, S, H, D))
             if found is not None:
-                return _complex_match(m, found, chain, leak, exact, (B, S, H, D), width, operand)
+                return _complex_match(index, m, found, chain, leak, exact, (B, S, H, D), width, operand)
     users = _readers(value)
     halves = {_slice_of(index, u, value, D): u for u in users if index.prim(u) == "slice"}
     rotary, passed = D, None
@@ -434,7 +429,7 @@ def _find_rope(index, m, steps: list) -> RopeMatch | None:
                      rope_dtype=rope_dtype, out_dtype=out_dtype)
 
 
-def _complex_match(m, found, chain: list, leak: bool, exact: bool, shape: tuple, width: str, operand) -> RopeMatch:
+def _complex_match(index, m, found, chain: list, leak: bool, exact: bool, shape: tuple, width: str, operand) -> RopeMatch:
     """The RopeMatch of torchtitan's ComplexRoPE after the upcast of q (``found``: _complex_rotation's):
     the pair rotation in fp32, ``freqs_cis.real`` / ``.imag`` as half tables, layout "gptj"."""
     if isinstance(found, str) or leak:
@@ -447,7 +442,7 @@ def _complex_match(m, found, chain: list, leak: bool, exact: bool, shape: tuple,
     chain += nodes
     out = flat
     cast = _single_user(flat)
-    if cast is not None and canonical(cast) is not None and canonical(cast).prim == "cast":  # .type_as(query)
+    if cast is not None and index.prim(cast) == "cast":  # .type_as(query)
         out = cast
         chain.append(cast)
     out_dtype = node_dtype(out)
@@ -519,7 +514,7 @@ class _QkRope(FusionPart):
         if partner is None:
             return QkPair(site.match, found), None
         plan.sites = (site.number, partner.number)
-        return QkPair(site.match, found, partner.match, partner.parts[self.name], partner.number), None
+        return QkPair(site.match, found, partner.match, partner.parts[self.name]), None
 
     def may_drop(self, pair: QkPair) -> bool:
         return True  # the norm alone, its RoPE left in the graph
