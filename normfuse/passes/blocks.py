@@ -30,18 +30,21 @@ BLOCK_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 def blocks_of(container: nn.Module) -> list[nn.Module]:
-    """The blocks of a block list, in order (a ModuleDict's values: torchtitan keys its layers "0", "1", ...)."""
+    """The blocks of a block list, in order (a ModuleDict's values: torchtitan keys its layers "0", "1", ...).
+    A list may hold ``None`` where a model has no module (x-transformers' ``layer_integrators``,
+    a block's norms without a post-branch norm): the entries are returned as they are."""
     return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
 
 
 def block_lists(model: nn.Module) -> list[str]:
-    """Outermost ModuleLists/Sequentials/ModuleDicts of >= 2 modules of one class that contain norms."""
+    """Outermost ModuleLists/Sequentials/ModuleDicts of >= 2 modules of one class that contain norms;
+    a list holding anything but modules (``None`` entries) is not one."""
     found: list[str] = []
     for name, mod in model.named_modules():
         if any(name == f or name.startswith(f + ".") for f in found if f):
             continue
         blocks = blocks_of(mod) if isinstance(mod, BLOCK_CONTAINERS) else []
-        if len(blocks) >= 2 and len({type(c) for c in blocks}) == 1 \
+        if len(blocks) >= 2 and all(isinstance(c, nn.Module) for c in blocks) and len({type(c) for c in blocks}) == 1 \
                 and any(is_norm_module(m) for m in blocks[0].modules()):
             found.append(name)
     return found

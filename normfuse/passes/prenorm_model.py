@@ -35,8 +35,10 @@ def final_norm_like(template: nn.Module | None, kind: str | None = None, hidden:
                      eps: float | None = None, like: torch.Tensor | None = None) -> nn.Module:
     """A fresh norm of the model's kind, initialized to identity (weight 1, bias 0)."""
     if template is not None:
-        w = template.weight
-        hidden, like = w.shape[0], w
+        w = getattr(template, "weight", None)  # None: a norm without affine (its weight, if any, comes after it)
+        shape = getattr(template, "normalized_shape", None)
+        hidden = w.shape[0] if w is not None else shape[-1] if shape else hidden
+        like = w if w is not None else next(template.buffers(), like)
         eps = _eps_of(template) if _eps_of(template) is not None else eps
         if isinstance(template, nn.LayerNorm):
             kind = "layer_norm"
@@ -47,8 +49,11 @@ def final_norm_like(template: nn.Module | None, kind: str | None = None, hidden:
     factory = dict(device=like.device, dtype=like.dtype) if like is not None else {}
     if kind == "layer_norm":
         has_bias = template is None or getattr(template, "bias", None) is not None
-        return nn.LayerNorm(hidden, eps=eps if eps is not None else 1e-5, bias=has_bias, **factory)
-    return nn.RMSNorm(hidden, eps=eps, **factory)
+        affine = template is None or getattr(template, "weight", None) is not None
+        return nn.LayerNorm(hidden, eps=eps if eps is not None else 1e-5, elementwise_affine=affine,
+                            bias=has_bias and affine, **factory)
+    affine = template is None or getattr(template, "weight", None) is not None
+    return nn.RMSNorm(hidden, eps=eps, elementwise_affine=affine, **factory)
 
 
 def register_final(model: nn.Module, parent_fqn: str, attr: str, module: nn.Module) -> str:
