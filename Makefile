@@ -18,7 +18,7 @@ CLIENTS      ?= accelerate==1.15.0 peft==0.21.2 torchtitan==0.3.0
 PYTEST_WORKERS ?= 2
 export TORCH TRITON TRANSFORMERS
 
-.PHONY: setup demo test test-slow test-zoo smoke dist bench clean
+.PHONY: setup demo test test-slow test-zoo smoke dist bench docs clean
 
 setup: $(VENV)/.installed
 
@@ -58,6 +58,15 @@ smoke: dist
 
 bench: setup
 	$(PY) benchmarks/run_all.py
+
+# The documentation site (mkdocs.yml: README.md and docs/) into site/; --strict makes any
+# warning fail the build: a broken link, image or anchor, a page missing from the nav.
+docs: $(VENV)/.installed-docs
+	$(PY) -m mkdocs build --strict --site-dir site
+
+$(VENV)/.installed-docs: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
