@@ -320,7 +320,15 @@ def assert_within_rounding_budget(got, want, what: str = "") -> None:
     if got.dtype in (FP32, FP64):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=what)
         return
+    if got.numel() == 0:
+        return
     ulps = ulp_distance(got, want)
-    assert ulps.max().item() <= max_ulps, f"{what}: {ulps.max().item()} ulp apart (budget {max_ulps})"
+    # an element near 0 that is the difference of terms of the row's size (n * w + b, r + y) carries
+    # their fp32 error, many of its own ulps: there the budget is one ulp at 2^-14 of the largest value
+    diff = (got.double() - want.double()).abs()
+    floor = ulp_at(want.double().abs().max() * 2.0**-14, got.dtype)
+    beyond = (ulps > max_ulps) & (diff > floor)
+    assert not beyond.any(), (f"{what}: {int(beyond.sum())} elements more than {max_ulps} ulp apart, up to "
+                              f"{ulps[beyond].max().item()} (at {want[beyond][:3].float().tolist()})")
     fraction = (ulps > 0).float().mean().item()
     assert fraction <= max_fraction, f"{what}: {fraction:.2%} of elements differ (budget {max_fraction:.0%})"

@@ -16,7 +16,8 @@ import normfuse
 from normfuse.errors import InvalidOptionError, ShapeMismatchError, UnsupportedDtypeError
 from normfuse.kernels import add_norm as K
 from normfuse.tolerances import within_tolerance
-from kernel_cases import BF16, FP16, FP32, FP64, Case, check_case
+from kernel_cases import (BF16, FP16, FP32, FP64, Case, assert_rounded_as_rule, assert_same_bits,
+                          assert_within_rounding_budget, check_case)
 
 
 @pytest.fixture(params=["reference", "triton"])
@@ -46,22 +47,17 @@ def randn(*shape, dtype=FP32, seed=0, std=1.0, mean=0.0):
     return (torch.randn(*shape, generator=gen) * std + mean).to(dtype)
 
 
-def match_fraction(a, b):
-    assert a.shape == b.shape and a.dtype == b.dtype, (a.dtype, b.dtype, a.shape, b.shape)
-    same = (a == b) | (a.isnan() & b.isnan())
-    return same.float().mean().item()
-
-
-def assert_matches(a, b, path, fraction=0.999):
-    """Bit for bit on the reference path (eager's own kernels). On the Triton path the
-    row reduction order differs: >= `fraction` of bf16/fp16 elements bit for bit (the
-    final rounding hides the difference), fp32 to a few ulp."""
+def assert_matches(a, b, path, narrow=None):
+    """Bit for bit on the reference path (eager's own kernels). On the Triton path the row
+    reduction order differs: bf16/fp16 within the rounding budget (1 ulp, on at most 1% of the
+    elements), fp32 to a few ulp; ``narrow``: the dtype an fp32 output was rounded to on the way
+    (Llama's n), whose rounding a reduction order may flip on at most 1% of the elements."""
     if path == "reference":
-        assert torch.equal(a, b)
-    elif a.dtype == FP32:
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert_same_bits(a, b, "bit for bit")
+    elif narrow is not None:
+        assert_rounded_as_rule(a, b.double(), "within the rounding budget", carried=(b.double(), narrow))
     else:
-        assert match_fraction(a, b) >= fraction
+        assert_within_rounding_budget(a, b, "within the rounding budget")
 
 
 # ---- default modes are eager's functions --------------------------------------------
@@ -107,7 +103,7 @@ def test_llama_mode_equals_hf_llama_rms_norm(path):
     y, s = normfuse.add_rms_norm(x, r, norm.weight.detach(), eps=1e-6, norm_round_dtype=BF16)
     assert y.dtype == expect.dtype == BF16
     assert torch.equal(s, x + r)
-    assert match_fraction(y, expect) >= 0.999
+    assert_matches(y, expect, path)
 
 
 def test_llama_mode_fp32_weight_keeps_hf_dtype(path):
@@ -120,7 +116,7 @@ def test_llama_mode_fp32_weight_keeps_hf_dtype(path):
         expect = norm(x + r)
     y, _ = normfuse.add_rms_norm(x, r, norm.weight.detach(), eps=1e-6, norm_round_dtype=BF16)
     assert y.dtype == expect.dtype == FP32
-    assert match_fraction(y, expect) >= 0.999
+    assert_matches(y, expect, path, narrow=BF16)
 
 
 def test_gemma_offset_equals_hf_gemma_rms_norm(path):
@@ -134,7 +130,7 @@ def test_gemma_offset_equals_hf_gemma_rms_norm(path):
         expect = norm(x + r)
     y, _ = normfuse.add_rms_norm(x, r, norm.weight.detach(), eps=1e-6, weight_offset=1.0)
     assert y.dtype == BF16
-    assert match_fraction(y, expect) >= 0.999
+    assert_matches(y, expect, path)
 
 
 def test_rounding_modes_differ():
@@ -160,9 +156,9 @@ def test_unrounded_sum_mode(path, kind, n):
     assert torch.equal(s, x + r_scaled)
     u = x.float() + r_scaled.float()
     expect = (F.layer_norm(u, (n,), w, bias, 1e-5) if kind == "layer_norm" else F.rms_norm(u, (n,), w, 1e-5))
-    # the fp32 statistics are reduced in another order than F.layer_norm's: the bf16 output
-    # still matches bit for bit almost everywhere
-    assert match_fraction(y, expect.to(BF16)) >= 0.99
+    # the fp32 statistics are reduced in another order than F.layer_norm's (on both paths: the
+    # reference does not call it for an fp32 norm input with a bf16 output): the rounding budget
+    assert_within_rounding_budget(y, expect.to(BF16), "y")
     rounded, _ = normfuse.add_norm(x, r, w, bias, kind=kind, eps=1e-5, residual_scale=0.5)
     assert not torch.equal(y, rounded)       # the two modes are different functions
 
@@ -350,7 +346,8 @@ def test_nan_inf_propagate_as_in_eager(path, kind):
     assert torch.equal(s.isnan(), (x + r).isnan()) and torch.equal(s.isinf(), (x + r).isinf())
     assert torch.equal(y.isnan(), expect.isnan()) and torch.equal(y.isinf(), expect.isinf())
     finite = expect.isfinite()
-    assert torch.equal(y[finite], expect[finite]) if path == "reference" else True
+    assert finite.any()
+    assert_matches(y[finite], expect[finite], path)
 
 
 def test_strided_rows_and_noncontiguous_last_dim(path):
@@ -385,7 +382,10 @@ def test_grad_only_through_requested_inputs():
     (gx,) = torch.autograd.grad(y.float().sum(), x)
     xe = x.detach().clone().requires_grad_()
     (ge,) = torch.autograd.grad(F.rms_norm(xe + r, (32,), w, 1e-6).float().sum(), xe)
-    torch.testing.assert_close(gx, ge, atol=2e-2, rtol=2e-2)
+    x64 = x.detach().double().requires_grad_()
+    (g64,) = torch.autograd.grad(F.rms_norm(x64 + r.double(), (32,), w.double(), 1e-6).sum(), x64)
+    ok, err, err_eager, bound = within_tolerance(gx, ge, g64)
+    assert ok, f"dx error {err:.3g} > bound {bound:.3g} (eager's {err_eager:.3g})"
 
 
 # ---- errors -----------------------------------------------------------------------------
