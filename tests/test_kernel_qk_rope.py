@@ -256,6 +256,44 @@ def test_partial_rotary_passes_the_rest_through(path, R):
 
 # ---- gradients: the project's rule --------------------------------------------------------------
 
+def qk_rule(q, k, wq, wk, cos, sin, *, eps, weight_offset=0.0, layout="neox", rotary_dim=None, norm_width="head",
+            transpose_out=False, acc=FP64, round_to=None, **rounding):
+    """(q_out, k_out) of the op in plain torch ops, written apart from normfuse.kernels.qk_rope:
+    computed in ``acc`` with no rounding on the way (the op's rounding options, out_dtype among
+    them, are ignored), the outputs rounded to ``round_to`` when one is given::
+
+        n = x / sqrt(mean(x^2) + eps) * (w + offset)         per head (D), or per position (H * D)
+        out[..., :R] = n * cos + rot(n) * sin,  out[..., R:] = n[..., R:]
+        rot: neox (-n2, n1) of the halves; gptj (-n1, n0, -n3, n2, ...) of the pairs
+    A table of R / 2 angles holds one per pair: neox pairs column j with j + R / 2, gptj 2i with 2i + 1.
+    """
+    cos, sin = cos.to(acc), sin.to(acc)
+    if cos.dim() == 3:                                   # HF's (B, S, R): one table for every head
+        cos, sin = cos[:, :, None], sin[:, :, None]
+    R = rotary_dim or cos.shape[-1]
+    if cos.shape[-1] != R:
+        pair = torch.arange(R) % (R // 2) if layout == "neox" else torch.arange(R) // 2
+        cos, sin = cos[..., pair], sin[..., pair]
+    outs = []
+    for x, w in ((q, wq), (k, wk)):
+        if x is None:
+            outs.append(None)
+            continue
+        B, S, H, D = x.shape
+        rows = x.to(acc).reshape(B, S, H * D) if norm_width == "row" else x.to(acc)
+        n = rows / torch.sqrt((rows * rows).mean(-1, keepdim=True) + eps)
+        n = (n if w is None else n * (w.to(acc) + weight_offset)).reshape(B, S, H, D)
+        a = n[..., :R]
+        if layout == "neox":
+            rot = torch.cat((-a[..., R // 2:], a[..., :R // 2]), dim=-1)
+        else:
+            rot = torch.stack((-a[..., 1::2], a[..., 0::2]), dim=-1).flatten(-2)
+        out = torch.cat((a * cos + rot * sin, n[..., R:]), dim=-1)
+        out = out.transpose(1, 2) if transpose_out else out
+        outs.append(out if round_to is None else out.to(round_to))
+    return tuple(outs)
+
+
 def _run(fn, tensors, cot):
     """fn's outputs and the grads of q, k, wq, wk under sum(out * cotangent)."""
     leaves = [t.detach().clone().requires_grad_() for t in tensors]
@@ -271,15 +309,11 @@ def check_three_way(family, dtype, B=2, S=4, H=4, Hk=2, D=64):
     cot = [torch.randn(B, h, S, D, generator=gen, dtype=FP64) for h in (H, Hk)]
     got = _run(lambda *a: qk_norm_rope(*a, cos, sin, eps=EPS, **opts), (q, k, wq, wk), cot)
     base = _run(lambda *a: hf(family, *a, cos, sin), (q, k, wq, wk), cot)
-    opts64 = {key: (FP64 if isinstance(v, torch.dtype) else v) for key, v in opts.items()}
-    opts64.update(norm_out_dtype=FP64, rope_dtype=FP64, out_dtype=FP64)
-    if "norm_round_dtype" in opts64:
-        opts64["norm_round_dtype"] = FP64
-    exact = _run(lambda *a: qk_norm_rope_ref(*a, cos.double(), sin.double(), eps=EPS, **opts64),
-                 (q.double(), k.double(), wq.double(), wk.double()), cot)
+    exact = _run(lambda *a: qk_rule(*a, cos, sin, eps=EPS, **opts), (q.double(), k.double(), wq.double(),
+                                                                     wk.double()), cot)
     for what, g, b, e in zip(("q_out", "k_out", "dq", "dk", "dq_weight", "dk_weight"), got, base, exact):
         assert g.dtype == b.dtype and g.shape == b.shape, what
-        ok, err, err_base, bound = within_tolerance(g, b.contiguous(), e, dtype=dtype)
+        ok, err, err_base, bound = within_tolerance(g, b.contiguous(), e, dtype=g.dtype)
         assert ok, f"{family} {what}: error {err:.3g} > bound {bound:.3g} (the model's {err_base:.3g})"
 
 
@@ -444,20 +478,17 @@ def test_q_alone_and_no_weights(path):
 
 
 def _grads_three_way(q, k, wq, wk, cos, sin, opts, dtype, seed=5):
-    """Grads of the op (this path) against the fp64 reference, the reference in ``dtype`` (plain
-    autograd through its rounded ops) as the baseline."""
+    """Grads of the op (this path) against the formula in fp64 (qk_rule), with that formula composed
+    in fp32 and rounded to the op's output dtype as the baseline."""
     gen = torch.Generator().manual_seed(seed)
     shape = (lambda x: x.transpose(1, 2).shape) if opts.get("transpose_out") else (lambda x: x.shape)
     cot = [torch.randn(shape(x), generator=gen, dtype=FP64) for x in (q, k)]
     got = _run(lambda *a: qk_norm_rope(*a, cos, sin, **opts), (q, k, wq, wk), cot)
-    base = _run(lambda *a: qk_norm_rope_ref(*a, cos, sin, **opts), (q, k, wq, wk), cot)
-    opts64 = dict(opts, norm_out_dtype=FP64, rope_dtype=FP64, out_dtype=FP64)
-    if opts.get("norm_round_dtype"):
-        opts64["norm_round_dtype"] = FP64
-    exact = _run(lambda *a: qk_norm_rope_ref(*a, cos.double(), sin.double(), **opts64),
-                 tuple(t.double() for t in (q, k, wq, wk)), cot)
+    base = _run(lambda *a: qk_rule(*a, cos, sin, **dict(opts, acc=FP32, round_to=dtype)), (q, k, wq, wk), cot)
+    exact = _run(lambda *a: qk_rule(*a, cos, sin, **opts), tuple(t.double() for t in (q, k, wq, wk)), cot)
     for what, g, b, e in zip(("q_out", "k_out", "dq", "dk", "dq_weight", "dk_weight"), got, base, exact):
-        ok, err, err_base, bound = within_tolerance(g, b, e, dtype=dtype)
+        assert g.dtype == b.dtype, what
+        ok, err, err_base, bound = within_tolerance(g, b, e, dtype=g.dtype)
         assert ok, f"{what}: error {err:.3g} > bound {bound:.3g} (reference's {err_base:.3g})"
 
 
