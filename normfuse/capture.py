@@ -16,6 +16,7 @@ may run for several modules (the blocks of a stack under FSDP2 or per-block comp
 
 from __future__ import annotations
 
+import itertools
 import logging
 import types
 import warnings
@@ -27,9 +28,28 @@ import torch.nn as nn
 
 from normfuse.runs import Anchor, find_anchor
 
-__all__ = ["ModelForward", "compile_forward", "capture_once", "Recorder", "record_graphs"]
+__all__ = ["ModelForward", "CAPTURE_CONFIG", "compile_forward", "capture_once", "Recorder", "record_graphs"]
 
 log = logging.getLogger("normfuse")
+
+
+# Dynamo's settings while it captures an optimized model:
+# - a Python side effect inside an activation-checkpointed region (a block under HF's
+#   gradient_checkpointing_enable, torch.utils.checkpoint) runs once, in the forward. Without
+#   this, dynamo cannot trace such a region at all (eager would replay the effect in the
+#   recompute) and gives up the whole forward: the model ran eagerly. Forward wrappers that
+#   set a context variable and reset it on the way out are that case: the `kernels` package,
+#   which transformers requires from 5.25 on, wraps the attention's forward so.
+CAPTURE_CONFIG = {"skip_fwd_side_effects_in_bwd_under_checkpoint": True}
+
+_FRAMES = itertools.count(1)
+
+
+def own_code(code: types.CodeType) -> types.CodeType:
+    """A copy of ``code`` that dynamo tells apart from every other: its own cache of
+    compiled code, and its own record of which inputs changed between compiles (dynamo keys
+    that on the file, first line and name, so the copy's name carries a number)."""
+    return code.replace(co_name=f"{code.co_name}_normfuse{next(_FRAMES)}")
 
 
 def compile_forward(module: nn.Module, forward: Callable, backend: Callable) -> Callable:
@@ -38,8 +58,13 @@ def compile_forward(module: nn.Module, forward: Callable, backend: Callable) -> 
 
     - dynamo caches compiled code per code object, at most recompile_limit (8) entries:
       with the class's forward as that frame, the 9th optimized instance of a class
-      silently ran eagerly. A copy of the forward's code (same names, so the graphs read
-      as ``torch.compile(model)``'s) gives each model a cache of its own;
+      silently ran eagerly. A copy of the forward's code (same argument names, so the graphs
+      read as ``torch.compile(model)``'s) gives each model a cache of its own;
+    - dynamo keeps what it learned of a frame's inputs (which scalars and sizes changed
+      between compiles, and so become graph inputs) per (file, first line, code name),
+      not per code object: transformers' forwards share one decorator's code, so a norm's
+      eps that differed between two models became a graph input in every later model and
+      its norms went unrecognized. The copy is named apart (``own_code``);
     - a forward in ``torch.nn`` (``nn.Sequential``, ``nn.TransformerEncoder``) is in a file
       dynamo skips, so nothing would be captured: it enters through a frame of ours, with
       the model as the local ``self`` (module paths read "layers.0.norm1")."""
@@ -52,10 +77,10 @@ def compile_forward(module: nn.Module, forward: Callable, backend: Callable) -> 
         def forward_frame(self, *args: Any, **kwargs: Any) -> Any:
             return func(self, *args, **kwargs)
 
-        forward_frame.__code__ = forward_frame.__code__.replace()  # a cache of its own
+        forward_frame.__code__ = own_code(forward_frame.__code__)
         compiled = torch.compile(forward_frame, backend=backend)
         return lambda *args, **kwargs: compiled(module, *args, **kwargs)
-    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+    own = types.FunctionType(own_code(func.__code__), func.__globals__, func.__name__, func.__defaults__,
                              func.__closure__)
     own.__kwdefaults__, own.__qualname__ = func.__kwdefaults__, func.__qualname__
     return torch.compile(types.MethodType(own, module), backend=backend)
@@ -92,7 +117,8 @@ class ModelForward:
         if self._compiled is None:
             self._compiled = compile_forward(self.module, self.forward, self.make_backend())
         try:
-            return self._compiled(*args, **kwargs)
+            with torch._dynamo.config.patch(CAPTURE_CONFIG):
+                return self._compiled(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as error:
             log.debug("normfuse: capture failed", exc_info=True)
             result = self.forward(*args, **kwargs)  # the user's own error raises here, as in eager
