@@ -43,7 +43,7 @@ POST_FAMILY = (Placement.POST, Placement.DEEPNORM)
 # out (the decomposed forms name their rounding order: llama rounds before the weight,
 # gemma multiplies by 1 + w in fp32)
 FORMS = ("module", "functional", "aten", "decomposed:layer_norm", "decomposed:rms_norm", "decomposed:llama",
-         "decomposed:gemma")
+         "decomposed:gemma", "normalize")  # normalize: F.normalize(x, dim=-1) (x / max(||x||_2, eps)), then a scale
 
 # what a site becomes: the add before the norm folded in, the add after it, the norm alone, or
 # (q and k norms) the norm with the rotary embedding after it

@@ -89,3 +89,49 @@ def test_x_transformers_prepare_does_not_fail(options):
     notes = normfuse.report(model).notes
     assert not any("prepare: failed" in note for note in notes), notes
     assert any("cross-block: attn_layers.layers: left as it was" in note for note in notes), notes
+
+
+class _AffineFree(nn.Module):
+    """``nn.LayerNorm(d, elementwise_affine=False)`` then its weight (x-transformers' LayerNorm,
+    ``unit_offset``: ``gamma + 1.0``), reading a residual add."""
+
+    def __init__(self, d=32, offset=0.0):
+        super().__init__()
+        self.ln = nn.LayerNorm(d, elementwise_affine=False)
+        self.gamma = nn.Parameter(1 - offset + 0.1 * torch.randn(d))
+        self.offset = offset
+
+    def forward(self, x, r):
+        h = x + r
+        return self.ln(h) * (self.gamma + self.offset), h
+
+
+@pytest.mark.parametrize("dtype,gamma_dtype,offset", [(torch.float32, torch.float32, 1.0),
+                                                      (torch.bfloat16, torch.bfloat16, 0.0),
+                                                      (torch.bfloat16, torch.float32, 0.0)])
+def test_weight_after_an_affine_free_norm_is_folded(dtype, gamma_dtype, offset):
+    torch.manual_seed(0)
+    model = _AffineFree(offset=offset).eval().to(dtype)
+    model.gamma.data = model.gamma.data.to(gamma_dtype)
+    x, r = torch.randn(2, 5, 32, dtype=dtype), torch.randn(2, 5, 32, dtype=dtype)
+    ref = model(x, r)
+    normfuse.optimize(model)
+    out = model(x, r)
+    [site] = normfuse.report(model).sites
+    assert site.fused and site.fused_add and site.form == "module"
+    assert site.weight_offset == offset
+    # the call returns what the multiply returned: n rounded to the input dtype, then times gamma
+    assert site.out_dtype == str(torch.promote_types(dtype, gamma_dtype))
+    assert site.norm_round_dtype == (str(dtype) if dtype != torch.float32 else None)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
+def test_x_transformers_layer_norm_weight_folded_and_proved():
+    model = _x_transformer()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    result = normfuse.check(model, ids)
+    assert result.ok, result
+    assert [s.symbolic.status for s in result.sites] == ["proved"] * 5
+    optimized = normfuse.optimize(copy.deepcopy(model))
+    optimized(ids)
+    assert all(s.fused and s.weight_offset == 1.0 for s in normfuse.report(optimized).sites)

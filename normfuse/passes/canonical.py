@@ -60,6 +60,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "layer_norm": ("input", "normalized_shape", "weight", "bias", "eps"),
     "rms_norm": ("input", "normalized_shape", "weight", "eps"),
     "linear": ("input", "weight", "bias"),
+    "normalize": ("input", "p", "dim", "eps"),  # F.normalize: x / max(||x||_p, eps) over dim
     # read by fusion parts (passes/parts/): amax and clamps of an fp8 scale
     "abs": ("input",),
     "amax": ("input", "dim", "keepdim"),
@@ -115,6 +116,7 @@ SPELLINGS: dict[str, list[Any]] = {
     "dropout": [F.dropout, torch.dropout, "dropout", *_aten("dropout.default")],
     "layer_norm": [F.layer_norm, torch.layer_norm, *_aten("layer_norm.default", "native_layer_norm.default")],
     "linear": [F.linear, *_aten("linear.default")],
+    "normalize": [F.normalize],
     "rms_norm": [F.rms_norm, *( [torch.rms_norm] if hasattr(torch, "rms_norm") else []),
                  *_aten("rms_norm.default", "_fused_rms_norm.default")],
     "abs": [torch.abs, "abs", *_aten("abs.default")],
@@ -156,6 +158,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "dropout": {"p": 0.5, "training": True},
     "layer_norm": {"weight": None, "bias": None, "eps": 1e-5},
     "rms_norm": {"weight": None, "eps": None},
+    "normalize": {"p": 2.0, "dim": [1], "eps": 1e-12},
     "amax": {"dim": (), "keepdim": False},
     "clamp": {"min": None, "max": None},
     "slice": {"dim": [0], "start": None, "end": None, "step": 1},
@@ -279,10 +282,15 @@ def _sliced_dim(index: Any) -> int | None:
     return cut[0] - len(items) if items[0] is Ellipsis else cut[0]
 
 
+# Keyword spellings of a parameter: ``self=`` (ATen), numpy's ``axis=`` (ImageGPT's and I-BERT's
+# ``torch.mean(t, axis=-1, keepdim=True)``).
+_KWARG_ALIASES = {"self": "input", "axis": "dim"}
+
+
 def _bind(node: fx.Node, names: tuple[str, ...]) -> dict[str, Any]:
     args = dict(zip(names, node.args))
     for key, value in node.kwargs.items():
-        args["input" if key == "self" else key] = value
+        args[_KWARG_ALIASES.get(key, key)] = value
     if "correction" in args and "unbiased" not in args:
         args["unbiased"] = args["correction"] != 0
     if isinstance(args.get("dim"), int):

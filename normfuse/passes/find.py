@@ -290,6 +290,24 @@ def _rstd_users(index: GraphIndex, denom_src: fx.Node):
                     yield "div", uu, [u]
 
 
+def _rstd_forms(index: GraphIndex, denom_src: fx.Node):
+    """``_rstd_users``, and each rstd that is multiplied after a cast (DeepSeek-V4's
+    ``x * rsqrt(...).to(x.dtype)``): the cast is among the nodes (``_rounded_rstd`` tells whether
+    it rounds)."""
+    for how, r, nodes in _rstd_users(index, denom_src):
+        yield how, r, nodes
+        if how == "mul":
+            for cast in r.users:
+                if index.prim(cast) == "cast" and index.canon(cast)["input"] is r:
+                    yield how, cast, [*nodes, cast]
+
+
+def _rounded_rstd(index: GraphIndex, nodes) -> fx.Node | None:
+    """A cast among the rstd's nodes that rounds it (to a narrower dtype), or None."""
+    return next((c for c in nodes if index.prim(c) == "cast"
+                 and not is_exact_upcast(node_dtype(index.canon(c)["input"]), node_dtype(c))), None)
+
+
 def _eps_of(index: GraphIndex, stat: fx.Node):
     """``stat + eps`` -> (node, eps) for each such user."""
     for u in stat.users:
@@ -315,7 +333,7 @@ def _square_of(index: GraphIndex, node: Any) -> Any:
 
 def _find_normalized(index: GraphIndex, denom: fx.Node, value: Any):
     """The node computing ``value * rstd`` (or ``value / sqrt``) from ``var + eps``."""
-    for how, r, extra in _rstd_users(index, denom):
+    for how, r, extra in _rstd_forms(index, denom):
         for u in r.users:
             c = index.canon(u)
             if c is None:
@@ -340,10 +358,19 @@ def _finish_decomposed(index: GraphIndex, kind: str, source: Any, stat: fx.Node,
         normed, extra = _find_normalized(index, denom, value)
         if normed is not None:
             upcast = [source] if source is not strip_upcasts(index, source) else []
-            return _with_tail(index, NormMatch(
-                kind=kind, form="decomposed", input=strip_upcasts(index, source), output=normed,
-                nodes=(*upcast, *stat_nodes, denom, *extra, normed), eps=eps, hidden_size=n, anchor=anchor,
-                layout=layout))
+            m = NormMatch(kind=kind, form="decomposed", input=strip_upcasts(index, source), output=normed,
+                          nodes=(*upcast, *stat_nodes, denom, *extra, normed), eps=eps, hidden_size=n, anchor=anchor,
+                          layout=layout)
+            if node_dtype(stat) in LOW_PRECISION:
+                return replace(m, reason=(
+                    f"the row statistic is computed in {node_dtype(stat)} (no upcast before the mean): the graph "
+                    "rounds the mean, the rstd and the normalized value there; the kernels accumulate in fp32"))
+            rounded = _rounded_rstd(index, extra)
+            if rounded is not None:
+                return replace(m, reason=(
+                    f"the rstd is rounded to {node_dtype(rounded)} before the multiply (x * rsqrt(...).to(x.dtype)): "
+                    "the kernels multiply by the fp32 rstd and round the product once"))
+            return _with_tail(index, m)
     return None
 
 
@@ -407,6 +434,23 @@ def _match_var_layer_norm(index: GraphIndex, var: fx.Node, c: Canon, claimed: se
     return None
 
 
+def _match_normalize(index: GraphIndex, node: fx.Node, c: Canon) -> NormMatch | None:
+    """``F.normalize(x, dim=-1)`` (p = 2), then ``* sqrt(d)`` and a weight: an RMSNorm whose eps is
+    a clamp of the row's L2 norm, ``x / max(||x||_2, eps) * sqrt(d)`` (x-transformers' RMSNorm,
+    ScaleNorm, SimpleRMSNorm). Found so that the report lists it; not fused (the reason says why)."""
+    x = c["input"]
+    shape = node_shape(x)
+    if shape is None or const_value(c["p"]) != 2.0 or _reduced_dim(c["dim"], len(shape)) != len(shape) - 1:
+        return None
+    eps = const_value(c["eps"])
+    return NormMatch(kind="rms_norm", form="normalize", input=strip_upcasts(index, x), output=node,
+                     nodes=(node,), eps=eps or 0.0, hidden_size=last_dim(x), anchor=node, reason=(
+                         f"F.normalize clamps the row's L2 norm (x / max(||x||_2, {eps:g})); the kernels add eps to "
+                         "the mean square (x * rsqrt(mean(x^2) + eps)), a different function on rows whose norm is "
+                         "below eps (a zero row gives 0 here and NaN there), and F.normalize rounds the norm and the "
+                         "quotient in the input's dtype"))
+
+
 # --------------------------------------------------------------------------- the tail
 
 def _weight_operand(index: GraphIndex, operand: Any, n: int, layout: tuple[int, ...] | None = None):
@@ -426,7 +470,8 @@ def _weight_operand(index: GraphIndex, operand: Any, n: int, layout: tuple[int, 
     if c is not None and c.prim == "add" and c["alpha"] == 1 and _vector_of(operand, n):
         a, b = c["input"], c["other"]
         off, w = (const_value(a), b) if const_value(a) is not None else (const_value(b), a)
-        if off is not None and _is_param_like(index, w) and node_dtype(operand) == F32:
+        # w + 0.0 is w in any dtype (x-transformers' ``gamma + float(unit_offset)``); another offset in fp32
+        if off is not None and _is_param_like(index, w) and (node_dtype(operand) == F32 or off == 0.0):
             inner = [x for x in [w] if index.prim(x) == "cast"]
             return strip_upcasts(index, w), off, [operand, *inner]
     return None
@@ -454,19 +499,22 @@ def _ungrouped(index: GraphIndex, m: NormMatch) -> NormMatch:
                    nodes=(split, *m.nodes, merge))
 
 
-def _with_tail(index: GraphIndex, m: NormMatch) -> NormMatch:
+def _with_tail(index: GraphIndex, m: NormMatch, call: bool = False) -> NormMatch:
     """Extend a matched normalization ``n`` with casts, ``* weight`` and ``+ bias`` while the
     fused op can reproduce every rounding point; stop before the first step it cannot.
 
     The op computes ``round(out, [round(r, n)] * (w + offset) + b)``: at most one rounding
     of n before the weight (Llama) and one rounding at the end (Gemma, F.layer_norm).
+    ``call``: ``m`` is a norm call without weight and bias (``nn.LayerNorm(d,
+    elementwise_affine=False)``, then ``* gamma``: x-transformers' LayerNorm); its output is n
+    rounded to the call's dtype, and its form stays the call's.
     """
-    m = _ungrouped(index, m) if m.layout is None else m
+    m = _ungrouped(index, m) if m.layout is None and not call else m
     n = m.hidden_size
     cur = m.output
     cur_dtype = node_dtype(cur) or F32
     phase = "n"                 # "n": before the weight, "w": after it
-    round_dtype = None          # where n was rounded before the weight
+    round_dtype = cur_dtype if call and cur_dtype in LOW_PRECISION else None  # where n was rounded before the weight
     weight = bias = None
     offset = 0.0
     extra: list[fx.Node] = []
@@ -519,6 +567,10 @@ def _with_tail(index: GraphIndex, m: NormMatch) -> NormMatch:
             # no weight: a rounded n is "multiply by 1, then round once"
             best = (cur, None, None, 0.0, None, cur_dtype, list(extra))
     out, weight, bias, offset, round_dtype, out_dtype, extra = best
+    if call:
+        return m if weight is None and bias is None else replace(
+            m, output=out, weight=weight, bias=bias, weight_offset=offset, norm_round_dtype=round_dtype,
+            out_dtype=out_dtype, nodes=m.nodes + tuple(x for x in extra if x not in m.nodes))
     if m.kind == "layer_norm":
         style = "layer_norm"
     elif round_dtype is not None:
@@ -546,10 +598,14 @@ def find_norms(index: GraphIndex) -> list[NormMatch]:
         m = None
         if c.prim in ("layer_norm", "rms_norm"):
             m = _match_norm_call(index, node, c)
+            if m.reason is None and m.weight is None and m.bias is None:
+                m = _with_tail(index, m, call=True)  # a norm without affine, then its weight
         elif c.prim == "mean":
             m = _match_decomposed(index, node, c)
         elif c.prim == "var":
             m = _match_var_layer_norm(index, node, c, claimed)
+        elif c.prim == "normalize":
+            m = _match_normalize(index, node, c)
         if m is None or any(x in claimed for x in m.nodes):
             continue
         if m.reason is None and m.weight is not None and not _vector_of(m.weight, m.hidden_size):

@@ -73,7 +73,7 @@ def site_record(analysis: Analysis, site: SiteAnalysis) -> Site:
         if inner and (fqn is None or inner.startswith(fqn + ".") or not fqn):
             fqn, cls = inner, inner_cls
     # a norm call made by a torch norm module (nn.LayerNorm, nn.RMSNorm) is reported as "module"
-    cls_of_call = module_class(m.output)
+    cls_of_call = module_class(m.anchor or m.output)  # the call itself: its weight may come after it
     form = "module" if m.form in ("functional", "module") and isinstance(cls_of_call, type) \
         and issubclass(cls_of_call, TORCH_NORMS) else m.form
     # a norm moved by the Pre-Norm conversion (normfuse/passes/prenorm.py) is a pre-norm,
