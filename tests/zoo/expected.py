@@ -50,6 +50,10 @@ NN_DECODER_MHA_PATH = (
     'he captured graph the composite one'
 )
 
+XT_BROADCAST = "the first norm's add, token + position embedding, broadcasts ((B, S, C) + (S, C)): not folded"
+XT_NORMALIZE = ("x-transformers' RMSNorm / ScaleNorm / SimpleRMSNorm are F.normalize(x, dim=-1) * sqrt(d) * g: found, "
+                "not fused (F.normalize clamps the L2 norm at eps; the kernels add eps to the mean square)")
+
 EXPECTED = {
     # --- encoder
     "hf:bert": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"embedding": 1, "post": 4},
@@ -459,6 +463,36 @@ EXPECTED = {
     "nn:decoder_pre": dict(norms=7, fused=7, fused_with_add=6, input_is_add=6, placements={"pre": 6, "standalone": 1},
         eager_norms=7, eager_input_is_add=6, check="ok", checked_sites=7, bitwise=False,
         note=NN_DECODER_MHA_PATH),
+    # --- x-transformers 2.31.10 (TransformerWrapper, 2 layers of dim 32): the first norm reads
+    # token + position embeddings, an add that broadcasts ((B, S, C) + (S, C)); not folded
+    "xt:decoder_pre": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True,
+        note=XT_BROADCAST),
+    "xt:encoder_post": dict(norms=4, fused=4, fused_with_add=4, input_is_add=4, placements={"post": 4},
+        eager_norms=4, eager_input_is_add=4, check="ok", checked_sites=4, bitwise=True),
+    "xt:sandwich": dict(norms=9, fused=9, fused_with_add=4, input_is_add=5, placements={"pre": 5, "sandwich": 4},
+        eager_norms=9, eager_input_is_add=5, check="ok", checked_sites=9, bitwise=True, note=XT_BROADCAST),
+    "xt:rmsnorm": dict(norms=5, fused=0, fused_with_add=0, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=0, bitwise=True, note=XT_NORMALIZE),
+    "xt:scalenorm": dict(norms=5, fused=0, fused_with_add=0, input_is_add=5, placements={"pre": 5},
+        eager_norms=0, eager_input_is_add=0, check="ok", checked_sites=0, bitwise=True,
+        note=XT_NORMALIZE + "; the eager count does not take the class name ScaleNorm for a norm"),
+    "xt:simple_rmsnorm": dict(norms=5, fused=0, fused_with_add=0, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=0, bitwise=True, note=XT_NORMALIZE),
+    "xt:scale_residual": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True, note=XT_BROADCAST),
+    "xt:gate_residual": dict(norms=5, fused=5, fused_with_add=0, input_is_add=1, placements={"pre": 1, "standalone": 4},
+        eager_norms=5, eager_input_is_add=1, check="ok", checked_sites=5, bitwise=True, note=(
+        "the GRU-gated residual is no add: the blocks' norms read the gate's output (standalone); "
+        + XT_BROADCAST)),
+    "xt:qk_norm": dict(norms=9, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5, "standalone": 4},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True, note=(
+        "the q/k norms are F.normalize (l2norm) times a learned scale: found, refused (" + XT_NORMALIZE
+        + "); the eager count sees no norm module there; " + XT_BROADCAST)),
+    "xt:rotary": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True, note=(
+        "no absolute positions: the first norm reads the token embedding plus a Python 0 (the eager count "
+        "takes x + 0 for an add, the graph holds no tensor add): standalone")),
 }
 
 # the default test run's share of the zoo: one or two of every group, and known findings
@@ -477,4 +511,5 @@ FAST = [
     "timm:deit_tiny_patch16_224",
     "nn:encoder_pre",
     "nn:decoder_post",
+    "xt:decoder_pre",
 ]

@@ -235,6 +235,34 @@ def _nn(kind: str, norm_first: bool):
     return build
 
 
+# --------------------------------------------------------------------------- x-transformers
+
+# variant -> (attention layers class, keyword switches); 2 layers of dim 32, 2 heads, 16 tokens
+X_TRANSFORMERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "decoder_pre": ("Decoder", {}),
+    "encoder_post": ("Encoder", dict(pre_norm=False)),
+    "sandwich": ("Decoder", dict(sandwich_norm=True)),
+    "rmsnorm": ("Decoder", dict(use_rmsnorm=True)),
+    "scalenorm": ("Decoder", dict(use_scalenorm=True)),
+    "simple_rmsnorm": ("Decoder", dict(use_simple_rmsnorm=True)),
+    "scale_residual": ("Decoder", dict(scale_residual=True)),
+    "gate_residual": ("Decoder", dict(gate_residual=True)),
+    "qk_norm": ("Decoder", dict(attn_qk_norm=True)),
+    "rotary": ("Decoder", dict(rotary_pos_emb=True)),
+}
+
+
+def _xt(kind: str, switches: dict[str, Any]):
+    def build():
+        import x_transformers
+
+        torch.manual_seed(0)
+        layers = getattr(x_transformers, kind)(dim=32, depth=2, heads=2, **switches)
+        model = x_transformers.TransformerWrapper(num_tokens=64, max_seq_len=16, attn_layers=layers).eval()
+        return model, (torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)),), {}
+    return build
+
+
 # --------------------------------------------------------------------------- the registry
 
 @dataclass(frozen=True)
@@ -251,6 +279,8 @@ def zoo_models() -> dict[str, ZooModel]:
     models += [ZooModel(f"timm:{n}", "vision", _timm(n, k), "timm") for n, k in TIMM_MODELS.items()]
     models += [ZooModel(f"tv:{n}", "vision", _tv(n), "torchvision")
                for n in ("vit", "swin_t", "swin_v2_t", "convnext", "maxvit")]
+    models += [ZooModel(f"xt:{n}", "x-transformers", _xt(k, sw), "x_transformers")
+               for n, (k, sw) in X_TRANSFORMERS.items()]
     for kind in ("transformer", "encoder", "decoder"):
         for norm_first in (False, True):
             name = f"nn:{kind}_{'pre' if norm_first else 'post'}"

@@ -51,7 +51,10 @@ def measure(entry: ZooModel, check: bool = True) -> dict[str, Any]:
     # no silent site: every norm module that ran is a site or listed as not captured, and every
     # add-fed site whose add stays outside the kernel says why
     sites = {s.fqn for s in report.sites}
-    record["silent"] = [fqn for fqn in eager.modules if fqn not in sites and fqn not in report.uncaptured]
+    # (a norm module wrapping a site's module is that site: x-transformers' LayerNorm calls its
+    # affine-free nn.LayerNorm, then multiplies by its gamma)
+    record["silent"] = [fqn for fqn in eager.modules if fqn not in sites and fqn not in report.uncaptured
+                        and not any(s and s.startswith(fqn + ".") for s in sites)]
     record["unexplained_adds"] = [s.fqn or s.id for s in report.sites
                                   if s.fused and s.input_is_add and not s.fused_add and not s.add_reason]
     record["seconds"] = round(time.perf_counter() - start, 2)
