@@ -314,10 +314,26 @@ def _bart_inputs():
 
 
 def test_prenorm_converts_every_stream_of_an_encoder_decoder():
+    """Both streams converted, and the result is the Pre-Norm BART written by hand: each norm on its
+    sublayer's input (x + F_k(norm_k(x))), the decoder's cross-attention reading the encoder's
+    final norm, the embedding norms kept."""
     from normfuse.passes import prenorm
 
     torch._dynamo.reset()
-    model = normfuse.optimize(_small_bart(), prenorm=True)
+    model = _small_bart()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():   # initialized to 1 and 0: every norm the same, one moved wrongly unseen
+        for name, p in model.named_parameters():
+            if "layer_norm" in name and "embedding" not in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (1.0 if name.endswith("weight") else 0.0))
+    post = copy.deepcopy(model)
+    embedded = {}   # the embedding norms' outputs (not blocks: the conversion keeps them)
+    for part in ("encoder", "decoder"):
+        getattr(post, part).layernorm_embedding.register_forward_hook(
+            lambda module, args, out, part=part: embedded.__setitem__(part, out))
+    with torch.no_grad():
+        post_out = post(**_bart_inputs()).last_hidden_state
+    normfuse.optimize(model, prenorm=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no stream is left Post-Norm
         with torch.no_grad():
@@ -328,7 +344,20 @@ def test_prenorm_converts_every_stream_of_an_encoder_decoder():
     assert sorted(prenorm.final_norms(model)) == ["decoder.normfuse_final_norm", "encoder.normfuse_final_norm"]
     ok, why = check_structure(rep.graph_modules)
     assert ok and why.count("adds only") == 2, why
-    assert_close(out.mean(-1), torch.zeros(out.shape[:-1]))
+    with torch.no_grad():                                        # (B, S, d_model) throughout
+        h = embedded["encoder"]
+        for layer in model.encoder.layers:
+            h = h + layer.self_attn(layer.self_attn_layer_norm(h))[0]
+            h = h + layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(h))))
+        memory = model.encoder.normfuse_final_norm(h)
+        h = embedded["decoder"]
+        for layer in model.decoder.layers:                       # self_attn is causal without a mask
+            h = h + layer.self_attn(layer.self_attn_layer_norm(h))[0]
+            h = h + layer.encoder_attn(layer.encoder_attn_layer_norm(h), key_value_states=memory)[0]
+            h = h + layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(h))))
+        want = model.decoder.normfuse_final_norm(h)
+    assert_close(out, want)
+    assert (post_out - want).abs().max() > 0.5   # the conversion changed the function, as it should
 
 
 def test_prenorm_stream_left_unconverted_warns_and_gets_no_final_norm():

@@ -386,7 +386,7 @@ def test_deepcopy_of_an_optimized_model_is_independent():
             p.mul_(0.5)
     assert not torch.equal(clone(IDS), before)  # the copy runs its own parameters
     assert torch.equal(model(IDS), before)       # and the original is untouched
-    assert normfuse.report(clone).counts()["fused"] >= 5
+    assert normfuse.report(clone).counts()["fused"] == 5
 
 
 def test_state_dict_round_trip_with_an_unoptimized_model():
@@ -490,6 +490,10 @@ def test_torch_nn_containers_are_captured():
         (f"layers.{i}.norm{j}", "post", "add_norm") for i in (0, 1) for j in (1, 2)]
 
 
+# the toy's norms per placement, every one fused: 2 blocks of 2 and pre-norm's final norm
+FUSED_TOY = {"pre": 5, "res_post": 4, "deepnorm": 4}
+
+
 @pytest.mark.parametrize("placement,kind,spelling", [("pre", "rms_norm", "llama"), ("res_post", "layer_norm", "module"),
                                                      ("deepnorm", "layer_norm", "manual")])
 def test_triton_kernels_through_optimize_forward_and_backward(triton_cpu, placement, kind, spelling):
@@ -505,7 +509,7 @@ def test_triton_kernels_through_optimize_forward_and_backward(triton_cpu, placem
     for (name, p), q, r in zip(model.named_parameters(), ref.parameters(), ref64.parameters()):
         ok, err, base, bound = within_tolerance(p.grad, q.grad, r.grad, torch.float32)
         assert ok, (name, err, base, bound)
-    assert normfuse.report(model).counts()["fused"] >= 4
+    assert normfuse.report(model).counts()["fused"] == FUSED_TOY[placement]
 
 
 def test_many_instances_of_one_class_are_all_optimized():
