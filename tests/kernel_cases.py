@@ -300,9 +300,8 @@ def assert_same_bits(got, want, what: str = "") -> None:
 
 
 def ulp_distance(a, b) -> torch.Tensor:
-    """Distance in units in the last place between bf16/fp16 (or fp32) tensors of one dtype."""
-    bits = torch.int16 if a.element_size() == 2 else torch.int32
-    sign_mask = 0x7FFF if bits == torch.int16 else 0x7FFFFFFF
+    """Distance in units in the last place between fp8/bf16/fp16 (or fp32) tensors of one dtype."""
+    bits, sign_mask = {1: (torch.int8, 0x7F), 2: (torch.int16, 0x7FFF), 4: (torch.int32, 0x7FFFFFFF)}[a.element_size()]
 
     def ordered(t):
         i = t.contiguous().view(bits).to(torch.int64)

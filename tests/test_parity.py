@@ -13,7 +13,9 @@ thing; both CPU paths (the reference, and the Triton kernels under the interpret
   native PyTorch forward (inference only).
 
 The default run takes a CI-sized subset of each grid; ``pytest -m parity`` runs the rest.
-Cases normfuse cannot express are skipped with a reason that names them.
+Not mirrored here: flash-attn's ``test_layer_norm_linear`` (128 cases of ``layer_norm_linear_fn``,
+the norm's output recomputed for the linear after it in backward); normfuse's counterpart,
+``recompute_norm_output``, is tested in test_norm_linear.py.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import torch.nn.functional as F
 
 import normfuse
 from normfuse.kernels import dropout_keep_mask
+
+from kernel_cases import assert_same_bits, assert_within_rounding_budget
 
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 
@@ -229,16 +233,6 @@ def test_flash_attn_layer_norm_modes(request, path, hidden, dtypes, kind, has_we
             _flash_rule(name, o, p, r, atol)
 
 
-def _flash_cannot_express():
-    yield "layer_norm_linear", 4 * 4 * 2 * 2 * 2, "layer_norm_linear_fn: normfuse fuses the add and the norm, not " \
-                                                  "the linear after it"
-
-
-@pytest.mark.parametrize("feature,cases,reason", list(_flash_cannot_express()), ids=lambda v: str(v))
-def test_flash_attn_cases_normfuse_cannot_express(feature, cases, reason):
-    pytest.skip(f"{reason} ({cases} cases of flash-attn's grid)")
-
-
 # ---- Liger-Kernel -------------------------------------------------------------------------
 
 LIGER_SHAPES = ((2, 128, 512), (5, 123, 123))
@@ -317,9 +311,9 @@ def test_liger_functional_equals_op(request, path, shape, dtype_tol, mode, fused
                 modes.get("norm_round_dtype"), dtype, fused_add)
         torch.autograd.backward((out, stream) if fused_add else (out,), (dh, dr) if fused_add else (dh,))
         results.append([out, stream if fused_add else None, x_.grad, r_.grad if fused_add else None])
-    for got, expect in zip(*results):
+    for got, expect in zip(*results):   # the same op, the same inputs: the same bits (Liger's tolerance unneeded)
         if expect is not None:
-            assert torch.allclose(got, expect, atol=atol, rtol=rtol)
+            assert_same_bits(got, expect, "functional vs op")
 
 
 # ---- vLLM ---------------------------------------------------------------------------------
@@ -406,7 +400,17 @@ def test_vllm_rms_norm(request, path, tokens, hidden, add_residual, dtype, strid
     use_path(request, path)
     x, residual, weight = _vllm_inputs(tokens, hidden, add_residual, dtype, strided, weight_mean=weight_mean)
     expect = native(x, residual, weight)
-    _check_vllm(call(x, residual, weight, dtype, add_residual), expect, dict(atol=1e-2, rtol=1e-2))
+    # vLLM's own check is assert_close(atol=1e-2, rtol=1e-2), far above the sum's size here (x and
+    # the residual are scaled by 1 / (2 * hidden)); normfuse reproduces the native rounding points:
+    # the returned sum bit for bit, y within the rounding budget (bit for bit on the reference path)
+    y, s = call(x, residual, weight, dtype, add_residual)
+    y_native, s_native = expect
+    if s_native is not None:
+        assert_same_bits(s, s_native, "residual")
+    if path == "reference":
+        assert_same_bits(y, y_native, "y")
+    else:
+        assert_within_rounding_budget(y, y_native, "y")
 
 
 VLLM_WEIGHTLESS_CASES = list(itertools.product(VLLM_TOKENS, VLLM_HIDDEN, (False, True), VLLM_DTYPES))
@@ -437,10 +441,58 @@ def test_vllm_gemma_rms_norm_mixed_input_weight_dtype(request, path):
     expect = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * (weight + 1.0)).to(BF16)
     got, _ = normfuse.add_rms_norm(x, None, weight, eps=1e-6, weight_offset=1.0)
     assert got.dtype == BF16
-    torch.testing.assert_close(got, expect, atol=1e-2, rtol=1e-2)
+    # the same rounding points (fp32 math times (1 + w), rounded once): vLLM's atol of 1e-2 unneeded
+    if path == "reference":
+        assert_same_bits(got, expect, "y")
+    else:
+        assert_within_rounding_budget(got, expect, "y")
 
 
-def test_vllm_cases_normfuse_cannot_express():
-    cases = len(VLLM_CASES) * 3   # test_fused_rms_norm_quant: the grid times quant_scale (0.01, 1, 10)
-    pytest.skip(f"fused static fp8 quantization of the norm's output ({cases} cases of vLLM's "
-                f"test_fused_rms_norm_quant): not fused by normfuse")
+VLLM_QUANT_CASES = [(*case, scale) for case in VLLM_CASES for scale in (0.01, 1.0, 10.0)]
+VLLM_QUANT_DEFAULT = {(83, 769, True, BF16, True, 10.0), (7, 5125, True, FP16, False, 0.01),
+                      (83, 768, False, FP32, True, 1.0), (7, 8, True, FP32, False, 0.01)}
+VLLM_QUANT_TRITON_DEFAULT = {(7, 769, True, BF16, True, 0.01), (7, 8, False, FP16, False, 10.0)}
+
+
+def _vllm_rms_cuda(x, residual, weight, eps=1e-6):
+    """vLLM's CUDA rms_norm / fused_add_rms_norm: the sum rounded to x's dtype (returned as the new
+    residual), normalized in fp32, rounded to x's dtype, then times the weight."""
+    s = x if residual is None else x + residual
+    h = s.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight, \
+        (None if residual is None else s)
+
+
+@pytest.mark.parametrize("path,tokens,hidden,add_residual,dtype,strided,quant_scale",
+                         grid(VLLM_QUANT_CASES, VLLM_QUANT_DEFAULT, VLLM_QUANT_TRITON_DEFAULT))
+@torch.inference_mode()
+def test_vllm_fused_rms_norm_static_fp8_quant(request, path, tokens, hidden, add_residual, dtype, strided,
+                                               quant_scale):
+    """``test_fused_rms_norm_quant``: (fused_add_)rms_norm_static_fp8_quant against the unfused norm
+    then static_scaled_fp8_quant, q = clamp(y / scale, -448, 448) cast to e4m3fn. vLLM compares q in
+    fp32 with atol 1e-3 (its fused kernel multiplies by 1 / scale); normfuse divides as the unfused
+    op does: q bit for bit on the reference path, within the rounding budget on the Triton path,
+    the residual bit for bit."""
+    from normfuse.kernels import Fp8Quant
+
+    use_path(request, path)
+    x, residual, weight = _vllm_inputs(tokens, hidden, add_residual, dtype, strided, weight_mean=1.0)
+    e4m3 = torch.float8_e4m3fn
+    qmax = torch.finfo(e4m3).max
+    scale = torch.tensor([quant_scale], dtype=FP32)
+    y_ref, s_ref = _vllm_rms_cuda(x, residual, weight)
+    q_ref = (y_ref.float() / scale).clamp(-qmax, qmax).to(e4m3)
+    q, scale_out, y, s = normfuse.add_rms_norm(x, residual, weight, eps=1e-6, norm_round_dtype=dtype,
+                                               quant=Fp8Quant(e4m3, scale=scale, apply="div", clamp=qmax),
+                                               return_norm=True)
+    assert torch.equal(scale_out, scale)
+    if add_residual:
+        assert_same_bits(s, s_ref, "residual")
+    else:
+        assert s is None
+    if path == "reference":
+        assert_same_bits(y, y_ref, "y")
+        assert_same_bits(q, q_ref, "q")
+    else:
+        assert_within_rounding_budget(y, y_ref, "y")
+        assert_within_rounding_budget(q, q_ref, "q")
