@@ -33,13 +33,15 @@ __all__ = ["ModelForward", "CAPTURE_CONFIG", "compile_forward", "capture_once", 
 log = logging.getLogger("normfuse")
 
 
-# Dynamo's settings while it captures an optimized model:
+# Dynamo's settings while it captures an optimized model with grad on:
 # - a Python side effect inside an activation-checkpointed region (a block under HF's
 #   gradient_checkpointing_enable, torch.utils.checkpoint) runs once, in the forward. Without
 #   this, dynamo cannot trace such a region at all (eager would replay the effect in the
 #   recompute) and gives up the whole forward: the model ran eagerly. Forward wrappers that
 #   set a context variable and reset it on the way out are that case: the `kernels` package,
 #   which transformers requires from 5.25 on, wraps the attention's forward so.
+# Set for the call and put back after it (plain attribute writes: ``config.patch`` costs a
+# millisecond per call); without grad no checkpoint recomputes, and nothing is set.
 CAPTURE_CONFIG = {"skip_fwd_side_effects_in_bwd_under_checkpoint": True}
 
 _FRAMES = itertools.count(1)
@@ -117,8 +119,17 @@ class ModelForward:
         if self._compiled is None:
             self._compiled = compile_forward(self.module, self.forward, self.make_backend())
         try:
-            with torch._dynamo.config.patch(CAPTURE_CONFIG):
+            if not torch.is_grad_enabled():
                 return self._compiled(*args, **kwargs)
+            config = torch._dynamo.config
+            before = {name: getattr(config, name) for name in CAPTURE_CONFIG}
+            for name, value in CAPTURE_CONFIG.items():
+                setattr(config, name, value)
+            try:
+                return self._compiled(*args, **kwargs)
+            finally:
+                for name, value in before.items():
+                    setattr(config, name, value)
         except torch._dynamo.exc.TorchDynamoException as error:
             log.debug("normfuse: capture failed", exc_info=True)
             result = self.forward(*args, **kwargs)  # the user's own error raises here, as in eager
