@@ -18,7 +18,7 @@ CLIENTS      ?= accelerate==1.15.0 peft==0.21.2 torchtitan==0.3.0
 PYTEST_WORKERS ?= 2
 export TORCH TRITON TRANSFORMERS
 
-.PHONY: setup demo test test-slow test-zoo smoke dist bench docs clean
+.PHONY: setup demo test test-newest test-slow test-zoo smoke dist bench docs clean
 
 setup: $(VENV)/.installed
 
@@ -59,6 +59,25 @@ smoke: dist
 bench: setup
 	$(PY) benchmarks/run_all.py
 
+# The newest transformers release, in a venv of its own beside the pinned torch, triton and
+# clients: the tests that run transformers' code (the zoo's fast subset, HF models through the
+# pass, the real training clients, checkpointing, generate, export and saved models, several
+# models in one process). A release that breaks normfuse fails here before a user meets it.
+NEWEST_VENV  ?= .venv-newest
+NEWEST_PY    := $(NEWEST_VENV)/bin/python
+NEWEST_TESTS ?= tests/zoo/test_zoo.py tests/test_pass_hf.py tests/test_clients.py tests/test_regions.py \
+                tests/test_boundary.py tests/test_deployment.py tests/test_training.py tests/test_many_models.py \
+                tests/test_qk_rope_pass.py tests/test_audit.py tests/test_checkpoint_side_effects.py
+
+test-newest:
+	test -x $(NEWEST_PY) || $(PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_PY) -m pip install -q --upgrade pip
+	$(NEWEST_PY) -m pip install -q "$(TORCH)" "$(TRITON)" $(CLIENTS)
+	$(NEWEST_PY) -m pip install -q --upgrade transformers
+	$(NEWEST_PY) -m pip install -q -e ".[dev]"
+	$(NEWEST_PY) -c "import torch, transformers; print('newest-release job: transformers', transformers.__version__, 'torch', torch.__version__)"
+	$(NEWEST_PY) -m pytest -q -rs -n $(PYTEST_WORKERS) $(NEWEST_TESTS) $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
 # The documentation site (mkdocs.yml: README.md and docs/) into site/; --strict makes any
 # warning fail the build: a broken link, image or anchor, a page missing from the nav.
 docs: $(VENV)/.installed-docs
@@ -69,4 +88,4 @@ $(VENV)/.installed-docs: $(VENV)/.installed
 	touch $@
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(NEWEST_VENV) build dist site *.egg-info

@@ -506,7 +506,7 @@ def _eager_layer_norm_backward_ok(dn: Tensor, inp: Tensor, mean: Tensor, rstd: T
     times rstd, is then far above the reference's (fuzzing found 2e-2 against 5e-7 at N = 2, eps = 0).
     Nor at N = 2, where the result is itself rounding noise: eager forms dx as ``a * g + b * x + c``,
     whose ``b * x + c`` cancels to ``b * (x - mean)`` and multiplies that noise by ~|mean| / std
-    (3x the x_hat formula's on random rows; see README "Exact semantics")."""
+    (3x the x_hat formula's on random rows; see docs/semantics.md)."""
     acc = acc_dtype(inp.dtype)
     bias_like = None if bias_dtype is None else inp.new_empty(0, dtype=bias_dtype)
     return (inp.numel() > 0 and inp.shape[-1] != 2 and dn.dtype == inp.dtype and mean.dtype == rstd.dtype == acc
