@@ -35,7 +35,7 @@ demo: setup
 
 # pytest exits 5 when it collects nothing; that is not a failure of the code.
 test: setup
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(PY) -m pytest -q -rs -n $(PYTEST_WORKERS) $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)

@@ -52,3 +52,114 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ---- CI: a missing dependency or a skip nobody allowed fails the run -----------------------
+#
+# With CI=true, the run fails (1) at its start when a distribution the dev install declares
+# (pyproject.toml: [project] dependencies and the dev extra, its normfuse[...] extras followed)
+# is not installed: a broken install would otherwise turn whole modules into skips; and (2) at
+# its end when a test that does not need a GPU skipped and is not on the list below. Skip
+# reasons are printed by `make test` (pytest -rs); outside CI unexpected skips are listed only.
+
+GPU_SKIP_REASON = "needs a CUDA device"
+
+# node id (fnmatch pattern) -> why it may skip on CI, where it skips. Remove a line when its
+# reason goes away.
+SKIPS_ALLOWED_ON_CI = {
+    "tests/test_quant_pass.py::test_torchao_float8_training_linear_is_explained":
+        "torchao is not in the dev extra yet (torchao 0.18 installs against torch 2.13 CPU and the test "
+        "passes with it: add it to pyproject's dev extra, then remove this line)",
+    "tests/test_code_bases.py::*":
+        "x-transformers is not in the dev extra (installed by hand where it runs); add it, then remove this line",
+}
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def declared_distributions() -> set[str]:
+    """The distributions the dev install declares (pyproject.toml), normfuse's own extras followed."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    extras = project.get("optional-dependencies", {})
+    todo, names, seen = [*project.get("dependencies", []), *extras.get("dev", [])], set(), {"dev"}
+    while todo:
+        match = re.match(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[([^\]]*)\])?", todo.pop())
+        name, wanted = match.group(1), match.group(2)
+        if name.lower() != "normfuse":
+            names.add(name)
+            continue
+        for extra in (e.strip() for e in (wanted or "").split(",")):
+            if extra and extra not in seen:
+                seen.add(extra)
+                todo += extras.get(extra, [])
+    return names
+
+
+def missing_distributions() -> list[str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    missing = []
+    for name in sorted(declared_distributions()):
+        try:
+            version(name)
+        except PackageNotFoundError:
+            missing.append(name)
+    return missing
+
+
+def pytest_sessionstart(session):
+    if _in_ci() and getattr(session.config, "workerinput", None) is None:
+        missing = missing_distributions()
+        if missing:
+            pytest.exit(f"CI: declared dependencies not installed: {', '.join(missing)} "
+                        f"(pip install -e '.[dev]'); their tests would only skip", returncode=1)
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    return str(longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else longrepr)
+
+
+def unexpected_skips(stats) -> list[tuple[str, str]]:
+    """(node id, reason) of each skip that neither needs a GPU nor is on SKIPS_ALLOWED_ON_CI."""
+    import fnmatch
+
+    out = []
+    for report in stats.get("skipped", []):
+        if getattr(report, "wasxfail", None) is not None:
+            continue
+        reason = _skip_reason(report)
+        if GPU_SKIP_REASON in reason:
+            continue
+        if not any(fnmatch.fnmatchcase(report.nodeid, pattern) for pattern in SKIPS_ALLOWED_ON_CI):
+            out.append((report.nodeid, reason))
+    return out
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    if getattr(session.config, "workerinput", None) is not None:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    session.config._normfuse_unexpected_skips = skips = unexpected_skips(reporter.stats)
+    if skips and _in_ci() and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    skips = getattr(config, "_normfuse_unexpected_skips", None)
+    if not skips:
+        return
+    verdict = "fail the run on CI" if _in_ci() else "would fail the run on CI (CI=true)"
+    terminalreporter.section("skips not on tests/conftest.py's SKIPS_ALLOWED_ON_CI")
+    for nodeid, reason in skips:
+        terminalreporter.line(f"{nodeid}: {reason}")
+    terminalreporter.line(f"{len(skips)} skip(s) without a GPU reason and not allowed: they {verdict}")
