@@ -13,7 +13,7 @@ import torch
 
 from normfuse.kernels.add_norm import add_norm, add_norm_ref
 
-from kernel_cases import BF16, FP16, FP32, Case, check_case
+from kernel_cases import BF16, FP16, FP32, Case, assert_within_rounding_budget, check_case
 
 SIZES = [1, 7, 123, 768, 1000, 3000, 4096, 5120, 8192, 65536]
 DTYPE_PAIRS = [(BF16, BF16), (BF16, FP32), (FP16, FP16), (FP16, FP32), (FP32, FP32)]
@@ -118,4 +118,4 @@ def test_gpu_more_than_2_31_elements():
     tail = slice(rows - 3, rows)
     y_ref, s_ref = add_norm_ref(x[tail].cpu(), r[tail].cpu(), w.cpu(), kind="rms_norm", eps=1e-6)
     assert torch.equal(s[tail].cpu(), s_ref)
-    assert (y[tail].cpu() == y_ref).float().mean() >= 0.999
+    assert_within_rounding_budget(y[tail].cpu(), y_ref, "y")
