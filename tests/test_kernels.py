@@ -1,9 +1,12 @@
 """Fused add+norm ops against an fp64 reference, forward and backward.
 
-Each case runs three ways: the candidate (the op on the CPU reference path, or the
-Triton kernels under the interpreter), eager PyTorch in the same dtype, and the
-fp64 reference with autograd. Every output and gradient must satisfy the project's
-rule (normfuse.tolerances): |candidate - fp64| <= factor * |eager - fp64| + atol.
+Each case runs three ways: the candidate (the op on the CPU reference path, or the Triton
+kernels under the interpreter), eager PyTorch in the same dtype, and the rule in fp64 with
+autograd, written apart from normfuse.kernels.reference (kernel_cases.rule64). Every output and
+gradient, each with its own dtype's row, must satisfy the project's rule (normfuse.tolerances):
+|candidate - fp64| <= factor * |eager - fp64| + atol; eager itself stays within the table of
+fp64, and the forward outputs within the rounding budget of the rule's rounding points.
+scripts/plant_faults.py plants faults in reference.py and counts the cases here that fail.
 """
 
 from __future__ import annotations
