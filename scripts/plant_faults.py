@@ -66,7 +66,7 @@ FAULTS = [
     Fault("ln-variance-unbiased", "LayerNorm's variance with Bessel's correction (divides by N - 1)",
           (FAST_OFF, ("var, mean = torch.var_mean(uf, dim=-1, correction=0, keepdim=True)",
                       "var, mean = torch.var_mean(uf, dim=-1, correction=1, keepdim=True)")),
-          "layer_norm", NOT_EMPTY + NOT_ONE_COLUMN),
+          "layer_norm", NOT_EMPTY),   # one column: 0 / 0
     # the norm reads the sum before it is rounded to sum_dtype (only a 16-bit sum rounds)
     Fault("sum-rounding-dropped", "the norm normalizes the unrounded sum instead of s = round(sum_dtype, x + r)",
           (("        s = pre_sum(branch(x, x1, rowscale, keep, dropout_p), residual, residual_scale, sum_dtype)\n"
