@@ -1,0 +1,409 @@
+"""The diffusion zoo: diffusers' transformers at small configs, their inputs, and what normfuse does to them.
+
+Each entry builds ``(model, kwargs)``: the model in fp32 on the CPU, eval mode, random weights
+(fixed seed), at a config shaped like the one diffusers' own test suite uses for the class
+(tests/models/transformers/test_models_*.py: ``get_init_dict`` / ``get_dummy_inputs``), with the
+spatial sizes kept small so each model builds and runs in a second or two. ``model(**kwargs)``
+runs it; its first output is the denoiser's prediction.
+
+``measure(name)`` is what tests/test_diffusion_zoo.py asserts: the report's counts, outputs and
+gradients against eager, and ``elementwise_passes`` (below) on the graph dynamo captures, before
+and after the pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.fx as fx
+
+__all__ = ["DIFFUSION", "DiffusionModel", "build", "measure", "elementwise_passes", "activation_numel",
+           "POINTWISE"]
+
+
+@dataclass(frozen=True)
+class DiffusionModel:
+    name: str
+    cls: str                    # the diffusers class
+    family: str                 # DiT, PixArt, SD3, Flux, Wan, ...
+    build: Callable[[], tuple[nn.Module, dict[str, Any]]]
+
+
+def _diffusers():
+    from normfuse.zoo import prepare_torchvision
+
+    prepare_torchvision()  # diffusers imports peft, which imports transformers, which imports torchvision
+    import diffusers
+
+    return diffusers
+
+
+def _randn(*shape: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _make(cls: str, **config: Any) -> nn.Module:
+    torch.manual_seed(0)
+    return getattr(_diffusers(), cls)(**config).eval()
+
+
+# --------------------------------------------------------------------------- builders
+
+def _dit():
+    model = _make("DiTTransformer2DModel", in_channels=4, out_channels=8, activation_fn="gelu-approximate",
+                  num_attention_heads=2, attention_head_dim=8, attention_bias=True, num_layers=2,
+                  norm_type="ada_norm_zero", num_embeds_ada_norm=8, patch_size=2, sample_size=8)
+    return model, dict(hidden_states=_randn(2, 4, 8, 8), timestep=torch.tensor([3, 5]),
+                       class_labels=torch.tensor([1, 6]), return_dict=False)
+
+
+def _pixart(alpha: bool):
+    # inner dim 24: PixArt-alpha's size conditions embed to inner // 3 each
+    model = _make("PixArtTransformer2DModel", sample_size=8, num_layers=2, patch_size=2, attention_head_dim=12,
+                  num_attention_heads=2, in_channels=4, cross_attention_dim=24, out_channels=8, attention_bias=True,
+                  activation_fn="gelu-approximate", num_embeds_ada_norm=8, norm_type="ada_norm_single",
+                  norm_elementwise_affine=False, norm_eps=1e-6, use_additional_conditions=alpha, caption_channels=16)
+    cond = (dict(resolution=torch.tensor([[64.0, 64.0]] * 2), aspect_ratio=torch.tensor([[1.0]] * 2)) if alpha
+            else dict(resolution=None, aspect_ratio=None))
+    return model, dict(hidden_states=_randn(2, 4, 8, 8), encoder_hidden_states=_randn(2, 6, 16, seed=2),
+                       timestep=torch.tensor([3, 5]), added_cond_kwargs=cond, return_dict=False)
+
+
+def _sd3(dual: bool):
+    # SD3.5 Medium: the first layer's image stream attends twice (AdaLayerNormZeroX), q/k RMSNorms
+    model = _make("SD3Transformer2DModel", sample_size=8, patch_size=1, in_channels=4, num_layers=2,
+                  attention_head_dim=8, num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=32,
+                  pooled_projection_dim=64, out_channels=4, pos_embed_max_size=16,
+                  dual_attention_layers=(0,) if dual else (), qk_norm="rms_norm" if dual else None)
+    return model, dict(hidden_states=_randn(2, 4, 8, 8), encoder_hidden_states=_randn(2, 6, 32, seed=2),
+                       pooled_projections=_randn(2, 64, seed=3), timestep=torch.tensor([3, 500]), return_dict=False)
+
+
+def _flux():
+    model = _make("FluxTransformer2DModel", patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                  axes_dims_rope=[4, 4, 8])
+    h = w = 4
+    img_ids = torch.cartesian_prod(torch.arange(1), torch.arange(h), torch.arange(w))
+    return model, dict(hidden_states=_randn(1, h * w, 4), encoder_hidden_states=_randn(1, 8, 32, seed=2),
+                       pooled_projections=_randn(1, 32, seed=3), timestep=torch.tensor([1.0]),
+                       img_ids=img_ids.reshape(-1, 3).float(), txt_ids=torch.zeros(8, 3), return_dict=False)
+
+
+def _flux2():
+    model = _make("Flux2Transformer2DModel", patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                  timestep_guidance_channels=256, axes_dims_rope=[4, 4, 4, 4])
+    h = w = 4
+    img_ids = torch.cartesian_prod(torch.arange(1), torch.arange(h), torch.arange(w), torch.arange(1))
+    txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(8))
+    return model, dict(hidden_states=_randn(1, h * w, 4), encoder_hidden_states=_randn(1, 8, 32, seed=2),
+                       img_ids=img_ids[None], txt_ids=txt_ids[None], timestep=torch.tensor([1.0]),
+                       guidance=torch.tensor([1.0]), return_dict=False)
+
+
+def _wan(per_token: bool):
+    # Wan 2.2 TI2V takes one timestep per latent token (its first frame kept clean): timestep [B, S]
+    model = _make("WanTransformer3DModel", patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                  in_channels=4, out_channels=4, text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2,
+                  cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+    frames, h, w = 2, 8, 8
+    tokens = frames * (h // 2) * (w // 2)
+    timestep = torch.full((1, tokens), 700) if per_token else torch.tensor([700])
+    if per_token:
+        timestep[:, : tokens // frames] = 0
+    return model, dict(hidden_states=_randn(1, 4, frames, h, w), timestep=timestep,
+                       encoder_hidden_states=_randn(1, 6, 16, seed=2), return_dict=False)
+
+
+def _cogvideox(rope: bool):
+    # CogVideoX 1.0 (2B: sincos positions) and 1.5 (rotary positions, patch_size_t=2)
+    head_dim = 16
+    model = _make("CogVideoXTransformer3DModel", num_attention_heads=2, attention_head_dim=head_dim, in_channels=4,
+                  out_channels=4, time_embed_dim=4, text_embed_dim=8, num_layers=2, sample_width=8, sample_height=8,
+                  sample_frames=8, patch_size=2, patch_size_t=2 if rope else None, temporal_compression_ratio=4,
+                  max_text_seq_length=8, use_rotary_positional_embeddings=rope)
+    frames = 2 if rope else 1
+    kwargs = dict(hidden_states=_randn(2, frames, 4, 8, 8), encoder_hidden_states=_randn(2, 8, 8, seed=2),
+                  timestep=torch.tensor([3, 500]), return_dict=False)
+    if rope:
+        from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+        kwargs["image_rotary_emb"] = get_3d_rotary_pos_embed(
+            embed_dim=head_dim, crops_coords=None, grid_size=(4, 4), temporal_size=1, grid_type="slice",
+            max_size=(4, 4))
+    return model, kwargs
+
+
+def _ltx():
+    model = _make("LTXVideoTransformer3DModel", in_channels=4, out_channels=4, num_attention_heads=2,
+                  attention_head_dim=8, cross_attention_dim=16, num_layers=2, qk_norm="rms_norm_across_heads",
+                  caption_channels=16)
+    frames, h, w = 2, 4, 4
+    return model, dict(hidden_states=_randn(2, frames * h * w, 4), encoder_hidden_states=_randn(2, 6, 16, seed=2),
+                       timestep=torch.tensor([3, 500]), encoder_attention_mask=torch.ones(2, 6, dtype=torch.bool),
+                       num_frames=frames, height=h, width=w, return_dict=False)
+
+
+def _hunyuan_video():
+    model = _make("HunyuanVideoTransformer3DModel", in_channels=4, out_channels=4, num_attention_heads=2,
+                  attention_head_dim=10, num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=1,
+                  patch_size_t=1, guidance_embeds=True, text_embed_dim=16, pooled_projection_dim=8,
+                  rope_axes_dim=(2, 4, 4), image_condition_type=None)
+    return model, dict(hidden_states=_randn(1, 4, 1, 4, 4), timestep=torch.tensor([500.0]),
+                       encoder_hidden_states=_randn(1, 6, 16, seed=2), encoder_attention_mask=torch.ones(1, 6),
+                       pooled_projections=_randn(1, 8, seed=3), guidance=torch.tensor([3500.0]), return_dict=False)
+
+
+def _sana():
+    model = _make("SanaTransformer2DModel", patch_size=1, in_channels=4, out_channels=4, num_layers=2,
+                  attention_head_dim=4, num_attention_heads=2, num_cross_attention_heads=2, cross_attention_head_dim=4,
+                  cross_attention_dim=8, caption_channels=8, sample_size=8)
+    return model, dict(hidden_states=_randn(2, 4, 8, 8), encoder_hidden_states=_randn(2, 6, 8, seed=2),
+                       timestep=torch.tensor([3, 500]), return_dict=False)
+
+
+def _qwen_image():
+    model = _make("QwenImageTransformer2DModel", patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                  attention_head_dim=16, num_attention_heads=4, joint_attention_dim=16, guidance_embeds=False,
+                  axes_dims_rope=(8, 4, 4))
+    h = w = 4
+    return model, dict(hidden_states=_randn(1, h * w, 16), encoder_hidden_states=_randn(1, 8, 16, seed=2),
+                       encoder_hidden_states_mask=torch.ones(1, 8, dtype=torch.long), timestep=torch.tensor([1.0]),
+                       img_shapes=[(1, h, w)], return_dict=False)
+
+
+def _z_image():
+    model = _make("ZImageTransformer2DModel", all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32,
+                  n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2, qk_norm=True, cap_feat_dim=16,
+                  rope_theta=256.0, t_scale=1000.0, axes_dims=[8, 4, 4], axes_lens=[256, 32, 32])
+    return model, dict(x=[_randn(16, 1, 8, 8)], cap_feats=[_randn(16, 16, seed=2)], t=torch.tensor([0.5]),
+                       return_dict=False)
+
+
+DIFFUSION: dict[str, DiffusionModel] = {m.name: m for m in [
+    DiffusionModel("dit", "DiTTransformer2DModel", "DiT", _dit),
+    DiffusionModel("pixart_alpha", "PixArtTransformer2DModel", "PixArt", lambda: _pixart(alpha=True)),
+    DiffusionModel("pixart_sigma", "PixArtTransformer2DModel", "PixArt", lambda: _pixart(alpha=False)),
+    DiffusionModel("sd3", "SD3Transformer2DModel", "SD3", lambda: _sd3(dual=False)),
+    DiffusionModel("sd35_medium", "SD3Transformer2DModel", "SD3", lambda: _sd3(dual=True)),
+    DiffusionModel("flux", "FluxTransformer2DModel", "Flux", _flux),
+    DiffusionModel("flux2", "Flux2Transformer2DModel", "Flux", _flux2),
+    DiffusionModel("wan21", "WanTransformer3DModel", "Wan", lambda: _wan(per_token=False)),
+    DiffusionModel("wan22_ti2v", "WanTransformer3DModel", "Wan", lambda: _wan(per_token=True)),
+    DiffusionModel("cogvideox", "CogVideoXTransformer3DModel", "CogVideoX", lambda: _cogvideox(rope=False)),
+    DiffusionModel("cogvideox15", "CogVideoXTransformer3DModel", "CogVideoX", lambda: _cogvideox(rope=True)),
+    DiffusionModel("ltx_video", "LTXVideoTransformer3DModel", "LTX-Video", _ltx),
+    DiffusionModel("hunyuan_video", "HunyuanVideoTransformer3DModel", "HunyuanVideo", _hunyuan_video),
+    DiffusionModel("sana", "SanaTransformer2DModel", "Sana", _sana),
+    DiffusionModel("qwen_image", "QwenImageTransformer2DModel", "Qwen-Image", _qwen_image),
+    DiffusionModel("z_image", "ZImageTransformer2DModel", "Z-Image", _z_image),
+]}
+
+
+def build(name: str) -> tuple[nn.Module, dict[str, Any]]:
+    """``(model, kwargs)`` of a zoo entry; ``prediction(model(**kwargs))`` is its prediction."""
+    return DIFFUSION[name].build()
+
+
+def prediction(out: Any) -> torch.Tensor:
+    """The denoiser's prediction out of ``model(..., return_dict=False)``: the first output (Z-Image's is
+    a list of one tensor per sample, stacked here)."""
+    first = out[0]
+    return torch.stack(list(first)) if isinstance(first, (list, tuple)) else first
+
+
+# --------------------------------------------------------------------------- elementwise passes
+
+_ARITH = ("add", "sub", "rsub", "mul", "div", "truediv", "neg", "pow", "rsqrt", "sqrt", "exp", "log", "tanh",
+          "sigmoid", "erf", "abs", "cos", "sin", "square", "reciprocal", "clamp", "clamp_min", "clamp_max",
+          "where", "addcmul", "addcdiv", "lerp", "masked_fill", "maximum", "minimum", "floordiv", "mod",
+          "iadd", "isub", "imul", "itruediv", "add_", "sub_", "mul_", "div_", "addcmul_", "masked_fill_")
+_ACTIVATIONS = ("gelu", "silu", "relu", "mish", "softplus", "hardswish", "leaky_relu", "elu")
+_NORMS = ("layer_norm", "rms_norm", "group_norm", "instance_norm")
+_CASTS = ("to", "float", "half", "bfloat16", "double", "type", "type_as")
+POINTWISE = frozenset(_ARITH + _ACTIVATIONS + _NORMS)
+
+
+def _name(node: fx.Node) -> str | None:
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_function":
+        target = node.target
+        if target in (operator.getitem, getattr):
+            return None
+        return getattr(target, "__name__", str(target)).rsplit(".", 1)[-1]
+    return None
+
+
+def _value(node: Any) -> Any:
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+
+
+def _numel(node: fx.Node) -> int:
+    value = _value(node)
+    if isinstance(value, torch.Tensor):
+        return int(value.numel())
+    if isinstance(value, (tuple, list)):
+        return max((int(v.numel()) for v in value if isinstance(v, torch.Tensor)), default=0)
+    return 0
+
+
+def activation_numel(gm: fx.GraphModule) -> int | None:
+    """The activation's numel in a captured graph: the smallest input of a token-wise norm.
+
+    A norm is a call of layer_norm / rms_norm / group_norm, or a decomposed norm's statistic
+    (``mean`` over the last dim with ``keepdim``); token-wise means its rows (numel / last dim)
+    outnumber the batch, so a norm of a per-sample vector (a pooled or timestep embedding) does
+    not set the size. None when the graph holds no norm."""
+    sizes = []
+    for node in gm.graph.nodes:
+        name = _name(node)
+        if name in _NORMS or (name == "mean" and (node.kwargs.get("keepdim") or
+                                                   (len(node.args) > 2 and node.args[2] is True))):
+            x = _value(node.args[0]) if node.args else None
+            if isinstance(x, torch.Tensor) and x.dim() >= 3:
+                sizes.append(int(x.numel()))
+    return min(sizes) if sizes else None
+
+
+_PROJECTIONS = ("linear", "conv1d", "conv2d", "conv3d", "matmul", "bmm", "baddbmm", "addmm", "einsum",
+                "scaled_dot_product_attention")
+
+
+def _projected(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes with a projection (linear, conv, matmul, attention) among their ancestors: the
+    activations the network computes, as opposed to tables made from its small inputs (a RoPE's
+    cos/sin from the position ids, the sinusoidal projection of the timestep)."""
+    seen: set[fx.Node] = set()
+    for node in gm.graph.nodes:  # topological order
+        if _name(node) in _PROJECTIONS or any(a in seen for a in node.all_input_nodes):
+            seen.add(node)
+    return seen
+
+
+def elementwise_passes(gm: fx.GraphModule, threshold: int) -> int:
+    """Elementwise passes over activation-sized tensors in one captured graph.
+
+    Counts the call nodes (``call_function`` / ``call_method``) of the graph as dynamo captured it
+    (torch-level ops; after the pass, the same graph with fused calls in it) that
+    - are pointwise (``POINTWISE``: ``+ - * /``, pow, rsqrt, exp, tanh, where, addcmul, ...;
+      activations; the norm calls layer_norm / rms_norm / group_norm, one pass each) or a cast that
+      changes the dtype (``to``, ``float``, ``type_as``, ...; a cast to the dtype a value already has
+      launches nothing and is not counted),
+    - have an output of ``threshold`` elements or more, read off the node's ``example_value``
+      (``threshold``: ``activation_numel`` of the graph before the pass), and
+    - lie on the activation path: a projection (linear, conv, matmul, attention) among their
+      ancestors, so tables computed from small inputs (RoPE cos/sin, timestep sinusoids) are not
+      counted however large they are at a small config.
+    A fused call of normfuse (``normfuse.passes.record.is_fused_call``) counts as one pass, whatever it
+    returns. Reductions (``mean``, ``sum``), matmuls and linears, attention, softmax, views,
+    ``getitem`` and data movement (``cat``, ``stack``, ``contiguous``, ``clone``) are not counted,
+    nor anything smaller than the activation: modulation parameters (``1 + scale`` of [B, 1, C]),
+    a norm's rstd column.
+    """
+    from normfuse.passes.record import is_fused_call
+
+    projected = _projected(gm)
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        if is_fused_call(node):
+            count += 1
+            continue
+        name = _name(node)
+        if name is None or node not in projected or _numel(node) < threshold:
+            continue
+        if name in POINTWISE:
+            count += 1
+        elif name in _CASTS:
+            x, y = _value(node.args[0]) if node.args else None, _value(node)
+            if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype != y.dtype:
+                count += 1
+    return count
+
+
+# --------------------------------------------------------------------------- one model
+
+def _grads(model: nn.Module, out: torch.Tensor, seed: int = 7) -> dict[str, torch.Tensor | None]:
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    out.backward(g)
+    return {k: p.grad for k, p in model.named_parameters()}
+
+
+def _double(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.double() if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_double(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _double(v) for k, v in value.items()}
+    return value
+
+
+def _grads_within(model: nn.Module, kwargs: dict[str, Any], eager: dict, optimized: dict) -> bool:
+    """Every parameter's gradient of the optimized model within the tolerance table
+    (normfuse/tolerances.py) against an fp64 copy of the model, eager fp32 the baseline."""
+    from normfuse.tolerances import within_tolerance
+
+    reference = copy.deepcopy(model).double()
+    grads = _grads(reference, prediction(reference(**_double(kwargs))))
+    return all(within_tolerance(optimized[k], eager[k], grads[k])[0]
+               for k in eager if eager[k] is not None and optimized.get(k) is not None)
+
+
+def measure(name: str) -> dict[str, Any]:
+    """What tests/test_diffusion_zoo.py asserts about one model, as plain data.
+
+    norms, fused, fused_with_add: the report of ``normfuse.optimize`` (its counts()); equal: the
+    optimized prediction ``torch.equal`` to eager's (fp32, CPU: the reference path); grads, after one
+    backward of the same cotangent: "equal" (every parameter's gradient ``torch.equal`` to eager's),
+    "within" (not all equal, all within the tolerance table against an fp64 copy) or "FAILS";
+    passes: ``(before, after)``, ``elementwise_passes`` summed over the graphs dynamo captures,
+    before the pass (an untouched capture) and after it (the optimized model's rewritten graphs);
+    unfused / add_reasons: the report's reasons for norms left and adds left outside their call."""
+    import normfuse
+    from normfuse.capture import record_graphs
+
+    start = time.perf_counter()
+    model, kwargs = build(name)
+    with torch.no_grad():  # a first eager call fills the caches a model keeps (Z-Image's RoPE tables), so
+        model(**kwargs)    # both captures below see the same code paths
+    # each capture in a fresh dynamo: a frame compiled once (a function a graph break leaves) is not
+    # handed to the second backend
+    torch._dynamo.reset()
+    before = [gm for gm, _ in record_graphs(model, (), kwargs, grad=True)]
+    torch._dynamo.reset()
+    optimized = normfuse.optimize(copy.deepcopy(model))
+    out_eager, out_opt = prediction(model(**kwargs)), prediction(optimized(**kwargs))
+    grads_eager, grads_opt = _grads(model, out_eager), _grads(optimized, out_opt)
+    same = grads_eager.keys() == grads_opt.keys() and all(
+        (a is None) == (b is None) for a, b in zip(grads_eager.values(), grads_opt.values()))
+    if same and all(a is None or torch.equal(a, grads_opt[k]) for k, a in grads_eager.items()):
+        grads = "equal"
+    else:
+        grads = "within" if same and _grads_within(model, kwargs, grads_eager, grads_opt) else "FAILS"
+    report = normfuse.report(optimized)
+    after = list({id(gm): gm for gm in report.graph_modules if gm is not None}.values())
+    sizes = [n for n in map(activation_numel, before) if n is not None]
+    threshold = min(sizes) if sizes else 1
+    c = report.counts()
+    return {"norms": c["sites"], "fused": c["fused"], "fused_with_add": c["fused_with_add"],
+            "input_is_add": c["input_is_add"], "rope": c["rope"], "fused_rope": c["fused_rope"],
+            "equal": torch.equal(out_eager, out_opt), "grads": grads,
+            "passes": (sum(elementwise_passes(gm, threshold) for gm in before),
+                       sum(elementwise_passes(gm, threshold) for gm in after)),
+            "graphs": (len(before), len(after)), "activation": threshold,
+            "unfused": sorted({s.reason or "(no reason)" for s in report.unfused}),
+            "add_reasons": sorted({s.add_reason for s in report.sites
+                                   if s.fused and s.input_is_add and not s.fused_add and s.add_reason}),
+            "not_captured": list(report.uncaptured), "report": report,
+            "seconds": round(time.perf_counter() - start, 2)}
