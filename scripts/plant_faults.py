@@ -7,13 +7,16 @@ temporary copy of the package and tests (the checkout is never edited) and the t
 
     .venv/bin/python scripts/plant_faults.py                       # test_kernels.py, reference path
     .venv/bin/python scripts/plant_faults.py --tests tests/test_kernels.py --select ""  # both paths
+    .venv/bin/python scripts/plant_faults.py --kernel-cases-at 695ed0b   # the checks before rule64
 
 Prints, per fault, the failed cases out of the cases of the norm kind it touches, and out of the
 cases whose mode runs the faulty step (e.g. only round-first cases round n before the weight).
 The eager fast paths of ``_normalize`` (torch.native_layer_norm, aten._fused_rms_norm: eager's own
 kernels, same semantics) are switched off with every statistic fault, so that the fault is in the
 statistic wherever reference.py computes one; the control "fast paths off" shows that switching
-them off alone fails nothing. Exit status 1 when a fault fails less than --min-share of its cases.
+them off alone fails nothing. ``--faults triton-llama-rounding-dropped`` plants a fault in the
+Triton kernels instead (their tests run under the interpreter). Exit status 1 when a fault fails
+less than --min-share of the cases it touches, or a control fails any.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ class Fault:
     edits: tuple          # (old, new) text replacements in reference.py, each old found exactly once
     kind: str | None      # the norm kind whose cases it touches (None: both)
     touches: str          # regex over the case id: the cases whose mode runs the faulty step
+    file: str = REFERENCE  # the file it is planted in
+    select: str | None = None  # pytest -k for its tests (None: --select)
 
 
 FAULTS = [
@@ -78,16 +83,21 @@ FAULTS = [
     Fault("llama-rounding-dropped", "round-then-multiply: n not rounded to the activation dtype before the weight",
           (("        n = n.to(norm_round_dtype).to(acc)\n", "        pass\n"),),
           None, NOT_EMPTY + r"^(?!.*-float32-w).*roundfirst"),
+    # the same fault in the Triton kernels, run by test_kernels.py's Triton path (interpreter)
+    Fault("triton-llama-rounding-dropped", "the Triton forward kernel does not round n before the weight",
+          (("            n = _round(n, NORM_ROUND_DTYPE).to(tl.float32)\n", "            n = n\n"),),
+          None, NOT_EMPTY + r"^(?!.*-float32-w).*roundfirst", file="normfuse/kernels/triton.py",
+          select="triton_path and roundfirst"),
 ]
 
 
 def plant(tmp: Path, fault: Fault) -> None:
-    path = tmp / REFERENCE
-    text = (ROOT / REFERENCE).read_text()
+    path = tmp / fault.file
+    text = (ROOT / fault.file).read_text()
     for old, new in fault.edits:
         count = text.count(old)
         if count != 1:
-            sys.exit(f"{fault.name}: the text to replace occurs {count} times in {REFERENCE} "
+            sys.exit(f"{fault.name}: the text to replace occurs {count} times in {fault.file} "
                      f"(it changed; update this script):\n{old}")
         text = text.replace(old, new)
     path.write_text(text)
@@ -122,7 +132,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tests", nargs="+", default=["tests/test_kernels.py"])
     parser.add_argument("--select", default="reference_path", help="pytest -k expression ('' for all)")
-    parser.add_argument("--faults", nargs="*", default=[f.name for f in FAULTS])
+    parser.add_argument("--faults", nargs="*", default=[f.name for f in FAULTS if f.file == REFERENCE],
+                        help="by name; default: those of reference.py (also: " +
+                             ", ".join(f.name for f in FAULTS if f.file != REFERENCE) + ")")
+    parser.add_argument("--kernel-cases-at", metavar="REV",
+                        help="run with tests/kernel_cases.py as it was at git revision REV (the numbers before)")
     parser.add_argument("--all-cases", action="store_true",
                         help="count every test run (tests whose ids do not name a Case of test_kernels.py)")
     parser.add_argument("--verbose", action="store_true", help="name the touched cases that still pass")
@@ -135,6 +149,10 @@ def main() -> int:
         for part in ("normfuse", "tests"):
             shutil.copytree(ROOT / part, tmp / part, ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy(ROOT / "pyproject.toml", tmp / "pyproject.toml")
+        if args.kernel_cases_at:
+            old = subprocess.run(["git", "show", f"{args.kernel_cases_at}:tests/kernel_cases.py"], cwd=ROOT,
+                                 capture_output=True, text=True, check=True).stdout
+            (tmp / "tests" / "kernel_cases.py").write_text(old)
         where = subprocess.run([sys.executable, "-c", "import normfuse; print(normfuse.__file__)"], cwd=tmp,
                                capture_output=True, text=True, check=True).stdout.strip()
         if not where.startswith(str(tmp)):
@@ -144,7 +162,8 @@ def main() -> int:
             if fault.name not in args.faults:
                 continue
             plant(tmp, fault)
-            results = run_tests(tmp, args.tests, args.select, tmp / f"{fault.name}.xml")
+            select = args.select if fault.select is None else fault.select
+            results = run_tests(tmp, args.tests, select, tmp / f"{fault.name}.xml")
             ids = {test: case_id(test) for test in results if results[test] != "skipped"}
             of_kind = [t for t, c in ids.items() if args.all_cases or fault.kind is None or f"-{fault.kind}-" in c]
             touched = [t for t in of_kind if args.all_cases or re.search(fault.touches, ids[t])]
@@ -161,7 +180,7 @@ def main() -> int:
             elif failed_kind:
                 print(f"  {fault.name} must fail nothing: " + ", ".join(t for t in of_kind if results[t] == "failed"))
                 ok = False
-            (tmp / REFERENCE).write_text((ROOT / REFERENCE).read_text())
+            (tmp / fault.file).write_text((ROOT / fault.file).read_text())
     return 0 if ok else 1
 
 
