@@ -435,7 +435,7 @@ def _match_var_layer_norm(index: GraphIndex, var: fx.Node, c: Canon, claimed: se
 
 
 def _match_normalize(index: GraphIndex, node: fx.Node, c: Canon) -> NormMatch | None:
-    """``F.normalize(x, dim=-1)`` (p = 2), then ``* sqrt(d)`` and a weight: an RMSNorm whose eps is
+    """``F.normalize(x, dim=-1)`` (p = 2), then ``* sqrt(d)`` (and a weight): an RMSNorm whose eps is
     a clamp of the row's L2 norm, ``x / max(||x||_2, eps) * sqrt(d)`` (x-transformers' RMSNorm,
     ScaleNorm, SimpleRMSNorm). Found so that the report lists it; not fused (the reason says why)."""
     x = c["input"]
@@ -443,6 +443,14 @@ def _match_normalize(index: GraphIndex, node: fx.Node, c: Canon) -> NormMatch | 
     if shape is None or const_value(c["p"]) != 2.0 or _reduced_dim(c["dim"], len(shape)) != len(shape) - 1:
         return None
     eps = const_value(c["eps"])
+    # an RMSNorm scales the unit row by sqrt(d); a bare L2 normalization (cosine attention's
+    # q and k: Swin v2, EdgeNeXt, x-transformers' qk_norm) is not a norm of the residual stream
+    scale = _single_user(node)
+    cs = index.canon(scale) if scale is not None else None
+    n = last_dim(x)
+    k = None if cs is None or cs.prim != "mul" else const_value(_other(cs, node))
+    if not isinstance(n, int) or k is None or abs(k - n ** 0.5) > 1e-6 * n ** 0.5:
+        return None
     return NormMatch(kind="rms_norm", form="normalize", input=strip_upcasts(index, x), output=node,
                      nodes=(node,), eps=eps or 0.0, hidden_size=last_dim(x), anchor=node, reason=(
                          f"F.normalize clamps the row's L2 norm (x / max(||x||_2, {eps:g})); the kernels add eps to "

@@ -485,10 +485,10 @@ EXPECTED = {
         eager_norms=5, eager_input_is_add=1, check="ok", checked_sites=5, bitwise=True, note=(
         "the GRU-gated residual is no add: the blocks' norms read the gate's output (standalone); "
         + XT_BROADCAST)),
-    "xt:qk_norm": dict(norms=9, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5, "standalone": 4},
+    "xt:qk_norm": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"pre": 5},
         eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True, note=(
-        "the q/k norms are F.normalize (l2norm) times a learned scale: found, refused (" + XT_NORMALIZE
-        + "); the eager count sees no norm module there; " + XT_BROADCAST)),
+        "the q/k norms are l2norm (F.normalize times a learned scale, no sqrt(d)): a cosine normalization, as "
+        "in Swin v2's attention, not a norm site; " + XT_BROADCAST)),
     "xt:rotary": dict(norms=5, fused=5, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 1},
         eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True, note=(
         "no absolute positions: the first norm reads the token embedding plus a Python 0 (the eager count "
