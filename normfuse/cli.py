@@ -64,13 +64,16 @@ def _add_audit(subparsers) -> None:
         "audit", help="report every norm site of a model, what would fuse, and the HBM bytes it saves",
         description="Audit a model without weights, memory or a GPU: per-site table, verdict, and HBM bytes "
                     "moved by the norm sites before and after fusion.")
-    p.add_argument("target", help="hf:<model_type> | path/to/config.json | file.py:factory | package.module:factory")
-    p.add_argument("--layers", type=int, default=None, help="layer count of a transformers config")
+    p.add_argument("target", help="hf:<model_type> | path/to/config.json | diffusers:<ClassName> | file.py:factory | "
+                                  "package.module:factory")
+    p.add_argument("--layers", type=int, default=None, help="layer count of a transformers config or diffusers class")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="change a config field (hf/config.json) or pass a factory keyword; repeatable")
+                   help="change a config field (hf/config.json), a diffusers class's __init__ argument, or pass a "
+                        "factory keyword; repeatable")
     p.add_argument("--batch", type=int, default=1, help="batch size of the made inputs (default 1)")
     p.add_argument("--seq", type=int, default=None,
-                   help="sequence length of the made inputs (default 2048, or the model's maximum if shorter)")
+                   help="sequence length of the made inputs (default 2048, or the model's maximum if shorter); "
+                        "for diffusers:<ClassName>, the image-token count (default 4096)")
     p.add_argument("--dtype", default=None,
                    help="parameter/activation dtype (default: bf16 for a transformers config, the factory's own)")
     p.add_argument("--device", default="meta", choices=("meta", "cpu"),

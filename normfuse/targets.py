@@ -8,6 +8,9 @@
   built with ``AutoModel.from_config``; ``device="meta"`` builds it on the meta device, so a
   70B-shaped model takes no memory. ``layers`` and ``overrides`` change config fields.
 - a path to a local ``config.json`` (or a folder holding one): the same, from that file.
+- ``diffusers:<ClassName>``: a diffusers transformer (``diffusers:FluxTransformer2DModel``) at its class's
+  default config (the real sizes), built on the meta device; ``seq`` is the image-token count, the
+  inputs are made per family from the config and ``forward``'s signature (``DIFFUSERS_FAMILIES``).
 - ``file.py:factory`` / ``package.module:factory``: ``factory(**overrides)`` returns a model, or
   ``(model, example_args)`` where example_args is a tuple of positional inputs, a dict of keyword
   inputs, or ``(args_tuple, kwargs_dict)``.
@@ -32,7 +35,8 @@ from normfuse.errors import TargetError, closest
 from normfuse.zoo import prepare_torchvision
 
 __all__ = ["load_target", "is_config_target", "make_inputs", "default_seq", "parse_overrides", "parse_dtype", "hf_model_types",
-           "LAYER_FIELDS"]
+           "LAYER_FIELDS", "DIFFUSERS_FAMILIES", "DIFFUSERS_LAYER_FIELDS", "DIFFUSERS_TEXT_TOKENS", "DIFFUSERS_IMAGE_TOKENS",
+           "diffusers_classes"]
 
 # config fields that hold a layer count; --layers sets every one the config has
 LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers",
@@ -166,6 +170,199 @@ def _build_hf(config, dtype: torch.dtype | None, device: str) -> nn.Module:
     return model.eval()
 
 
+# --------------------------------------------------------------------------- diffusers transformers
+
+# __init__ parameters of a diffusers transformer that hold a layer count; --layers sets every one it takes
+DIFFUSERS_LAYER_FIELDS = ("num_layers", "n_layers", "num_single_layers", "num_refiner_layers", "n_refiner_layers")
+DIFFUSERS_TEXT_TOKENS = 512     # text tokens of the made prompt (CogVideoX: its max_text_seq_length)
+DIFFUSERS_IMAGE_TOKENS = 4096   # image tokens when --seq is not given (a 1024x1024 image at 16x16 pixels a token)
+
+# class -> family: how its inputs are made (``_diffusers_inputs``). Latent layouts: "tokens" (B, S, C) packed by
+# the pipeline; "image" (B, C, H, W); "video" (B, C, F, H, W); CogVideoX's (B, F, C, H, W).
+DIFFUSERS_FAMILIES = {
+    "DiTTransformer2DModel": "dit", "PixArtTransformer2DModel": "pixart", "SD3Transformer2DModel": "sd3",
+    "FluxTransformer2DModel": "flux", "Flux2Transformer2DModel": "flux2", "WanTransformer3DModel": "wan",
+    "CogVideoXTransformer3DModel": "cogvideox", "LTXVideoTransformer3DModel": "ltx",
+    "HunyuanVideoTransformer3DModel": "hunyuan_video", "SanaTransformer2DModel": "sana",
+    "QwenImageTransformer2DModel": "qwen_image", "ZImageTransformer2DModel": "z_image",
+}
+
+
+def diffusers_classes() -> list[str]:
+    """The transformer classes diffusers exports (``diffusers.*Transformer*``)."""
+    prepare_torchvision()  # diffusers imports peft, which imports transformers, which imports torchvision
+    import diffusers
+
+    return sorted(n for n in dir(diffusers) if "Transformer" in n and n[0].isupper())
+
+
+def _diffusers_class(name: str):
+    try:
+        import diffusers  # noqa: F401
+    except ImportError as error:
+        raise TargetError(f"diffusers:{name} needs diffusers: pip install diffusers ({error}).") from error
+    known = diffusers_classes()
+    if name not in known:
+        raise TargetError(f"diffusers has no transformer class {name!r}.{closest(name, known)} "
+                          f"Its transformers: {', '.join(known)}.")
+    if name not in DIFFUSERS_FAMILIES:
+        raise TargetError(f"no inputs are made for diffusers:{name} yet (made for: "
+                          f"{', '.join(DIFFUSERS_FAMILIES)}). Use a file.py:factory target returning "
+                          "(model, example_kwargs).")
+    import diffusers
+
+    return getattr(diffusers, name)
+
+
+def _diffusers_config(cls, layers: int | None, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The class's default config (its ``__init__`` defaults: the released model's sizes), changed."""
+    import inspect
+
+    params = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
+              if k != "self" and p.default is not inspect.Parameter.empty}
+    config: dict[str, Any] = {}
+    if layers is not None:
+        if not isinstance(layers, int) or layers < 1:
+            raise TargetError(f"--layers must be a positive integer, got {layers!r}.")
+        fields = [f for f in DIFFUSERS_LAYER_FIELDS if f in params]
+        if not fields:
+            raise TargetError(f"{cls.__name__} takes none of the layer-count arguments {DIFFUSERS_LAYER_FIELDS}; "
+                              "set the right one with --set <argument>=N.")
+        config.update({f: layers for f in fields})
+    for key, value in overrides.items():
+        if key not in params:
+            raise TargetError(f"{cls.__name__} takes no argument {key!r}.{closest(key, params)} "
+                              "--set only changes arguments of the class's __init__.")
+        config[key] = value
+    return config
+
+
+def _grid(tokens: int) -> tuple[int, int]:
+    """(h, w) with h * w == tokens, as square as the count allows."""
+    h = max(d for d in range(1, int(tokens ** 0.5) + 1) if tokens % d == 0)
+    return h, tokens // h
+
+
+def _diffusers_inputs(family: str, model: nn.Module, batch: int, seq: int, device: str,
+                      dtype: torch.dtype) -> dict[str, Any]:
+    """Keyword inputs of ``model.forward`` for ``seq`` image tokens (one latent frame for a video model),
+    ``DIFFUSERS_TEXT_TOKENS`` text tokens, each tensor made from the config's sizes."""
+    c = model.config
+    h, w = _grid(seq)
+    text = DIFFUSERS_TEXT_TOKENS
+
+    def x(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, device=device, dtype=dtype)
+
+    def ints(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, device=device, dtype=torch.long)
+
+    def steps() -> torch.Tensor:
+        return torch.full((batch,), 500.0, device=device, dtype=dtype)
+
+    def patch(p: Any) -> tuple[int, int, int]:
+        return tuple(p) if isinstance(p, (tuple, list)) else (1, p, p)
+
+    if family == "dit":
+        p = c.patch_size
+        return dict(hidden_states=x(batch, c.in_channels, h * p, w * p), timestep=ints(batch),
+                    class_labels=ints(batch))
+    if family == "pixart":
+        p = c.patch_size
+        cond = dict(resolution=None, aspect_ratio=None)
+        if model.use_additional_conditions:
+            cond = dict(resolution=x(batch, 2), aspect_ratio=x(batch, 1))
+        return dict(hidden_states=x(batch, c.in_channels, h * p, w * p),
+                    encoder_hidden_states=x(batch, text, c.caption_channels or c.cross_attention_dim),
+                    timestep=ints(batch), added_cond_kwargs=cond)
+    if family == "sd3":
+        p = c.patch_size
+        return dict(hidden_states=x(batch, c.in_channels, h * p, w * p),
+                    encoder_hidden_states=x(batch, text, c.joint_attention_dim),
+                    pooled_projections=x(batch, c.pooled_projection_dim), timestep=steps())
+    if family == "flux":
+        made = dict(hidden_states=x(batch, seq, c.in_channels), encoder_hidden_states=x(batch, text, c.joint_attention_dim),
+                    pooled_projections=x(batch, c.pooled_projection_dim), timestep=steps(),
+                    img_ids=x(seq, 3), txt_ids=x(text, 3))
+        if c.guidance_embeds:
+            made["guidance"] = steps()
+        return made
+    if family == "flux2":
+        axes = len(c.axes_dims_rope)
+        made = dict(hidden_states=x(batch, seq, c.in_channels), encoder_hidden_states=x(batch, text, c.joint_attention_dim),
+                    timestep=steps(), img_ids=ints(batch, seq, axes), txt_ids=ints(batch, text, axes))
+        if c.guidance_embeds:
+            made["guidance"] = steps()
+        return made
+    if family == "wan":
+        pt, ph, pw = patch(c.patch_size)
+        made = dict(hidden_states=x(batch, c.in_channels, pt, h * ph, w * pw), timestep=steps(),
+                    encoder_hidden_states=x(batch, text, c.text_dim))
+        if c.image_dim is not None:  # image-to-video: the CLIP image tokens
+            made["encoder_hidden_states_image"] = x(batch, 257, c.image_dim)
+        return made
+    if family == "cogvideox":
+        pt = c.patch_size_t or 1
+        return dict(hidden_states=x(batch, pt, c.in_channels, h * c.patch_size, w * c.patch_size),
+                    encoder_hidden_states=x(batch, c.max_text_seq_length, c.text_embed_dim), timestep=ints(batch))
+    if family == "ltx":
+        return dict(hidden_states=x(batch, seq, c.in_channels), encoder_hidden_states=x(batch, text, c.caption_channels),
+                    timestep=ints(batch), encoder_attention_mask=torch.ones(batch, text, device=device, dtype=torch.bool),
+                    num_frames=c.patch_size_t, height=h * c.patch_size, width=w * c.patch_size)
+    if family == "hunyuan_video":
+        made = dict(hidden_states=x(batch, c.in_channels, c.patch_size_t, h * c.patch_size, w * c.patch_size),
+                    timestep=steps(), encoder_hidden_states=x(batch, text, c.text_embed_dim),
+                    encoder_attention_mask=torch.ones(batch, text, device=device, dtype=dtype),
+                    pooled_projections=x(batch, c.pooled_projection_dim))
+        if c.guidance_embeds:
+            made["guidance"] = steps()
+        return made
+    if family == "sana":
+        p = c.patch_size
+        made = dict(hidden_states=x(batch, c.in_channels, h * p, w * p),
+                    encoder_hidden_states=x(batch, text, c.caption_channels), timestep=steps())
+        if c.guidance_embeds:
+            made["guidance"] = steps()
+        return made
+    if family == "qwen_image":
+        made = dict(hidden_states=x(batch, seq, c.in_channels), encoder_hidden_states=x(batch, text, c.joint_attention_dim),
+                    encoder_hidden_states_mask=None, timestep=steps(), img_shapes=[(1, h, w)] * batch)
+        if c.guidance_embeds:
+            made["guidance"] = steps()
+        return made
+    if family == "z_image":
+        p, pf = c.all_patch_size[0], c.all_f_patch_size[0]
+        return dict(x=[x(c.in_channels, pf, h * p, w * p) for _ in range(batch)],
+                    cap_feats=[x(text, c.cap_feat_dim) for _ in range(batch)], t=steps(),
+                    patch_size=p, f_patch_size=pf)
+    raise TargetError(f"no inputs are made for the diffusers family {family!r}.")
+
+
+def _load_diffusers(name: str, layers: int | None, overrides: dict[str, Any], dtype: torch.dtype | None,
+                    device: str, batch: int, seq: int | None) -> tuple[nn.Module, tuple, dict]:
+    cls = _diffusers_class(name)
+    config = _diffusers_config(cls, layers, overrides)
+    try:
+        with torch.device(device):
+            model = cls(**config)
+    except Exception as error:  # noqa: BLE001 - a bad override surfaces here
+        raise TargetError(f"diffusers could not build {name}({', '.join(f'{k}={v!r}' for k, v in config.items())}): "
+                          f"{type(error).__name__}: {error}. Check the --set/--layers values.") from error
+    dtype = dtype or torch.float32
+    # as from_pretrained(torch_dtype=dtype) loads it: the modules the class keeps in fp32 stay fp32 (Wan's
+    # norms, time embedder and modulation table); nn.Module.to, since ModelMixin.to warns about exactly that
+    nn.Module.to(model, dtype)
+    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    for key, param in model.named_parameters():
+        if any(m in key.split(".") for m in keep):
+            param.data = param.data.to(torch.float32)
+    model = model.eval()
+    tokens = DIFFUSERS_IMAGE_TOKENS if seq is None else seq
+    kwargs = _diffusers_inputs(DIFFUSERS_FAMILIES[name], model, batch, tokens, device, dtype)
+    kwargs["return_dict"] = False
+    return model, (), kwargs
+
+
 # --------------------------------------------------------------------------- factories
 
 def _load_factory(spec: str):
@@ -267,10 +464,10 @@ def make_inputs(model: nn.Module, batch: int = 2, seq: int | None = 8) -> tuple[
 # --------------------------------------------------------------------------- entry point
 
 def is_config_target(spec: str) -> bool:
-    """Whether ``spec`` names a transformers config (``hf:<type>``, a config.json or its folder)
-    rather than a factory."""
+    """Whether ``spec`` names a model config at its real sizes (``hf:<type>``, a config.json or its
+    folder, ``diffusers:<ClassName>``) rather than a factory."""
     spec = spec.strip()
-    return spec.startswith("hf:") or spec.endswith(".json") or os.path.isdir(spec)
+    return spec.startswith(("hf:", "diffusers:")) or spec.endswith(".json") or os.path.isdir(spec)
 
 
 def load_target(spec: str, *, layers: int | None = None, overrides: dict[str, Any] | None = None,
@@ -278,25 +475,28 @@ def load_target(spec: str, *, layers: int | None = None, overrides: dict[str, An
                 ) -> tuple[nn.Module, tuple, dict]:
     """``(model, args, kwargs)`` for a target; ``model(*args, **kwargs)`` runs it.
 
-    spec:      ``hf:<model_type>`` | path to ``config.json`` (or its folder) | ``file.py:factory`` |
-               ``package.module:factory``.
+    spec:      ``hf:<model_type>`` | path to ``config.json`` (or its folder) | ``diffusers:<ClassName>`` |
+               ``file.py:factory`` | ``package.module:factory``.
     layers:    set the layer count of a transformers config.
     overrides: config fields to change (hf and config.json targets) or keyword arguments of the
                factory (factory targets).
     dtype:     parameters and floating inputs in this dtype (``torch.bfloat16`` or ``"bf16"``).
     device:    ``"cpu"``, or ``"meta"`` to build without memory (shapes and dtypes only).
     batch/seq: sizes of the inputs made for the model (``seq=None``: up to 2048 tokens, fewer when
-               the model's maximum sequence length is shorter).
+               the model's maximum sequence length is shorter); for ``diffusers:`` targets ``seq`` is the
+               image-token count (``None``: ``DIFFUSERS_IMAGE_TOKENS``).
     """
     if not isinstance(spec, str) or not spec.strip():
         raise TargetError(f"a target is a non-empty string, got {spec!r}. Use hf:<model_type>, "
-                          "path/to/config.json, file.py:factory or package.module:factory.")
+                          "path/to/config.json, diffusers:<ClassName>, file.py:factory or package.module:factory.")
     if batch < 1 or (seq is not None and seq < 1):
         raise TargetError(f"batch and seq must be positive, got batch={batch}, seq={seq}.")
     spec = spec.strip()
     overrides = dict(overrides or {})
     dtype = parse_dtype(dtype)
     prepare_torchvision()  # hf targets and factories alike may import transformers
+    if spec.startswith("diffusers:"):
+        return _load_diffusers(spec[len("diffusers:"):].strip(), layers, overrides, dtype, device, batch, seq)
     if is_config_target(spec):
         if spec.startswith("hf:"):
             config = _hf_config_for_type(spec[3:].strip())
