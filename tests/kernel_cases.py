@@ -165,14 +165,19 @@ def rule64(case: Case, x, r, w, b, rounded: bool = False):
     return norm(s, sum_dtype)[0], (s if r is not None else None)
 
 
-def forward_backward(fn, case, inputs, seed=1):
-    """Outputs and input gradients of fn under loss = sum(out0 * g0) + sum(out1 * g1)."""
+def forward_backward(fn, case, inputs, seed=1, dtypes=None):
+    """Outputs and input gradients of fn under loss = sum(out0 * g0) + sum(out1 * g1).
+
+    Each g is drawn in the dtype of the output it multiplies (``dtypes``, default the outputs' own),
+    so the gradient reaching the output is g exactly in every run: no rounding of the cotangent
+    adds to the errors being compared."""
     outs = fn(case, *inputs)
     gen = torch.Generator().manual_seed(seed)
     loss = 0
-    for out in outs:
+    for i, out in enumerate(outs):
         if out is not None:
-            loss = loss + (out.double() * torch.randn(out.shape, generator=gen, dtype=FP64).to(out.device)).sum()
+            g = torch.randn(out.shape, generator=gen, dtype=FP64).to(dtypes[i] if dtypes else out.dtype)
+            loss = loss + (out.double() * g.double().to(out.device)).sum()
     leaves = [t for t in inputs if t is not None]
     if leaves and isinstance(loss, torch.Tensor):
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
@@ -202,7 +207,9 @@ def check_case(case: Case, device: str = "cpu"):
         assert cand_out[1] is None, f"{case}: returned its second output though not asked to"
     base_out, base_grad = forward_backward(only(eager), case, inputs)
     leaves = [None if t is None else t.detach().cpu().double().requires_grad_() for t in inputs]
-    ref_out, ref_grad = forward_backward(only(rule64), case, leaves)
+    # the fp64 rule's cotangents drawn as the candidate's: in its outputs' dtypes
+    out_dtypes = [None if o is None else o.dtype for o in cand_out + [None]]
+    ref_out, ref_grad = forward_backward(only(rule64), case, leaves, dtypes=out_dtypes)
     rounded = rule64(case, *(None if t is None else t.detach().cpu() for t in inputs), rounded=True)
     names = ["out" if case.op == "norm_add" else "y", "y" if case.op == "norm_add" else "s",
              "dx", "dresidual", "dweight", "dbias"]
@@ -214,14 +221,23 @@ def check_case(case: Case, device: str = "cpu"):
         if c.numel() == 0:
             continue
         c, e = c.cpu(), e.cpu()
-        ok, err_c, err_e, bound = within_tolerance(c, e, r, dtype=c.dtype)
-        assert ok, f"{case}: {name} err {err_c:.3g} > bound {bound:.3g} (eager err {err_e:.3g}, {c.dtype} row)"
+        row = c.dtype
+        if case.op == "norm_add" and case.return_extra and i >= n_out:
+            # y's gradient is the sum of out's and y's, rounded to y's dtype (as autograd accumulates
+            # it in eager): every gradient computed from it carries that rounding
+            row = narrower(c.dtype, cand_out[1].dtype)
+        ok, err_c, err_e, bound = within_tolerance(c, e, r, dtype=row)
+        assert ok, f"{case}: {name} err {err_c:.3g} > bound {bound:.3g} (eager err {err_e:.3g}, {row} row)"
         # eager's own error: the least precise dtype the value was rounded to on the way
         # (m * atol: what the rule grants a candidate over a baseline of error atol; for 16-bit
         # values about 3 ulp at the output's magnitude, as eager's backward rounds several times)
         narrow = narrower(c.dtype, case.dtype, case.rdtype, case.sum_dtype)
         slack = error_factor(narrow) * atol(narrow) * max(1.0, r.abs().max().item())
-        assert err_e <= slack, f"{case}: eager's {name} is {err_e:.3g} from the fp64 rule (table allows {slack:.3g})"
+        # (not for a LayerNorm's gradients over N <= 2 columns: exactly 0, and eager's are rounding
+        # noise times rstd, which is unbounded; the rule above still bounds the candidate by it)
+        degenerate = case.kind == "layer_norm" and case.n <= 2 and i >= n_out
+        assert degenerate or err_e <= slack, \
+            f"{case}: eager's {name} is {err_e:.3g} from the fp64 rule (table allows {slack:.3g})"
         if i < n_out:
             # norm_add's out = round(r' + y): where y's rounding flipped, out moves by y's ulp
             # (y's narrowest rounding is to the activation dtype: y itself, or Llama's n before w)
