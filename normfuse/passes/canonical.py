@@ -52,6 +52,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "sqrt": ("input",),
     "reciprocal": ("input",),
     "mean": ("input", "dim", "keepdim"),
+    "sum": ("input", "dim", "keepdim"),
     "var": ("input", "dim", "unbiased", "keepdim"),
     "cast": ("input",),  # the target dtype is read off the node's output metadata
     "view": ("input",),  # reshapes, views, contiguous, clone: same values, maybe another shape
@@ -103,6 +104,7 @@ SPELLINGS: dict[str, list[Any]] = {
     "sqrt": [torch.sqrt, "sqrt", *_aten("sqrt.default")],
     "reciprocal": [torch.reciprocal, "reciprocal", *_aten("reciprocal.default")],
     "mean": [torch.mean, "mean", *_aten("mean.dim")],
+    "sum": [torch.sum, "sum", *_aten("sum.dim_IntList")],
     "var": [torch.var, "var", *_aten("var.correction", "var.dim")],
     "cast": ["to", "float", "half", "bfloat16", "double", "type", "type_as",
              *_aten("_to_copy.default", "to.dtype", "to.dtype_layout", "to.device", "type_as.default"),
@@ -154,6 +156,7 @@ TUPLE_SPELLINGS: dict[Any, tuple[str, ...]] = {
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "add": {"alpha": 1}, "sub": {"alpha": 1},
     "mean": {"dim": None, "keepdim": False},
+    "sum": {"dim": None, "keepdim": False},
     "var": {"dim": None, "unbiased": True, "keepdim": False},
     "dropout": {"p": 0.5, "training": True},
     "layer_norm": {"weight": None, "bias": None, "eps": 1e-5},

@@ -766,10 +766,34 @@ def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
         else:
             live_dropout = c is not None and c.prim == "dropout" and (n is None or same_dim(last_dim(cur), n))
             if not is_pass_through(index, cur, n) and not live_dropout:
-                return _add_behind_reshape(index, cur, chain)
+                return _stream_collapse(index, cur, chain) or _add_behind_reshape(index, cur, chain)
         chain.append(cur)
         cur = index.canon(cur)["input"]
     return None
+
+
+def _stream_collapse(index: GraphIndex, node: fx.Node, chain: list) -> AddMatch | None:
+    """A weighted sum over a dim other than the rows' (hyper-connections collapse N residual
+    streams (B, S, N, D) into a block's input: ``(pre.unsqueeze(-1) * streams).sum(dim=2)``):
+    the add of N terms the norm reads, found so that the report says why it stays outside the
+    kernel; None for any other node."""
+    c = index.canon(node)
+    if c is None or c.prim != "sum" or c["keepdim"] or not isinstance(c["input"], fx.Node):
+        return None
+    product = index.canon(c["input"])
+    shape = node_shape(c["input"])
+    dim = _reduced_dim(c["dim"], len(shape) if shape is not None else None)
+    if product is None or product.prim != "mul" or dim is None or dim == len(shape) - 1:
+        return None
+    weights = [op for op in (product["input"], product["other"])
+               if isinstance(op, fx.Node) and (node_shape(op) or (None,))[-1:] == (1,)]
+    if not weights:
+        return None
+    streams = product["other"] if weights[0] is product["input"] else product["input"]
+    return AddMatch(node=node, operands=(streams,), chain=tuple(chain), reason=(
+        f"the norm reads a weighted sum of {dim_value(shape[dim])} residual streams (hyper-connections: "
+        f"(weights * streams).sum(dim={dim})); the kernels add two or three operands of one shape, not a "
+        "reduction over a stream dim"))
 
 
 def _add_behind_reshape(index: GraphIndex, node: fx.Node, chain: list) -> AddMatch | None:

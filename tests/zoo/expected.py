@@ -54,6 +54,12 @@ XT_BROADCAST = "the first norm's add, token + position embedding, broadcasts ((B
 XT_NORMALIZE = ("x-transformers' RMSNorm / ScaleNorm / SimpleRMSNorm are F.normalize(x, dim=-1) * sqrt(d) * g: found, "
                 "not fused (F.normalize clamps the L2 norm at eps; the kernels add eps to the mean square)")
 
+HYPER_CONNECTIONS = (
+    "hyper-connections: each block's norm reads a weighted sum of 4 residual streams ((pre * streams).sum(dim=2)), "
+    "fused alone with that reason, and the norm over the flattened streams reads the mixed streams through a view "
+    "that merges the stream and hidden dims (fused alone, with its reason); the eager count does not follow either"
+)
+
 EXPECTED = {
     # --- encoder
     "hf:bert": dict(norms=5, fused=5, fused_with_add=4, input_is_add=5, placements={"embedding": 1, "post": 4},
@@ -272,6 +278,13 @@ EXPECTED = {
         "takes that add for the k_norm's input (the eager count does not follow the view) and leaves it out of the "
         "call, the view moving the normalized dim; no RoPE (relative logits). Outputs within tolerance, not "
         "bit-identical: dynamo's graph differs from eager without normfuse too (backend='eager': max 1.2e-07)")),
+    "hf:deepseek_v4": dict(norms=16, fused=16, fused_with_add=0, input_is_add=8, placements={"pre": 8, "standalone": 8},
+        eager_norms=16, eager_input_is_add=0, check="ok", checked_sites=16, bitwise=True, note=HYPER_CONNECTIONS + (
+        "; the eager count includes the two compressor kv_norms, which run in a frame dynamo skips (listed as not "
+        "captured), and not the unweighted norms over the flattened streams (no module of a known norm class)")),
+    "hf:glm5_next_text": dict(norms=11, fused=11, fused_with_add=0, input_is_add=7, placements={"pre": 7, "standalone": 4},
+        eager_norms=11, eager_input_is_add=0, check="ok", checked_sites=11, bitwise=True, gated=2, fused_gate=2,
+        note=HYPER_CONNECTIONS),
     # --- hybrid
     "hf:jamba": dict(norms=8, fused=8, fused_with_add=4, input_is_add=4, placements={"pre": 4, "standalone": 4},
         eager_norms=8, eager_input_is_add=4, check="ok", checked_sites=8, bitwise=False,

@@ -22,6 +22,8 @@ from normfuse.zoo import example_inputs, hf_config, hf_model
 
 MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
            n_shared_experts=1, first_k_dense_replace=1)
+HC_MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, qk_head_dim=32,
+              o_lora_rank=32, index_topk=8, index_head_dim=16, index_n_heads=2, num_key_value_heads=4)
 SWIN = dict(embed_dim=32, depths=[1, 1], num_heads=[2, 4], window_size=4, image_size=32, patch_size=4)
 STAGES = dict(hidden_sizes=[16, 32], depths=[1, 1], image_size=32, num_stages=2)
 
@@ -75,6 +77,9 @@ HF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # no RoPE at all (relative logits), k through a short conv with its own residual add
     "inkling_text": ("moe", dict(MOE, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
                                  sliding_window_size=16, rel_extent=16)),
+    # hyper-connections: 4 residual streams collapsed by a weighted sum into each block's norm
+    # (the norm fused alone, the site says why), MLA latents shrunk
+    "deepseek_v4": ("moe", dict(MOE, **HC_MLA)), "glm5_next_text": ("moe", dict(MOE, **HC_MLA)),
     # hybrids (recurrent / state-space layers next to attention) and recurrent models
     "jamba": ("hybrid", dict(MOE, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                              expert_layer_offset=1, mamba_d_state=8, mamba_expand=2, use_mamba_kernels=False)),
