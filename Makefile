@@ -15,6 +15,8 @@ TRANSFORMERS ?= transformers==5.24.0
 PINNED       := "$(TORCH)" "$(TRITON)" "$(TRANSFORMERS)"
 # the training programs the tests run through (dev extra), tested versions first for the same reason
 CLIENTS      ?= accelerate==1.15.0 peft==0.21.2 torchtitan==0.3.0
+# the other code bases whose models the tests build (dev extra), tested versions first likewise
+MODEL_CODE   ?= x-transformers==2.31.10 diffusers==0.42.1 torchao==0.18.0
 PYTEST_WORKERS ?= 2
 export TORCH TRITON TRANSFORMERS
 
@@ -26,7 +28,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(PINNED)
-	$(PY) -m pip install -q $(CLIENTS)
+	$(PY) -m pip install -q $(CLIENTS) $(MODEL_CODE)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
@@ -72,7 +74,7 @@ NEWEST_TESTS ?= tests/zoo/test_zoo.py tests/test_pass_hf.py tests/test_clients.p
 test-newest:
 	test -x $(NEWEST_PY) || $(PYTHON) -m venv $(NEWEST_VENV)
 	$(NEWEST_PY) -m pip install -q --upgrade pip
-	$(NEWEST_PY) -m pip install -q "$(TORCH)" "$(TRITON)" $(CLIENTS)
+	$(NEWEST_PY) -m pip install -q "$(TORCH)" "$(TRITON)" $(CLIENTS) $(MODEL_CODE)
 	$(NEWEST_PY) -m pip install -q --upgrade transformers
 	$(NEWEST_PY) -m pip install -q -e ".[dev]"
 	$(NEWEST_PY) -c "import torch, transformers; print('newest-release job: transformers', transformers.__version__, 'torch', torch.__version__)"

@@ -66,16 +66,8 @@ GPU_SKIP_REASON = "needs a CUDA device"
 
 # node id (fnmatch pattern) -> why it may skip on CI, where it skips. Remove a line when its
 # reason goes away.
-SKIPS_ALLOWED_ON_CI = {
-    "tests/test_quant_pass.py::test_torchao_float8_training_linear_is_explained":
-        "torchao is not in the dev extra yet (torchao 0.18 installs against torch 2.13 CPU and the test "
-        "passes with it: add it to pyproject's dev extra, then remove this line)",
-    "tests/test_code_bases.py::*":
-        "x-transformers is not in the dev extra (installed by hand where it runs); add it, then remove this line",
-    "tests/zoo/test_zoo.py::*xt:*":
-        "the zoo's x-transformers entries: the same (not in the dev extra)",
-    "tests/test_diffusion_zoo.py::*":
-        "diffusers is not in the dev extra (installed by hand where it runs); add it, then remove this line",
+SKIPS_ALLOWED_ON_CI: dict[str, str] = {
+    # empty: every non-GPU test runs on CI (x-transformers, diffusers and torchao are in the dev extra)
 }
 
 
