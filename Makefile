@@ -69,7 +69,8 @@ NEWEST_VENV  ?= .venv-newest
 NEWEST_PY    := $(NEWEST_VENV)/bin/python
 NEWEST_TESTS ?= tests/zoo/test_zoo.py tests/test_pass_hf.py tests/test_clients.py tests/test_regions.py \
                 tests/test_boundary.py tests/test_deployment.py tests/test_training.py tests/test_many_models.py \
-                tests/test_qk_rope_pass.py tests/test_audit.py tests/test_checkpoint_side_effects.py
+                tests/test_qk_rope_pass.py tests/test_audit.py tests/test_checkpoint_side_effects.py \
+                tests/test_hyper_connections.py
 
 test-newest:
 	test -x $(NEWEST_PY) || $(PYTHON) -m venv $(NEWEST_VENV)

@@ -47,11 +47,13 @@ CAPTURE_CONFIG = {"skip_fwd_side_effects_in_bwd_under_checkpoint": True}
 _FRAMES = itertools.count(1)
 
 
-def own_code(code: types.CodeType) -> types.CodeType:
+def own_code(code: types.CodeType, owner: str) -> types.CodeType:
     """A copy of ``code`` that dynamo tells apart from every other: its own cache of
     compiled code, and its own record of which inputs changed between compiles (dynamo keys
-    that on the file, first line and name, so the copy's name carries a number)."""
-    return code.replace(co_name=f"{code.co_name}_normfuse{next(_FRAMES)}")
+    that on the file, first line and name, so the copy's name carries the model's class and a
+    number, counted per process). Tracebacks and dynamo's logs show that name
+    (``wrapper_LlamaModel_normfuse3``)."""
+    return code.replace(co_name=f"{code.co_name}_{owner}_normfuse{next(_FRAMES)}")
 
 
 def compile_forward(module: nn.Module, forward: Callable, backend: Callable) -> Callable:
@@ -79,10 +81,10 @@ def compile_forward(module: nn.Module, forward: Callable, backend: Callable) -> 
         def forward_frame(self, *args: Any, **kwargs: Any) -> Any:
             return func(self, *args, **kwargs)
 
-        forward_frame.__code__ = own_code(forward_frame.__code__)
+        forward_frame.__code__ = own_code(forward_frame.__code__, type(module).__name__)
         compiled = torch.compile(forward_frame, backend=backend)
         return lambda *args, **kwargs: compiled(module, *args, **kwargs)
-    own = types.FunctionType(own_code(func.__code__), func.__globals__, func.__name__, func.__defaults__,
+    own = types.FunctionType(own_code(func.__code__, type(module).__name__), func.__globals__, func.__name__, func.__defaults__,
                              func.__closure__)
     own.__kwdefaults__, own.__qualname__ = func.__kwdefaults__, func.__qualname__
     return torch.compile(types.MethodType(own, module), backend=backend)

@@ -31,7 +31,7 @@ def _audit(args: argparse.Namespace) -> int:
     try:
         label, bw = parse_bandwidth(args.bandwidth)
         overrides = parse_overrides(args.set)
-        # a transformers config is audited in bf16 unless told; a factory's model keeps its own dtype
+        # a transformers config or a diffusers class is audited in bf16 unless told; a factory's model keeps its own dtype
         dtype = args.dtype or ("bf16" if is_config_target(args.target) else None)
         model, margs, mkwargs = load_target(args.target, layers=args.layers, overrides=overrides, dtype=dtype,
                                             device=args.device, batch=args.batch, seq=args.seq)
@@ -75,7 +75,7 @@ def _add_audit(subparsers) -> None:
                    help="sequence length of the made inputs (default 2048, or the model's maximum if shorter); "
                         "for diffusers:<ClassName>, the image-token count (default 4096)")
     p.add_argument("--dtype", default=None,
-                   help="parameter/activation dtype (default: bf16 for a transformers config, the factory's own)")
+                   help="parameter/activation dtype (default: bf16 for a transformers config or a diffusers class, the factory's own)")
     p.add_argument("--device", default="meta", choices=("meta", "cpu"),
                    help="build on the meta device (default: no memory, no compute) or on the CPU")
     p.add_argument("--bandwidth", default=None,

@@ -308,7 +308,7 @@ def _diffusers_inputs(family: str, model: nn.Module, batch: int, seq: int, devic
     if family == "ltx":
         return dict(hidden_states=x(batch, seq, c.in_channels), encoder_hidden_states=x(batch, text, c.caption_channels),
                     timestep=ints(batch), encoder_attention_mask=torch.ones(batch, text, device=device, dtype=torch.bool),
-                    num_frames=c.patch_size_t, height=h * c.patch_size, width=w * c.patch_size)
+                    num_frames=1, height=h, width=w)  # the token grid (its RoPE counts tokens)
     if family == "hunyuan_video":
         made = dict(hidden_states=x(batch, c.in_channels, c.patch_size_t, h * c.patch_size, w * c.patch_size),
                     timestep=steps(), encoder_hidden_states=x(batch, text, c.text_embed_dim),

@@ -451,12 +451,12 @@ def _match_normalize(index: GraphIndex, node: fx.Node, c: Canon) -> NormMatch | 
     k = None if cs is None or cs.prim != "mul" else const_value(_other(cs, node))
     if not isinstance(n, int) or k is None or abs(k - n ** 0.5) > 1e-6 * n ** 0.5:
         return None
+    clamp = f"{eps:g}" if eps is not None else "eps"  # eps may be a graph input (a symbolic float)
     return NormMatch(kind="rms_norm", form="normalize", input=strip_upcasts(index, x), output=node,
                      nodes=(node,), eps=eps or 0.0, hidden_size=last_dim(x), anchor=node, reason=(
-                         f"F.normalize clamps the row's L2 norm (x / max(||x||_2, {eps:g})); the kernels add eps to "
+                         f"F.normalize clamps the row's L2 norm (x / max(||x||_2, {clamp})); the kernels add eps to "
                          "the mean square (x * rsqrt(mean(x^2) + eps)), a different function on rows whose norm is "
-                         "below eps (a zero row gives 0 here and NaN there), and F.normalize rounds the norm and the "
-                         "quotient in the input's dtype"))
+                         "about eps or below, and F.normalize rounds the norm and the quotient in the input's dtype"))
 
 
 # --------------------------------------------------------------------------- the tail
@@ -783,13 +783,18 @@ def _stream_collapse(index: GraphIndex, node: fx.Node, chain: list) -> AddMatch 
     product = index.canon(c["input"])
     shape = node_shape(c["input"])
     dim = _reduced_dim(c["dim"], len(shape) if shape is not None else None)
-    if product is None or product.prim != "mul" or dim is None or dim == len(shape) - 1:
+    # the streams sit right before the rows, (..., N, D), and a weight per stream broadcasts along D
+    if product is None or product.prim != "mul" or dim is None or dim != len(shape) - 2:
         return None
     weights = [op for op in (product["input"], product["other"])
                if isinstance(op, fx.Node) and (node_shape(op) or (None,))[-1:] == (1,)]
     if not weights:
         return None
     streams = product["other"] if weights[0] is product["input"] else product["input"]
+    # the streams go on past the collapse (a residual stream); a weighted sum of values read
+    # nowhere else (a mixture of experts' combine, a weighted sum of layers) is no residual add
+    if not isinstance(streams, fx.Node) or len(streams.users) < 2:
+        return None
     return AddMatch(node=node, operands=(streams,), chain=tuple(chain), reason=(
         f"the norm reads a weighted sum of {dim_value(shape[dim])} residual streams (hyper-connections: "
         f"(weights * streams).sum(dim={dim})); the kernels add two or three operands of one shape, not a "
