@@ -773,10 +773,26 @@ def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
 
 
 def _stream_collapse(index: GraphIndex, node: fx.Node, chain: list) -> AddMatch | None:
-    """A weighted sum over a dim other than the rows' (hyper-connections collapse N residual
-    streams (B, S, N, D) into a block's input: ``(pre.unsqueeze(-1) * streams).sum(dim=2)``):
-    the add of N terms the norm reads, found so that the report says why it stays outside the
-    kernel; None for any other node."""
+    """A weighted sum of residual streams over the dim before the rows (hyper-connections
+    collapse N streams (B, S, N, D) into a block's input): the add of N terms the norm reads,
+    found so that the report says why it stays outside the kernel; None for any other node.
+    Written as a product summed (``(pre.unsqueeze(-1) * streams).sum(dim=2)``, DeepSeek-V4) or
+    as an einsum that contracts the stream dim (``einsum('... s t, ... s d -> ... t d', alpha,
+    streams)[..., 0, :]``, x-transformers)."""
+    found = _weighted_stream_sum(index, node) or _stream_einsum(node)
+    if found is None:
+        return None
+    streams, spelling = found
+    # the streams go on past the collapse (a residual stream); a weighted sum of values read
+    # nowhere else (a mixture of experts' combine, a weighted sum of layers) is no residual add
+    if not isinstance(streams, fx.Node) or len(streams.users) < 2:
+        return None
+    return AddMatch(node=node, operands=(streams,), chain=tuple(chain), reason=(
+        f"the norm reads a weighted sum of {dim_value(node_shape(streams)[-2])} residual streams (hyper-connections: "
+        f"{spelling}); the kernels add two or three operands of one shape, not a reduction over a stream dim"))
+
+
+def _weighted_stream_sum(index: GraphIndex, node: fx.Node) -> tuple[Any, str] | None:
     c = index.canon(node)
     if c is None or c.prim != "sum" or c["keepdim"] or not isinstance(c["input"], fx.Node):
         return None
@@ -791,14 +807,34 @@ def _stream_collapse(index: GraphIndex, node: fx.Node, chain: list) -> AddMatch 
     if not weights:
         return None
     streams = product["other"] if weights[0] is product["input"] else product["input"]
-    # the streams go on past the collapse (a residual stream); a weighted sum of values read
-    # nowhere else (a mixture of experts' combine, a weighted sum of layers) is no residual add
-    if not isinstance(streams, fx.Node) or len(streams.users) < 2:
+    return streams, f"(weights * streams).sum(dim={dim})"
+
+
+def _stream_einsum(node: fx.Node) -> tuple[Any, str] | None:
+    """``einsum(eq, weights, streams)`` whose streams operand ends in (stream, row) and whose
+    output keeps the row but not the stream letter, read directly or with one index taken on
+    the dim before the rows (``[..., 0, :]``: one of several mixes)."""
+    items = node.args[1] if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2 \
+        else None
+    if items is not None:
+        items = items if isinstance(items, tuple) else (items,)
+        if not (len(items) == 3 and items[0] is Ellipsis and isinstance(items[1], int) and items[2] == slice(None)):
+            return None
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or node.op != "call_function" or node.target not in (torch.einsum,
+                                                                                           torch.functional.einsum):
         return None
-    return AddMatch(node=node, operands=(streams,), chain=tuple(chain), reason=(
-        f"the norm reads a weighted sum of {dim_value(shape[dim])} residual streams (hyper-connections: "
-        f"(weights * streams).sum(dim={dim})); the kernels add two or three operands of one shape, not a "
-        "reduction over a stream dim"))
+    equation, operands = node.args[0], node.args[1:]
+    if not isinstance(equation, str) or "->" not in equation or len(operands) != 2:
+        return None
+    inputs, output = equation.replace(" ", "").split("->")
+    subscripts = inputs.split(",")
+    if len(subscripts) != 2 or not output:
+        return None
+    for streams, letters in zip(operands, subscripts):
+        if len(letters) >= 2 and letters[-1] == output[-1] and letters[-2] not in output:
+            return streams, f"einsum('{equation}')"
+    return None
 
 
 def _add_behind_reshape(index: GraphIndex, node: fx.Node, chain: list) -> AddMatch | None:

@@ -506,6 +506,13 @@ EXPECTED = {
         eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True, note=(
         "no absolute positions: the first norm reads the token embedding plus a Python 0 (the eager count "
         "takes x + 0 for an add, the graph holds no tensor add): standalone")),
+    "xt:hyper_connections": dict(norms=9, fused=9, fused_with_add=0, input_is_add=7,
+        placements={"pre": 7, "standalone": 2}, eager_norms=9, eager_input_is_add=0, check="ok", checked_sites=9,
+        bitwise=True, note=(
+        "hyper-connections (num_residual_streams=4): each branch norm reads an einsum over the 4 streams, fused "
+        "alone with that reason; the residual's own norms read the streams' sum through a view that moves the "
+        "normalized dim (with its reason); the first norm (embedding with positions) and the final norm (a plain "
+        "sum of the streams over the last dim after a permute) are standalone; the eager count follows neither")),
 }
 
 # the default test run's share of the zoo: one or two of every group, and known findings

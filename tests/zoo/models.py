@@ -254,6 +254,8 @@ X_TRANSFORMERS: dict[str, tuple[str, dict[str, Any]]] = {
     "gate_residual": ("Decoder", dict(gate_residual=True)),
     "qk_norm": ("Decoder", dict(attn_qk_norm=True)),
     "rotary": ("Decoder", dict(rotary_pos_emb=True)),
+    # hyper-connections: 4 residual streams, mixed into each branch by an einsum over the streams
+    "hyper_connections": ("Decoder", dict(num_residual_streams=4)),
 }
 
 
