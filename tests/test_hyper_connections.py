@@ -109,3 +109,19 @@ def test_hf_hyper_connection_families(model_type):
     assert sum(STREAM_REASON in (s.add_reason or "") for s in rep.sites) == collapsed, str(rep)
     # every add-fed norm fused without its add says why
     assert all(s.add_reason for s in rep.sites if s.input_is_add and not s.fused_add), str(rep)
+
+
+def test_x_transformers_residual_streams_say_why():
+    """x-transformers' ``num_residual_streams``: each branch reads an einsum over the streams."""
+    x_transformers = pytest.importorskip("x_transformers")
+    torch.manual_seed(0)
+    layers = x_transformers.Decoder(dim=32, depth=2, heads=2, num_residual_streams=4)
+    model = x_transformers.TransformerWrapper(num_tokens=64, max_seq_len=16, attn_layers=layers).eval()
+    optimized = normfuse.optimize(copy.deepcopy(model))
+    with torch.no_grad():
+        assert torch.equal(optimized(IDS), model(IDS))
+    rep = normfuse.report(optimized)
+    branch_norms = [s for s in rep.sites if s.fqn.endswith(".0.0.ln")]  # each branch's pre-norm
+    assert len(branch_norms) == 4, str(rep)
+    for site in branch_norms:
+        assert site.input_is_add and "einsum" in site.add_reason and STREAM_REASON in site.add_reason, str(rep)
