@@ -371,6 +371,16 @@ def _finish_decomposed(index: GraphIndex, kind: str, source: Any, stat: fx.Node,
                     f"the rstd is rounded to {node_dtype(rounded)} before the multiply (x * rsqrt(...).to(x.dtype)): "
                     "the kernels multiply by the fp32 rstd and round the product once"))
             return _with_tail(index, m)
+    if kind == "rms_norm" and layout is None:
+        # the rstd alone, multiplying another value (HY-V4's hyper-connections norm returns
+        # rsqrt(mean(x^2) + eps), which scales linear(x)): no normalized row to fuse; listed
+        for denom, eps in _eps_of(index, stat):
+            for how, r, extra in _rstd_forms(index, denom):
+                if how == "mul" and r.users:
+                    return NormMatch(kind=kind, form="decomposed", input=strip_upcasts(index, source), output=r,
+                                     nodes=(*stat_nodes, denom, *extra), eps=eps, hidden_size=n, anchor=anchor,
+                                     reason=("the row's rstd (rsqrt(mean(x^2) + eps)) multiplies another value, not "
+                                             "the row it is computed from: there is no normalized row to fuse"))
     return None
 
 

@@ -282,6 +282,10 @@ EXPECTED = {
         eager_norms=16, eager_input_is_add=0, check="ok", checked_sites=16, bitwise=True, note=HYPER_CONNECTIONS + (
         "; the eager count includes the two compressor kv_norms, which run in a frame dynamo skips (listed as not "
         "captured), and not the unweighted norms over the flattened streams (no module of a known norm class)")),
+    "hf:hy_v4": dict(norms=16, fused=11, fused_with_add=0, input_is_add=5, placements={"pre": 5, "standalone": 11},
+        eager_norms=16, eager_input_is_add=0, check="ok", checked_sites=11, bitwise=True, note=HYPER_CONNECTIONS + (
+        "; its 5 hyper-connection norms (HYV4UnweightedRMSNorm) return rsqrt(mean(x^2) + eps) alone, which "
+        "scales linear(x): listed with that reason, nothing to fuse")),
     "hf:glm5_next_text": dict(norms=11, fused=11, fused_with_add=0, input_is_add=7, placements={"pre": 7, "standalone": 4},
         eager_norms=11, eager_input_is_add=0, check="ok", checked_sites=11, bitwise=True, gated=2, fused_gate=2,
         note=HYPER_CONNECTIONS),

@@ -79,7 +79,8 @@ HF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                  sliding_window_size=16, rel_extent=16)),
     # hyper-connections: 4 residual streams collapsed by a weighted sum into each block's norm
     # (the norm fused alone, the site says why), MLA latents shrunk
-    "deepseek_v4": ("moe", dict(MOE, **HC_MLA)), "glm5_next_text": ("moe", dict(MOE, **HC_MLA)),
+    "deepseek_v4": ("moe", dict(MOE, **HC_MLA)), "hy_v4": ("moe", dict(MOE, **HC_MLA)),
+    "glm5_next_text": ("moe", dict(MOE, **HC_MLA)),
     # hybrids (recurrent / state-space layers next to attention) and recurrent models
     "jamba": ("hybrid", dict(MOE, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                              expert_layer_offset=1, mamba_d_state=8, mamba_expand=2, use_mamba_kernels=False)),
