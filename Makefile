@@ -72,13 +72,18 @@ NEWEST_TESTS ?= tests/zoo/test_zoo.py tests/test_pass_hf.py tests/test_clients.p
                 tests/test_qk_rope_pass.py tests/test_audit.py tests/test_checkpoint_side_effects.py \
                 tests/test_hyper_connections.py
 
+# The newest release is named explicitly and resolved with everything else in one step: installed
+# after the clients, `--upgrade transformers` was undone by the package's own install (torchtitan's
+# datasets pins huggingface-hub below what transformers 5.25 needs, and pip took transformers back).
 test-newest:
 	test -x $(NEWEST_PY) || $(PYTHON) -m venv $(NEWEST_VENV)
 	$(NEWEST_PY) -m pip install -q --upgrade pip
-	$(NEWEST_PY) -m pip install -q "$(TORCH)" "$(TRITON)" $(CLIENTS) $(MODEL_CODE)
-	$(NEWEST_PY) -m pip install -q --upgrade transformers
-	$(NEWEST_PY) -m pip install -q -e ".[dev]"
-	$(NEWEST_PY) -c "import torch, transformers; print('newest-release job: transformers', transformers.__version__, 'torch', torch.__version__)"
+	newest=$$($(NEWEST_PY) -m pip index versions transformers 2>/dev/null | sed -n 's/^transformers (\(.*\))$$/\1/p'); \
+	test -n "$$newest" || { echo "test-newest: no transformers release found on the index"; exit 1; }; \
+	$(NEWEST_PY) -m pip install -q "$(TORCH)" "$(TRITON)" $(CLIENTS) $(MODEL_CODE) "transformers==$$newest" && \
+	$(NEWEST_PY) -m pip install -q -e ".[dev]" && \
+	$(NEWEST_PY) -c "import sys, torch, transformers; print('newest-release job: transformers', transformers.__version__, \
+	'torch', torch.__version__); sys.exit(transformers.__version__ != '$$newest')"
 	$(NEWEST_PY) -m pytest -q -rs -n $(PYTEST_WORKERS) $(NEWEST_TESTS) $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 # The documentation site (mkdocs.yml: README.md and docs/) into site/; --strict makes any

@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-GROUPS = ("encoder", "decoder", "moe", "hybrid", "encoder-decoder", "vision", "torch.nn")
+GROUPS = ("encoder", "decoder", "moe", "hybrid", "encoder-decoder", "vision", "torch.nn", "x-transformers")
 
 
 def _entry_text(name: str, got: dict) -> str:
