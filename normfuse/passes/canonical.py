@@ -53,6 +53,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "reciprocal": ("input",),
     "mean": ("input", "dim", "keepdim"),
     "sum": ("input", "dim", "keepdim"),
+    "einsum": ("equation", "operands"),  # the operands as one tuple (varargs, or ATen's list)
     "var": ("input", "dim", "unbiased", "keepdim"),
     "cast": ("input",),  # the target dtype is read off the node's output metadata
     "view": ("input",),  # reshapes, views, contiguous, clone: same values, maybe another shape
@@ -105,6 +106,7 @@ SPELLINGS: dict[str, list[Any]] = {
     "reciprocal": [torch.reciprocal, "reciprocal", *_aten("reciprocal.default")],
     "mean": [torch.mean, "mean", *_aten("mean.dim")],
     "sum": [torch.sum, "sum", *_aten("sum.dim_IntList")],
+    "einsum": [torch.einsum, torch.functional.einsum, *_aten("einsum.default")],
     "var": [torch.var, "var", *_aten("var.correction", "var.dim")],
     "cast": ["to", "float", "half", "bfloat16", "double", "type", "type_as",
              *_aten("_to_copy.default", "to.dtype", "to.dtype_layout", "to.device", "type_as.default"),
@@ -334,6 +336,9 @@ def canonical(node: fx.Node) -> Canon | None:
         overload = f"{node.target._opname}.{node.target._overloadname}"
         names = _ATEN_POSITIONAL.get(overload, names)
     args = _bind(node, names)
+    if prim == "einsum":  # torch.einsum(eq, a, b): the operands as varargs; ATen's einsum takes a list
+        args["operands"] = tuple(args["operands"]) if isinstance(node.target, torch._ops.OpOverload) \
+            else tuple(node.args[1:])
     if prim == "permute" and len(node.args) > 2:  # x.permute(0, 2, 3, 1): the dims as varargs
         args["dims"] = tuple(node.args[1:])
     if prim == "expand" and len(node.args) > 2:  # x.expand(2, -1): the sizes as varargs

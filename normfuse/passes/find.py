@@ -789,7 +789,7 @@ def _stream_collapse(index: GraphIndex, node: fx.Node, chain: list) -> AddMatch 
     Written as a product summed (``(pre.unsqueeze(-1) * streams).sum(dim=2)``, DeepSeek-V4) or
     as an einsum that contracts the stream dim (``einsum('... s t, ... s d -> ... t d', alpha,
     streams)[..., 0, :]``, x-transformers)."""
-    found = _weighted_stream_sum(index, node) or _stream_einsum(node)
+    found = _weighted_stream_sum(index, node) or _stream_einsum(index, node)
     if found is None:
         return None
     streams, spelling = found
@@ -820,7 +820,7 @@ def _weighted_stream_sum(index: GraphIndex, node: fx.Node) -> tuple[Any, str] | 
     return streams, f"(weights * streams).sum(dim={dim})"
 
 
-def _stream_einsum(node: fx.Node) -> tuple[Any, str] | None:
+def _stream_einsum(index: GraphIndex, node: fx.Node) -> tuple[Any, str] | None:
     """``einsum(eq, weights, streams)`` whose streams operand ends in (stream, row) and whose
     output keeps the row but not the stream letter, read directly or with one index taken on
     the dim before the rows (``[..., 0, :]``: one of several mixes)."""
@@ -831,10 +831,10 @@ def _stream_einsum(node: fx.Node) -> tuple[Any, str] | None:
         if not (len(items) == 3 and items[0] is Ellipsis and isinstance(items[1], int) and items[2] == slice(None)):
             return None
         node = node.args[0]
-    if not isinstance(node, fx.Node) or node.op != "call_function" or node.target not in (torch.einsum,
-                                                                                           torch.functional.einsum):
+    c = index.canon(node) if isinstance(node, fx.Node) else None
+    if c is None or c.prim != "einsum":
         return None
-    equation, operands = node.args[0], node.args[1:]
+    equation, operands = c["equation"], c["operands"]
     if not isinstance(equation, str) or "->" not in equation or len(operands) != 2:
         return None
     inputs, output = equation.replace(" ", "").split("->")
