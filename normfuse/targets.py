@@ -130,10 +130,14 @@ def _hf_config_from_file(path: str):
     return AutoConfig.for_model(model_type, **data)
 
 
+def _check_layers(layers: Any) -> None:
+    if not isinstance(layers, int) or layers < 1:
+        raise TargetError(f"--layers must be a positive integer, got {layers!r}.")
+
+
 def _configure(config, layers: int | None, overrides: dict[str, Any]):
     if layers is not None:
-        if not isinstance(layers, int) or layers < 1:
-            raise TargetError(f"--layers must be a positive integer, got {layers!r}.")
+        _check_layers(layers)
         fields = [f for f in LAYER_FIELDS if hasattr(config, f)]
         if not fields:
             raise TargetError(f"{type(config).__name__} has none of the layer-count fields {LAYER_FIELDS}; "
@@ -222,8 +226,7 @@ def _diffusers_config(cls, layers: int | None, overrides: dict[str, Any]) -> dic
               if k != "self" and p.default is not inspect.Parameter.empty}
     config: dict[str, Any] = {}
     if layers is not None:
-        if not isinstance(layers, int) or layers < 1:
-            raise TargetError(f"--layers must be a positive integer, got {layers!r}.")
+        _check_layers(layers)
         fields = [f for f in DIFFUSERS_LAYER_FIELDS if f in params]
         if not fields:
             raise TargetError(f"{cls.__name__} takes none of the layer-count arguments {DIFFUSERS_LAYER_FIELDS}; "
