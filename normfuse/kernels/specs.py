@@ -8,8 +8,10 @@ indexes an output (the autograd formulas in ops.py, the rewrite, the checker) as
     api_outputs(second_norm=True)         == ("y", "y1", "s")
     api_index("scale", quantized=True)    == 1
 
-Arguments. ``op_arguments(op)`` and ``op_defaults(op)`` are read from the op's schema in
-``normfuse.kernels.library.SCHEMAS``; ``bind(op, inputs)`` names an op call's inputs and
+Arguments. ``op_arguments(op)`` and ``op_defaults(op)`` are read from the op's declaration in
+``normfuse.kernels.declarations``; ``bind(op, inputs)`` names an op call's inputs,
+``call_of(op, inputs)`` groups them into the op's call (``AddNormCall``, ``BackwardCall``, ...:
+what the kernel, the fake, the reference and the Triton launcher take), and
 ``op_gradients(op, grads)`` turns {argument name: gradient} into the tuple an autograd formula
 returns, in the schema's order. No argument position is counted by hand.
 
@@ -31,37 +33,31 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import typing
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from normfuse.errors import InvalidOptionError, ShapeMismatchError, UnsupportedDtypeError, closest
-from normfuse.kernels.library import NAMESPACE, SCHEMAS
+from normfuse.kernels.declarations import DECLARATIONS, NAMESPACE, REQUIRED, schema as _schema_text
 from normfuse.kernels.reference import CPU_ONLY_DTYPES, SUPPORTED_DTYPES
 from normfuse.vocabulary import (GATE_ACTIVATIONS, GATE_POSITIONS, QUANT_APPLY, QUANT_DTYPES, QUANT_SCALE_FORMS,
                                  QUANT_SCALE_OUT)
 
 __all__ = ["OP_OUTPUTS", "NORM_ADD_OUTPUTS", "GRADIENT_OF", "api_outputs", "api_index", "op_arguments",
-           "op_defaults", "op_output_index", "bind", "op_gradients", "Gate", "Fp8Quant", "Dropout", "SPECS"]
+           "op_defaults", "op_output_index", "bind", "call_of", "op_gradients", "Gate", "Fp8Quant", "Dropout", "SPECS",
+           "Rows", "Norm", "Rounding", "Store", "SecondNorm", "DropoutMask", "Grads", "Saved", "GradDtypes", "Linears",
+           "QkRows", "Rope", "QkNorm", "QkRounding", "AddNormCall", "NormAddCall", "BackwardCall", "KeepMaskCall",
+           "NormLinearsCall", "QkNormRopeCall", "QkNormRopeBackwardCall"]
 
 
 # --------------------------------------------------------------------------------------
 # Outputs
 # --------------------------------------------------------------------------------------
 
-# Each op's outputs, in order (tests/test_specs.py checks the counts against SCHEMAS).
-OP_OUTPUTS: dict[str, tuple[str, ...]] = {
-    "add_norm_fwd": ("y", "s", "mean", "rstd", "y1"),
-    # q as its bytes (uint8): ``q.view(quant_dtype)`` is q (see ops.add_norm_quant_fwd)
-    "add_norm_quant_fwd": ("y", "s", "mean", "rstd", "y1", "q", "scale"),
-    "norm_add_fwd": ("out", "y", "mean", "rstd"),
-    "add_norm_bwd": ("dx", "dresidual", "dweight", "dbias", "dx1", "dweight1", "dbias1", "dgate"),
-    "dropout_keep_mask": ("keep",),
-    "norm_linears": ("outputs",),
-    "qk_norm_rope_fwd": ("q_out", "k_out", "q_rstd", "k_rstd"),
-    "qk_norm_rope_bwd": ("dq", "dk", "dq_weight", "dk_weight"),
-}
+# Each op's outputs, in order (declared with the op; tests/test_declarations.py checks them against the schema).
+OP_OUTPUTS: dict[str, tuple[str, ...]] = {name: op.outputs for name, op in DECLARATIONS.items()}
 
 # add_norm_bwd's outputs -> the forward argument each is the gradient of
 GRADIENT_OF: dict[str, str] = {"dx": "x", "dresidual": "residual", "dweight": "weight", "dbias": "bias",
@@ -114,10 +110,10 @@ def _outputs_of(op: str) -> tuple[str, ...]:
 
 @functools.cache
 def _schema(op: str) -> "torch._C.FunctionSchema":
-    if op not in SCHEMAS:
-        raise InvalidOptionError(f"{op!r} is not declared in normfuse/kernels/library.py; the ops are "
-                                 f"{tuple(SCHEMAS)}." + closest(str(op), SCHEMAS))
-    return torch._C.parse_schema(f"{NAMESPACE}::{op}{SCHEMAS[op][0]}")
+    if op not in DECLARATIONS:
+        raise InvalidOptionError(f"{op!r} is not declared in normfuse/kernels/declarations.py; the ops are "
+                                 f"{tuple(DECLARATIONS)}." + closest(str(op), DECLARATIONS))
+    return torch._C.parse_schema(f"{NAMESPACE}::{op}{_schema_text(op)}")
 
 
 @functools.cache
@@ -363,3 +359,277 @@ class Dropout:
 
 
 SPECS = (Gate, Fp8Quant, Dropout)
+
+
+# --------------------------------------------------------------------------------------
+# The ops' calls: each op's arguments, grouped (declarations.py says which argument goes where)
+# --------------------------------------------------------------------------------------
+# Built once per op call from the flat arguments (call_of) and read, never changed, by the kernel,
+# the fake, the reference and the Triton launcher. slots, not frozen: a call is built on every op
+# call, and a frozen dataclass's __init__ costs a setattr per field.
+
+_group = dataclasses.dataclass(slots=True, eq=False)
+
+
+@_group
+class Rows:
+    """The rows the op reads and sums: s = b + residual_scale * residual, b = x after its branch modes
+    (rowscale per row, x1 added; dropout is its own group)."""
+    x: Optional[Tensor] = None
+    residual: Optional[Tensor] = None
+    residual_scale: float = 1.0
+    x1: Optional[Tensor] = None
+    rowscale: Optional[Tensor] = None
+
+
+@_group
+class Norm:
+    """The norm: kind ("rms_norm" / "layer_norm"), its parameters (w' = weight + weight_offset), eps, and
+    group (statistics per group of that many columns; None: the whole row)."""
+    kind: str = "rms_norm"
+    weight: Optional[Tensor] = None
+    bias: Optional[Tensor] = None
+    eps: float = 0.0
+    weight_offset: float = 0.0
+    group: Optional[int] = None
+
+
+@_group
+class Rounding:
+    """Where the graph rounded: the sum (sum_dtype, before the norm unless round_sum_first is False),
+    the normalized value (norm_round_dtype: "round then multiply"; None: "multiply then round"), y."""
+    sum_dtype: Optional[torch.dtype] = None
+    norm_round_dtype: Optional[torch.dtype] = None
+    out_dtype: Optional[torch.dtype] = None
+    round_sum_first: bool = True
+
+
+@_group
+class Store:
+    """Which optional outputs are written: the sum s (norm_add: out, always), the norm output y."""
+    sum: bool = True
+    y: bool = True
+
+
+@_group
+class SecondNorm:
+    """A second norm of the same statistics with its own parameters: y1 (backward: weight only)."""
+    weight: Tensor
+    bias: Optional[Tensor] = None
+
+
+@_group
+class DropoutMask:
+    """Dropout on x: p > 0, and the seed (an int64 CPU tensor of shape ()) its mask is drawn from."""
+    p: float
+    seed: Optional[Tensor] = None
+
+
+@_group
+class Grads:
+    """The incoming gradients: dy (of y; norm_add: of out), dextra (of s; norm_add: of y), dy1 (of y1)."""
+    dy: Tensor
+    dextra: Optional[Tensor] = None
+    dy1: Optional[Tensor] = None
+
+
+@_group
+class Saved:
+    """What the forward saved: the norm input and its flat per-row (per-group) statistics."""
+    inp: Tensor
+    mean: Tensor
+    rstd: Tensor
+
+
+@_group
+class GradDtypes:
+    """The dtype of each input gradient (None: that input does not exist)."""
+    x: torch.dtype
+    residual: Optional[torch.dtype] = None
+    bias: Optional[torch.dtype] = None
+    x1: Optional[torch.dtype] = None
+    bias1: Optional[torch.dtype] = None
+
+
+@_group
+class Linears:
+    """The linears that read one norm output: their weights, biases (present where has_bias)."""
+    weights: list
+    biases: list
+    has_bias: list
+
+
+@_group
+class QkRows:
+    """One of q and k: its rows (B, S, H, D), its norm weight; backward: the output's gradient, the rstd."""
+    x: Tensor
+    weight: Optional[Tensor] = None
+    dout: Optional[Tensor] = None
+    rstd: Optional[Tensor] = None
+
+
+@_group
+class Rope:
+    """The rotary embedding: cos/sin tables, layout ("neox" / "gptj"), rotary_dim rotated columns."""
+    cos: Tensor
+    sin: Tensor
+    layout: str = "neox"
+    rotary_dim: int = 0
+
+
+@_group
+class QkNorm:
+    """The q/k RMSNorm: eps, weight_offset, full_width (the norm over the whole row, not per head)."""
+    eps: float = 0.0
+    weight_offset: float = 0.0
+    full_width: bool = False
+
+
+@_group
+class QkRounding:
+    """Where qk_norm_rope rounds: n (norm_round_dtype), the norm output, the rope's steps, the output."""
+    norm_round_dtype: Optional[torch.dtype] = None
+    norm_out_dtype: Optional[torch.dtype] = None
+    rope_dtype: Optional[torch.dtype] = None
+    out_dtype: Optional[torch.dtype] = None
+
+
+@_group
+class AddNormCall:
+    """add_norm_fwd and add_norm_quant_fwd: the optional groups are None when off."""
+    rows: Rows
+    norm: Norm
+    rounding: Rounding
+    store: Store
+    second: Optional[SecondNorm] = None
+    dropout: Optional[DropoutMask] = None
+    gate: Optional[Gate] = None
+    quant: Optional[Fp8Quant] = None
+
+
+@_group
+class NormAddCall:
+    """norm_add_fwd: out = round(rounding.sum_dtype, residual_scale * residual + y)."""
+    rows: Rows
+    norm: Norm
+    rounding: Rounding
+    store: Store
+
+
+@_group
+class BackwardCall:
+    """add_norm_bwd, the backward of both orders (add_after_norm: norm_add's)."""
+    grads: Grads
+    saved: Saved
+    norm: Norm
+    dtypes: GradDtypes
+    residual_scale: float = 1.0
+    add_after_norm: bool = False
+    rowscale: Optional[Tensor] = None
+    second: Optional[SecondNorm] = None
+    dropout: Optional[DropoutMask] = None
+    gate: Optional[Gate] = None
+
+
+@_group
+class KeepMaskCall:
+    """dropout_keep_mask: the keep mask of x's shape for p and seed (on_reference: that backend's)."""
+    x: Tensor
+    p: float
+    seed: Tensor
+    on_reference: bool = False
+
+
+@_group
+class NormLinearsCall:
+    """norm_linears: the linears reading y, whose backward rebuilds y from inp."""
+    y: Tensor
+    inp: Tensor
+    norm: Norm
+    linears: Linears
+    rounding: Rounding
+
+
+@_group
+class QkNormRopeCall:
+    """qk_norm_rope_fwd (k None: q only)."""
+    q: QkRows
+    k: Optional[QkRows]
+    rope: Rope
+    norm: QkNorm
+    rounding: QkRounding
+    transpose_out: bool = False
+
+
+@_group
+class QkNormRopeBackwardCall:
+    """qk_norm_rope_bwd (k None: q only)."""
+    q: QkRows
+    k: Optional[QkRows]
+    rope: Rope
+    norm: QkNorm
+
+
+CALLS = {cls.__name__: cls for cls in (AddNormCall, NormAddCall, BackwardCall, KeepMaskCall, NormLinearsCall,
+                                       QkNormRopeCall, QkNormRopeBackwardCall)}
+
+
+def _absent(value) -> bool:
+    """An optional group is off when its first field is None (or a zero probability: dropout)."""
+    return value is None or (type(value) in (int, float) and value == 0)
+
+
+@functools.cache
+def _call_plan(op: str) -> tuple:
+    """(the call type, [(group field, group type or None, [(group's field, argument index)])]) of ``op``."""
+    declaration = DECLARATIONS[op]
+    call_type = CALLS[declaration.call]
+    hints = typing.get_type_hints(call_type)
+    groups: dict[str, list] = {}
+    for index, arg in enumerate(declaration.args):
+        group, _, field = arg.to.rpartition(".")
+        groups.setdefault(group or field, []).append((field if group else None, index))
+    plan = []
+    for name, fields in groups.items():
+        hint = hints[name]
+        group_type = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+        if fields[0][0] is None:  # an argument that is a field of the call itself
+            plan.append((name, None, fields))
+        else:
+            optional = type(None) in typing.get_args(hint)
+            if optional:  # the argument that says whether the group is on comes first in the group's fields
+                first = dataclasses.fields(group_type)[0].name
+                fields.sort(key=lambda f: f[0] != first)
+            plan.append((name, (group_type, optional), fields))
+    return call_type, tuple(plan)
+
+
+def call_of(op: str, inputs: tuple):
+    """The call of ``op`` with positional ``inputs`` (trailing defaults may be omitted): its
+    arguments grouped as declarations.py says, an optional group None when off."""
+    values = inputs if len(inputs) == len(DECLARATIONS[op].args) else tuple(bind(op, inputs).values())
+    call_type, plan = _call_plan(op)
+    parts = {}
+    for name, group, fields in plan:
+        if group is None:
+            parts[name] = values[fields[0][1]]
+            continue
+        group_type, optional = group
+        if optional and _absent(values[fields[0][1]]):
+            parts[name] = None
+        else:
+            parts[name] = group_type(**{field: values[index] for field, index in fields})
+    return call_type(**parts)
+
+
+def _check_declarations() -> None:
+    """Every op's call type holds each declared argument once (run by tests/test_declarations.py)."""
+    for op, declaration in DECLARATIONS.items():
+        call_type, plan = _call_plan(op)
+        for name, group, fields in plan:
+            names = {f.name for f in dataclasses.fields(group[0] if group else call_type)}
+            missing = [field for field, _ in fields if (field or name) not in names]
+            if missing:
+                raise TypeError(f"{op}: {declaration.call}.{name} has no field {missing}")
+        if any(a.default is not REQUIRED and a.default is None and "?" not in a.type for a in declaration.args):
+            raise TypeError(f"{op}: a None default on an argument that is not optional")
