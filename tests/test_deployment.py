@@ -102,14 +102,20 @@ def test_saved_program_exports_again_in_a_fresh_process(tmp_path):
     assert _in_fresh_process(code).strip() == "5 {'normfuse.add_norm_fwd.default'}"
 
 
-def test_an_implementation_must_match_its_declared_schema():
+def test_an_implementation_must_take_its_declared_call():
     from normfuse.kernels.library import implement
 
-    def dropout_keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
+    def dropout_keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:  # the flat arguments: refused
         return x
 
-    with pytest.raises(TypeError, match="does not match the schema declared for normfuse::dropout_keep_mask"):
+    with pytest.raises(TypeError, match="does not match the declaration of normfuse::dropout_keep_mask"):
         implement("dropout_keep_mask")(dropout_keep_mask)
+
+    def keep_mask_of(call: "NormAddCall"):  # another op's call: refused
+        return call.x
+
+    with pytest.raises(TypeError, match=r"one argument, the op's call \(KeepMaskCall\)"):
+        implement("dropout_keep_mask")(keep_mask_of)
 
 
 @pytest.mark.slow  # compiling the package with the system C++ compiler: 72 s to 124 s here (2 shared cores)

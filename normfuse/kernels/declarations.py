@@ -54,13 +54,16 @@ class Arg:
 @dataclasses.dataclass(frozen=True)
 class OpDeclaration:
     """An op: its arguments, its outputs (names), the schema's return type, the module that
-    implements it (imported on the op's first use), and the name of its call type in specs.py."""
+    implements it (imported on the op's first use), the name of its call type in specs.py, and the
+    backends' functions that take that call ("module:function"; None where the op has none)."""
     name: str
     args: tuple[Arg, ...]
     outputs: tuple[str, ...]
     returns: str
     module: str
     call: str
+    reference: str | None = None
+    launcher: str | None = None
 
     @property
     def arg_names(self) -> tuple[str, ...]:
@@ -111,7 +114,8 @@ DECLARATIONS: dict[str, OpDeclaration] = {op.name: op for op in (
                 ("norm_group", "SymInt?", "norm.group", None),
                 ("gate_out_dtype", "ScalarType?", "gate.out_dtype", None)),
         outputs=("y", "s", "mean", "rstd", "y1"), returns=_tensors(5),
-        module="normfuse.kernels.ops", call="AddNormCall"),
+        module="normfuse.kernels.ops", call="AddNormCall",
+        reference="normfuse.kernels.reference:add_norm_fwd", launcher="normfuse.kernels.triton:add_norm_fwd"),
     OpDeclaration(
         "add_norm_quant_fwd",
         _ADD_NORM_ARGS + _args(*_ADD_NORM_MODES)
@@ -127,7 +131,9 @@ DECLARATIONS: dict[str, OpDeclaration] = {op.name: op for op in (
                 ("quant_scale_out", "str", "quant.scale_out")),
         # q as its bytes (uint8): ``q.view(quant_dtype)`` is q (see ops.add_norm_quant_fwd)
         outputs=("y", "s", "mean", "rstd", "y1", "q", "scale"), returns=_tensors(7),
-        module="normfuse.kernels.ops", call="AddNormCall"),
+        module="normfuse.kernels.ops", call="AddNormCall",
+        reference="normfuse.kernels.reference:add_norm_quant_fwd",
+        launcher="normfuse.kernels.triton:add_norm_quant_fwd"),
     OpDeclaration(
         "dropout_keep_mask",
         _args(("x", "Tensor", "x"), ("p", "float", "p"), ("seed", "Tensor", "seed"),
@@ -149,7 +155,8 @@ DECLARATIONS: dict[str, OpDeclaration] = {op.name: op for op in (
               ("add_dtype", "ScalarType", "rounding.sum_dtype"),
               ("store_norm", "bool", "store.y")),
         outputs=("out", "y", "mean", "rstd"), returns=_tensors(4),
-        module="normfuse.kernels.ops", call="NormAddCall"),
+        module="normfuse.kernels.ops", call="NormAddCall",
+        reference="normfuse.kernels.reference:norm_add_fwd", launcher="normfuse.kernels.triton:norm_add_fwd"),
     OpDeclaration(
         "add_norm_bwd",
         _args(("dy", "Tensor", "grads.dy"),
@@ -178,7 +185,8 @@ DECLARATIONS: dict[str, OpDeclaration] = {op.name: op for op in (
               ("norm_group", "SymInt?", "norm.group", None),
               ("bias", "Tensor?", "norm.bias", None)),
         outputs=("dx", "dresidual", "dweight", "dbias", "dx1", "dweight1", "dbias1", "dgate"), returns=_tensors(8),
-        module="normfuse.kernels.ops", call="BackwardCall"),
+        module="normfuse.kernels.ops", call="BackwardCall",
+        reference="normfuse.kernels.reference:add_norm_bwd", launcher="normfuse.kernels.triton:add_norm_bwd"),
     OpDeclaration(
         "norm_linears",
         _args(("y", "Tensor", "y"),
@@ -214,7 +222,9 @@ DECLARATIONS: dict[str, OpDeclaration] = {op.name: op for op in (
               ("full_width", "bool", "norm.full_width"),
               ("transpose_out", "bool", "transpose_out")),
         outputs=("q_out", "k_out", "q_rstd", "k_rstd"), returns=_tensors(4),
-        module="normfuse.kernels.qk_rope", call="QkNormRopeCall"),
+        module="normfuse.kernels.qk_rope", call="QkNormRopeCall",
+        reference="normfuse.kernels.qk_rope:qk_norm_rope_fwd_ref",
+        launcher="normfuse.kernels.triton_rope:qk_norm_rope_fwd"),
     OpDeclaration(
         "qk_norm_rope_bwd",
         _args(("dq_out", "Tensor", "q.dout"),
@@ -232,7 +242,9 @@ DECLARATIONS: dict[str, OpDeclaration] = {op.name: op for op in (
               ("rotary_dim", "SymInt", "rope.rotary_dim"),
               ("full_width", "bool", "norm.full_width")),
         outputs=("dq", "dk", "dq_weight", "dk_weight"), returns=_tensors(4),
-        module="normfuse.kernels.qk_rope", call="QkNormRopeBackwardCall"),
+        module="normfuse.kernels.qk_rope", call="QkNormRopeBackwardCall",
+        reference="normfuse.kernels.qk_rope:qk_norm_rope_bwd_ref",
+        launcher="normfuse.kernels.triton_rope:qk_norm_rope_bwd"),
 )}
 
 

@@ -17,71 +17,24 @@ programs and the C++ handles keep, whatever was imported first.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Callable
 
 import torch
 
-__all__ = ["SCHEMAS", "declare", "implement"]
+from normfuse.kernels.declarations import DECLARATIONS, NAMESPACE, schema
 
-NAMESPACE = "normfuse"
+__all__ = ["SCHEMAS", "declare", "implement", "implement_fake", "implement_autograd", "on_call"]
 
-# op -> (its schema as torch.library.infer_schema writes it for the implementing function, that module).
-# implement() checks the function against it: changing an op's signature means changing it here too.
-SCHEMAS: dict[str, tuple[str, str]] = {
-    "add_norm_fwd": (
-        "(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, str kind, float eps, float weight_offset, "
-        "float residual_scale, ScalarType sum_dtype, ScalarType? norm_round_dtype, ScalarType out_dtype, "
-        "bool store_sum, bool round_sum_first=True, Tensor? x1=None, Tensor? rowscale=None, Tensor? weight1=None, "
-        "Tensor? bias1=None, float dropout_p=0.0, Tensor? seed=None, Tensor? gate=None, "
-        "str gate_position=\"before\", str gate_activation=\"silu\", SymInt? norm_group=None, "
-        "ScalarType? gate_out_dtype=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-        "normfuse.kernels.ops"),
-    "add_norm_quant_fwd": (
-        "(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, str kind, float eps, float weight_offset, "
-        "float residual_scale, ScalarType sum_dtype, ScalarType? norm_round_dtype, ScalarType out_dtype, "
-        "bool store_sum, bool round_sum_first, Tensor? x1, Tensor? rowscale, Tensor? weight1, Tensor? bias1, "
-        "float dropout_p, Tensor? seed, bool store_y, ScalarType quant_dtype, Tensor? quant_scale, "
-        "SymInt? quant_group, str quant_scale_form, float? quant_amax_min, float? quant_scale_min, "
-        "str quant_apply, float? quant_clamp, str quant_scale_out) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-        "normfuse.kernels.ops"),
-    "dropout_keep_mask": (
-        "(Tensor x, float p, Tensor seed, bool on_reference=False) -> Tensor",
-        "normfuse.kernels.ops"),
-    "norm_add_fwd": (
-        "(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, str kind, float eps, float weight_offset, "
-        "float residual_scale, ScalarType? norm_round_dtype, ScalarType out_dtype, ScalarType add_dtype, "
-        "bool store_norm) -> (Tensor, Tensor, Tensor, Tensor)",
-        "normfuse.kernels.ops"),
-    "add_norm_bwd": (
-        "(Tensor dy, Tensor? dextra, Tensor inp, Tensor mean, Tensor rstd, Tensor? weight, str kind, "
-        "float weight_offset, float residual_scale, bool add_after_norm, ScalarType x_dtype, "
-        "ScalarType? residual_dtype, ScalarType? bias_dtype, Tensor? dy1=None, Tensor? weight1=None, "
-        "ScalarType? bias1_dtype=None, ScalarType? x1_dtype=None, Tensor? rowscale=None, float dropout_p=0.0, "
-        "Tensor? seed=None, Tensor? gate=None, str gate_position=\"before\", str gate_activation=\"silu\", "
-        "SymInt? norm_group=None, Tensor? bias=None) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-        "normfuse.kernels.ops"),
-    "norm_linears": (
-        "(Tensor y, Tensor inp, Tensor? norm_weight, Tensor? norm_bias, Tensor[] weights, Tensor[] biases, "
-        "bool[] has_bias, str kind, float eps, float weight_offset, ScalarType sum_dtype, "
-        "ScalarType? norm_round_dtype, ScalarType out_dtype) -> Tensor[]",
-        "normfuse.kernels.norm_linear"),
-    "qk_norm_rope_fwd": (
-        "(Tensor q, Tensor? k, Tensor? q_weight, Tensor? k_weight, Tensor cos, Tensor sin, float eps, "
-        "float weight_offset, ScalarType? norm_round_dtype, ScalarType norm_out_dtype, ScalarType rope_dtype, "
-        "ScalarType out_dtype, str layout, SymInt rotary_dim, bool full_width, bool transpose_out) "
-        "-> (Tensor, Tensor, Tensor, Tensor)",
-        "normfuse.kernels.qk_rope"),
-    "qk_norm_rope_bwd": (
-        "(Tensor dq_out, Tensor? dk_out, Tensor q, Tensor? k, Tensor? q_weight, Tensor? k_weight, Tensor cos, "
-        "Tensor sin, Tensor q_rstd, Tensor? k_rstd, float weight_offset, str layout, SymInt rotary_dim, "
-        "bool full_width) -> (Tensor, Tensor, Tensor, Tensor)",
-        "normfuse.kernels.qk_rope"),
-}
+# op -> (its schema text, the module implementing it), made from normfuse/kernels/declarations.py:
+# saved programs call the op by that schema, so an op's arguments change there or nowhere.
+SCHEMAS: dict[str, tuple[str, str]] = {name: (schema(name), op.module) for name, op in DECLARATIONS.items()}
 
 _DECLARED: dict[str, "torch._library.custom_ops.CustomOpDef"] = {}
 _IMPLEMENTED: set[str] = set()
+# op -> the function of its call registered as its kernel / its fake (tests/test_declarations.py reads them)
+KERNELS: dict[str, Callable] = {}
+FAKES: dict[str, Callable] = {}
 
 
 def _implemented(name: str) -> None:
@@ -121,22 +74,54 @@ def declare() -> None:
         _DECLARED[name] = op
 
 
+def implement_fake(name: str) -> Callable:
+    """Decorator for the fake of op ``name``: a function of the op's call, as the implementation."""
+    def register(fn: Callable) -> Callable:
+        _DECLARED[name].register_fake(on_call(name, fn))
+        FAKES[name] = fn
+        return fn
+    return register
+
+
+def implement_autograd(name: str, backward: Callable, *, setup_context: Callable) -> None:
+    """Register op ``name``'s autograd formula; ``setup_context(ctx, call, output)`` takes the op's call."""
+    from normfuse.kernels.specs import call_of
+
+    def setup(ctx, inputs, output):
+        setup_context(ctx, call_of(name, inputs), output)
+
+    _DECLARED[name].register_autograd(backward, setup_context=setup)
+
+
+def on_call(name: str, fn: Callable) -> Callable:
+    """``fn(call)`` as a function of the op's flat arguments."""
+    from normfuse.kernels.specs import call_of
+
+    def on_flat(*args):
+        return fn(call_of(name, args))
+
+    on_flat.__name__ = fn.__name__
+    return on_flat
+
+
 def implement(name: str) -> Callable:
-    """Decorator for the function that implements op ``name``: registers it as the op's kernel and
-    returns the op (a ``CustomOpDef``: ``.register_fake``, ``.register_autograd`` as with
-    ``torch.library.custom_op``)."""
+    """Decorator for the function that implements op ``name``: a function of the op's call (one
+    parameter, annotated with the call type declarations.py names for the op), registered as the
+    op's kernel; returns the op (a ``CustomOpDef``). Its fake and autograd formula take the call too:
+    register them with ``implement_fake`` and ``implement_autograd``."""
     def register(fn: Callable):
         declare()
-        expected = SCHEMAS[name][0]
-        got = torch.library.infer_schema(fn, mutates_args=())
-        if got != expected:
-            raise TypeError(f"{fn.__module__}.{fn.__name__} does not match the schema declared for "
-                            f"{NAMESPACE}::{name} in normfuse/kernels/library.py (saved programs call the op by "
-                            f"that schema).\n  declared: {expected}\n  function: {got}\nChange SCHEMAS[{name!r}] "
-                            f"together with the function.")
+        expected = DECLARATIONS[name].call
+        parameters = list(inspect.signature(fn).parameters.values())
+        annotation = parameters[0].annotation if len(parameters) == 1 else None
+        if getattr(annotation, "__name__", annotation) != expected:
+            raise TypeError(f"{fn.__module__}.{fn.__name__} does not match the declaration of {NAMESPACE}::{name} in "
+                            f"normfuse/kernels/declarations.py: an implementation takes one argument, the op's call "
+                            f"({expected}), built from the declared arguments.")
         op = _DECLARED[name]
-        op.register_kernel(None)(fn)
+        op.register_kernel(None)(on_call(name, fn))
         _IMPLEMENTED.add(name)
+        KERNELS[name] = fn
         return op
 
     return register

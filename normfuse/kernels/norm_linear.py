@@ -34,9 +34,10 @@ from torch import Tensor
 from normfuse.errors import InvalidOptionError, ShapeMismatchError, UnsupportedDtypeError
 from normfuse.kernels.add_norm import _one_call_when_fx_traced
 from normfuse.kernels import reference
-from normfuse.kernels.library import implement
+from normfuse.kernels.library import implement, implement_autograd, implement_fake, on_call
 from normfuse.kernels.ops import _eager_cpu, _grad_needed, check_shapes, validate
 from normfuse.kernels.reference import SUPPORTED_DTYPES
+from normfuse.kernels.specs import NormLinearsCall
 
 __all__ = ["norm_linears"]
 
@@ -47,10 +48,13 @@ __all__ = ["norm_linears"]
 
 def _recompute_y(inp, norm_weight, norm_bias, modes: dict, y_shape, eager_cpu: bool) -> Tensor:
     """y = norm(inp), by the site's own forward (the reference on eager CPU tensors)."""
-    forward = reference.add_norm_fwd if eager_cpu else torch.ops.normfuse.add_norm_fwd
+    forward = _REFERENCE_ADD_NORM if eager_cpu else torch.ops.normfuse.add_norm_fwd
     y = forward(inp, None, norm_weight, norm_bias, modes["kind"], modes["eps"], modes["weight_offset"], 1.0,
                 modes["sum_dtype"], modes["norm_round_dtype"], modes["out_dtype"], False)[0]
     return y.reshape(y_shape)
+
+
+_REFERENCE_ADD_NORM = on_call("add_norm_fwd", reference.add_norm_fwd)  # with the op's flat arguments
 
 
 def _linears_backward(grads, y, weights, has_bias):
@@ -99,14 +103,12 @@ def _linear_out_shape(y: Tensor, w: Tensor) -> tuple:
 
 
 @implement("norm_linears")
-def norm_linears_op(y: Tensor, inp: Tensor, norm_weight: Optional[Tensor], norm_bias: Optional[Tensor],
-                    weights: list[Tensor], biases: list[Tensor], has_bias: list[bool], kind: str, eps: float,
-                    weight_offset: float, sum_dtype: torch.dtype, norm_round_dtype: Optional[torch.dtype],
-                    out_dtype: torch.dtype) -> list[Tensor]:
+def norm_linears_op(call: NormLinearsCall) -> list[Tensor]:
     """out_i = linear(y, W_i, b_i); y is recomputed from inp in backward, not saved. ``biases``
     holds the biases that exist, ``has_bias`` which linears have one (an optional list entry
     would get no gradient)."""
-    return [F.linear(y, w, b) for w, b in zip(weights, _spread(biases, has_bias))]
+    linears = call.linears
+    return [F.linear(call.y, w, b) for w, b in zip(linears.weights, _spread(linears.biases, linears.has_bias))]
 
 
 def _spread(present, has_bias) -> list:
@@ -115,19 +117,18 @@ def _spread(present, has_bias) -> list:
     return [next(it) if exists else None for exists in has_bias]
 
 
-@norm_linears_op.register_fake
-def _norm_linears_fake(y, inp, norm_weight, norm_bias, weights, biases, has_bias, kind, eps, weight_offset,
-                       sum_dtype, norm_round_dtype, out_dtype):
-    _check_linears(y, inp, weights, _spread(biases, has_bias))
-    return [y.new_empty(_linear_out_shape(y, w), dtype=torch.result_type(y, w)) for w in weights]
+@implement_fake("norm_linears")
+def _norm_linears_fake(call: NormLinearsCall):
+    y, linears = call.y, call.linears
+    _check_linears(y, call.inp, linears.weights, _spread(linears.biases, linears.has_bias))
+    return [y.new_empty(_linear_out_shape(y, w), dtype=torch.result_type(y, w)) for w in linears.weights]
 
 
-def _op_setup_context(ctx, inputs, output):
-    (y, inp, norm_weight, norm_bias, weights, biases, has_bias, kind, eps, weight_offset, sum_dtype,
-     norm_round_dtype, out_dtype) = inputs
-    _setup(ctx, y, inp, norm_weight, norm_bias, weights, _spread(biases, has_bias),
-           dict(kind=kind, eps=eps, weight_offset=weight_offset, sum_dtype=sum_dtype,
-                norm_round_dtype=norm_round_dtype, out_dtype=out_dtype))
+def _op_setup_context(ctx, call: NormLinearsCall, output):
+    norm, rounding, linears = call.norm, call.rounding, call.linears
+    _setup(ctx, call.y, call.inp, norm.weight, norm.bias, linears.weights, _spread(linears.biases, linears.has_bias),
+           dict(kind=norm.kind, eps=norm.eps, weight_offset=norm.weight_offset, sum_dtype=rounding.sum_dtype,
+                norm_round_dtype=rounding.norm_round_dtype, out_dtype=rounding.out_dtype))
 
 
 def _op_backward(ctx, grads):
@@ -136,7 +137,7 @@ def _op_backward(ctx, grads):
     return dy, None, None, None, dws, dbs, None, None, None, None, None, None, None
 
 
-norm_linears_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+implement_autograd("norm_linears", _op_backward, setup_context=_op_setup_context)
 
 
 # --------------------------------------------------------------------------------------

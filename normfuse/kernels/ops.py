@@ -45,8 +45,10 @@ from torch import Tensor
 
 from normfuse.errors import InvalidOptionError, ShapeMismatchError, UnsupportedDtypeError, closest
 from normfuse.kernels import reference
-from normfuse.kernels.library import implement
-from normfuse.kernels.specs import GRADIENT_OF, OP_OUTPUTS, SUPPORTED_TEXT as _SUPPORTED_TEXT, bind, op_gradients
+from normfuse.kernels.library import implement, implement_autograd, implement_fake, on_call
+from normfuse.kernels.specs import GRADIENT_OF, OP_OUTPUTS, SUPPORTED_TEXT as _SUPPORTED_TEXT, call_of, op_gradients
+from normfuse.kernels.specs import (AddNormCall, BackwardCall, DropoutMask, KeepMaskCall, Norm, NormAddCall, Rows,
+                                    Store)
 from normfuse.kernels.specs import dtypes_on as _dtypes_on
 from normfuse.kernels import triton as triton_backend
 from normfuse.kernels.reference import KINDS, acc_dtype, channel_split, quant_scale_shape, sum_like
@@ -198,7 +200,7 @@ def forward_for(op: str, x, residual, weight, bias, *more):
     if _eager_cpu(x, residual, weight, bias, *more):
         if _grad_needed(x, residual, weight, bias, *more):
             return _EAGER_FUNCTIONS[op].apply
-        return getattr(reference, op)  # no autograd graph to record: the reference alone
+        return _REFERENCE_ON_FLAT[op]  # no autograd graph to record: the reference alone
     return getattr(torch.ops.normfuse, op)
 
 
@@ -243,29 +245,42 @@ def _stats_fake(x: Tensor, kind: str, norm_in_dtype: torch.dtype, norm_group: Op
     return x.new_empty((rows,) if kind == "layer_norm" else (0,), dtype=acc), x.new_empty((rows,), dtype=acc)
 
 
-def _add_norm_backend(x, residual, weight, bias, sum_dtype, norm_round_dtype, out_dtype, x1, rowscale, weight1,
-                      bias1, gate=None, gate_out_dtype=None, norm_group=None):
+def _call_tensors(call: AddNormCall) -> tuple:
+    """The tensors an add_norm call reads (the outputs must not alias them)."""
+    rows, norm, second, gate, quant = call.rows, call.norm, call.second, call.gate, call.quant
+    return (rows.x, rows.residual, norm.weight, norm.bias, rows.x1, rows.rowscale,
+            *((second.weight, second.bias) if second else ()), *((gate.z,) if gate else ()),
+            *((quant.scale,) if quant else ()))
+
+
+def _add_norm_backend(call: AddNormCall):
     """The backend add_norm_fwd runs (and whose dropout mask its backward regenerates)."""
-    return _backend(x, _dtypes(x, residual, weight, bias, sum_dtype, norm_round_dtype, out_dtype, x1, rowscale,
-                               weight1, bias1, gate, gate_out_dtype), norm_group)
+    rounding, gate = call.rounding, call.gate
+    dtypes = _dtypes(*_call_tensors(call), rounding.sum_dtype, rounding.norm_round_dtype, rounding.out_dtype,
+                     None if gate is None else gate.out_dtype)
+    return _backend(call.rows.x, dtypes, call.norm.group)
 
 
-def _check_seed(dropout_p: float, seed: Optional[Tensor]) -> None:
+def _check_seed(dropout: Optional[DropoutMask]) -> None:
     """A direct call of the op skips the functional API, which draws the seed."""
-    if dropout_p > 0 and seed is None:
-        raise InvalidOptionError(f"add_norm_fwd got dropout_p={dropout_p} without a seed; pass seed as an int64 CPU "
+    if dropout is not None and dropout.seed is None:
+        raise InvalidOptionError(f"add_norm_fwd got dropout_p={dropout.p} without a seed; pass seed as an int64 CPU "
                                  f"tensor of shape () (normfuse.add_norm draws one when it is not given).")
 
 
+def _with_stored_sum(call: AddNormCall) -> AddNormCall:
+    """The call with store.sum False when there is no sum to store (a plain norm)."""
+    if call.store.sum and not reference.call_has_sum(call):
+        call.store = Store(sum=False, y=call.store.y)
+    return call
+
+
+def _sum_layout(call: AddNormCall) -> Tensor:
+    return call.rows.x if call.rows.residual is None else call.rows.residual
+
+
 @implement("add_norm_fwd")
-def add_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
-                 kind: str, eps: float, weight_offset: float, residual_scale: float, sum_dtype: torch.dtype,
-                 norm_round_dtype: Optional[torch.dtype], out_dtype: torch.dtype, store_sum: bool,
-                 round_sum_first: bool = True, x1: Optional[Tensor] = None, rowscale: Optional[Tensor] = None,
-                 weight1: Optional[Tensor] = None, bias1: Optional[Tensor] = None, dropout_p: float = 0.0,
-                 seed: Optional[Tensor] = None, gate: Optional[Tensor] = None, gate_position: str = "before",
-                 gate_activation: str = "silu", norm_group: Optional[int] = None,
-                 gate_out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def add_norm_fwd(call: AddNormCall):
     """Add-then-norm. Returns (y, s, mean, rstd, y1): s is empty unless store_sum and there is a sum
     (a residual or a mode); mean (empty for rms_norm) and rstd are flat per-row fp32 (fp64 for fp64
     input); y1 (empty without weight1) is the second norm output, in out_dtype.
@@ -273,98 +288,73 @@ def add_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor]
     rowscale, weight1/bias1, dropout_p/seed are those of reference.py; seed (an int64 CPU tensor
     of shape ()) is read once when dropout_p > 0. gate, gate_position, gate_activation, norm_group
     and gate_out_dtype (y's dtype with a gate "after") too; with norm_group, mean and rstd hold one
-    value per row and group."""
-    _check_seed(dropout_p, seed)
-    backend = _add_norm_backend(x, residual, weight, bias, sum_dtype, norm_round_dtype, out_dtype, x1, rowscale,
-                                weight1, bias1, gate, gate_out_dtype, norm_group)
-    store_sum = store_sum and reference.has_sum(residual, x1, rowscale, dropout_p)
-    outputs = backend.add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
-                                   norm_round_dtype, out_dtype, store_sum, round_sum_first, x1, rowscale, weight1,
-                                   bias1, dropout_p, seed, gate, gate_position, gate_activation, norm_group,
-                                   gate_out_dtype)
-    return _op_outputs(outputs, (None, sum_dtype, None, None, out_dtype), x,
-                       (x, residual, weight, bias, x1, rowscale, weight1, bias1, gate), sum_index=1,
-                       sum_layout=x if residual is None else residual)
+    value per row and group. The arguments are declared in declarations.py."""
+    _check_seed(call.dropout)
+    outputs = _add_norm_backend(call).add_norm_fwd(_with_stored_sum(call))
+    return _op_outputs(outputs, (None, call.rounding.sum_dtype, None, None, call.rounding.out_dtype), call.rows.x,
+                       _call_tensors(call), sum_index=1, sum_layout=_sum_layout(call))
 
 
-@add_norm_fwd.register_fake
-def _add_norm_fwd_fake(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
-                       norm_round_dtype, out_dtype, store_sum, round_sum_first=True, x1=None, rowscale=None,
-                       weight1=None, bias1=None, dropout_p=0.0, seed=None, gate=None, gate_position="before",
-                       gate_activation="silu", norm_group=None, gate_out_dtype=None):
-    check_shapes(x, residual, weight, bias, x1, rowscale, weight1, bias1)
-    _check_seed(dropout_p, seed)
-    stored = store_sum and reference.has_sum(residual, x1, rowscale, dropout_p)
-    s = sum_like(x if residual is None else residual, sum_dtype) if stored else _empty(x, sum_dtype)
-    y1 = _empty(x, out_dtype) if weight1 is None else x.new_empty(x.shape, dtype=out_dtype)
-    y_dtype = y_dtype_of(out_dtype, gate, gate_position, gate_out_dtype)
-    mean, rstd = _stats_fake(x, kind, sum_dtype, norm_group)
-    return (x.new_empty(x.shape, dtype=y_dtype), s, mean, rstd, y1)
+@implement_fake("add_norm_fwd")
+def _add_norm_fwd_fake(call: AddNormCall):
+    rows, norm, rounding, second = call.rows, call.norm, call.rounding, call.second
+    x = rows.x
+    check_shapes(x, rows.residual, norm.weight, norm.bias, rows.x1, rows.rowscale,
+                 *((second.weight, second.bias) if second else ()))
+    _check_seed(call.dropout)
+    sum_dtype, out_dtype = rounding.sum_dtype, rounding.out_dtype
+    stored = call.store.sum and reference.call_has_sum(call)
+    s = sum_like(_sum_layout(call), sum_dtype) if stored else _empty(x, sum_dtype)
+    y1 = _empty(x, out_dtype) if second is None else x.new_empty(x.shape, dtype=out_dtype)
+    mean, rstd = _stats_fake(x, norm.kind, sum_dtype, norm.group)
+    return (x.new_empty(x.shape, dtype=y_dtype_of(call)), s, mean, rstd, y1)
 
 
-def y_dtype_of(out_dtype, gate, gate_position, gate_out_dtype) -> torch.dtype:
-    """y's dtype: gate_out_dtype after a gate "after" (out_dtype when not given), else out_dtype."""
-    return (gate_out_dtype or out_dtype) if gate is not None and gate_position == "after" else out_dtype
+def y_dtype_of(call: AddNormCall) -> torch.dtype:
+    """y's dtype: the gate's out_dtype after a gate "after" (out_dtype when not given), else out_dtype."""
+    gate, out_dtype = call.gate, call.rounding.out_dtype
+    return (gate.out_dtype or out_dtype) if gate is not None and gate.position == "after" else out_dtype
 
 
 @implement("add_norm_quant_fwd")
-def add_norm_quant_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
-                       kind: str, eps: float, weight_offset: float, residual_scale: float, sum_dtype: torch.dtype,
-                       norm_round_dtype: Optional[torch.dtype], out_dtype: torch.dtype, store_sum: bool,
-                       round_sum_first: bool, x1: Optional[Tensor], rowscale: Optional[Tensor],
-                       weight1: Optional[Tensor], bias1: Optional[Tensor], dropout_p: float, seed: Optional[Tensor],
-                       store_y: bool, quant_dtype: torch.dtype, quant_scale: Optional[Tensor],
-                       quant_group: Optional[int], quant_scale_form: str, quant_amax_min: Optional[float],
-                       quant_scale_min: Optional[float], quant_apply: str, quant_clamp: Optional[float],
-                       quant_scale_out: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def add_norm_quant_fwd(call: AddNormCall):
     """Add-then-norm with the quantization epilogue: add_norm_fwd's arguments, then store_y and the
     quant_* options of reference.py. Returns (y, s, mean, rstd, y1, q_bits, scale) as add_norm_fwd,
     y empty unless store_y; q_bits: q's bytes as uint8 of x's shape (``q_bits.view(quant_dtype)``
     is q: fp8 outputs of an op cannot pass opcheck, whose checks sum every output, and an integer
     output is not differentiable by construction); scale: fp32, empty for a static scale, not
     differentiable."""
-    _check_seed(dropout_p, seed)
-    backend = _add_norm_backend(x, residual, weight, bias, sum_dtype, norm_round_dtype, out_dtype, x1, rowscale,
-                                weight1, bias1)
-    store_sum = store_sum and reference.has_sum(residual, x1, rowscale, dropout_p)
-    outputs = backend.add_norm_quant_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
-                                         sum_dtype, norm_round_dtype, out_dtype, store_sum, round_sum_first, x1,
-                                         rowscale, weight1, bias1, dropout_p, seed, store_y, quant_dtype, quant_scale,
-                                         quant_group, quant_scale_form, quant_amax_min, quant_scale_min, quant_apply,
-                                         quant_clamp, quant_scale_out)
-    y, s, mean, rstd, y1, q, scale = outputs
+    _check_seed(call.dropout)
+    y, s, mean, rstd, y1, q, scale = _add_norm_backend(call).add_norm_quant_fwd(_with_stored_sum(call))
+    out_dtype = call.rounding.out_dtype
     return _op_outputs((y, s, mean, rstd, y1, q.view(torch.uint8), scale),
-                       (out_dtype, sum_dtype, None, None, out_dtype, None, torch.float32), x,
-                       (x, residual, weight, bias, x1, rowscale, weight1, bias1, quant_scale), sum_index=1,
-                       sum_layout=x if residual is None else residual)
+                       (out_dtype, call.rounding.sum_dtype, None, None, out_dtype, None, torch.float32), call.rows.x,
+                       _call_tensors(call), sum_index=1, sum_layout=_sum_layout(call))
 
 
-@add_norm_quant_fwd.register_fake
-def _add_norm_quant_fwd_fake(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
-                             norm_round_dtype, out_dtype, store_sum, round_sum_first, x1, rowscale, weight1, bias1,
-                             dropout_p, seed, store_y, quant_dtype, quant_scale, quant_group, quant_scale_form,
-                             quant_amax_min, quant_scale_min, quant_apply, quant_clamp, quant_scale_out):
-    y, s, mean, rstd, y1 = _add_norm_fwd_fake(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
-                                              sum_dtype, norm_round_dtype, out_dtype, store_sum, round_sum_first, x1,
-                                              rowscale, weight1, bias1, dropout_p, seed)
-    y = y if store_y else _empty(x, out_dtype)
-    scale = (_empty(x, torch.float32) if quant_scale is not None
-             else x.new_empty(quant_scale_shape(x.shape, quant_group), dtype=torch.float32))
+@implement_fake("add_norm_quant_fwd")
+def _add_norm_quant_fwd_fake(call: AddNormCall):
+    y, s, mean, rstd, y1 = _add_norm_fwd_fake(call)
+    x, quant = call.rows.x, call.quant
+    y = y if call.store.y else _empty(x, call.rounding.out_dtype)
+    scale = (_empty(x, torch.float32) if quant.scale is not None
+             else x.new_empty(quant_scale_shape(x.shape, quant.group), dtype=torch.float32))
     return y, s, mean, rstd, y1, x.new_empty(x.shape, dtype=torch.uint8), scale
 
 
 @implement("dropout_keep_mask")
-def dropout_keep_mask_op(x: Tensor, p: float, seed: Tensor, on_reference: bool = False) -> Tensor:
+def dropout_keep_mask_op(call: KeepMaskCall) -> Tensor:
     """The keep mask (bool, x's shape) the backend running x draws for dropout_p=p and this seed;
     on_reference: the reference backend's (where the forward ran it for its dtypes)."""
-    backend = reference if on_reference else _backend(x, (x.dtype,))
+    x = call.x
+    backend = reference if call.on_reference else _backend(x, (x.dtype,))
     n_cols = x.shape[-1]
-    return backend.dropout_keep(seed, x.numel() // n_cols, n_cols, p, x.device).view(x.shape)
+    return backend.dropout_keep(call.seed, x.numel() // n_cols, n_cols, call.p, x.device).view(x.shape)
 
 
-@dropout_keep_mask_op.register_fake
-def _dropout_keep_mask_fake(x, p, seed, on_reference=False):
-    return x.new_empty(x.shape, dtype=torch.bool)
+@implement_fake("dropout_keep_mask")
+def _dropout_keep_mask_fake(call: KeepMaskCall):
+    return call.x.new_empty(call.x.shape, dtype=torch.bool)
 
 
 def seed_tensor(seed) -> Tensor:
@@ -383,66 +373,60 @@ def dropout_keep_mask(x: Tensor, p: float, seed) -> Tensor:
 
 
 @implement("norm_add_fwd")
-def norm_add_fwd(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], kind: str,
-                 eps: float, weight_offset: float, residual_scale: float, norm_round_dtype: Optional[torch.dtype],
-                 out_dtype: torch.dtype, add_dtype: torch.dtype, store_norm: bool,
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def norm_add_fwd(call: NormAddCall):
     """Norm-then-add. Returns (out, y, mean, rstd): y is empty unless store_norm."""
-    backend = _backend(x, _dtypes(x, residual, weight, bias, norm_round_dtype, out_dtype, add_dtype))
-    outputs = backend.norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
-                                   norm_round_dtype, out_dtype, add_dtype, store_norm)
-    return _op_outputs(outputs, (None, out_dtype, None, None), x, (x, residual, weight, bias))
+    rows, norm, rounding = call.rows, call.norm, call.rounding
+    x, inputs = rows.x, (rows.x, rows.residual, norm.weight, norm.bias)
+    backend = _backend(x, _dtypes(*inputs, rounding.norm_round_dtype, rounding.out_dtype, rounding.sum_dtype))
+    return _op_outputs(backend.norm_add_fwd(call), (None, rounding.out_dtype, None, None), x, inputs)
 
 
-@norm_add_fwd.register_fake
-def _norm_add_fwd_fake(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, norm_round_dtype,
-                       out_dtype, add_dtype, store_norm):
-    check_shapes(x, residual, weight, bias)
-    y = x.new_empty(x.shape, dtype=out_dtype) if store_norm else _empty(x, out_dtype)
-    return (x.new_empty(x.shape, dtype=add_dtype), y, *_stats_fake(x, kind, x.dtype))
+@implement_fake("norm_add_fwd")
+def _norm_add_fwd_fake(call: NormAddCall):
+    rows, norm, rounding = call.rows, call.norm, call.rounding
+    x = rows.x
+    check_shapes(x, rows.residual, norm.weight, norm.bias)
+    y = x.new_empty(x.shape, dtype=rounding.out_dtype) if call.store.y else _empty(x, rounding.out_dtype)
+    return (x.new_empty(x.shape, dtype=rounding.sum_dtype), y, *_stats_fake(x, norm.kind, x.dtype))
+
+
+def _backward_tensors(call: BackwardCall) -> tuple:
+    """The tensors a backward call reads (the gradients must not alias them)."""
+    grads, saved, norm = call.grads, call.saved, call.norm
+    return (grads.dy, grads.dextra, saved.inp, saved.mean, saved.rstd, norm.weight, grads.dy1,
+            None if call.second is None else call.second.weight, call.rowscale,
+            None if call.gate is None else call.gate.z, norm.bias)
 
 
 @implement("add_norm_bwd")
-def add_norm_bwd(dy: Tensor, dextra: Optional[Tensor], inp: Tensor, mean: Tensor, rstd: Tensor,
-                 weight: Optional[Tensor], kind: str, weight_offset: float, residual_scale: float, add_after_norm: bool,
-                 x_dtype: torch.dtype, residual_dtype: Optional[torch.dtype], bias_dtype: Optional[torch.dtype],
-                 dy1: Optional[Tensor] = None, weight1: Optional[Tensor] = None,
-                 bias1_dtype: Optional[torch.dtype] = None, x1_dtype: Optional[torch.dtype] = None,
-                 rowscale: Optional[Tensor] = None, dropout_p: float = 0.0, seed: Optional[Tensor] = None,
-                 gate: Optional[Tensor] = None, gate_position: str = "before", gate_activation: str = "silu",
-                 norm_group: Optional[int] = None, bias: Optional[Tensor] = None,
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def add_norm_bwd(call: BackwardCall):
     """Backward of add_norm_fwd (add_after_norm=False) and norm_add_fwd (add_after_norm=True); see add_norm_bwd_ref.
     Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate), each empty when that input
     does not exist (dweight1 and dbias1 also without dy1). With a gate, inp is the norm input before
     the gate and bias the norm's (a gate "after" multiplies n * w' + b)."""
-    backend = _backend(inp, _dtypes(dy, inp, weight, x_dtype, residual_dtype, bias_dtype, dy1, weight1, bias1_dtype,
-                                    x1_dtype, rowscale, gate, bias), norm_group)
-    grads = backend.add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, add_after_norm,
-                                 x_dtype, residual_dtype, bias_dtype, dy1, weight1, bias1_dtype, x1_dtype, rowscale,
-                                 dropout_p, seed, gate, gate_position, gate_activation, norm_group, bias)
-    return _op_outputs(grads, (None, inp.dtype, inp.dtype, inp.dtype, inp.dtype, inp.dtype, inp.dtype, inp.dtype), inp,
-                       (dy, dextra, inp, mean, rstd, weight, dy1, weight1, rowscale, gate, bias))
+    inp, dtypes = call.saved.inp, call.dtypes
+    tensors = _backward_tensors(call)
+    backend = _backend(inp, _dtypes(*tensors, dtypes.x, dtypes.residual, dtypes.bias, dtypes.bias1, dtypes.x1),
+                       call.norm.group)
+    return _op_outputs(backend.add_norm_bwd(call), (None, *(inp.dtype,) * 7), inp, tensors)
 
 
-@add_norm_bwd.register_fake
-def _add_norm_bwd_fake(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, add_after_norm,
-                       x_dtype, residual_dtype, bias_dtype, dy1=None, weight1=None, bias1_dtype=None, x1_dtype=None,
-                       rowscale=None, dropout_p=0.0, seed=None, gate=None, gate_position="before",
-                       gate_activation="silu", norm_group=None, bias=None):
+@implement_fake("add_norm_bwd")
+def _add_norm_bwd_fake(call: BackwardCall):
+    inp, dtypes, weight, second, gate = call.saved.inp, call.dtypes, call.norm.weight, call.second, call.gate
     n_cols = inp.shape[-1]
 
     def like(exists, shape, dtype):
         return inp.new_empty(shape, dtype=dtype) if exists else _empty(inp, inp.dtype)
-    has_y1 = dy1 is not None
-    return (inp.new_empty(inp.shape, dtype=x_dtype),
-            like(residual_dtype is not None, inp.shape, residual_dtype),
+    has_y1 = call.grads.dy1 is not None
+    return (inp.new_empty(inp.shape, dtype=dtypes.x),
+            like(dtypes.residual is not None, inp.shape, dtypes.residual),
             like(weight is not None, (n_cols,), weight.dtype if weight is not None else None),
-            like(bias_dtype is not None, (n_cols,), bias_dtype),
-            like(x1_dtype is not None, inp.shape, x1_dtype),
-            like(has_y1 and weight1 is not None, (n_cols,), weight1.dtype if weight1 is not None else None),
-            like(has_y1 and bias1_dtype is not None, (n_cols,), bias1_dtype),
-            like(gate is not None, inp.shape, gate.dtype if gate is not None else None))
+            like(dtypes.bias is not None, (n_cols,), dtypes.bias),
+            like(dtypes.x1 is not None, inp.shape, dtypes.x1),
+            like(has_y1 and second is not None, (n_cols,), second.weight.dtype if second is not None else None),
+            like(has_y1 and dtypes.bias1 is not None, (n_cols,), dtypes.bias1),
+            like(gate is not None, inp.shape, gate.z.dtype if gate is not None else None))
 
 
 # --------------------------------------------------------------------------------------
@@ -468,7 +452,7 @@ def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, add_after_norm, 
     # (Not with rowscale or dropout: dx is then a scaled copy of the residual's grad.)
     shared = (residual_dtype is not None and ctx.residual_scale == 1.0 and rowscale is None and dropout_p == 0
               and residual_dtype == (dy.dtype if add_after_norm else ctx.x_dtype))
-    backward = reference.add_norm_bwd if ctx.eager_cpu else torch.ops.normfuse.add_norm_bwd
+    backward = _REFERENCE_ON_FLAT["add_norm_bwd"] if ctx.eager_cpu else torch.ops.normfuse.add_norm_bwd
     gated = gate is not None or getattr(ctx, "norm_group", None)
     # (the backward op's arguments past seed only when a gate or groups need them)
     gate_args = (gate, ctx.gate_position, ctx.gate_activation, ctx.norm_group, bias) if gated else ()
@@ -485,13 +469,13 @@ def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, add_after_norm, 
             _grad_or_none(dgate, gate is not None))
 
 
-def _save_common(ctx, x, weight, bias, kind, weight_offset, residual_scale, dy_dtype):
+def _save_common(ctx, rows: Rows, norm: Norm, dy_dtype):
     # Unused outputs (s or y nobody read, mean, rstd) get None, not a materialized
     # zero tensor that backward would read and add.
     ctx.set_materialize_grads(False)
-    ctx.kind, ctx.weight_offset, ctx.residual_scale = kind, weight_offset, residual_scale
-    ctx.x_dtype, ctx.dy_dtype = x.dtype, dy_dtype
-    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.kind, ctx.weight_offset, ctx.residual_scale = norm.kind, norm.weight_offset, rows.residual_scale
+    ctx.x_dtype, ctx.dy_dtype = rows.x.dtype, dy_dtype
+    ctx.bias_dtype = None if norm.bias is None else norm.bias.dtype
     ctx.eager_cpu = False  # the eager path's autograd.Function sets it after this
 
 
@@ -500,41 +484,35 @@ _S, _MEAN, _RSTD = (OP_OUTPUTS["add_norm_fwd"].index(name) for name in ("s", "me
 _Q = OP_OUTPUTS["add_norm_quant_fwd"].index("q")
 
 
-def _add_norm_setup_context(ctx, inputs, output):
-    _save_add_norm(ctx, bind("add_norm_fwd", inputs), output)
-
-
-def _save_add_norm(ctx, a: dict, output):
-    """What add_norm_fwd's backward needs, from its named arguments ``a`` (add_norm_quant_fwd's too:
-    it has no gate, so a.get for those)."""
-    x, residual, weight, bias, x1, rowscale = a["x"], a["residual"], a["weight"], a["bias"], a["x1"], a["rowscale"]
-    dropout_p, gate, gate_position = a["dropout_p"], a.get("gate"), a.get("gate_position", "before")
-    ctx.gate_position, ctx.gate_activation = gate_position, a.get("gate_activation", "silu")
-    ctx.norm_group = a.get("norm_group")
+def _save_add_norm(ctx, call: AddNormCall, output):
+    """What add_norm_fwd's backward needs (add_norm_quant_fwd's too: it has no gate)."""
+    rows, norm, gate, second, dropout = call.rows, call.norm, call.gate, call.second, call.dropout
+    x, residual, x1, rowscale = rows.x, rows.residual, rows.x1, rows.rowscale
+    ctx.gate_position = "before" if gate is None else gate.position
+    ctx.gate_activation = "silu" if gate is None else gate.activation
+    ctx.norm_group = norm.group
     s, mean, rstd = output[_S], output[_MEAN], output[_RSTD]
-    ctx.round_sum_first = a["round_sum_first"]
-    ctx.sum_stored = bool(a["store_sum"] and reference.has_sum(residual, x1, rowscale, dropout_p))
-    ctx.dropout_p = dropout_p
+    ctx.round_sum_first = call.rounding.round_sum_first
+    ctx.sum_stored = bool(call.store.sum and reference.call_has_sum(call))
+    ctx.dropout_p = 0.0 if dropout is None else dropout.p
     # The backend the forward ran: its dropout mask is the one a rebuilt sum must use.
-    ctx.mask_on_reference = dropout_p > 0 and _add_norm_backend(
-        x, residual, weight, bias, a["sum_dtype"], a["norm_round_dtype"], a["out_dtype"], x1, rowscale,
-        a["weight1"], a["bias1"], gate, a.get("gate_out_dtype"), ctx.norm_group) is reference
+    ctx.mask_on_reference = dropout is not None and _add_norm_backend(call) is reference
     # Backward needs the norm input and the per-row stats (and rowscale and the seed for dx).
     # The norm input is s when s was stored and normalized; otherwise (no sum, store_sum=False,
     # or the unrounded sum normalized) it is rebuilt from the inputs (and the seed's mask).
-    seed = a["seed"] if dropout_p > 0 else None
+    seed = None if dropout is None else dropout.seed
+    weight1, z = (None if second is None else second.weight), (None if gate is None else gate.z)
     # a gate "after" multiplies n * w' + b: its backward needs the bias
-    gate_bias = bias if gate is not None and gate_position == "after" else None
+    gate_bias = norm.bias if gate is not None and gate.position == "after" else None
     if ctx.sum_stored and ctx.round_sum_first:
-        ctx.save_for_backward(s, None, None, rowscale, seed, a["weight1"], gate, gate_bias, mean, rstd, weight)
+        ctx.save_for_backward(s, None, None, rowscale, seed, weight1, z, gate_bias, mean, rstd, norm.weight)
     else:
-        ctx.save_for_backward(x, residual, x1, rowscale, seed, a["weight1"], gate, gate_bias, mean, rstd, weight)
-    ctx.sum_dtype = a["sum_dtype"]
+        ctx.save_for_backward(x, residual, x1, rowscale, seed, weight1, z, gate_bias, mean, rstd, norm.weight)
+    ctx.sum_dtype = call.rounding.sum_dtype
     ctx.residual_dtype = None if residual is None else residual.dtype
     ctx.x1_dtype = None if x1 is None else x1.dtype
-    ctx.bias1_dtype = None if a["bias1"] is None else a["bias1"].dtype
-    _save_common(ctx, x, weight, bias, a["kind"], a["weight_offset"], a["residual_scale"],
-                 y_dtype_of(a["out_dtype"], gate, gate_position, a.get("gate_out_dtype")))
+    ctx.bias1_dtype = None if second is None or second.bias is None else second.bias.dtype
+    _save_common(ctx, rows, norm, y_dtype_of(call))
 
 
 def _rebuilt_norm_input(ctx, x, residual, x1, rowscale, seed) -> Tensor:
@@ -567,14 +545,13 @@ def _add_norm_backward(ctx, dy, ds, dmean, drstd, dy1):
     return op_gradients("add_norm_fwd", _add_norm_grads(ctx, dy, ds, dy1))
 
 
-add_norm_fwd.register_autograd(_add_norm_backward, setup_context=_add_norm_setup_context)
+implement_autograd("add_norm_fwd", _add_norm_backward, setup_context=_save_add_norm)
 
 
-def _add_norm_quant_setup_context(ctx, inputs, output):
-    a = bind("add_norm_quant_fwd", inputs)
-    _save_add_norm(ctx, a, output)
+def _add_norm_quant_setup_context(ctx, call: AddNormCall, output):
+    _save_add_norm(ctx, call, output)
     ctx.mark_non_differentiable(*(t for t in output[_Q:] if t is not None))  # q and scale (None: static)
-    ctx.y_stored = a["store_y"]
+    ctx.y_stored = call.store.y
 
 
 def _add_norm_quant_backward(ctx, dy, ds, dmean, drstd, dy1, dq, dscale):
@@ -585,17 +562,17 @@ def _add_norm_quant_backward(ctx, dy, ds, dmean, drstd, dy1, dq, dscale):
     return op_gradients("add_norm_quant_fwd", grads)
 
 
-add_norm_quant_fwd.register_autograd(_add_norm_quant_backward, setup_context=_add_norm_quant_setup_context)
+implement_autograd("add_norm_quant_fwd", _add_norm_quant_backward,
+                   setup_context=_add_norm_quant_setup_context)
 
 
-def _norm_add_setup_context(ctx, inputs, output):
-    (x, residual, weight, bias, kind, eps, weight_offset, residual_scale, norm_round_dtype, out_dtype,
-     add_dtype, store_norm) = inputs
+def _norm_add_setup_context(ctx, call: NormAddCall, output):
+    rows, norm = call.rows, call.norm
     _, _, mean, rstd = output
-    ctx.save_for_backward(x, mean, rstd, weight)
-    ctx.norm_stored = store_norm
-    ctx.residual_dtype = residual.dtype
-    _save_common(ctx, x, weight, bias, kind, weight_offset, residual_scale, add_dtype)
+    ctx.save_for_backward(rows.x, mean, rstd, norm.weight)
+    ctx.norm_stored = call.store.y
+    ctx.residual_dtype = rows.residual.dtype
+    _save_common(ctx, rows, norm, call.rounding.sum_dtype)
 
 
 def _norm_add_backward(ctx, dout, dy, dmean, drstd):
@@ -607,19 +584,25 @@ def _norm_add_backward(ctx, dout, dy, dmean, drstd):
     return op_gradients("norm_add_fwd", {name: grads[name] for name in ("x", "residual", "weight", "bias")})
 
 
-norm_add_fwd.register_autograd(_norm_add_backward, setup_context=_norm_add_setup_context)
+implement_autograd("norm_add_fwd", _norm_add_backward, setup_context=_norm_add_setup_context)
 
 
 # --------------------------------------------------------------------------------------
 # The eager CPU path (first row of the table)
 # --------------------------------------------------------------------------------------
 
-def _eager_function(name: str, compute, setup_context, backward) -> type:
-    """An autograd.Function running ``compute`` with the op's own setup_context and backward.
-    forward(ctx, ...) style: the setup_context style binds the signature on every call."""
+# the reference backend's functions, called with an op's flat arguments
+_REFERENCE_ON_FLAT = {op: on_call(op, getattr(reference, op))
+                      for op in ("add_norm_fwd", "add_norm_quant_fwd", "norm_add_fwd", "add_norm_bwd")}
+
+
+def _eager_function(name: str, op: str, compute, setup_context, backward) -> type:
+    """An autograd.Function running ``compute`` on the call of ``op`` with the op's own setup_context
+    and backward. forward(ctx, ...) style: the setup_context style binds the signature on every call."""
     def forward(ctx, *inputs):
-        output = compute(*inputs)
-        setup_context(ctx, inputs, output)
+        call = call_of(op, inputs)
+        output = compute(call)
+        setup_context(ctx, call, output)
         ctx.eager_cpu = True  # _norm_backward then calls the reference backward directly
         return output
 
@@ -628,10 +611,10 @@ def _eager_function(name: str, compute, setup_context, backward) -> type:
 
 
 _EAGER_FUNCTIONS = {
-    "add_norm_fwd": _eager_function("_EagerAddNorm", reference.add_norm_fwd, _add_norm_setup_context,
+    "add_norm_fwd": _eager_function("_EagerAddNorm", "add_norm_fwd", reference.add_norm_fwd, _save_add_norm,
                                     _add_norm_backward),
-    "norm_add_fwd": _eager_function("_EagerNormAdd", reference.norm_add_fwd, _norm_add_setup_context,
+    "norm_add_fwd": _eager_function("_EagerNormAdd", "norm_add_fwd", reference.norm_add_fwd, _norm_add_setup_context,
                                     _norm_add_backward),
-    "add_norm_quant_fwd": _eager_function("_EagerAddNormQuant", reference.add_norm_quant_fwd,
+    "add_norm_quant_fwd": _eager_function("_EagerAddNormQuant", "add_norm_quant_fwd", reference.add_norm_quant_fwd,
                                           _add_norm_quant_setup_context, _add_norm_quant_backward),
 }

@@ -72,8 +72,9 @@ from torch import Tensor
 
 from normfuse.errors import InvalidOptionError, ShapeMismatchError, UnsupportedDtypeError, closest
 from normfuse.kernels import triton as triton_backend
-from normfuse.kernels.library import implement
-from normfuse.kernels.specs import OP_OUTPUTS, SUPPORTED_TEXT, bind, dtypes_on, op_gradients
+from normfuse.kernels.library import implement, implement_autograd, implement_fake, on_call
+from normfuse.kernels.specs import OP_OUTPUTS, SUPPORTED_TEXT, dtypes_on, op_gradients
+from normfuse.kernels.specs import QkNorm, QkNormRopeBackwardCall, QkNormRopeCall, QkRounding, QkRows, Rope
 from normfuse.kernels.ops import _backend, _eager_cpu, _eager_function, _grad_needed, _op_outputs
 from normfuse.kernels.reference import (_default_out_dtype, _norm_grads,
                                         acc_dtype, normalize)
@@ -130,14 +131,14 @@ def _norm_rows(x: Tensor, full_width: bool) -> Tensor:
     return x.flatten(2) if full_width else x
 
 
-def _fwd_one(x, weight, cos, sin, eps, weight_offset, norm_round_dtype, norm_out_dtype, rope_dtype, out_dtype,
-             layout, rotary_dim, full_width, transpose_out):
-    y, _, rstd = normalize(_norm_rows(x, full_width), weight, None, "rms_norm", eps, weight_offset,
-                           norm_round_dtype, norm_out_dtype)
+def _fwd_one(x, weight, rope: Rope, norm: QkNorm, rounding: QkRounding, transpose_out: bool):
+    y, _, rstd = normalize(_norm_rows(x, norm.full_width), weight, None, "rms_norm", norm.eps, norm.weight_offset,
+                           rounding.norm_round_dtype, rounding.norm_out_dtype)
     y = y.reshape(x.shape)                                        # (B, S, H, D)
-    c, s = rope_tables(cos, sin, layout, rotary_dim)              # (B | 1, S | 1, 1, R)
+    rotary_dim, rope_dtype, out_dtype = rope.rotary_dim, rounding.rope_dtype, rounding.out_dtype
+    c, s = rope_tables(rope.cos, rope.sin, rope.layout, rotary_dim)   # (B | 1, S | 1, 1, R)
     yr = y[..., :rotary_dim].to(rope_dtype)
-    o = yr * c.to(rope_dtype) + _rotate(yr, layout) * s.to(rope_dtype)   # eager's three roundings
+    o = yr * c.to(rope_dtype) + _rotate(yr, rope.layout) * s.to(rope_dtype)   # eager's three roundings
     out = o.to(out_dtype)
     if rotary_dim < x.shape[-1]:
         out = torch.cat((out, y[..., rotary_dim:].to(out_dtype)), dim=-1)
@@ -146,40 +147,36 @@ def _fwd_one(x, weight, cos, sin, eps, weight_offset, norm_round_dtype, norm_out
     return out, rstd
 
 
-def qk_norm_rope_fwd_ref(q, k, q_weight, k_weight, cos, sin, eps, weight_offset, norm_round_dtype, norm_out_dtype,
-                         rope_dtype, out_dtype, layout, rotary_dim, full_width, transpose_out):
-    """Backend form (positional, as the op): (q_out, k_out, q_rstd, k_rstd); k's are None without k.
+def qk_norm_rope_fwd_ref(call: QkNormRopeCall):
+    """Backend form (the op's call): (q_out, k_out, q_rstd, k_rstd); k's are None without k.
     rstd is fp32 (fp64 for fp64 input), flat per norm row."""
-    args = (eps, weight_offset, norm_round_dtype, norm_out_dtype, rope_dtype, out_dtype, layout, rotary_dim,
-            full_width, transpose_out)
-    q_out, q_rstd = _fwd_one(q, q_weight, cos, sin, *args)
-    k_out, k_rstd = (None, None) if k is None else _fwd_one(k, k_weight, cos, sin, *args)
+    settings = (call.rope, call.norm, call.rounding, call.transpose_out)
+    q_out, q_rstd = _fwd_one(call.q.x, call.q.weight, *settings)
+    k_out, k_rstd = (None, None) if call.k is None else _fwd_one(call.k.x, call.k.weight, *settings)
     return q_out, k_out, q_rstd, k_rstd
 
 
-def _bwd_one(dout, x, weight, cos, sin, rstd, weight_offset, layout, rotary_dim, full_width):
+def _bwd_one(rows: QkRows, rope: Rope, norm: QkNorm):
+    x, weight, rotary_dim = rows.x, rows.weight, rope.rotary_dim
     acc = acc_dtype(x.dtype)
-    g = dout.to(acc)                                              # (B, S, H, D)
-    c, s = (t.to(acc) for t in rope_tables(cos, sin, layout, rotary_dim))
+    g = rows.dout.to(acc)                                         # (B, S, H, D)
+    c, s = (t.to(acc) for t in rope_tables(rope.cos, rope.sin, rope.layout, rotary_dim))
     gr = g[..., :rotary_dim]
-    dy = gr * c + _rotate_t(gr * s, layout)
+    dy = gr * c + _rotate_t(gr * s, rope.layout)
     if rotary_dim < x.shape[-1]:
         dy = torch.cat((dy, g[..., rotary_dim:]), dim=-1)
-    u = _norm_rows(x, full_width)
-    du, dw = _norm_grads(_norm_rows(dy, full_width), u, u.new_empty(0, dtype=acc), rstd, weight, "rms_norm",
-                         weight_offset, None)[:2]
+    u = _norm_rows(x, norm.full_width)
+    du, dw = _norm_grads(_norm_rows(dy, norm.full_width), u, u.new_empty(0, dtype=acc), rows.rstd, weight, "rms_norm",
+                         norm.weight_offset, None)[:2]
     return du.reshape(x.shape).to(x.dtype), (None if dw is None else dw.to(weight.dtype))
 
 
-def qk_norm_rope_bwd_ref(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd, weight_offset, layout,
-                         rotary_dim, full_width):
+def qk_norm_rope_bwd_ref(call: QkNormRopeBackwardCall):
     """Backward of qk_norm_rope_fwd_ref: (dq, dk, dq_weight, dk_weight), None for what does not exist.
-    dq_out, dk_out: the output grads as (B, S, H, D) views (transposed back when the forward
+    q.dout, k.dout: the output grads as (B, S, H, D) views (transposed back when the forward
     transposed its outputs)."""
-    dq, dwq = _bwd_one(dq_out, q, q_weight, cos, sin, q_rstd, weight_offset, layout, rotary_dim, full_width)
-    dk = dwk = None
-    if k is not None:
-        dk, dwk = _bwd_one(dk_out, k, k_weight, cos, sin, k_rstd, weight_offset, layout, rotary_dim, full_width)
+    dq, dwq = _bwd_one(call.q, call.rope, call.norm)
+    dk, dwk = (None, None) if call.k is None else _bwd_one(call.k, call.rope, call.norm)
     return dq, dk, dwq, dwk
 
 
@@ -190,14 +187,14 @@ def qk_norm_rope_ref(q, k, q_weight, k_weight, cos, sin, *, eps, weight_offset=0
     its rounding steps: for an fp64 reference pass fp64 tensors and fp64 dtypes). Returns (q_out,
     k_out), k_out None without k."""
     cos, sin, rotary_dim = _tables(cos, sin, rotary_dim)
+    rope, norm = Rope(cos, sin, layout, rotary_dim), QkNorm(float(eps), float(weight_offset), norm_width == "row")
     outs = []
     for x, w in ((q, q_weight), (k, k_weight)):
         if x is None:
             outs.append(None)
             continue
         dtypes = qk_norm_rope_dtypes(x, w, cos, sin, norm_round_dtype, norm_out_dtype, rope_dtype, out_dtype)
-        outs.append(_fwd_one(x, w, cos, sin, float(eps), float(weight_offset), norm_round_dtype, *dtypes, layout,
-                             rotary_dim, norm_width == "row", transpose_out)[0])
+        outs.append(_fwd_one(x, w, rope, norm, QkRounding(norm_round_dtype, *dtypes), transpose_out)[0])
     return tuple(outs)
 
 
@@ -303,18 +300,14 @@ def _dtypes(*items) -> tuple:
 
 
 @implement("qk_norm_rope_fwd")
-def qk_norm_rope_fwd(q: Tensor, k: Optional[Tensor], q_weight: Optional[Tensor], k_weight: Optional[Tensor],
-                     cos: Tensor, sin: Tensor, eps: float, weight_offset: float,
-                     norm_round_dtype: Optional[torch.dtype], norm_out_dtype: torch.dtype, rope_dtype: torch.dtype,
-                     out_dtype: torch.dtype, layout: str, rotary_dim: int, full_width: bool, transpose_out: bool,
-                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def qk_norm_rope_fwd(call: QkNormRopeCall):
     """QK-norm + RoPE of the module docstring, q and k in one launch. cos, sin: 4-d (1 | B, 1 | S, 1, R or
     R / 2). Returns (q_out, k_out, q_rstd, k_rstd): k's empty without k; rstd flat per norm row, fp32."""
-    forward, _ = _backend_of(q, _dtypes(q, k, q_weight, k_weight, cos, sin, norm_round_dtype, norm_out_dtype,
-                                        rope_dtype, out_dtype))
-    outputs = forward(q, k, q_weight, k_weight, cos, sin, eps, weight_offset, norm_round_dtype, norm_out_dtype,
-                      rope_dtype, out_dtype, layout, rotary_dim, full_width, transpose_out)
-    return _op_outputs(outputs, (None, out_dtype, None, acc_dtype(q.dtype)), q, (q, k, q_weight, k_weight, cos, sin))
+    q, k, rope, rounding = call.q, call.k, call.rope, call.rounding
+    tensors = (q.x, q.weight, *((k.x, k.weight) if k else ()), rope.cos, rope.sin)
+    forward, _ = _backend_of(q.x, _dtypes(*tensors, rounding.norm_round_dtype, rounding.norm_out_dtype,
+                                          rounding.rope_dtype, rounding.out_dtype))
+    return _op_outputs(forward(call), (None, rounding.out_dtype, None, acc_dtype(q.x.dtype)), q.x, tensors)
 
 
 def _out_shape(x: Tensor, transpose_out: bool) -> tuple:
@@ -326,52 +319,54 @@ def _rstd_rows(x: Tensor, full_width: bool) -> int:
     return x.shape[0] * x.shape[1] * (1 if full_width else x.shape[2])
 
 
-@qk_norm_rope_fwd.register_fake
-def _qk_norm_rope_fwd_fake(q, k, q_weight, k_weight, cos, sin, eps, weight_offset, norm_round_dtype, norm_out_dtype,
-                           rope_dtype, out_dtype, layout, rotary_dim, full_width, transpose_out):
+@implement_fake("qk_norm_rope_fwd")
+def _qk_norm_rope_fwd_fake(call: QkNormRopeCall):
+    q, k, out_dtype, full_width = call.q.x, call.k, call.rounding.out_dtype, call.norm.full_width
     acc = acc_dtype(q.dtype)
-    q_out = q.new_empty(_out_shape(q, transpose_out), dtype=out_dtype)
+    q_out = q.new_empty(_out_shape(q, call.transpose_out), dtype=out_dtype)
     q_rstd = q.new_empty((_rstd_rows(q, full_width),), dtype=acc)
     if k is None:
         return q_out, q.new_empty(0, dtype=out_dtype), q_rstd, q.new_empty(0, dtype=acc)
-    return (q_out, k.new_empty(_out_shape(k, transpose_out), dtype=out_dtype), q_rstd,
-            k.new_empty((_rstd_rows(k, full_width),), dtype=acc))
+    return (q_out, k.x.new_empty(_out_shape(k.x, call.transpose_out), dtype=out_dtype), q_rstd,
+            k.x.new_empty((_rstd_rows(k.x, full_width),), dtype=acc))
+
+
+def _backward_tensors(call: QkNormRopeBackwardCall) -> tuple:
+    rows = [call.q] + ([call.k] if call.k else [])
+    return (*(t for r in rows for t in (r.dout, r.x, r.weight, r.rstd)), call.rope.cos, call.rope.sin)
 
 
 @implement("qk_norm_rope_bwd")
-def qk_norm_rope_bwd(dq_out: Tensor, dk_out: Optional[Tensor], q: Tensor, k: Optional[Tensor],
-                     q_weight: Optional[Tensor], k_weight: Optional[Tensor], cos: Tensor, sin: Tensor, q_rstd: Tensor,
-                     k_rstd: Optional[Tensor], weight_offset: float, layout: str, rotary_dim: int, full_width: bool,
-                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def qk_norm_rope_bwd(call: QkNormRopeBackwardCall):
     """Backward of qk_norm_rope_fwd (see qk_norm_rope_bwd_ref): (dq, dk, dq_weight, dk_weight), each
     empty when that input does not exist. dq_out, dk_out: (B, S, H, D)-shaped, any strides."""
-    _, backward = _backend_of(q, _dtypes(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin))
-    grads = backward(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd, weight_offset, layout,
-                     rotary_dim, full_width)
-    return _op_outputs(grads, (None, q.dtype, q.dtype, q.dtype), q,
-                       (dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd))
+    q = call.q.x
+    tensors = _backward_tensors(call)
+    _, backward = _backend_of(q, _dtypes(*tensors))
+    return _op_outputs(backward(call), (None, q.dtype, q.dtype, q.dtype), q, tensors)
 
 
-@qk_norm_rope_bwd.register_fake
-def _qk_norm_rope_bwd_fake(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd, weight_offset, layout,
-                           rotary_dim, full_width):
+@implement_fake("qk_norm_rope_bwd")
+def _qk_norm_rope_bwd_fake(call: QkNormRopeBackwardCall):
+    q, k = call.q, call.k
+
     def like(t):
-        return q.new_empty(0, dtype=q.dtype) if t is None else t.new_empty(t.shape, dtype=t.dtype)
-    return like(q), like(k), like(q_weight), like(None if k is None else k_weight)
+        return q.x.new_empty(0, dtype=q.x.dtype) if t is None else t.new_empty(t.shape, dtype=t.dtype)
+    return like(q.x), like(None if k is None else k.x), like(q.weight), like(None if k is None else k.weight)
 
 
 # --------------------------------------------------------------------------------------
 # Autograd (the custom op's, and the eager CPU path's)
 # --------------------------------------------------------------------------------------
 
-def _setup_context(ctx, inputs, output):
-    a = bind("qk_norm_rope_fwd", inputs)
+def _setup_context(ctx, call: QkNormRopeCall, output):
+    q, k, rope = call.q, call.k, call.rope
     out = dict(zip(OP_OUTPUTS["qk_norm_rope_fwd"], output))
     ctx.set_materialize_grads(False)  # an unused q_out or k_out gets None, not a zero tensor to read
-    ctx.save_for_backward(a["q"], a["k"], a["q_weight"], a["k_weight"], a["cos"], a["sin"], out["q_rstd"],
-                          out["k_rstd"])
-    ctx.weight_offset, ctx.layout, ctx.rotary_dim = a["weight_offset"], a["layout"], a["rotary_dim"]
-    ctx.full_width, ctx.transpose_out, ctx.out_dtype = a["full_width"], a["transpose_out"], a["out_dtype"]
+    ctx.save_for_backward(q.x, None if k is None else k.x, q.weight, None if k is None else k.weight, rope.cos,
+                          rope.sin, out["q_rstd"], out["k_rstd"])
+    ctx.weight_offset, ctx.layout, ctx.rotary_dim = call.norm.weight_offset, rope.layout, rope.rotary_dim
+    ctx.full_width, ctx.transpose_out, ctx.out_dtype = call.norm.full_width, call.transpose_out, call.rounding.out_dtype
     ctx.eager_cpu = False  # the eager path's autograd.Function sets it after this
 
 
@@ -386,7 +381,7 @@ def _backward(ctx, dq_out, dk_out, dq_rstd, dk_rstd):
     has_k = k is not None
     dq_out = as_rows(dq_out, q)
     dk_out = as_rows(dk_out, k) if has_k else None
-    backward = qk_norm_rope_bwd_ref if ctx.eager_cpu else torch.ops.normfuse.qk_norm_rope_bwd
+    backward = _REFERENCE_BACKWARD if ctx.eager_cpu else torch.ops.normfuse.qk_norm_rope_bwd
     dq, dk, dwq, dwk = backward(dq_out, dk_out, q, k if has_k else None, q_weight, k_weight if has_k else None, cos,
                                 sin, q_rstd, k_rstd if has_k else None, ctx.weight_offset, ctx.layout, ctx.rotary_dim,
                                 ctx.full_width)
@@ -395,9 +390,12 @@ def _backward(ctx, dq_out, dk_out, dq_rstd, dk_rstd):
                                              "k_weight": dwk if has_k and k_weight is not None else None})
 
 
-qk_norm_rope_fwd.register_autograd(_backward, setup_context=_setup_context)
+implement_autograd("qk_norm_rope_fwd", _backward, setup_context=_setup_context)
 
-_EAGER = _eager_function("_EagerQKNormRope", qk_norm_rope_fwd_ref, _setup_context, _backward)
+# the reference backend with the ops' flat arguments (the eager CPU path)
+_REFERENCE_FORWARD = on_call("qk_norm_rope_fwd", qk_norm_rope_fwd_ref)
+_REFERENCE_BACKWARD = on_call("qk_norm_rope_bwd", qk_norm_rope_bwd_ref)
+_EAGER = _eager_function("_EagerQKNormRope", "qk_norm_rope_fwd", qk_norm_rope_fwd_ref, _setup_context, _backward)
 
 
 # --------------------------------------------------------------------------------------
@@ -436,7 +434,7 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps, weight_offset=0.0, 
     for x, x2, w, w2, dtypes in calls:
         tensors = (x, x2, w, w2, cos, sin)
         if _eager_cpu(*tensors):
-            forward = _EAGER.apply if _grad_needed(x, x2, w, w2) else qk_norm_rope_fwd_ref
+            forward = _EAGER.apply if _grad_needed(x, x2, w, w2) else _REFERENCE_FORWARD
         else:
             forward = torch.ops.normfuse.qk_norm_rope_fwd
         out, out2, _, _ = forward(*tensors, *common, *dtypes, *tail)

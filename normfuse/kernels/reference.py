@@ -132,15 +132,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from normfuse.vocabulary import KERNEL_DTYPES, KINDS
+from normfuse.kernels.specs import (CPU_ONLY_DTYPES, SUPPORTED_DTYPES, AddNormCall, BackwardCall, DropoutMask,
+                                    GradDtypes, Grads, Norm, NormAddCall, Rounding, Rows, Saved, SecondNorm, Store)
+from normfuse.kernels.specs import Gate
+from normfuse.vocabulary import KINDS
 
 __all__ = ["add_norm_ref", "norm_add_ref", "add_norm_bwd_ref", "dropout_keep", "quantize", "KINDS",
            "SUPPORTED_DTYPES"]
 
-# Activation, weight and rounding dtypes the fused ops take (normfuse/vocabulary.py). fp64
-# runs on CPU only, through the reference (gradcheck needs it).
-SUPPORTED_DTYPES = KERNEL_DTYPES
-CPU_ONLY_DTYPES = (torch.float64,)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -369,24 +368,33 @@ def _normalize(u: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], kind
     return n.to(out_dtype), mean, rstd.reshape(-1)
 
 
-def add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype,
-                 out_dtype, store_sum, round_sum_first=True, x1=None, rowscale=None, weight1=None, bias1=None,
-                 dropout_p=0.0, seed=None, gate=None, gate_position="before", gate_activation="silu",
-                 norm_group=None, gate_out_dtype=None):
+def add_norm_fwd(call: AddNormCall):
     """(y, s, mean, rstd, y1) of add-then-norm; s is None unless stored (and there is a sum), y1
-    None without weight1."""
-    keep = dropout_keep(seed, x.numel() // x.shape[-1], x.shape[-1], dropout_p, x.device) if dropout_p > 0 else None
-    s, u = norm_input(x, residual, residual_scale, sum_dtype, round_sum_first, x1, rowscale, keep, dropout_p)
-    if gate is not None and gate_position == "before":
-        u = gated_input(u, gate, gate_activation)
-    y, mean, rstd = normalize(u, weight, bias, kind, eps, weight_offset, norm_round_dtype, out_dtype, norm_group)
-    if gate is not None and gate_position == "after":
+    None without a second norm."""
+    rows, norm, rounding, gate, dropout = call.rows, call.norm, call.rounding, call.gate, call.dropout
+    x = rows.x
+    p = 0.0 if dropout is None else dropout.p
+    keep = None if dropout is None else dropout_keep(dropout.seed, x.numel() // x.shape[-1], x.shape[-1], p, x.device)
+    s, u = norm_input(x, rows.residual, rows.residual_scale, rounding.sum_dtype, rounding.round_sum_first, rows.x1,
+                      rows.rowscale, keep, p)
+    if gate is not None and gate.position == "before":
+        u = gated_input(u, gate.z, gate.activation)
+    y, mean, rstd = normalize(u, norm.weight, norm.bias, norm.kind, norm.eps, norm.weight_offset,
+                              rounding.norm_round_dtype, rounding.out_dtype, norm.group)
+    if gate is not None and gate.position == "after":
         acc = acc_dtype(y.dtype)
-        y = (y.to(acc) * activation(gate.to(acc), gate_activation)).to(gate_out_dtype or out_dtype)
+        y = (y.to(acc) * activation(gate.z.to(acc), gate.activation)).to(gate.out_dtype or rounding.out_dtype)
     # y1 normalizes the same u (same stats) with its own parameters
-    y1 = None if weight1 is None else normalize(u, weight1, bias1, kind, eps, weight_offset, norm_round_dtype,
-                                                out_dtype)[0]
-    return y, (s if store_sum and has_sum(residual, x1, rowscale, dropout_p) else None), mean, rstd, y1
+    second = call.second
+    y1 = None if second is None else normalize(u, second.weight, second.bias, norm.kind, norm.eps, norm.weight_offset,
+                                               rounding.norm_round_dtype, rounding.out_dtype)[0]
+    return y, (s if call.store.sum and call_has_sum(call) else None), mean, rstd, y1
+
+
+def call_has_sum(call: AddNormCall) -> bool:
+    """Whether the call forms a sum s other than x itself (has_sum of its rows and dropout)."""
+    rows = call.rows
+    return has_sum(rows.residual, rows.x1, rows.rowscale, 0.0 if call.dropout is None else call.dropout.p)
 
 
 # ---- quantization epilogue -------------------------------------------------------------
@@ -439,27 +447,25 @@ def quantize(y: Tensor, quant_dtype, quant_scale, quant_group, scale_form, amax_
     return q, out.reshape(quant_scale_shape(y.shape, quant_group))
 
 
-def add_norm_quant_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
-                       norm_round_dtype, out_dtype, store_sum, round_sum_first, x1, rowscale, weight1, bias1,
-                       dropout_p, seed, store_y, quant_dtype, quant_scale, quant_group, quant_scale_form,
-                       quant_amax_min, quant_scale_min, quant_apply, quant_clamp, quant_scale_out):
-    """(y, s, mean, rstd, y1, q, scale) of add-then-norm with the quantization epilogue; y is None
-    unless store_y, scale None for a static scale."""
-    y, s, mean, rstd, y1 = add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
-                                        sum_dtype, norm_round_dtype, out_dtype, store_sum, round_sum_first, x1,
-                                        rowscale, weight1, bias1, dropout_p, seed)
-    q, scale = quantize(y.detach(), quant_dtype, quant_scale, quant_group, quant_scale_form, quant_amax_min,
-                        quant_scale_min, quant_apply, quant_clamp, quant_scale_out)
-    return (y if store_y else None), s, mean, rstd, y1, q, scale
+def add_norm_quant_fwd(call: AddNormCall):
+    """(y, s, mean, rstd, y1, q, scale) of add-then-norm with the quantization epilogue (call.quant);
+    y is None unless call.store.y, scale None for a static scale."""
+    y, s, mean, rstd, y1 = add_norm_fwd(call)
+    quant = call.quant
+    q, scale = quantize(y.detach(), quant.dtype, quant.scale, quant.group, quant.scale_form, quant.amax_min,
+                        quant.scale_min, quant.apply, quant.clamp, quant.scale_out)
+    return (y if call.store.y else None), s, mean, rstd, y1, q, scale
 
 
-def norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, norm_round_dtype, out_dtype,
-                 add_dtype, store_norm):
-    """(out, y, mean, rstd) of norm-then-add; y is None unless stored.
-    out = round(add_dtype, float(round(residual.dtype, residual_scale * residual)) + float(y))."""
-    y, mean, rstd = normalize(x, weight, bias, kind, eps, weight_offset, norm_round_dtype, out_dtype)
-    out = pre_sum(_scale_residual(residual, residual_scale), y, 1.0, add_dtype)
-    return out, (y if store_norm else None), mean, rstd
+def norm_add_fwd(call: NormAddCall):
+    """(out, y, mean, rstd) of norm-then-add; y is None unless stored (call.store.y).
+    out = round(add_dtype, float(round(residual.dtype, residual_scale * residual)) + float(y)), add_dtype
+    being call.rounding.sum_dtype."""
+    rows, norm, rounding = call.rows, call.norm, call.rounding
+    y, mean, rstd = normalize(rows.x, norm.weight, norm.bias, norm.kind, norm.eps, norm.weight_offset,
+                              rounding.norm_round_dtype, rounding.out_dtype)
+    out = pre_sum(_scale_residual(rows.residual, rows.residual_scale), y, 1.0, rounding.sum_dtype)
+    return out, (y if call.store.y else None), mean, rstd
 
 
 def add_norm_ref(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offset=0.0,
@@ -477,10 +483,13 @@ def add_norm_ref(x, residual=None, weight=None, bias=None, *, kind, eps, weight_
     reference, pass fp64 tensors and fp64 rounding dtypes. Differentiable with plain autograd.
     """
     sum_dtype, out_dtype = add_norm_dtypes(x, residual, weight, sum_dtype, norm_round_dtype, out_dtype, x1)
-    y, s, _, _, y1 = add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
-                                  norm_round_dtype, out_dtype, return_sum, round_sum_first, x1, rowscale, weight1,
-                                  bias1, dropout_p, seed, gate, gate_position, gate_activation, norm_group,
-                                  gate_out_dtype)
+    call = AddNormCall(
+        Rows(x, residual, residual_scale, x1, rowscale), Norm(kind, weight, bias, eps, weight_offset, norm_group),
+        Rounding(sum_dtype, norm_round_dtype, out_dtype, round_sum_first), Store(sum=return_sum),
+        second=None if weight1 is None else SecondNorm(weight1, bias1),
+        dropout=DropoutMask(dropout_p, seed) if dropout_p > 0 else None,
+        gate=None if gate is None else Gate(gate, gate_position, gate_activation, gate_out_dtype))
+    y, s, _, _, y1 = add_norm_fwd(call)
     if quant_dtype is not None:
         q, scale = quantize(y.detach(), quant_dtype, quant_scale, quant_group, quant_scale_form, quant_amax_min,
                             quant_scale_min, quant_apply, quant_clamp, quant_scale_out)
@@ -492,8 +501,9 @@ def norm_add_ref(x, residual, weight=None, bias=None, *, kind, eps, weight_offse
                  norm_round_dtype=None, out_dtype=None, add_dtype=None, return_norm=False):
     """Plain-PyTorch norm-then-add: returns (out, y); y is None unless return_norm."""
     out_dtype, add_dtype = norm_add_dtypes(x, residual, weight, norm_round_dtype, out_dtype, add_dtype)
-    out, y, _, _ = norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale,
-                                norm_round_dtype, out_dtype, add_dtype, return_norm)
+    call = NormAddCall(Rows(x, residual, residual_scale), Norm(kind, weight, bias, eps, weight_offset),
+                       Rounding(add_dtype, norm_round_dtype, out_dtype), Store(y=return_norm))
+    out, y, _, _ = norm_add_fwd(call)
     return out, y
 
 
@@ -606,59 +616,59 @@ def _norm_output(h, mean, rstd, weight, bias, kind, weight_offset, norm_group) -
     return y0 if bias is None else y0 + bias.to(acc)
 
 
-def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, add_after_norm, x_dtype,
-                 residual_dtype, bias_dtype, dy1=None, weight1=None, bias1_dtype=None, x1_dtype=None, rowscale=None,
-                 dropout_p=0.0, seed=None, gate=None, gate_position="before", gate_activation="silu",
-                 norm_group=None, bias=None):
-    """Backend form (positional, as the op) of :func:`add_norm_bwd_ref`."""
+def add_norm_bwd(call: BackwardCall):
+    """Backend form (the op's call) of :func:`add_norm_bwd_ref`."""
+    grads, saved, norm, dtypes, gate = call.grads, call.saved, call.norm, call.dtypes, call.gate
+    inp = saved.inp
     acc = acc_dtype(inp.dtype)
-    dn = dy + dextra if (add_after_norm and dextra is not None) else dy  # gradient into the norm's output
+    dextra, add_after_norm = grads.dextra, call.add_after_norm
+    dn = grads.dy + dextra if (add_after_norm and dextra is not None) else grads.dy  # gradient into the norm's output
     dgate = None
-    if gate is None and not norm_group:
-        du, dw, db, dw1, db1 = _norm_grads(dn, inp, mean, rstd, weight, kind, weight_offset, bias_dtype, dy1,
-                                           weight1, bias1_dtype)
+    if gate is None and not norm.group:
+        weight1 = None if call.second is None else call.second.weight
+        du, dw, db, dw1, db1 = _norm_grads(dn, inp, saved.mean, saved.rstd, norm.weight, norm.kind, norm.weight_offset,
+                                           dtypes.bias, grads.dy1, weight1, dtypes.bias1)
     else:
-        du, dw, db, dgate = _gated_norm_grads(dn, inp, mean, rstd, weight, bias, kind, weight_offset, bias_dtype,
-                                              gate, gate_position, gate_activation, norm_group)
+        du, dw, db, dgate = _gated_norm_grads(dn, inp, saved.mean, saved.rstd, norm.weight, norm.bias, norm.kind,
+                                              norm.weight_offset, dtypes.bias, None if gate is None else gate.z,
+                                              "before" if gate is None else gate.position,
+                                              "silu" if gate is None else gate.activation, norm.group)
         dw1 = db1 = None
     if not add_after_norm and dextra is not None:
         du = du + dextra.to(du.dtype)
     dres = None
-    if residual_dtype is not None:
-        src = dy if add_after_norm else du
-        dres = (src if residual_scale == 1.0 else src.to(acc) * residual_scale).to(residual_dtype)
-    dx1 = None if x1_dtype is None else du.to(x1_dtype)
+    if dtypes.residual is not None:
+        src = grads.dy if add_after_norm else du
+        scale = call.residual_scale
+        dres = (src if scale == 1.0 else src.to(acc) * scale).to(dtypes.residual)
+    dx1 = None if dtypes.x1 is None else du.to(dtypes.x1)
     dx = du
-    if dropout_p > 0:
-        n_cols = inp.shape[-1]
-        keep = dropout_keep(seed, inp.numel() // n_cols, n_cols, dropout_p, inp.device)
-        dx = dx.to(acc) * keep.view(inp.shape) * (1.0 / (1.0 - dropout_p))
-    if rowscale is not None:
-        dx = dx.to(acc) * rowscale[..., None].to(acc)
-    return (dx.to(x_dtype), dres, None if dw is None else dw.to(weight.dtype),
-            None if db is None else db.to(bias_dtype), dx1, None if dw1 is None else dw1.to(weight1.dtype),
-            None if db1 is None else db1.to(bias1_dtype), dgate)
+    if call.dropout is not None:
+        p, n_cols = call.dropout.p, inp.shape[-1]
+        keep = dropout_keep(call.dropout.seed, inp.numel() // n_cols, n_cols, p, inp.device)
+        dx = dx.to(acc) * keep.view(inp.shape) * (1.0 / (1.0 - p))
+    if call.rowscale is not None:
+        dx = dx.to(acc) * call.rowscale[..., None].to(acc)
+    return (dx.to(dtypes.x), dres, None if dw is None else dw.to(norm.weight.dtype),
+            None if db is None else db.to(dtypes.bias), dx1, None if dw1 is None else dw1.to(call.second.weight.dtype),
+            None if db1 is None else db1.to(dtypes.bias1), dgate)
 
 
-def add_norm_bwd_ref(dy, dextra, inp, mean, rstd, weight=None, *, kind, weight_offset=0.0,
-                     residual_scale=1.0, add_after_norm=False, x_dtype, residual_dtype=None, bias_dtype=None, dy1=None,
-                     weight1=None, bias1_dtype=None, x1_dtype=None, rowscale=None, dropout_p=0.0, seed=None,
-                     gate=None, gate_position="before", gate_activation="silu", norm_group=None, bias=None):
+def add_norm_bwd_ref(call: BackwardCall):
     """Backward of both orders; rounding steps are identities, math in fp32 (fp64 for fp64).
 
-    ``inp`` is the norm input (s, or the unrounded sum, or x for norm_add), ``mean``
-    and ``rstd`` its flat per-row stats (mean empty for rms_norm).
+    ``call.saved``: inp, the norm input (s, or the unrounded sum, or x for norm_add), mean and rstd
+    its flat per-row stats (mean empty for rms_norm). ``call.grads``:
     add_norm (add_after_norm=False): dy = grad of y, dextra = grad of s (or None);
         ds = norm_bwd(dy) + dextra; dx = ds; dresidual = residual_scale * ds.
     norm_add (add_after_norm=True): dy = grad of out, dextra = grad of y (or None);
         dx = norm_bwd(dy + dextra); dresidual = residual_scale * dy.
-    The add_norm modes (module docstring): dy1 (grad of y1) with weight1 / bias1_dtype; x1_dtype
-    for dx1; rowscale, dropout_p and seed (the forward's mask, regenerated) scale dx.
-    Gated / grouped norms: gate (z), gate_position, gate_activation, norm_group, and bias (a gate
-    "after" multiplies n * w' + b); inp is then the norm input before the gate.
+    The add_norm modes (module docstring): dy1 (grad of y1) with call.second's weight and
+    call.dtypes.bias1; dtypes.x1 for dx1; rowscale and call.dropout (the forward's mask,
+    regenerated) scale dx. call.dtypes: each input gradient's dtype (None: no such input).
+    Gated / grouped norms: call.gate, call.norm.group, and call.norm.bias (a gate "after" multiplies
+    n * w' + b); inp is then the norm input before the gate.
     Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate); None for inputs that do not
     exist.
     """
-    return add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, add_after_norm,
-                        x_dtype, residual_dtype, bias_dtype, dy1, weight1, bias1_dtype, x1_dtype, rowscale,
-                        dropout_p, seed, gate, gate_position, gate_activation, norm_group, bias)
+    return add_norm_bwd(call)

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from normfuse.errors import InvalidOptionError, ShapeMismatchError, UnsupportedDtypeError, closest
 from normfuse.kernels.declarations import DECLARATIONS, NAMESPACE, REQUIRED, schema as _schema_text
-from normfuse.kernels.reference import CPU_ONLY_DTYPES, SUPPORTED_DTYPES
+from normfuse.vocabulary import KERNEL_DTYPES
 from normfuse.vocabulary import (GATE_ACTIVATIONS, GATE_POSITIONS, QUANT_APPLY, QUANT_DTYPES, QUANT_SCALE_FORMS,
                                  QUANT_SCALE_OUT)
 
@@ -170,6 +170,12 @@ def op_gradients(op: str, grads: dict[str, Optional[Tensor]]) -> tuple:
 # --------------------------------------------------------------------------------------
 # Shared by the checks (ops.py imports them)
 # --------------------------------------------------------------------------------------
+
+# Activation, weight and rounding dtypes the fused ops take (normfuse/vocabulary.py). fp64
+# runs on CPU only, through the reference (gradcheck needs it).
+SUPPORTED_DTYPES = KERNEL_DTYPES
+CPU_ONLY_DTYPES = (torch.float64,)
+
 
 def dtype_names(dtypes) -> str:
     return ", ".join(str(d) for d in dtypes)
