@@ -613,18 +613,22 @@ def _call_plan(op: str) -> tuple:
 def call_of(op: str, inputs: tuple):
     """The call of ``op`` with positional ``inputs`` (trailing defaults may be omitted): its
     arguments grouped as declarations.py says, an optional group None when off."""
-    values = inputs if len(inputs) == len(DECLARATIONS[op].args) else tuple(bind(op, inputs).values())
     call_type, plan = _call_plan(op)
+    defaults, first = _trailing_defaults(op)
+    if len(inputs) < first + len(defaults):
+        if len(inputs) < first:
+            bind(op, inputs)  # raises, naming the arguments
+        inputs = (*inputs, *defaults[len(inputs) - first:])
     parts = {}
     for name, group, fields in plan:
         if group is None:
-            parts[name] = values[fields[0][1]]
+            parts[name] = inputs[fields[0][1]]
             continue
         group_type, optional = group
-        if optional and _absent(values[fields[0][1]]):
+        if optional and _absent(inputs[fields[0][1]]):
             parts[name] = None
         else:
-            parts[name] = group_type(**{field: values[index] for field, index in fields})
+            parts[name] = group_type(**{field: inputs[index] for field, index in fields})
     return call_type(**parts)
 
 
