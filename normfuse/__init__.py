@@ -30,6 +30,7 @@ _EXPORTS = {
     "Gate": "normfuse.kernels.specs",
     "Fp8Quant": "normfuse.kernels.specs",
     "Dropout": "normfuse.kernels.specs",
+    "Modulation": "normfuse.kernels.specs",
     # model rewriting (normfuse/api.py)
     "optimize": "normfuse.api",
     "fuse_graph": "normfuse.api",

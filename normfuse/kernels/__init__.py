@@ -21,7 +21,7 @@ _EXPORTS = {
     **{name: "normfuse.kernels.add_norm"
        for name in ("add_norm", "fused_add_norm", "add_rms_norm", "add_layer_norm", "norm_add", "rms_norm_add",
                     "layer_norm_add")},
-    **{name: "normfuse.kernels.specs" for name in ("Gate", "Fp8Quant", "Dropout")},
+    **{name: "normfuse.kernels.specs" for name in ("Gate", "Fp8Quant", "Dropout", "Modulation")},
     **{name: "normfuse.kernels.reference" for name in ("add_norm_ref", "norm_add_ref", "add_norm_bwd_ref")},
     "dropout_keep_mask": "normfuse.kernels.ops",
     **{name: "normfuse.kernels.qk_rope" for name in ("qk_norm_rope", "qk_norm_rope_ref")},

@@ -31,8 +31,9 @@ import torch
 from torch import Tensor
 
 from normfuse.errors import InvalidOptionError, closest
-from normfuse.kernels.ops import _grad_needed, forward_for, seed_tensor, validate, validate_modes, validate_norm_group
-from normfuse.kernels.specs import SPECS, Dropout, Fp8Quant, Gate
+from normfuse.kernels.ops import (_grad_needed, check_modulation_shapes, forward_for, seed_tensor, validate,
+                                  validate_modes, validate_norm_group)
+from normfuse.kernels.specs import SPECS, Dropout, Fp8Quant, Gate, Modulation
 from normfuse.kernels.reference import (KINDS, SUPPORTED_DTYPES, add_norm_bwd_ref, add_norm_dtypes,
                                         add_norm_ref, norm_add_dtypes, norm_add_ref)
 from normfuse.kernels.reference import has_sum as has_sum_of
@@ -71,12 +72,14 @@ def fused_add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weigh
                    quant_dtype=None, quant_scale=None, quant_group=None, quant_scale_form="amax/max",
                    quant_amax_min=None, quant_scale_min=None, quant_apply="div", quant_clamp=None,
                    quant_scale_out="scale", return_norm=False, gate=None, gate_position="before",
-                   gate_activation="silu", norm_group=None, gate_out_dtype=None):
+                   gate_activation="silu", norm_group=None, gate_out_dtype=None, mod_scale=None, mod_shift=None,
+                   mod_dtype=None, mod_fused=False, mod_out_dtype=None):
     """:func:`add_norm` with every option a flat keyword: what the rewritten graphs call (a
     tensor inside a Gate or Fp8Quant would be invisible to torch.fx) and the one route of
     add_norm to the ops. gate, gate_*: the fields of :class:`Gate`; quant_*: those of
     :class:`Fp8Quant` (quantizes when quant_dtype is set); dropout_p, seed, generator: those of
-    :class:`Dropout`. Returns what add_norm returns (normfuse.kernels.specs.api_outputs)."""
+    :class:`Dropout`; mod_*: those of :class:`Modulation`. Returns what add_norm returns
+    (normfuse.kernels.specs.api_outputs)."""
     validate(x, residual, weight, bias, kind, eps,
              {"sum_dtype": sum_dtype, "norm_round_dtype": norm_round_dtype, "out_dtype": out_dtype})
     validate_modes(x, x1, rowscale, weight1, bias1)
@@ -101,7 +104,14 @@ def fused_add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weigh
             raise InvalidOptionError("the fp8 epilogue (quant_dtype) cannot be combined with gate or norm_group yet; "
                                      "quantize the gated output separately.")
         norm_group = None if norm_group == x.shape[-1] else norm_group  # one group: the whole row
-    modes = tuple(t for t in (x1, rowscale, weight1, bias1, seed, gate) if t is not None)
+    modulated = mod_scale is not None or mod_shift is not None
+    if modulated:
+        Modulation(mod_scale, mod_shift, mod_dtype, bool(mod_fused), mod_out_dtype).check(x)
+        check_modulation_shapes(x, Modulation(mod_scale, mod_shift))
+        if gate is not None or weight1 is not None or quant_dtype is not None:
+            raise InvalidOptionError("the modulation epilogue cannot be combined with gate, weight1 or quant_dtype "
+                                     "yet; modulate the norm output separately.")
+    modes = tuple(t for t in (x1, rowscale, weight1, bias1, seed, gate, mod_scale, mod_shift) if t is not None)
     store_sum = has_sum and (return_sum or _grad_needed(x, residual, weight, bias, *modes))
     if quant_dtype is not None:
         Fp8Quant(quant_dtype, quant_scale, quant_group, quant_scale_form, quant_amax_min, quant_scale_min,
@@ -124,8 +134,10 @@ def fused_add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weigh
         return (q, quant_scale if quant_scale is not None else scale, y if return_norm else None,
                 s if has_sum and return_sum else None)
     forward = forward_for("add_norm_fwd", x, residual, weight, bias, *modes)
-    gated = () if gate is None and norm_group is None else (gate, gate_position, gate_activation, norm_group,
-                                                            gate_out_dtype)
+    gated = () if gate is None and norm_group is None and not modulated else (
+        gate, gate_position, gate_activation, norm_group, gate_out_dtype)
+    if modulated:
+        gated += (mod_scale, mod_shift, mod_dtype, bool(mod_fused), mod_out_dtype)
     y, s, _, _, y1 = forward(x, residual, weight, bias, kind, float(eps), float(weight_offset),
                              float(residual_scale), sum_dtype, norm_round_dtype, out_dtype, store_sum,
                              bool(round_sum_first), x1, rowscale, weight1, bias1, dropout_p, seed, *gated)
@@ -144,7 +156,8 @@ _FLAT = {
     "generator": ("dropout", Dropout, "generator"),
 }
 _FIELDS = {spec: tuple(field.name for field in dataclasses.fields(spec)) for spec in SPECS}
-_PLAIN = frozenset(inspect.signature(fused_add_norm).parameters) - set(_FLAT) - {"gate"}
+_PLAIN = frozenset(name for name in inspect.signature(fused_add_norm).parameters
+                   if name not in _FLAT and name != "gate" and not name.startswith("mod_"))
 
 
 def _one_call_unless_grouped(fn):
@@ -164,7 +177,8 @@ def _one_call_unless_grouped(fn):
 def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offset=0.0, residual_scale=1.0,
              sum_dtype=None, norm_round_dtype=None, out_dtype=None, return_sum=True, round_sum_first=True,
              x1=None, rowscale=None, weight1=None, bias1=None, norm_group=None, return_norm=False,
-             gate: Gate | None = None, quant: Fp8Quant | None = None, dropout: Dropout | None = None, **flat):
+             gate: Gate | None = None, quant: Fp8Quant | None = None, dropout: Dropout | None = None,
+             modulation: Modulation | None = None, **flat):
     """Fused ``s = x + residual_scale * residual; y = norm(s)``: returns (y, s), or (y, y1, s)
     with weight1, or (q, scale, y or None, s) with quant (normfuse.kernels.specs.api_outputs).
 
@@ -200,6 +214,9 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
     differentiable; y and s are as without it. Not with weight1.
     gate: a :class:`~normfuse.kernels.specs.Gate` (Mamba2 / NemotronH, Qwen3-Next, Kimi-Linear).
     Differentiable in x, residual, weight, bias and the gate. Not with weight1 or quant.
+    modulation: a :class:`~normfuse.kernels.specs.Modulation` (diffusion transformers' adaLN: y * scale +
+    shift, per sample or per token): y is then the modulated output. Differentiable in scale and
+    shift. Not with gate, weight1 or quant.
 
     Deprecated (one release): the flat keywords gate=<tensor>, gate_position, gate_activation,
     gate_out_dtype, quant_dtype and the other quant_*, dropout_p, seed, generator. They warn
@@ -208,12 +225,15 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
     """
     if flat or (gate is not None and not isinstance(gate, Gate)):
         gate, quant, dropout = _from_flat(flat, gate, quant, dropout)
-    for name, value, spec in (("gate", gate, Gate), ("quant", quant, Fp8Quant), ("dropout", dropout, Dropout)):
+    for name, value, spec in (("gate", gate, Gate), ("quant", quant, Fp8Quant), ("dropout", dropout, Dropout),
+                              ("modulation", modulation, Modulation)):
         if value is not None and not isinstance(value, spec):
             raise InvalidOptionError(f"add_norm({name}=...) takes a normfuse.kernels.{spec.__name__} or None; got "
                                      f"{type(value).__name__}.")
+    if modulation is not None and modulation.scale is None and modulation.shift is None:
+        modulation.check(x)  # raises: it modulates nothing
     options = {}
-    for spec in (gate, quant, dropout):
+    for spec in (gate, quant, dropout, modulation):
         if spec is not None:
             options.update(spec.kernel_args())
     return fused_add_norm(x, residual, weight, bias, kind=kind, eps=eps, weight_offset=weight_offset,
@@ -227,7 +247,7 @@ def _from_flat(flat: dict, gate, quant, dropout):
     """The specs the deprecated flat keywords stand for (a FutureWarning per group used)."""
     unknown = [name for name in flat if name not in _FLAT]
     if unknown:
-        known = sorted(_PLAIN | set(_FLAT) | {"gate", "quant", "dropout"})
+        known = sorted(_PLAIN | set(_FLAT) | {"gate", "quant", "dropout", "modulation"})
         raise InvalidOptionError(f"add_norm got an unexpected keyword {unknown[0]}={flat[unknown[0]]!r}."
                                  + closest(unknown[0], known))
     fields: dict[str, dict] = {"gate": {}, "quant": {}, "dropout": {}}

@@ -84,6 +84,21 @@ def check_shapes(x, residual, weight, bias, x1=None, rowscale=None, weight1=None
                                      f"norm is over the last dim, so {name} must have shape ({n_cols},).")
 
 
+def check_modulation_shapes(x: Tensor, modulation) -> None:
+    """scale and shift broadcast to x's shape without changing it (one value per sample, token or column)."""
+    for name, t in (("modulation scale", modulation.scale), ("modulation shift", modulation.shift)):
+        if t is None:
+            continue
+        try:
+            fits = torch.broadcast_shapes(t.shape, x.shape) == x.shape and t.dim() <= x.dim()
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ShapeMismatchError(f"the {name} has shape {tuple(t.shape)} but x has shape {tuple(x.shape)}; it "
+                                     f"must broadcast to x's shape, e.g. ({x.shape[0]}, 1, {x.shape[-1]}) for one "
+                                     f"value per sample and column (scale[:, None]), or x's shape for one per token.")
+
+
 def validate(x, residual, weight, bias, kind, eps, rounding: dict):
     """Raise a normfuse error naming the problem and the fix; the ops never assert.
     Runs on every functional call: the cheap checks first, message text only on error."""
@@ -247,18 +262,20 @@ def _stats_fake(x: Tensor, kind: str, norm_in_dtype: torch.dtype, norm_group: Op
 
 def _call_tensors(call: AddNormCall) -> tuple:
     """The tensors an add_norm call reads (the outputs must not alias them)."""
-    rows, norm, second, gate, quant = call.rows, call.norm, call.second, call.gate, call.quant
+    rows, norm, second, gate, quant, mod = call.rows, call.norm, call.second, call.gate, call.quant, call.modulation
     return (rows.x, rows.residual, norm.weight, norm.bias, rows.x1, rows.rowscale,
             *((second.weight, second.bias) if second else ()), *((gate.z,) if gate else ()),
-            *((quant.scale,) if quant else ()))
+            *((quant.scale,) if quant else ()), *((mod.scale, mod.shift) if mod else ()))
 
 
 def _add_norm_backend(call: AddNormCall):
     """The backend add_norm_fwd runs (and whose dropout mask its backward regenerates)."""
-    rounding, gate = call.rounding, call.gate
+    rounding, gate, mod = call.rounding, call.gate, call.modulation
     dtypes = _dtypes(*_call_tensors(call), rounding.sum_dtype, rounding.norm_round_dtype, rounding.out_dtype,
-                     None if gate is None else gate.out_dtype)
-    return _backend(call.rows.x, dtypes, call.norm.group)
+                     None if gate is None else gate.out_dtype, *((mod.dtype, mod.out_dtype) if mod else ()))
+    backend = _backend(call.rows.x, dtypes, call.norm.group)
+    # the modulation epilogue runs on the reference backend until the Triton kernels take it
+    return reference if mod is not None else backend
 
 
 def _check_seed(dropout: Optional[DropoutMask]) -> None:
@@ -301,6 +318,8 @@ def _add_norm_fwd_fake(call: AddNormCall):
     x = rows.x
     check_shapes(x, rows.residual, norm.weight, norm.bias, rows.x1, rows.rowscale,
                  *((second.weight, second.bias) if second else ()))
+    if call.modulation is not None:
+        check_modulation_shapes(x, call.modulation)
     _check_seed(call.dropout)
     sum_dtype, out_dtype = rounding.sum_dtype, rounding.out_dtype
     stored = call.store.sum and reference.call_has_sum(call)
@@ -311,9 +330,14 @@ def _add_norm_fwd_fake(call: AddNormCall):
 
 
 def y_dtype_of(call: AddNormCall) -> torch.dtype:
-    """y's dtype: the gate's out_dtype after a gate "after" (out_dtype when not given), else out_dtype."""
-    gate, out_dtype = call.gate, call.rounding.out_dtype
-    return (gate.out_dtype or out_dtype) if gate is not None and gate.position == "after" else out_dtype
+    """y's dtype: the gate's out_dtype after a gate "after" (out_dtype when not given), else out_dtype;
+    then the modulation's out_dtype, when there is one."""
+    gate, y_dtype = call.gate, call.rounding.out_dtype
+    if gate is not None and gate.position == "after":
+        y_dtype = gate.out_dtype or y_dtype
+    if call.modulation is not None:
+        y_dtype = reference.modulation_dtypes(y_dtype, call.modulation)[1]
+    return y_dtype
 
 
 @implement("add_norm_quant_fwd")
@@ -393,9 +417,10 @@ def _norm_add_fwd_fake(call: NormAddCall):
 def _backward_tensors(call: BackwardCall) -> tuple:
     """The tensors a backward call reads (the gradients must not alias them)."""
     grads, saved, norm = call.grads, call.saved, call.norm
+    mod = call.modulation
     return (grads.dy, grads.dextra, saved.inp, saved.mean, saved.rstd, norm.weight, grads.dy1,
             None if call.second is None else call.second.weight, call.rowscale,
-            None if call.gate is None else call.gate.z, norm.bias)
+            None if call.gate is None else call.gate.z, norm.bias, *((mod.scale, mod.shift) if mod else ()))
 
 
 @implement("add_norm_bwd")
@@ -408,7 +433,8 @@ def add_norm_bwd(call: BackwardCall):
     tensors = _backward_tensors(call)
     backend = _backend(inp, _dtypes(*tensors, dtypes.x, dtypes.residual, dtypes.bias, dtypes.bias1, dtypes.x1),
                        call.norm.group)
-    return _op_outputs(backend.add_norm_bwd(call), (None, *(inp.dtype,) * 7), inp, tensors)
+    backend = reference if call.modulation is not None else backend  # as the forward: the reference takes it
+    return _op_outputs(backend.add_norm_bwd(call), (None, *(inp.dtype,) * 9), inp, tensors)
 
 
 @implement_fake("add_norm_bwd")
@@ -426,7 +452,9 @@ def _add_norm_bwd_fake(call: BackwardCall):
             like(dtypes.x1 is not None, inp.shape, dtypes.x1),
             like(has_y1 and second is not None, (n_cols,), second.weight.dtype if second is not None else None),
             like(has_y1 and dtypes.bias1 is not None, (n_cols,), dtypes.bias1),
-            like(gate is not None, inp.shape, gate.z.dtype if gate is not None else None))
+            like(gate is not None, inp.shape, gate.z.dtype if gate is not None else None),
+            *(like(t is not None, None if t is None else t.shape, None if t is None else t.dtype)
+              for t in ((call.modulation.scale, call.modulation.shift) if call.modulation else (None, None))))
 
 
 # --------------------------------------------------------------------------------------
@@ -440,10 +468,10 @@ def _grad_or_none(g: Optional[Tensor], exists: bool) -> Optional[Tensor]:
 def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, add_after_norm, modes=None):
     """Shared tail of both autograd formulas: call the backward, map empties to None.
     ``saved``: ctx.saved_tensors, read once (non-reentrant checkpointing allows one unpack).
-    ``modes``: add_norm's (dy1, weight1, x1_dtype, rowscale, seed, gate, bias), or None.
-    Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate)."""
+    ``modes``: add_norm's (dy1, weight1, x1_dtype, rowscale, seed, gate, bias, mod_scale, mod_shift), or None.
+    Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate, dmod_scale, dmod_shift)."""
     mean, rstd, weight = saved[-3:]
-    dy1, weight1, x1_dtype, rowscale, seed, gate, bias = modes or (None,) * 7
+    dy1, weight1, x1_dtype, rowscale, seed, gate, bias, mod_scale, mod_shift = modes or (None,) * 9
     dropout_p = ctx.dropout_p if modes else 0.0
     if dy is None:
         dy = inp.new_zeros(inp.shape, dtype=ctx.dy_dtype)
@@ -453,20 +481,23 @@ def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, add_after_norm, 
     shared = (residual_dtype is not None and ctx.residual_scale == 1.0 and rowscale is None and dropout_p == 0
               and residual_dtype == (dy.dtype if add_after_norm else ctx.x_dtype))
     backward = _REFERENCE_ON_FLAT["add_norm_bwd"] if ctx.eager_cpu else torch.ops.normfuse.add_norm_bwd
-    gated = gate is not None or getattr(ctx, "norm_group", None)
-    # (the backward op's arguments past seed only when a gate or groups need them)
+    modulated = mod_scale is not None or mod_shift is not None
+    gated = gate is not None or getattr(ctx, "norm_group", None) or modulated
+    # (the backward op's arguments past seed only when a gate, groups or a modulation need them)
     gate_args = (gate, ctx.gate_position, ctx.gate_activation, ctx.norm_group, bias) if gated else ()
-    dx, dres, dw, db, dx1, dw1, db1, dgate = backward(
+    mod_args = (mod_scale, mod_shift) if modulated else ()
+    dx, dres, dw, db, dx1, dw1, db1, dgate, dscale, dshift = backward(
         dy, dextra, inp, mean, rstd, weight, ctx.kind, ctx.weight_offset, ctx.residual_scale, add_after_norm,
         ctx.x_dtype, None if shared else residual_dtype, ctx.bias_dtype, dy1, None if dy1 is None else weight1,
-        None if dy1 is None else ctx.bias1_dtype, x1_dtype, rowscale, dropout_p, seed, *gate_args)
+        None if dy1 is None else ctx.bias1_dtype, x1_dtype, rowscale, dropout_p, seed, *gate_args, *mod_args)
     if shared:
         dres = dy if add_after_norm else dx
     return (dx, _grad_or_none(dres, residual_dtype is not None), _grad_or_none(dw, weight is not None),
             _grad_or_none(db, ctx.bias_dtype is not None), _grad_or_none(dx1, x1_dtype is not None),
             _grad_or_none(dw1, dy1 is not None and weight1 is not None),
             _grad_or_none(db1, dy1 is not None and ctx.bias1_dtype is not None),
-            _grad_or_none(dgate, gate is not None))
+            _grad_or_none(dgate, gate is not None), _grad_or_none(dscale, mod_scale is not None),
+            _grad_or_none(dshift, mod_shift is not None))
 
 
 def _save_common(ctx, rows: Rows, norm: Norm, dy_dtype):
@@ -502,12 +533,16 @@ def _save_add_norm(ctx, call: AddNormCall, output):
     # or the unrounded sum normalized) it is rebuilt from the inputs (and the seed's mask).
     seed = None if dropout is None else dropout.seed
     weight1, z = (None if second is None else second.weight), (None if gate is None else gate.z)
-    # a gate "after" multiplies n * w' + b: its backward needs the bias
-    gate_bias = norm.bias if gate is not None and gate.position == "after" else None
+    mod = call.modulation
+    # a gate "after" and a modulation multiply n * w' + b: their backward needs the bias
+    gate_bias = norm.bias if (gate is not None and gate.position == "after") or mod is not None else None
+    scale, shift = (mod.scale, mod.shift) if mod is not None else (None, None)
     if ctx.sum_stored and ctx.round_sum_first:
-        ctx.save_for_backward(s, None, None, rowscale, seed, weight1, z, gate_bias, mean, rstd, norm.weight)
+        ctx.save_for_backward(s, None, None, rowscale, seed, weight1, z, gate_bias, scale, shift, mean, rstd,
+                              norm.weight)
     else:
-        ctx.save_for_backward(x, residual, x1, rowscale, seed, weight1, z, gate_bias, mean, rstd, norm.weight)
+        ctx.save_for_backward(x, residual, x1, rowscale, seed, weight1, z, gate_bias, scale, shift, mean, rstd,
+                              norm.weight)
     ctx.sum_dtype = call.rounding.sum_dtype
     ctx.residual_dtype = None if residual is None else residual.dtype
     ctx.x1_dtype = None if x1 is None else x1.dtype
@@ -531,13 +566,14 @@ def _rebuilt_norm_input(ctx, x, residual, x1, rowscale, seed) -> Tensor:
 def _add_norm_grads(ctx, dy, ds, dy1) -> dict:
     """{add_norm_fwd argument: its gradient} (GRADIENT_OF names them)."""
     saved = ctx.saved_tensors
-    inp, residual, x1, rowscale, seed, weight1, gate, gate_bias = saved[:8]
+    inp, residual, x1, rowscale, seed, weight1, gate, gate_bias, mod_scale, mod_shift = saved[:10]
     if not (ctx.sum_stored and ctx.round_sum_first):
         inp = _rebuilt_norm_input(ctx, inp, residual, x1, rowscale, seed)
     ds = ds if ctx.sum_stored else None
     dy1 = dy1 if weight1 is not None else None  # a traced backward may get a tangent of the empty y1
     grads = _norm_backward(ctx, saved, dy, ds, inp, ctx.residual_dtype, add_after_norm=False,
-                           modes=(dy1, weight1, ctx.x1_dtype, rowscale, seed, gate, gate_bias))
+                           modes=(dy1, weight1, ctx.x1_dtype, rowscale, seed, gate, gate_bias, mod_scale,
+                                  mod_shift))
     return {GRADIENT_OF[name]: g for name, g in zip(OP_OUTPUTS["add_norm_bwd"], grads)}
 
 
@@ -557,8 +593,9 @@ def _add_norm_quant_setup_context(ctx, call: AddNormCall, output):
 def _add_norm_quant_backward(ctx, dy, ds, dmean, drstd, dy1, dq, dscale):
     dy = dy if ctx.y_stored else None  # a traced backward may get a tangent of the empty y
     grads = _add_norm_grads(ctx, dy, ds, dy1)
-    # no gate argument in this op (the epilogue does not combine with one): its grad is None
-    del grads["gate"]
+    # no gate or modulation argument in this op (the epilogue does not combine with them)
+    for name in ("gate", "mod_scale", "mod_shift"):
+        del grads[name]
     return op_gradients("add_norm_quant_fwd", grads)
 
 

@@ -133,7 +133,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from normfuse.kernels.specs import (CPU_ONLY_DTYPES, SUPPORTED_DTYPES, AddNormCall, BackwardCall, DropoutMask,
-                                    GradDtypes, Grads, Norm, NormAddCall, Rounding, Rows, Saved, SecondNorm, Store)
+                                    GradDtypes, Grads, Modulation, Norm, NormAddCall, Rounding, Rows, Saved,
+                                    SecondNorm, Store)
 from normfuse.kernels.specs import Gate
 from normfuse.vocabulary import KINDS
 
@@ -384,11 +385,39 @@ def add_norm_fwd(call: AddNormCall):
     if gate is not None and gate.position == "after":
         acc = acc_dtype(y.dtype)
         y = (y.to(acc) * activation(gate.z.to(acc), gate.activation)).to(gate.out_dtype or rounding.out_dtype)
+    if call.modulation is not None:
+        y = modulate(y, call.modulation)
     # y1 normalizes the same u (same stats) with its own parameters
     second = call.second
     y1 = None if second is None else normalize(u, second.weight, second.bias, norm.kind, norm.eps, norm.weight_offset,
                                                rounding.norm_round_dtype, rounding.out_dtype)[0]
     return y, (s if call.store.sum and call_has_sum(call) else None), mean, rstd, y1
+
+
+def modulation_dtypes(y_dtype: torch.dtype, modulation: Modulation) -> tuple[torch.dtype, torch.dtype]:
+    """(the dtype each step of the modulation rounds to, its output's dtype), defaults filled in."""
+    dtype = modulation.dtype or y_dtype
+    if modulation.dtype is None:
+        for t in (modulation.scale, modulation.shift):
+            dtype = dtype if t is None else torch.promote_types(dtype, t.dtype)
+    return dtype, modulation.out_dtype or dtype
+
+
+def modulate(y: Tensor, modulation: Modulation) -> Tensor:
+    """m = y * scale + shift as the graph rounds it: to the modulation's dtype after the product and
+    after the sum (once, fused: ``addcmul``, a fused multiply-add), then to its out_dtype. In fp32
+    (fp64 for fp64)."""
+    dtype, out_dtype = modulation_dtypes(y.dtype, modulation)
+    acc = acc_dtype(dtype)
+    m, scale, shift = y.to(acc), modulation.scale, modulation.shift
+    if modulation.fused and scale is not None and shift is not None:
+        m = torch.addcmul(shift.to(acc), m, scale.to(acc))  # one rounding (a fused multiply-add), as eager's
+    else:
+        if scale is not None:
+            m = (m * scale.to(acc)).to(dtype).to(acc)
+        if shift is not None:
+            m = m + shift.to(acc)
+    return m.to(dtype).to(out_dtype)
 
 
 def call_has_sum(call: AddNormCall) -> bool:
@@ -474,7 +503,7 @@ def add_norm_ref(x, residual=None, weight=None, bias=None, *, kind, eps, weight_
                  dropout_p=0.0, seed=None, quant_dtype=None, quant_scale=None, quant_group=None,
                  quant_scale_form="amax/max", quant_amax_min=None, quant_scale_min=None, quant_apply="div",
                  quant_clamp=None, quant_scale_out="scale", return_norm=False, gate=None, gate_position="before",
-                 gate_activation="silu", norm_group=None, gate_out_dtype=None):
+                 gate_activation="silu", norm_group=None, gate_out_dtype=None, modulation=None):
     """Plain-PyTorch add-then-norm with the semantics of the module docstring: returns (y, s),
     or (y, y1, s) with weight1, or (q, scale, y or None, s) with quant_dtype.
 
@@ -488,7 +517,8 @@ def add_norm_ref(x, residual=None, weight=None, bias=None, *, kind, eps, weight_
         Rounding(sum_dtype, norm_round_dtype, out_dtype, round_sum_first), Store(sum=return_sum),
         second=None if weight1 is None else SecondNorm(weight1, bias1),
         dropout=DropoutMask(dropout_p, seed) if dropout_p > 0 else None,
-        gate=None if gate is None else Gate(gate, gate_position, gate_activation, gate_out_dtype))
+        gate=None if gate is None else Gate(gate, gate_position, gate_activation, gate_out_dtype),
+        modulation=modulation)
     y, s, _, _, y1 = add_norm_fwd(call)
     if quant_dtype is not None:
         q, scale = quantize(y.detach(), quant_dtype, quant_scale, quant_group, quant_scale_form, quant_amax_min,
@@ -616,6 +646,23 @@ def _norm_output(h, mean, rstd, weight, bias, kind, weight_offset, norm_group) -
     return y0 if bias is None else y0 + bias.to(acc)
 
 
+def _modulation_grads(dm: Tensor, call: BackwardCall) -> tuple:
+    """(the gradient into the norm output, dscale, dshift) of m = y * scale + shift (rounding
+    straight-through), dscale and dshift summed over what each broadcasts across."""
+    saved, norm, mod = call.saved, call.norm, call.modulation
+    acc = acc_dtype(saved.inp.dtype)
+    dm = dm.to(acc)
+    dscale = dshift = None
+    if mod.shift is not None:
+        dshift = dm.sum_to_size(mod.shift.shape).to(mod.shift.dtype)
+    if mod.scale is None:
+        return dm, dscale, dshift
+    y = _norm_output(saved.inp.to(acc), saved.mean, saved.rstd, norm.weight, norm.bias, norm.kind,
+                     norm.weight_offset, norm.group)
+    dscale = (dm * y).sum_to_size(mod.scale.shape).to(mod.scale.dtype)
+    return dm * mod.scale.to(acc), dscale, dshift
+
+
 def add_norm_bwd(call: BackwardCall):
     """Backend form (the op's call) of :func:`add_norm_bwd_ref`."""
     grads, saved, norm, dtypes, gate = call.grads, call.saved, call.norm, call.dtypes, call.gate
@@ -623,6 +670,9 @@ def add_norm_bwd(call: BackwardCall):
     acc = acc_dtype(inp.dtype)
     dextra, add_after_norm = grads.dextra, call.add_after_norm
     dn = grads.dy + dextra if (add_after_norm and dextra is not None) else grads.dy  # gradient into the norm's output
+    dscale = dshift = None
+    if call.modulation is not None:
+        dn, dscale, dshift = _modulation_grads(dn, call)
     dgate = None
     if gate is None and not norm.group:
         weight1 = None if call.second is None else call.second.weight
@@ -651,7 +701,7 @@ def add_norm_bwd(call: BackwardCall):
         dx = dx.to(acc) * call.rowscale[..., None].to(acc)
     return (dx.to(dtypes.x), dres, None if dw is None else dw.to(norm.weight.dtype),
             None if db is None else db.to(dtypes.bias), dx1, None if dw1 is None else dw1.to(call.second.weight.dtype),
-            None if db1 is None else db1.to(dtypes.bias1), dgate)
+            None if db1 is None else db1.to(dtypes.bias1), dgate, dscale, dshift)
 
 
 def add_norm_bwd_ref(call: BackwardCall):
@@ -668,7 +718,8 @@ def add_norm_bwd_ref(call: BackwardCall):
     regenerated) scale dx. call.dtypes: each input gradient's dtype (None: no such input).
     Gated / grouped norms: call.gate, call.norm.group, and call.norm.bias (a gate "after" multiplies
     n * w' + b); inp is then the norm input before the gate.
-    Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate); None for inputs that do not
-    exist.
+    call.modulation: dy is the gradient of the modulated output (scale and shift as the forward's).
+    Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate, dmod_scale, dmod_shift); None
+    for inputs that do not exist.
     """
     return add_norm_bwd(call)

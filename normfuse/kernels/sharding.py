@@ -39,6 +39,9 @@ from typing import Any
 
 import torch
 
+from normfuse.kernels.declarations import DECLARATIONS
+from normfuse.kernels.specs import OP_OUTPUTS, bind
+
 __all__ = ["register", "refusal", "ShardedNormDimError"]
 
 _REGISTERED: list[bool] = []
@@ -83,80 +86,96 @@ def _strategies(spec: Any, op: str, arg: str, layout) -> list:
     return [layout(Replicate(), Replicate())] + [layout(Shard(d), Shard(0)) for d in rows]
 
 
-# add_norm_fwd's arguments after store_sum, with their defaults (a caller may omit them)
-_MODE_DEFAULTS = (True, None, None, None, None, 0.0, None, None, "before", "silu", None, None)
+# How each op argument is placed, by name (declarations.py names them): "act" takes the activation's
+# placement (a row shard of x is the same rows of it: rowscale is x.shape[:-1]), "rep" is replicated,
+# "stats" takes the statistics' (their rows), "stats_ln" only for layer_norm (mean is empty for
+# rms_norm); any other argument is not a tensor. A modulation's scale and shift (one value per
+# sample, or per token) are replicated, and then only the replicated strategy is offered.
+_ARG_PLACEMENTS = {
+    "x": "act", "residual": "act", "x1": "act", "rowscale": "act", "gate": "act",
+    "dy": "act", "dextra": "act", "inp": "act", "dy1": "act",
+    "weight": "rep", "bias": "rep", "weight1": "rep", "bias1": "rep", "seed": "rep", "quant_scale": "rep",
+    "mod_scale": "rep", "mod_shift": "rep",
+    "mean": "stats_ln", "rstd": "stats",
+}
+
+
+def _place(kind: str, act, stats, layer_norm: bool, value):
+    from torch.distributed.tensor import Replicate
+    if value is None or kind is None:
+        return None
+    if kind == "act":
+        return act
+    if kind == "stats" or (kind == "stats_ln" and layer_norm):
+        return stats
+    return Replicate()
+
+
+def _inputs(op: str, args: tuple, act, stats, layer_norm: bool) -> list:
+    """The placement of each argument passed (trailing ones may be omitted)."""
+    names = DECLARATIONS[op].arg_names[:len(args)]
+    return [_place(_ARG_PLACEMENTS.get(name), act, stats, layer_norm, value) for name, value in zip(names, args)]
+
+
+def _strategies_of(a: dict, op: str, layout) -> list:
+    """The strategies of an op call with named arguments ``a``: rows of its activation's shards."""
+    modulated = a.get("mod_scale") is not None or a.get("mod_shift") is not None
+    for name in ("residual", "x1", "gate"):  # x's shape: its last dim is the normalized one
+        if a.get(name) is not None:
+            _row_dims(a[name], op, name)
+    first = "inp" if op == "add_norm_bwd" else "x"
+    strategies = _strategies(a[first], op, "the saved norm input" if first == "inp" else "x", layout)
+    return strategies[:1] if modulated else strategies
 
 
 def _forward_rule(op: str):
-    """Sharding function of add_norm_fwd / norm_add_fwd: (y, s|y, mean, rstd[, y1]) from
-    (x, residual, weight, bias, *scalars[, round_sum_first, x1, rowscale, weight1, bias1, dropout_p, seed]);
-    of add_norm_quant_fwd: those, then (q_bits, scale) from (store_y, quant_dtype, quant_scale, ...)."""
-    quant = op == "add_norm_quant_fwd"
-
-    def rule(x, residual, weight, bias, kind, *rest):
+    """Sharding function of add_norm_fwd / add_norm_quant_fwd / norm_add_fwd: each input placed by its
+    name (_ARG_PLACEMENTS), each output by what it is."""
+    def rule(*args):
         from torch.distributed.tensor import Replicate
-        quant_args = rest[14:] if quant else ()
-        rest = rest[:14] if quant else rest
-        scalars, modes = rest[:7], rest[7:]  # eps, weight_offset, residual_scale, 3 dtypes, store_*
-        (round_sum_first, x1, rowscale, weight1, bias1, dropout_p, seed, gate, *_) = (
-            *modes, *_MODE_DEFAULTS[len(modes):])
-        if gate is not None:
-            _row_dims(gate, op, "gate")
-        for name, t in (("residual", residual), ("x1", x1)):
-            if t is not None:
-                _row_dims(t, op, name)
-        has_sum = residual is not None or x1 is not None or rowscale is not None or dropout_p > 0
-        store_extra = bool(scalars[6]) and (has_sum or op == "norm_add_fwd")
+        a = bind(op, args)
+        layer_norm = a["kind"] == "layer_norm"
+        has_sum = (a["residual"] is not None or a.get("x1") is not None or a.get("rowscale") is not None
+                   or a.get("dropout_p", 0.0) > 0)
+        store_extra = bool(a.get("store_sum", a.get("store_norm"))) and (has_sum or op == "norm_add_fwd")
 
         def layout(act, stats):
-            def rep(t):
-                return None if t is None else Replicate()
-            outs = [act, act if store_extra else Replicate(),
-                    stats if kind == "layer_norm" else Replicate(), stats]
-            ins = [act, None if residual is None else act, rep(weight), rep(bias)] + [None] * (1 + len(scalars))
-            if op != "norm_add_fwd":
-                outs.append(Replicate() if weight1 is None else act)
-                # rowscale's dims are x's row dims: a row shard of x is the same shard of it
-                # a gate has x's shape and placement; norm_group's statistics stay with their rows
-                ins += [None, None if x1 is None else act, None if rowscale is None else act, rep(weight1),
-                        rep(bias1), None, rep(seed), None if gate is None else act, None, None, None,
-                        None][:len(modes)]
-            if quant:
-                # q like y; a scale per row or per group has y's row dims (a row shard is the same
-                # shard of it); a static scale is replicated (and the scale output then empty)
-                static = quant_args[2] is not None
-                outs += [act, Replicate() if static else act]
-                ins += [None, None, rep(quant_args[2])] + [None] * 7
-            return outs, ins
-        return _strategies(x, op, "x", layout)
+            placed = {"y": act, "s": act if store_extra else Replicate(), "out": act,
+                      "mean": stats if layer_norm else Replicate(), "rstd": stats,
+                      "y1": Replicate() if a.get("weight1") is None else act, "q": act,
+                      # a static scale is replicated (the scale output then empty)
+                      "scale": Replicate() if a.get("quant_scale") is not None else act}
+            if op == "norm_add_fwd":
+                placed["y"] = act if store_extra else Replicate()
+            outs = [placed[name] for name in OP_OUTPUTS[op]]
+            return outs, _inputs(op, args, act, stats, layer_norm)
+        return _strategies_of(a, op, layout)
     return rule
 
 
-def _backward_rule(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, add_after_norm,
-                   x_dtype, residual_dtype, bias_dtype, *modes):
+def _backward_rule(*args):
     from torch.distributed.tensor import Partial, Replicate
     op = "add_norm_bwd"
-    dy1, weight1, bias1_dtype, x1_dtype, rowscale, dropout_p, seed, gate, _, _, _, bias = (
-        *modes, *(None, None, None, None, None, 0.0, None, None, "before", "silu", None, None)[len(modes):])
+    a = bind(op, args)
+    layer_norm = a["kind"] == "layer_norm"
 
     def layout(act, stats):
         grad = Partial() if act != Replicate() else Replicate()
-        has_y1 = dy1 is not None
-        outs = [act, act if residual_dtype is not None else Replicate(),
-                grad if weight is not None else Replicate(), grad if bias_dtype is not None else Replicate(),
-                act if x1_dtype is not None else Replicate(),
-                grad if has_y1 and weight1 is not None else Replicate(),
-                grad if has_y1 and bias1_dtype is not None else Replicate(),
-                act if gate is not None else Replicate()]
-        ins = [act, None if dextra is None else act, act, stats if kind == "layer_norm" else Replicate(), stats,
-               None if weight is None else Replicate()] + [None] * 7
-        ins += [None if dy1 is None else act, None if weight1 is None else Replicate(), None, None,
-                None if rowscale is None else act, None, None if seed is None else Replicate(),
-                None if gate is None else act, None, None, None,
-                None if bias is None else Replicate()][:len(modes)]
-        return outs, ins
+        has_y1 = a["dy1"] is not None
+
+        def when(exists, placement):
+            return placement if exists else Replicate()
+        placed = {"dx": act, "dresidual": when(a["residual_dtype"] is not None, act),
+                  "dweight": when(a["weight"] is not None, grad), "dbias": when(a["bias_dtype"] is not None, grad),
+                  "dx1": when(a["x1_dtype"] is not None, act),
+                  "dweight1": when(has_y1 and a["weight1"] is not None, grad),
+                  "dbias1": when(has_y1 and a["bias1_dtype"] is not None, grad),
+                  "dgate": when(a["gate"] is not None, act),
+                  "dmod_scale": when(a["mod_scale"] is not None, grad),
+                  "dmod_shift": when(a["mod_shift"] is not None, grad)}
+        return [placed[name] for name in OP_OUTPUTS[op]], _inputs(op, args, act, stats, layer_norm)
     # offered only the input's own sharding: the statistics hold exactly its rows
-    return _strategies(inp, op, "the saved norm input", layout)
+    return _strategies_of(a, op, layout)
 
 
 def register() -> bool:

@@ -48,7 +48,8 @@ from normfuse.vocabulary import (GATE_ACTIVATIONS, GATE_POSITIONS, QUANT_APPLY, 
 __all__ = ["OP_OUTPUTS", "NORM_ADD_OUTPUTS", "GRADIENT_OF", "api_outputs", "api_index", "op_arguments",
            "op_defaults", "op_output_index", "bind", "call_of", "op_gradients", "Gate", "Fp8Quant", "Dropout", "SPECS",
            "Rows", "Norm", "Rounding", "Store", "SecondNorm", "DropoutMask", "Grads", "Saved", "GradDtypes", "Linears",
-           "QkRows", "Rope", "QkNorm", "QkRounding", "AddNormCall", "NormAddCall", "BackwardCall", "KeepMaskCall",
+           "QkRows", "Rope", "QkNorm",
+           "Modulation", "QkRounding", "AddNormCall", "NormAddCall", "BackwardCall", "KeepMaskCall",
            "NormLinearsCall", "QkNormRopeCall", "QkNormRopeBackwardCall"]
 
 
@@ -61,7 +62,8 @@ OP_OUTPUTS: dict[str, tuple[str, ...]] = {name: op.outputs for name, op in DECLA
 
 # add_norm_bwd's outputs -> the forward argument each is the gradient of
 GRADIENT_OF: dict[str, str] = {"dx": "x", "dresidual": "residual", "dweight": "weight", "dbias": "bias",
-                               "dx1": "x1", "dweight1": "weight1", "dbias1": "bias1", "dgate": "gate"}
+                               "dx1": "x1", "dweight1": "weight1", "dbias1": "bias1", "dgate": "gate",
+                               "dmod_scale": "mod_scale", "dmod_shift": "mod_shift"}
 
 # what norm_add returns
 NORM_ADD_OUTPUTS: tuple[str, ...] = ("out", "y")
@@ -364,7 +366,6 @@ class Dropout:
         return {"dropout_p": self.p, "seed": self.seed, "generator": self.generator}
 
 
-SPECS = (Gate, Fp8Quant, Dropout)
 
 
 # --------------------------------------------------------------------------------------
@@ -429,6 +430,49 @@ class DropoutMask:
     """Dropout on x: p > 0, and the seed (an int64 CPU tensor of shape ()) its mask is drawn from."""
     p: float
     seed: Optional[Tensor] = None
+
+
+@_group
+class Modulation:
+    """adaLN modulation of the norm output y (diffusion transformers): m = y * scale + shift, each a
+    tensor broadcastable to x (per sample (B, 1, N), per token (B, S, N), or (N,)), or None. scale
+    is the factor as the graph computed it (``1 + scale`` in DiT, Flux, Wan). Rounded to ``dtype``
+    after each op (default: the promoted dtype of y, scale and shift), once with ``fused``
+    (``addcmul``), then to ``out_dtype`` (Wan's ``.type_as(x)``; default: dtype)."""
+    scale: Optional[Tensor] = None
+    shift: Optional[Tensor] = None
+    dtype: Optional[torch.dtype] = None
+    fused: bool = False
+    out_dtype: Optional[torch.dtype] = None
+
+    ON_WHEN = ("scale", "shift")  # on when either is given
+
+    def check(self, x: Tensor) -> None:
+        """The functional API's checks against x (the op's fake checks the shapes only)."""
+        if self.scale is None and self.shift is None:
+            raise InvalidOptionError("Modulation(scale=None, shift=None) modulates nothing; pass a scale, a shift or "
+                                     "both (or modulation=None).")
+        ok = dtypes_on(x.device)
+        for name, t in (("scale", self.scale), ("shift", self.shift)):
+            if t is None:
+                continue
+            if not isinstance(t, Tensor):
+                raise InvalidOptionError(f"Modulation {name} must be a tensor or None; got {describe(t)}.")
+            if t.dtype not in ok:
+                raise UnsupportedDtypeError(f"Modulation {name} has dtype {t.dtype}; the fused ops take "
+                                            f"{SUPPORTED_TEXT}. Cast it first.")
+            if t.device != x.device:
+                raise InvalidOptionError(f"Modulation {name} is on {t.device} but x is on {x.device}; move it to "
+                                         f"x's device.")
+        for name, dtype in (("dtype", self.dtype), ("out_dtype", self.out_dtype)):
+            if dtype is not None and dtype not in ok:
+                raise UnsupportedDtypeError(f"Modulation {name}={dtype} is not a dtype the fused ops round to; use "
+                                            f"one of {SUPPORTED_TEXT}.")
+
+    def kernel_args(self) -> dict[str, Any]:
+        """The flat keywords of fused_add_norm (and the add_norm_fwd arguments) it stands for."""
+        return {"mod_scale": self.scale, "mod_shift": self.shift, "mod_dtype": self.dtype,
+                "mod_fused": bool(self.fused), "mod_out_dtype": self.out_dtype}
 
 
 @_group
@@ -511,6 +555,7 @@ class AddNormCall:
     dropout: Optional[DropoutMask] = None
     gate: Optional[Gate] = None
     quant: Optional[Fp8Quant] = None
+    modulation: Optional[Modulation] = None
 
 
 @_group
@@ -535,6 +580,7 @@ class BackwardCall:
     second: Optional[SecondNorm] = None
     dropout: Optional[DropoutMask] = None
     gate: Optional[Gate] = None
+    modulation: Optional[Modulation] = None
 
 
 @_group
@@ -576,6 +622,9 @@ class QkNormRopeBackwardCall:
     norm: QkNorm
 
 
+# add_norm's grouped options (a call with one of them is recorded by torch.fx with the tensors inside)
+SPECS = (Gate, Fp8Quant, Dropout, Modulation)
+
 CALLS = {cls.__name__: cls for cls in (AddNormCall, NormAddCall, BackwardCall, KeepMaskCall, NormLinearsCall,
                                        QkNormRopeCall, QkNormRopeBackwardCall)}
 
@@ -603,10 +652,10 @@ def _call_plan(op: str) -> tuple:
             plan.append((name, None, fields))
         else:
             optional = type(None) in typing.get_args(hint)
-            if optional:  # the argument that says whether the group is on comes first in the group's fields
-                first = dataclasses.fields(group_type)[0].name
-                fields.sort(key=lambda f: f[0] != first)
-            plan.append((name, (group_type, optional), fields))
+            # the arguments that say whether the group is on (any of them given): its first field, or ON_WHEN
+            on_when = getattr(group_type, "ON_WHEN", (dataclasses.fields(group_type)[0].name,))
+            keys = tuple(index for field, index in fields if field in on_when) if optional else ()
+            plan.append((name, (group_type, keys), fields))
     return call_type, tuple(plan)
 
 
@@ -624,8 +673,8 @@ def call_of(op: str, inputs: tuple):
         if group is None:
             parts[name] = inputs[fields[0][1]]
             continue
-        group_type, optional = group
-        if optional and _absent(inputs[fields[0][1]]):
+        group_type, keys = group
+        if keys and all(_absent(inputs[index]) for index in keys):
             parts[name] = None
         else:
             parts[name] = group_type(**{field: inputs[index] for field, index in fields})

@@ -1,0 +1,157 @@
+"""add_norm's modulation epilogue (diffusion transformers' adaLN: ``norm(s) * (1 + scale) + shift``).
+
+* Forward: bit-equal to the blocks' own eager ops, spelled as diffusers spells them, in fp32, bf16
+  and fp16: DiT/Flux (LayerNorm without affine, then the 16-bit product and sum, each rounded),
+  ``addcmul`` (one rounding), Wan (``(norm(x.float()) * (1 + scale) + shift).type_as(x)``: fp32
+  steps, rounded once), scale only, shift only; scale and shift per sample ((B, 1, N): one value per
+  sample and column, read through a broadcast) or per token ((B, S, N)); with the residual add.
+* Backward: dx, dresidual, dscale, dshift (summed over the tokens a per-sample value covers) and the
+  norm's parameters against eager autograd, held to the tolerance rule against the same ops in fp64.
+* The op: opcheck with the modulation arguments; a bad scale shape or a combination not taken
+  raises, naming the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import normfuse
+from normfuse.errors import InvalidOptionError, ShapeMismatchError
+from normfuse.kernels import Modulation
+from normfuse.kernels.add_norm import add_norm
+from normfuse.tolerances import within_tolerance
+
+BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+B, S, N = 2, 5, 48
+
+
+def _tensors(dtype, per_token=False, scale_dtype=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x, r = (torch.randn(B, S, N, generator=gen).to(dtype) for _ in range(2))
+    shape = (B, S, N) if per_token else (B, 1, N)
+    scale, shift = ((torch.randn(*shape, generator=gen) * 0.5).to(scale_dtype or dtype) for _ in range(2))
+    w, b = (torch.randn(N, generator=gen).to(dtype) for _ in range(2))
+    return dict(x=x, r=r, scale=scale, shift=shift, w=w, b=b)
+
+
+# ---- the blocks as diffusers writes them, and the add_norm call that stands for each ------------
+
+def eager(form, t, kind="layer_norm"):
+    """(modulated output, sum): the block's own ops."""
+    s = t["x"] + t["r"]
+    norm = (lambda v: F.layer_norm(v, (N,), None, None, 1e-6)) if kind == "layer_norm" else \
+        (lambda v: F.rms_norm(v, (N,), t["w"], 1e-6))
+    if form == "dit":          # norm(x) * (1 + scale[:, None]) + shift[:, None]
+        out = norm(s) * (1 + t["scale"]) + t["shift"]
+    elif form == "scale_first":  # (1 + scale) * n + shift
+        out = (1 + t["scale"]) * norm(s) + t["shift"]
+    elif form == "addcmul":    # torch.addcmul(shift, n, 1 + scale): one rounding
+        out = torch.addcmul(t["shift"], norm(s), 1 + t["scale"])
+    elif form == "wan":        # (norm(x.float()) * (1 + scale) + shift).type_as(x), scale and shift in fp32
+        out = (norm(s.float()) * (1 + t["scale"]) + t["shift"]).type_as(s)
+    elif form == "scale_only":  # x-transformers' adaptive norms
+        out = norm(s) * (1 + t["scale"])
+    else:                      # "shift_only"
+        out = norm(s) + t["shift"]
+    return out, s
+
+
+def ours(form, t, kind="layer_norm"):
+    scale = None if form == "shift_only" else 1 + t["scale"]
+    shift = None if form == "scale_only" else t["shift"]
+    weight = None if kind == "layer_norm" else t["w"]
+    x, r = t["x"], t["r"]
+    if form == "wan":
+        # the norm of the fp32 sum (x.float()), the modulation's steps in fp32, one rounding to x's dtype
+        mod = Modulation(scale, shift, out_dtype=x.dtype)
+        return add_norm(x, r, weight, None, kind=kind, eps=1e-6, out_dtype=FP32, modulation=mod)
+    mod = Modulation(scale, shift, fused=form == "addcmul")
+    return add_norm(x, r, weight, None, kind=kind, eps=1e-6, modulation=mod)
+
+
+FORMS = ("dit", "scale_first", "addcmul", "wan", "scale_only", "shift_only")
+
+
+@pytest.mark.parametrize("per_token", (False, True), ids=("per_sample", "per_token"))
+@pytest.mark.parametrize("kind", ("layer_norm", "rms_norm"))
+@pytest.mark.parametrize("dtype", (FP32, BF16, FP16), ids=("fp32", "bf16", "fp16"))
+@pytest.mark.parametrize("form", FORMS)
+def test_forward_equals_the_blocks_ops(form, dtype, kind, per_token):
+    t = _tensors(dtype, per_token, scale_dtype=FP32 if form == "wan" else None)
+    got, got_s = ours(form, t, kind)
+    want, want_s = eager(form, t, kind)
+    assert got.dtype == want.dtype and torch.equal(got, want), (got - want).abs().max()
+    assert torch.equal(got_s, want_s)
+
+
+def test_the_custom_op_computes_the_same():
+    """The op itself (what rewritten graphs call), and through torch.compile."""
+    t = _tensors(BF16)
+    want, _ = eager("dit", t)
+    y, s, _, _, _ = torch.ops.normfuse.add_norm_fwd(
+        t["x"], t["r"], None, None, "layer_norm", 1e-6, 0.0, 1.0, BF16, None, BF16, True, True, None, None, None,
+        None, 0.0, None, None, "before", "silu", None, None, 1 + t["scale"], t["shift"], None, False, None)
+    assert torch.equal(y, want)
+    compiled = torch.compile(lambda a: ours("dit", a), backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(t)[0], want)
+
+
+def _grads(fn, t, names, cot):
+    leaves = {k: v.detach().clone().requires_grad_(k in names) for k, v in t.items()}
+    out, s = fn(leaves)
+    loss = (out.double() * cot[0]).sum() + (s.double() * cot[1]).sum()
+    return dict(zip(names, torch.autograd.grad(loss, [leaves[k] for k in names])))
+
+
+@pytest.mark.parametrize("per_token", (False, True), ids=("per_sample", "per_token"))
+@pytest.mark.parametrize("kind", ("layer_norm", "rms_norm"))
+@pytest.mark.parametrize("dtype", (FP32, BF16), ids=("fp32", "bf16"))
+@pytest.mark.parametrize("form", ("dit", "addcmul", "wan", "scale_only", "shift_only"))
+def test_gradients_vs_fp64(form, dtype, kind, per_token):
+    t = _tensors(dtype, per_token, scale_dtype=FP32 if form == "wan" else None, seed=3)
+    gen = torch.Generator().manual_seed(9)
+    cot = [torch.randn(B, S, N, generator=gen, dtype=FP64) for _ in range(2)]
+    names = ["x", "r"] + (["scale"] if form != "shift_only" else []) + (["shift"] if form != "scale_only" else []) \
+        + (["w"] if kind == "rms_norm" else [])
+    got = _grads(lambda a: ours(form, a, kind), t, names, cot)
+    base = _grads(lambda a: eager(form, a, kind), t, names, cot)
+    exact = _grads(lambda a: eager(form, a, kind), {k: v.double() for k, v in t.items()}, names, cot)
+    for name in names:
+        assert got[name].shape == base[name].shape and got[name].dtype == base[name].dtype, name
+        ok, err, err_base, bound = within_tolerance(got[name], base[name], exact[name], dtype=got[name].dtype)
+        assert ok, f"d{name}: error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"
+
+
+def test_fp64_gradcheck():
+    t = {k: v.double() for k, v in _tensors(FP64).items()}
+
+    def fn(x, r, scale, shift, w):
+        return add_norm(x, r, w, None, kind="rms_norm", eps=1e-6, modulation=Modulation(scale, shift))
+
+    args = tuple(t[k].requires_grad_() for k in ("x", "r", "scale", "shift", "w"))
+    assert torch.autograd.gradcheck(fn, args)
+
+
+def test_opcheck():
+    t = {k: v.requires_grad_() for k, v in _tensors(FP32).items()}
+    args = (t["x"], t["r"], t["w"], None, "rms_norm", 1e-6, 0.0, 1.0, FP32, None, FP32, True, True, None, None,
+            None, None, 0.0, None, None, "before", "silu", None, None, t["scale"], t["shift"], None, False, None)
+    torch.library.opcheck(torch.ops.normfuse.add_norm_fwd.default, args)
+
+
+@pytest.mark.parametrize("kwargs,error,words", [
+    (dict(modulation=Modulation(torch.ones(B, 2, N), None)), ShapeMismatchError, "must broadcast to x's shape"),
+    (dict(modulation=Modulation(None, None)), InvalidOptionError, "modulates nothing"),
+    (dict(modulation=Modulation(torch.ones(B, 1, N)), weight1=torch.ones(N)), InvalidOptionError,
+     "cannot be combined"),
+])
+def test_bad_arguments(kwargs, error, words):
+    x = torch.randn(B, S, N)
+    with pytest.raises(error, match=words):
+        add_norm(x, x, None, None, kind="layer_norm", eps=1e-6, **kwargs)
+
+
+def test_exported_names():
+    assert normfuse.Modulation is Modulation
