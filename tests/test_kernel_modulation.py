@@ -155,3 +155,91 @@ def test_bad_arguments(kwargs, error, words):
 
 def test_exported_names():
     assert normfuse.Modulation is Modulation
+
+
+# ---- the gated residual branch: s = residual + gate * x ------------------------------------------
+
+def dit_block(t, per_token=False):
+    """Flux's/DiT's block tail: hidden + gate.unsqueeze(1) * attn_out, norm2, modulation."""
+    s = t["r"] + t["gate"] * t["x"]
+    n = F.layer_norm(s, (N,), None, None, 1e-6)
+    return n * (1 + t["scale"]) + t["shift"], s
+
+
+def dit_ours(t):
+    return add_norm(t["x"], t["r"], None, None, kind="layer_norm", eps=1e-6, x_gate=t["gate"],
+                    modulation=Modulation(1 + t["scale"], t["shift"]))
+
+
+def _gated(dtype, per_token=False, seed=0):
+    t = _tensors(dtype, per_token, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    t["gate"] = torch.randn(*t["scale"].shape, generator=gen).to(dtype)
+    return t
+
+
+@pytest.mark.parametrize("per_token", (False, True), ids=("per_sample", "per_token"))
+@pytest.mark.parametrize("dtype", (FP32, BF16, FP16), ids=("fp32", "bf16", "fp16"))
+def test_gated_branch_and_modulation_equal_the_block(dtype, per_token):
+    t = _gated(dtype, per_token)
+    (got, got_s), (want, want_s) = dit_ours(t), dit_block(t)
+    assert torch.equal(got, want) and torch.equal(got_s, want_s)
+
+
+@pytest.mark.parametrize("per_token", (False, True), ids=("per_sample", "per_token"))
+@pytest.mark.parametrize("dtype", (FP32, BF16), ids=("fp32", "bf16"))
+def test_gated_branch_gradients_vs_fp64(dtype, per_token):
+    t = _gated(dtype, per_token, seed=5)
+    gen = torch.Generator().manual_seed(11)
+    cot = [torch.randn(B, S, N, generator=gen, dtype=FP64) for _ in range(2)]
+    names = ["x", "r", "gate", "scale", "shift"]
+    got = _grads(dit_ours, t, names, cot)
+    base = _grads(dit_block, t, names, cot)
+    exact = _grads(dit_block, {k: v.double() for k, v in t.items()}, names, cot)
+    for name in names:
+        assert got[name].shape == base[name].shape and got[name].dtype == base[name].dtype, name
+        ok, err, err_base, bound = within_tolerance(got[name], base[name], exact[name], dtype=got[name].dtype)
+        assert ok, f"d{name}: error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"
+
+
+def test_gated_branch_without_a_stored_sum():
+    """return_sum=False: the backward rebuilds the norm input from x, the gate and the residual."""
+    t = _gated(FP32, seed=2)
+    leaves = {k: v.clone().requires_grad_() for k, v in t.items()}
+    y, s = add_norm(leaves["x"], leaves["r"], None, None, kind="layer_norm", eps=1e-6, x_gate=leaves["gate"],
+                    return_sum=False)
+    assert s is None
+    y.sum().backward()
+    ref = {k: v.clone().requires_grad_() for k, v in t.items()}
+    F.layer_norm(ref["r"] + ref["gate"] * ref["x"], (N,), None, None, 1e-6).sum().backward()
+    for name in ("x", "r", "gate"):
+        torch.testing.assert_close(leaves[name].grad, ref[name].grad)
+
+
+def test_gated_branch_gradcheck():
+    t = {k: v.double() for k, v in _gated(FP64).items()}
+
+    def fn(x, r, gate, scale, shift):
+        return add_norm(x, r, None, None, kind="layer_norm", eps=1e-6, x_gate=gate,
+                        modulation=Modulation(scale, shift))
+
+    assert torch.autograd.gradcheck(fn, tuple(t[k].requires_grad_() for k in ("x", "r", "gate", "scale", "shift")))
+
+
+def test_gated_branch_opcheck():
+    t = {k: v.requires_grad_() for k, v in _gated(FP32).items()}
+    args = (t["x"], t["r"], None, None, "layer_norm", 1e-6, 0.0, 1.0, FP32, None, FP32, True, True, None, None,
+            None, None, 0.0, None, None, "before", "silu", None, None, t["scale"], t["shift"], None, False, None,
+            t["gate"])
+    torch.library.opcheck(torch.ops.normfuse.add_norm_fwd.default, args)
+
+
+@pytest.mark.parametrize("kwargs,error,words", [
+    (dict(x_gate=torch.ones(B, 2, N)), ShapeMismatchError, "must broadcast to x's shape"),
+    (dict(x_gate=torch.ones(B, 1, N), x1=torch.ones(B, S, N)), InvalidOptionError, "cannot be combined"),
+    (dict(x_gate=torch.ones(B, 1, N, dtype=torch.int32)), normfuse.errors.UnsupportedDtypeError, "Cast it first"),
+])
+def test_gated_branch_bad_arguments(kwargs, error, words):
+    x = torch.randn(B, S, N)
+    with pytest.raises(error, match=words):
+        add_norm(x, x, None, None, kind="layer_norm", eps=1e-6, **kwargs)

@@ -30,9 +30,9 @@ import warnings
 import torch
 from torch import Tensor
 
-from normfuse.errors import InvalidOptionError, closest
-from normfuse.kernels.ops import (_grad_needed, check_modulation_shapes, forward_for, seed_tensor, validate,
-                                  validate_modes, validate_norm_group)
+from normfuse.errors import InvalidOptionError, UnsupportedDtypeError, closest
+from normfuse.kernels.ops import (_grad_needed, check_broadcast, check_modulation_shapes, forward_for, seed_tensor,
+                                  validate, validate_modes, validate_norm_group)
 from normfuse.kernels.specs import SPECS, Dropout, Fp8Quant, Gate, Modulation
 from normfuse.kernels.reference import (KINDS, SUPPORTED_DTYPES, add_norm_bwd_ref, add_norm_dtypes,
                                         add_norm_ref, norm_add_dtypes, norm_add_ref)
@@ -73,7 +73,7 @@ def fused_add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weigh
                    quant_amax_min=None, quant_scale_min=None, quant_apply="div", quant_clamp=None,
                    quant_scale_out="scale", return_norm=False, gate=None, gate_position="before",
                    gate_activation="silu", norm_group=None, gate_out_dtype=None, mod_scale=None, mod_shift=None,
-                   mod_dtype=None, mod_fused=False, mod_out_dtype=None):
+                   mod_dtype=None, mod_fused=False, mod_out_dtype=None, x_gate=None):
     """:func:`add_norm` with every option a flat keyword: what the rewritten graphs call (a
     tensor inside a Gate or Fp8Quant would be invisible to torch.fx) and the one route of
     add_norm to the ops. gate, gate_*: the fields of :class:`Gate`; quant_*: those of
@@ -90,7 +90,9 @@ def fused_add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weigh
         seed = seed_tensor(seed) if seed is not None else torch.randint(0, 2**62, (), generator=generator)
     else:
         seed = None  # p = 0 draws nothing
-    sum_dtype, out_dtype = add_norm_dtypes(x, residual, weight, sum_dtype, norm_round_dtype, out_dtype, x1)
+    if x_gate is not None:
+        _check_x_gate(x, x_gate, x1, rowscale, dropout_p, gate, quant_dtype)
+    sum_dtype, out_dtype = add_norm_dtypes(x, residual, weight, sum_dtype, norm_round_dtype, out_dtype, x1, x_gate)
     has_sum = has_sum_of(residual, x1, rowscale, dropout_p)
     if gate is not None or norm_group is not None:
         if gate is not None:
@@ -111,7 +113,7 @@ def fused_add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weigh
         if gate is not None or weight1 is not None or quant_dtype is not None:
             raise InvalidOptionError("the modulation epilogue cannot be combined with gate, weight1 or quant_dtype "
                                      "yet; modulate the norm output separately.")
-    modes = tuple(t for t in (x1, rowscale, weight1, bias1, seed, gate, mod_scale, mod_shift) if t is not None)
+    modes = tuple(t for t in (x1, rowscale, weight1, bias1, seed, gate, mod_scale, mod_shift, x_gate) if t is not None)
     store_sum = has_sum and (return_sum or _grad_needed(x, residual, weight, bias, *modes))
     if quant_dtype is not None:
         Fp8Quant(quant_dtype, quant_scale, quant_group, quant_scale_form, quant_amax_min, quant_scale_min,
@@ -134,10 +136,10 @@ def fused_add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weigh
         return (q, quant_scale if quant_scale is not None else scale, y if return_norm else None,
                 s if has_sum and return_sum else None)
     forward = forward_for("add_norm_fwd", x, residual, weight, bias, *modes)
-    gated = () if gate is None and norm_group is None and not modulated else (
+    gated = () if gate is None and norm_group is None and not modulated and x_gate is None else (
         gate, gate_position, gate_activation, norm_group, gate_out_dtype)
-    if modulated:
-        gated += (mod_scale, mod_shift, mod_dtype, bool(mod_fused), mod_out_dtype)
+    if modulated or x_gate is not None:
+        gated += (mod_scale, mod_shift, mod_dtype, bool(mod_fused), mod_out_dtype, x_gate)
     y, s, _, _, y1 = forward(x, residual, weight, bias, kind, float(eps), float(weight_offset),
                              float(residual_scale), sum_dtype, norm_round_dtype, out_dtype, store_sum,
                              bool(round_sum_first), x1, rowscale, weight1, bias1, dropout_p, seed, *gated)
@@ -178,7 +180,7 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
              sum_dtype=None, norm_round_dtype=None, out_dtype=None, return_sum=True, round_sum_first=True,
              x1=None, rowscale=None, weight1=None, bias1=None, norm_group=None, return_norm=False,
              gate: Gate | None = None, quant: Fp8Quant | None = None, dropout: Dropout | None = None,
-             modulation: Modulation | None = None, **flat):
+             modulation: Modulation | None = None, x_gate=None, **flat):
     """Fused ``s = x + residual_scale * residual; y = norm(s)``: returns (y, s), or (y, y1, s)
     with weight1, or (q, scale, y or None, s) with quant (normfuse.kernels.specs.api_outputs).
 
@@ -214,6 +216,9 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
     differentiable; y and s are as without it. Not with weight1.
     gate: a :class:`~normfuse.kernels.specs.Gate` (Mamba2 / NemotronH, Qwen3-Next, Kimi-Linear).
     Differentiable in x, residual, weight, bias and the gate. Not with weight1 or quant.
+    x_gate: a gated residual branch, s = residual + x * x_gate (diffusion transformers'
+    ``hidden_states + gate.unsqueeze(1) * attn_output``), x_gate broadcasting to x (per sample or per
+    token); the product rounded as eager's. Differentiable. Not with x1, rowscale, dropout, gate or quant.
     modulation: a :class:`~normfuse.kernels.specs.Modulation` (diffusion transformers' adaLN: y * scale +
     shift, per sample or per token): y is then the modulated output. Differentiable in scale and
     shift. Not with gate, weight1 or quant.
@@ -240,7 +245,7 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
                           residual_scale=residual_scale, sum_dtype=sum_dtype, norm_round_dtype=norm_round_dtype,
                           out_dtype=out_dtype, return_sum=return_sum, round_sum_first=round_sum_first, x1=x1,
                           rowscale=rowscale, weight1=weight1, bias1=bias1, norm_group=norm_group,
-                          return_norm=return_norm, **options)
+                          return_norm=return_norm, x_gate=x_gate, **options)
 
 
 def _from_flat(flat: dict, gate, quant, dropout):
@@ -311,6 +316,22 @@ def _in_graph_code(frame) -> bool:
     normfuse 0.1 calls add_norm with the flat keywords (the rewrite now calls fused_add_norm); a
     model loaded with such a graph is not the user's call to change."""
     return frame.f_code.co_filename.startswith("<eval_with_key>")
+
+
+def _check_x_gate(x, x_gate, x1, rowscale, dropout_p, gate, quant_dtype) -> None:
+    """A gated residual branch: a tensor broadcasting to x, not combined with the branch modes."""
+    if not isinstance(x_gate, Tensor):
+        raise InvalidOptionError(f"x_gate must be a tensor broadcasting to x's shape, or None; got "
+                                 f"{type(x_gate).__name__}.")
+    check_broadcast("x_gate", x_gate, x)
+    if x_gate.dtype not in SUPPORTED_DTYPES and not (x_gate.dtype == torch.float64 and x.device.type == "cpu"):
+        raise UnsupportedDtypeError(f"x_gate has dtype {x_gate.dtype}; the fused ops take {SUPPORTED_DTYPES} (and "
+                                    f"torch.float64 on CPU). Cast it first, e.g. x_gate.to(x.dtype).")
+    if x_gate.device != x.device:
+        raise InvalidOptionError(f"x_gate is on {x_gate.device} but x is on {x.device}; move them to one device.")
+    if x1 is not None or rowscale is not None or dropout_p or gate is not None or quant_dtype is not None:
+        raise InvalidOptionError("x_gate (a gated residual branch, x * x_gate) cannot be combined with x1, rowscale, "
+                                 "dropout, gate or quant_dtype yet; gate the branch before add_norm.")
 
 
 def _float_or_none(value):

@@ -86,17 +86,22 @@ def check_shapes(x, residual, weight, bias, x1=None, rowscale=None, weight1=None
 
 def check_modulation_shapes(x: Tensor, modulation) -> None:
     """scale and shift broadcast to x's shape without changing it (one value per sample, token or column)."""
-    for name, t in (("modulation scale", modulation.scale), ("modulation shift", modulation.shift)):
-        if t is None:
-            continue
-        try:
-            fits = torch.broadcast_shapes(t.shape, x.shape) == x.shape and t.dim() <= x.dim()
-        except RuntimeError:
-            fits = False
-        if not fits:
-            raise ShapeMismatchError(f"the {name} has shape {tuple(t.shape)} but x has shape {tuple(x.shape)}; it "
-                                     f"must broadcast to x's shape, e.g. ({x.shape[0]}, 1, {x.shape[-1]}) for one "
-                                     f"value per sample and column (scale[:, None]), or x's shape for one per token.")
+    check_broadcast("modulation scale", modulation.scale, x)
+    check_broadcast("modulation shift", modulation.shift, x)
+
+
+def check_broadcast(name: str, t: Optional[Tensor], x: Tensor) -> None:
+    """t (when given) broadcasts to x's shape without changing it."""
+    if t is None:
+        return
+    try:
+        fits = torch.broadcast_shapes(t.shape, x.shape) == x.shape and t.dim() <= x.dim()
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ShapeMismatchError(f"the {name} has shape {tuple(t.shape)} but x has shape {tuple(x.shape)}; it "
+                                 f"must broadcast to x's shape, e.g. ({x.shape[0]}, 1, {x.shape[-1]}) for one "
+                                 f"value per sample and column (v[:, None]), or x's shape for one per token.")
 
 
 def validate(x, residual, weight, bias, kind, eps, rounding: dict):
@@ -263,7 +268,7 @@ def _stats_fake(x: Tensor, kind: str, norm_in_dtype: torch.dtype, norm_group: Op
 def _call_tensors(call: AddNormCall) -> tuple:
     """The tensors an add_norm call reads (the outputs must not alias them)."""
     rows, norm, second, gate, quant, mod = call.rows, call.norm, call.second, call.gate, call.quant, call.modulation
-    return (rows.x, rows.residual, norm.weight, norm.bias, rows.x1, rows.rowscale,
+    return (rows.x, rows.residual, norm.weight, norm.bias, rows.x1, rows.rowscale, rows.x_gate,
             *((second.weight, second.bias) if second else ()), *((gate.z,) if gate else ()),
             *((quant.scale,) if quant else ()), *((mod.scale, mod.shift) if mod else ()))
 
@@ -274,8 +279,8 @@ def _add_norm_backend(call: AddNormCall):
     dtypes = _dtypes(*_call_tensors(call), rounding.sum_dtype, rounding.norm_round_dtype, rounding.out_dtype,
                      None if gate is None else gate.out_dtype, *((mod.dtype, mod.out_dtype) if mod else ()))
     backend = _backend(call.rows.x, dtypes, call.norm.group)
-    # the modulation epilogue runs on the reference backend until the Triton kernels take it
-    return reference if mod is not None else backend
+    # the modulation epilogue and the gated branch run on the reference backend until the Triton kernels take them
+    return reference if mod is not None or call.rows.x_gate is not None else backend
 
 
 def _check_seed(dropout: Optional[DropoutMask]) -> None:
@@ -320,6 +325,7 @@ def _add_norm_fwd_fake(call: AddNormCall):
                  *((second.weight, second.bias) if second else ()))
     if call.modulation is not None:
         check_modulation_shapes(x, call.modulation)
+    check_broadcast("x_gate", rows.x_gate, x)
     _check_seed(call.dropout)
     sum_dtype, out_dtype = rounding.sum_dtype, rounding.out_dtype
     stored = call.store.sum and reference.call_has_sum(call)
@@ -417,10 +423,11 @@ def _norm_add_fwd_fake(call: NormAddCall):
 def _backward_tensors(call: BackwardCall) -> tuple:
     """The tensors a backward call reads (the gradients must not alias them)."""
     grads, saved, norm = call.grads, call.saved, call.norm
-    mod = call.modulation
+    mod, x_gate = call.modulation, call.x_gate
     return (grads.dy, grads.dextra, saved.inp, saved.mean, saved.rstd, norm.weight, grads.dy1,
             None if call.second is None else call.second.weight, call.rowscale,
-            None if call.gate is None else call.gate.z, norm.bias, *((mod.scale, mod.shift) if mod else ()))
+            None if call.gate is None else call.gate.z, norm.bias, *((mod.scale, mod.shift) if mod else ()),
+            *((x_gate.gate, x_gate.x) if x_gate else ()))
 
 
 @implement("add_norm_bwd")
@@ -433,8 +440,9 @@ def add_norm_bwd(call: BackwardCall):
     tensors = _backward_tensors(call)
     backend = _backend(inp, _dtypes(*tensors, dtypes.x, dtypes.residual, dtypes.bias, dtypes.bias1, dtypes.x1),
                        call.norm.group)
-    backend = reference if call.modulation is not None else backend  # as the forward: the reference takes it
-    return _op_outputs(backend.add_norm_bwd(call), (None, *(inp.dtype,) * 9), inp, tensors)
+    if call.modulation is not None or call.x_gate is not None:
+        backend = reference  # as the forward: the reference takes them
+    return _op_outputs(backend.add_norm_bwd(call), (None, *(inp.dtype,) * 10), inp, tensors)
 
 
 @implement_fake("add_norm_bwd")
@@ -454,7 +462,9 @@ def _add_norm_bwd_fake(call: BackwardCall):
             like(has_y1 and dtypes.bias1 is not None, (n_cols,), dtypes.bias1),
             like(gate is not None, inp.shape, gate.z.dtype if gate is not None else None),
             *(like(t is not None, None if t is None else t.shape, None if t is None else t.dtype)
-              for t in ((call.modulation.scale, call.modulation.shift) if call.modulation else (None, None))))
+              for t in ((call.modulation.scale, call.modulation.shift) if call.modulation else (None, None))),
+            like(call.x_gate is not None, None if call.x_gate is None else call.x_gate.gate.shape,
+                 None if call.x_gate is None else call.x_gate.gate.dtype))
 
 
 # --------------------------------------------------------------------------------------
@@ -468,10 +478,11 @@ def _grad_or_none(g: Optional[Tensor], exists: bool) -> Optional[Tensor]:
 def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, add_after_norm, modes=None):
     """Shared tail of both autograd formulas: call the backward, map empties to None.
     ``saved``: ctx.saved_tensors, read once (non-reentrant checkpointing allows one unpack).
-    ``modes``: add_norm's (dy1, weight1, x1_dtype, rowscale, seed, gate, bias, mod_scale, mod_shift), or None.
-    Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate, dmod_scale, dmod_shift)."""
+    ``modes``: add_norm's (dy1, weight1, x1_dtype, rowscale, seed, gate, bias, mod_scale, mod_shift, x_gate,
+    x), or None. Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate, dmod_scale, dmod_shift,
+    dx_gate)."""
     mean, rstd, weight = saved[-3:]
-    dy1, weight1, x1_dtype, rowscale, seed, gate, bias, mod_scale, mod_shift = modes or (None,) * 9
+    dy1, weight1, x1_dtype, rowscale, seed, gate, bias, mod_scale, mod_shift, x_gate, x = modes or (None,) * 11
     dropout_p = ctx.dropout_p if modes else 0.0
     if dy is None:
         dy = inp.new_zeros(inp.shape, dtype=ctx.dy_dtype)
@@ -479,14 +490,14 @@ def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, add_after_norm, 
     # incoming grad itself (norm_add): hand that tensor over instead of writing a copy.
     # (Not with rowscale or dropout: dx is then a scaled copy of the residual's grad.)
     shared = (residual_dtype is not None and ctx.residual_scale == 1.0 and rowscale is None and dropout_p == 0
-              and residual_dtype == (dy.dtype if add_after_norm else ctx.x_dtype))
+              and x_gate is None and residual_dtype == (dy.dtype if add_after_norm else ctx.x_dtype))
     backward = _REFERENCE_ON_FLAT["add_norm_bwd"] if ctx.eager_cpu else torch.ops.normfuse.add_norm_bwd
-    modulated = mod_scale is not None or mod_shift is not None
+    modulated = mod_scale is not None or mod_shift is not None or x_gate is not None
     gated = gate is not None or getattr(ctx, "norm_group", None) or modulated
-    # (the backward op's arguments past seed only when a gate, groups or a modulation need them)
+    # (the backward op's arguments past seed only when a gate, groups, a modulation or a gated branch need them)
     gate_args = (gate, ctx.gate_position, ctx.gate_activation, ctx.norm_group, bias) if gated else ()
-    mod_args = (mod_scale, mod_shift) if modulated else ()
-    dx, dres, dw, db, dx1, dw1, db1, dgate, dscale, dshift = backward(
+    mod_args = (mod_scale, mod_shift, x_gate, x) if modulated else ()
+    dx, dres, dw, db, dx1, dw1, db1, dgate, dscale, dshift, dx_gate = backward(
         dy, dextra, inp, mean, rstd, weight, ctx.kind, ctx.weight_offset, ctx.residual_scale, add_after_norm,
         ctx.x_dtype, None if shared else residual_dtype, ctx.bias_dtype, dy1, None if dy1 is None else weight1,
         None if dy1 is None else ctx.bias1_dtype, x1_dtype, rowscale, dropout_p, seed, *gate_args, *mod_args)
@@ -497,7 +508,7 @@ def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, add_after_norm, 
             _grad_or_none(dw1, dy1 is not None and weight1 is not None),
             _grad_or_none(db1, dy1 is not None and ctx.bias1_dtype is not None),
             _grad_or_none(dgate, gate is not None), _grad_or_none(dscale, mod_scale is not None),
-            _grad_or_none(dshift, mod_shift is not None))
+            _grad_or_none(dshift, mod_shift is not None), _grad_or_none(dx_gate, x_gate is not None))
 
 
 def _save_common(ctx, rows: Rows, norm: Norm, dy_dtype):
@@ -537,12 +548,14 @@ def _save_add_norm(ctx, call: AddNormCall, output):
     # a gate "after" and a modulation multiply n * w' + b: their backward needs the bias
     gate_bias = norm.bias if (gate is not None and gate.position == "after") or mod is not None else None
     scale, shift = (mod.scale, mod.shift) if mod is not None else (None, None)
+    # a gated branch's backward needs the gate and x (dx_gate = sum of ds * x)
+    gated_x = (rows.x_gate, x) if rows.x_gate is not None else (None, None)
     if ctx.sum_stored and ctx.round_sum_first:
-        ctx.save_for_backward(s, None, None, rowscale, seed, weight1, z, gate_bias, scale, shift, mean, rstd,
-                              norm.weight)
+        ctx.save_for_backward(s, None, None, rowscale, seed, weight1, z, gate_bias, scale, shift, *gated_x, mean,
+                              rstd, norm.weight)
     else:
-        ctx.save_for_backward(x, residual, x1, rowscale, seed, weight1, z, gate_bias, scale, shift, mean, rstd,
-                              norm.weight)
+        ctx.save_for_backward(x, residual, x1, rowscale, seed, weight1, z, gate_bias, scale, shift, *gated_x, mean,
+                              rstd, norm.weight)
     ctx.sum_dtype = call.rounding.sum_dtype
     ctx.residual_dtype = None if residual is None else residual.dtype
     ctx.x1_dtype = None if x1 is None else x1.dtype
@@ -566,14 +579,14 @@ def _rebuilt_norm_input(ctx, x, residual, x1, rowscale, seed) -> Tensor:
 def _add_norm_grads(ctx, dy, ds, dy1) -> dict:
     """{add_norm_fwd argument: its gradient} (GRADIENT_OF names them)."""
     saved = ctx.saved_tensors
-    inp, residual, x1, rowscale, seed, weight1, gate, gate_bias, mod_scale, mod_shift = saved[:10]
+    inp, residual, x1, rowscale, seed, weight1, gate, gate_bias, mod_scale, mod_shift, x_gate, x = saved[:12]
     if not (ctx.sum_stored and ctx.round_sum_first):
-        inp = _rebuilt_norm_input(ctx, inp, residual, x1, rowscale, seed)
+        inp = _rebuilt_norm_input(ctx, reference.gated_branch(inp, x_gate), residual, x1, rowscale, seed)
     ds = ds if ctx.sum_stored else None
     dy1 = dy1 if weight1 is not None else None  # a traced backward may get a tangent of the empty y1
     grads = _norm_backward(ctx, saved, dy, ds, inp, ctx.residual_dtype, add_after_norm=False,
                            modes=(dy1, weight1, ctx.x1_dtype, rowscale, seed, gate, gate_bias, mod_scale,
-                                  mod_shift))
+                                  mod_shift, x_gate, x))
     return {GRADIENT_OF[name]: g for name, g in zip(OP_OUTPUTS["add_norm_bwd"], grads)}
 
 
@@ -594,7 +607,7 @@ def _add_norm_quant_backward(ctx, dy, ds, dmean, drstd, dy1, dq, dscale):
     dy = dy if ctx.y_stored else None  # a traced backward may get a tangent of the empty y
     grads = _add_norm_grads(ctx, dy, ds, dy1)
     # no gate or modulation argument in this op (the epilogue does not combine with them)
-    for name in ("gate", "mod_scale", "mod_shift"):
+    for name in ("gate", "mod_scale", "mod_shift", "x_gate"):
         del grads[name]
     return op_gradients("add_norm_quant_fwd", grads)
 

@@ -171,10 +171,11 @@ def sum_like(x: Tensor, dtype: torch.dtype) -> Tensor:
 # ---- default dtypes (resolved once per call, by the functional API and the *_ref functions) ----
 
 def add_norm_dtypes(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], sum_dtype, norm_round_dtype,
-                    out_dtype, x1: Optional[Tensor] = None) -> tuple[torch.dtype, torch.dtype]:
-    """(sum_dtype, out_dtype) of add-then-norm with their defaults filled in."""
+                    out_dtype, x1: Optional[Tensor] = None, x_gate: Optional[Tensor] = None,
+                    ) -> tuple[torch.dtype, torch.dtype]:
+    """(sum_dtype, out_dtype) of add-then-norm with their defaults filled in (x's dtype: x * x_gate's)."""
     if sum_dtype is None:
-        sum_dtype = x.dtype
+        sum_dtype = x.dtype if x_gate is None else torch.promote_types(x.dtype, x_gate.dtype)
         for t in (x1, residual):
             sum_dtype = sum_dtype if t is None else torch.promote_types(sum_dtype, t.dtype)
     return sum_dtype, out_dtype or _default_out_dtype(sum_dtype, weight, norm_round_dtype)
@@ -373,7 +374,7 @@ def add_norm_fwd(call: AddNormCall):
     """(y, s, mean, rstd, y1) of add-then-norm; s is None unless stored (and there is a sum), y1
     None without a second norm."""
     rows, norm, rounding, gate, dropout = call.rows, call.norm, call.rounding, call.gate, call.dropout
-    x = rows.x
+    x = gated_branch(rows.x, rows.x_gate)
     p = 0.0 if dropout is None else dropout.p
     keep = None if dropout is None else dropout_keep(dropout.seed, x.numel() // x.shape[-1], x.shape[-1], p, x.device)
     s, u = norm_input(x, rows.residual, rows.residual_scale, rounding.sum_dtype, rounding.round_sum_first, rows.x1,
@@ -392,6 +393,12 @@ def add_norm_fwd(call: AddNormCall):
     y1 = None if second is None else normalize(u, second.weight, second.bias, norm.kind, norm.eps, norm.weight_offset,
                                                rounding.norm_round_dtype, rounding.out_dtype)[0]
     return y, (s if call.store.sum and call_has_sum(call) else None), mean, rstd, y1
+
+
+def gated_branch(x: Tensor, x_gate: Optional[Tensor]) -> Tensor:
+    """x * x_gate as the graph computes it (``gate.unsqueeze(1) * attn_output``: one rounding to the
+    promoted dtype), or x without a gate."""
+    return x if x_gate is None else x * x_gate
 
 
 def modulation_dtypes(y_dtype: torch.dtype, modulation: Modulation) -> tuple[torch.dtype, torch.dtype]:
@@ -503,7 +510,8 @@ def add_norm_ref(x, residual=None, weight=None, bias=None, *, kind, eps, weight_
                  dropout_p=0.0, seed=None, quant_dtype=None, quant_scale=None, quant_group=None,
                  quant_scale_form="amax/max", quant_amax_min=None, quant_scale_min=None, quant_apply="div",
                  quant_clamp=None, quant_scale_out="scale", return_norm=False, gate=None, gate_position="before",
-                 gate_activation="silu", norm_group=None, gate_out_dtype=None, modulation=None):
+                 gate_activation="silu", norm_group=None, gate_out_dtype=None, modulation=None,
+                 x_gate=None):
     """Plain-PyTorch add-then-norm with the semantics of the module docstring: returns (y, s),
     or (y, y1, s) with weight1, or (q, scale, y or None, s) with quant_dtype.
 
@@ -511,9 +519,10 @@ def add_norm_ref(x, residual=None, weight=None, bias=None, *, kind, eps, weight_
     norm (no residual and no mode) returns s=None, as does ``return_sum=False``. For an fp64
     reference, pass fp64 tensors and fp64 rounding dtypes. Differentiable with plain autograd.
     """
-    sum_dtype, out_dtype = add_norm_dtypes(x, residual, weight, sum_dtype, norm_round_dtype, out_dtype, x1)
+    sum_dtype, out_dtype = add_norm_dtypes(x, residual, weight, sum_dtype, norm_round_dtype, out_dtype, x1, x_gate)
     call = AddNormCall(
-        Rows(x, residual, residual_scale, x1, rowscale), Norm(kind, weight, bias, eps, weight_offset, norm_group),
+        Rows(x, residual, residual_scale, x1, rowscale, x_gate),
+        Norm(kind, weight, bias, eps, weight_offset, norm_group),
         Rounding(sum_dtype, norm_round_dtype, out_dtype, round_sum_first), Store(sum=return_sum),
         second=None if weight1 is None else SecondNorm(weight1, bias1),
         dropout=DropoutMask(dropout_p, seed) if dropout_p > 0 else None,
@@ -699,9 +708,14 @@ def add_norm_bwd(call: BackwardCall):
         dx = dx.to(acc) * keep.view(inp.shape) * (1.0 / (1.0 - p))
     if call.rowscale is not None:
         dx = dx.to(acc) * call.rowscale[..., None].to(acc)
+    dx_gate = None
+    if call.x_gate is not None:  # b = x * gate: db is dx above
+        gate, x = call.x_gate.gate, call.x_gate.x
+        dx_gate = (dx.to(acc) * x.to(acc)).sum_to_size(gate.shape).to(gate.dtype)
+        dx = dx.to(acc) * gate.to(acc)
     return (dx.to(dtypes.x), dres, None if dw is None else dw.to(norm.weight.dtype),
             None if db is None else db.to(dtypes.bias), dx1, None if dw1 is None else dw1.to(call.second.weight.dtype),
-            None if db1 is None else db1.to(dtypes.bias1), dgate, dscale, dshift)
+            None if db1 is None else db1.to(dtypes.bias1), dgate, dscale, dshift, dx_gate)
 
 
 def add_norm_bwd_ref(call: BackwardCall):
@@ -719,7 +733,9 @@ def add_norm_bwd_ref(call: BackwardCall):
     Gated / grouped norms: call.gate, call.norm.group, and call.norm.bias (a gate "after" multiplies
     n * w' + b); inp is then the norm input before the gate.
     call.modulation: dy is the gradient of the modulated output (scale and shift as the forward's).
-    Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate, dmod_scale, dmod_shift); None
-    for inputs that do not exist.
+    call.x_gate: the branch was x * gate (the gate and x given): dx and dx_gate from the branch's
+    gradient.
+    Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate, dmod_scale, dmod_shift, dx_gate);
+    None for inputs that do not exist.
     """
     return add_norm_bwd(call)

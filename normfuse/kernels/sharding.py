@@ -89,13 +89,13 @@ def _strategies(spec: Any, op: str, arg: str, layout) -> list:
 # How each op argument is placed, by name (declarations.py names them): "act" takes the activation's
 # placement (a row shard of x is the same rows of it: rowscale is x.shape[:-1]), "rep" is replicated,
 # "stats" takes the statistics' (their rows), "stats_ln" only for layer_norm (mean is empty for
-# rms_norm); any other argument is not a tensor. A modulation's scale and shift (one value per
-# sample, or per token) are replicated, and then only the replicated strategy is offered.
+# rms_norm); any other argument is not a tensor. A modulation's scale and shift and a branch's gate
+# (one value per sample, or per token) are replicated, and then only the replicated strategy is offered.
 _ARG_PLACEMENTS = {
     "x": "act", "residual": "act", "x1": "act", "rowscale": "act", "gate": "act",
     "dy": "act", "dextra": "act", "inp": "act", "dy1": "act",
     "weight": "rep", "bias": "rep", "weight1": "rep", "bias1": "rep", "seed": "rep", "quant_scale": "rep",
-    "mod_scale": "rep", "mod_shift": "rep",
+    "mod_scale": "rep", "mod_shift": "rep", "x_gate": "rep",
     "mean": "stats_ln", "rstd": "stats",
 }
 
@@ -119,7 +119,7 @@ def _inputs(op: str, args: tuple, act, stats, layer_norm: bool) -> list:
 
 def _strategies_of(a: dict, op: str, layout) -> list:
     """The strategies of an op call with named arguments ``a``: rows of its activation's shards."""
-    modulated = a.get("mod_scale") is not None or a.get("mod_shift") is not None
+    modulated = any(a.get(name) is not None for name in ("mod_scale", "mod_shift", "x_gate"))
     for name in ("residual", "x1", "gate"):  # x's shape: its last dim is the normalized one
         if a.get(name) is not None:
             _row_dims(a[name], op, name)
@@ -172,7 +172,8 @@ def _backward_rule(*args):
                   "dbias1": when(has_y1 and a["bias1_dtype"] is not None, grad),
                   "dgate": when(a["gate"] is not None, act),
                   "dmod_scale": when(a["mod_scale"] is not None, grad),
-                  "dmod_shift": when(a["mod_shift"] is not None, grad)}
+                  "dmod_shift": when(a["mod_shift"] is not None, grad),
+                  "dx_gate": when(a["x_gate"] is not None, grad)}
         return [placed[name] for name in OP_OUTPUTS[op]], _inputs(op, args, act, stats, layer_norm)
     # offered only the input's own sharding: the statistics hold exactly its rows
     return _strategies_of(a, op, layout)

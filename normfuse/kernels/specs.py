@@ -49,7 +49,7 @@ __all__ = ["OP_OUTPUTS", "NORM_ADD_OUTPUTS", "GRADIENT_OF", "api_outputs", "api_
            "op_defaults", "op_output_index", "bind", "call_of", "op_gradients", "Gate", "Fp8Quant", "Dropout", "SPECS",
            "Rows", "Norm", "Rounding", "Store", "SecondNorm", "DropoutMask", "Grads", "Saved", "GradDtypes", "Linears",
            "QkRows", "Rope", "QkNorm",
-           "Modulation", "QkRounding", "AddNormCall", "NormAddCall", "BackwardCall", "KeepMaskCall",
+           "Modulation", "XGate", "QkRounding", "AddNormCall", "NormAddCall", "BackwardCall", "KeepMaskCall",
            "NormLinearsCall", "QkNormRopeCall", "QkNormRopeBackwardCall"]
 
 
@@ -63,7 +63,7 @@ OP_OUTPUTS: dict[str, tuple[str, ...]] = {name: op.outputs for name, op in DECLA
 # add_norm_bwd's outputs -> the forward argument each is the gradient of
 GRADIENT_OF: dict[str, str] = {"dx": "x", "dresidual": "residual", "dweight": "weight", "dbias": "bias",
                                "dx1": "x1", "dweight1": "weight1", "dbias1": "bias1", "dgate": "gate",
-                               "dmod_scale": "mod_scale", "dmod_shift": "mod_shift"}
+                               "dmod_scale": "mod_scale", "dmod_shift": "mod_shift", "dx_gate": "x_gate"}
 
 # what norm_add returns
 NORM_ADD_OUTPUTS: tuple[str, ...] = ("out", "y")
@@ -381,12 +381,14 @@ _group = dataclasses.dataclass(slots=True, eq=False)
 @_group
 class Rows:
     """The rows the op reads and sums: s = b + residual_scale * residual, b = x after its branch modes
-    (rowscale per row, x1 added; dropout is its own group)."""
+    (x_gate: x * x_gate first, a gated residual branch, x_gate broadcastable to x; rowscale per row,
+    x1 added; dropout is its own group)."""
     x: Optional[Tensor] = None
     residual: Optional[Tensor] = None
     residual_scale: float = 1.0
     x1: Optional[Tensor] = None
     rowscale: Optional[Tensor] = None
+    x_gate: Optional[Tensor] = None
 
 
 @_group
@@ -473,6 +475,13 @@ class Modulation:
         """The flat keywords of fused_add_norm (and the add_norm_fwd arguments) it stands for."""
         return {"mod_scale": self.scale, "mod_shift": self.shift, "mod_dtype": self.dtype,
                 "mod_fused": bool(self.fused), "mod_out_dtype": self.out_dtype}
+
+
+@_group
+class XGate:
+    """The backward of a gated residual branch b = x * gate: the gate and the ungated x."""
+    gate: Tensor
+    x: Optional[Tensor] = None
 
 
 @_group
@@ -581,6 +590,7 @@ class BackwardCall:
     dropout: Optional[DropoutMask] = None
     gate: Optional[Gate] = None
     modulation: Optional[Modulation] = None
+    x_gate: Optional[XGate] = None
 
 
 @_group
