@@ -30,10 +30,10 @@ import warnings
 import torch
 from torch import Tensor
 
-from normfuse.errors import InvalidOptionError, UnsupportedDtypeError, closest
+from normfuse.errors import InvalidOptionError, closest
 from normfuse.kernels.ops import (_grad_needed, check_broadcast, check_modulation_shapes, forward_for, seed_tensor,
                                   validate, validate_modes, validate_norm_group)
-from normfuse.kernels.specs import SPECS, Dropout, Fp8Quant, Gate, Modulation
+from normfuse.kernels.specs import SPECS, Dropout, Fp8Quant, Gate, Modulation, check_operand
 from normfuse.kernels.reference import (KINDS, SUPPORTED_DTYPES, add_norm_bwd_ref, add_norm_dtypes,
                                         add_norm_ref, norm_add_dtypes, norm_add_ref)
 from normfuse.kernels.reference import has_sum as has_sum_of
@@ -320,15 +320,8 @@ def _in_graph_code(frame) -> bool:
 
 def _check_x_gate(x, x_gate, x1, rowscale, dropout_p, gate, quant_dtype) -> None:
     """A gated residual branch: a tensor broadcasting to x, not combined with the branch modes."""
-    if not isinstance(x_gate, Tensor):
-        raise InvalidOptionError(f"x_gate must be a tensor broadcasting to x's shape, or None; got "
-                                 f"{type(x_gate).__name__}.")
+    check_operand("x_gate", x_gate, x)
     check_broadcast("x_gate", x_gate, x)
-    if x_gate.dtype not in SUPPORTED_DTYPES and not (x_gate.dtype == torch.float64 and x.device.type == "cpu"):
-        raise UnsupportedDtypeError(f"x_gate has dtype {x_gate.dtype}; the fused ops take {SUPPORTED_DTYPES} (and "
-                                    f"torch.float64 on CPU). Cast it first, e.g. x_gate.to(x.dtype).")
-    if x_gate.device != x.device:
-        raise InvalidOptionError(f"x_gate is on {x_gate.device} but x is on {x.device}; move them to one device.")
     if x1 is not None or rowscale is not None or dropout_p or gate is not None or quant_dtype is not None:
         raise InvalidOptionError("x_gate (a gated residual branch, x * x_gate) cannot be combined with x1, rowscale, "
                                  "dropout, gate or quant_dtype yet; gate the branch before add_norm.")

@@ -65,11 +65,11 @@ def _on_first_use(name: str) -> tuple[Callable, Callable]:
 def declare() -> None:
     """Declare every ``torch.ops.normfuse`` op (idempotent; about 4 ms per op in torch's custom_op, no import
     beyond torch)."""
-    for name, (schema, _) in SCHEMAS.items():
+    for name, (text, _) in SCHEMAS.items():
         if name in _DECLARED:
             continue
         kernel, fake = _on_first_use(name)
-        op = torch.library.custom_op(f"{NAMESPACE}::{name}", kernel, mutates_args=(), schema=schema)
+        op = torch.library.custom_op(f"{NAMESPACE}::{name}", kernel, mutates_args=(), schema=text)
         op.register_fake(fake)
         _DECLARED[name] = op
 

@@ -25,7 +25,6 @@ kernels and the checker's proof of it stay as they are.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F

@@ -49,7 +49,7 @@ from normfuse.kernels.library import implement, implement_autograd, implement_fa
 from normfuse.kernels.specs import GRADIENT_OF, OP_OUTPUTS, SUPPORTED_TEXT as _SUPPORTED_TEXT, call_of, op_gradients
 from normfuse.kernels.specs import (AddNormCall, BackwardCall, DropoutMask, KeepMaskCall, Norm, NormAddCall, Rows,
                                     Store)
-from normfuse.kernels.specs import dtypes_on as _dtypes_on
+from normfuse.kernels.specs import check_operand, dtypes_on as _dtypes_on
 from normfuse.kernels import triton as triton_backend
 from normfuse.kernels.reference import KINDS, acc_dtype, channel_split, quant_scale_shape, sum_like
 
@@ -138,17 +138,9 @@ def validate_modes(x, x1, rowscale, weight1, bias1) -> None:
     check_shapes. The grouped options check themselves (normfuse.kernels.specs)."""
     if x1 is None and rowscale is None and weight1 is None and bias1 is None:
         return  # no mode: the common call pays nothing more
-    ok = _dtypes_on(x.device)
     for name, t in (("x1", x1), ("rowscale", rowscale), ("weight1", weight1), ("bias1", bias1)):
-        if t is None:
-            continue
-        if not isinstance(t, Tensor):
-            raise InvalidOptionError(f"{name} must be a tensor or None; got {type(t).__name__}.")
-        if t.dtype not in ok:
-            raise UnsupportedDtypeError(f"{name} has dtype {t.dtype} on {t.device}; the fused add+norm ops take "
-                                        f"{_SUPPORTED_TEXT}. Cast it first, e.g. {name}.to(torch.float32).")
-        if t.device != x.device:
-            raise InvalidOptionError(f"{name} is on {t.device} but x is on {x.device}; move them to one device.")
+        if t is not None:
+            check_operand(name, t, x)
     if bias1 is not None and weight1 is None:
         raise InvalidOptionError("bias1 needs weight1: the second norm output y1 exists only with its own weight; "
                                  "pass weight1 (torch.ones(N) for none) with bias1.")

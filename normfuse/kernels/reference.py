@@ -132,9 +132,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from normfuse.kernels.specs import (CPU_ONLY_DTYPES, SUPPORTED_DTYPES, AddNormCall, BackwardCall, DropoutMask,
-                                    GradDtypes, Grads, Modulation, Norm, NormAddCall, Rounding, Rows, Saved,
-                                    SecondNorm, Store)
+from normfuse.kernels.specs import (SUPPORTED_DTYPES, AddNormCall, BackwardCall, DropoutMask, Modulation, Norm,
+                                    NormAddCall, Rounding, Rows, SecondNorm, Store)
 from normfuse.kernels.specs import Gate
 from normfuse.vocabulary import KINDS
 

@@ -198,6 +198,17 @@ def describe(value) -> str:
     return type(value).__name__
 
 
+def check_operand(name: str, t, x: Tensor) -> None:
+    """A tensor operand of an op (given, not None): a tensor of a dtype the ops take, on x's device."""
+    if not isinstance(t, Tensor):
+        raise InvalidOptionError(f"{name} must be a tensor or None; got {describe(t)}.")
+    if t.dtype not in dtypes_on(x.device):
+        raise UnsupportedDtypeError(f"{name} has dtype {t.dtype} on {t.device}; the fused add+norm ops take "
+                                    f"{SUPPORTED_TEXT}. Cast it first, e.g. {name.split()[-1]}.to(torch.float32).")
+    if t.device != x.device:
+        raise InvalidOptionError(f"{name} is on {t.device} but x is on {x.device}; move them to one device.")
+
+
 def _largest_pow2_divisor(n: int) -> int:
     return min(n & -n, 128)
 
@@ -455,17 +466,9 @@ class Modulation:
             raise InvalidOptionError("Modulation(scale=None, shift=None) modulates nothing; pass a scale, a shift or "
                                      "both (or modulation=None).")
         ok = dtypes_on(x.device)
-        for name, t in (("scale", self.scale), ("shift", self.shift)):
-            if t is None:
-                continue
-            if not isinstance(t, Tensor):
-                raise InvalidOptionError(f"Modulation {name} must be a tensor or None; got {describe(t)}.")
-            if t.dtype not in ok:
-                raise UnsupportedDtypeError(f"Modulation {name} has dtype {t.dtype}; the fused ops take "
-                                            f"{SUPPORTED_TEXT}. Cast it first.")
-            if t.device != x.device:
-                raise InvalidOptionError(f"Modulation {name} is on {t.device} but x is on {x.device}; move it to "
-                                         f"x's device.")
+        for name, t in (("Modulation scale", self.scale), ("Modulation shift", self.shift)):
+            if t is not None:
+                check_operand(name, t, x)
         for name, dtype in (("dtype", self.dtype), ("out_dtype", self.out_dtype)):
             if dtype is not None and dtype not in ok:
                 raise UnsupportedDtypeError(f"Modulation {name}={dtype} is not a dtype the fused ops round to; use "
