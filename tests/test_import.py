@@ -43,9 +43,9 @@ from normfuse.kernels.library import SCHEMAS
 for name in SCHEMAS:  # declared, so that saved programs calling them load
     assert torch._C._jit_get_schemas_for_operator(f"normfuse::{{name}}"), name
 loaded = sorted(m for m in sys.modules if m.startswith("normfuse"))
-assert loaded == ["normfuse", "normfuse.kernels", "normfuse.kernels.library"], loaded
+assert loaded == ["normfuse", "normfuse.kernels", "normfuse.kernels.declarations", "normfuse.kernels.library"], loaded
 assert "triton" not in sys.modules
-import normfuse.kernels.norm_linear  # registers every implementation: each is checked against its schema
+import normfuse.kernels.norm_linear  # registers every implementation: each is checked against its declaration
 print("ok")
 """
 
