@@ -32,7 +32,7 @@ import re
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from common import machine, markdown_table, parse_args, save_plot, write_csv, write_json
@@ -54,10 +54,8 @@ TARGETS = {"cuda90": GPUTarget("cuda", 90, 32), "cuda80": GPUTarget("cuda", 80, 
 NS = [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
 DTYPES = {"fp32": (torch.float32, tl.float32), "fp16": (torch.float16, tl.float16),
           "bf16": (torch.bfloat16, tl.bfloat16)}
-FLOAT_ARGS = {"eps", "weight_offset", "residual_scale", "dropout_p", "dropout_scale", "quant_max", "quant_amax_min",
-              "quant_scale_min", "quant_clamp"}
-INT64_ARGS = {"seed"}  # the dropout seed: up to 2**62
-INT_ARGS = {"N"}  # the kernels name pointers in capitals; N is the one capital integer
+FLOAT_ARGS = {"eps", "weight_offset", "residual_scale"}
+INT_ARGS = {"N", "HW"}  # the kernels name pointers in capitals; N and HW (positions) are integers
 STAT_PTRS = {"MEAN", "RSTD", "DW_PART", "DB_PART", "DW1_PART", "DB1_PART",  # fp32: per-row stats, dw/db partials,
              "QS", "SC"}                                                    # quantization scales
 BYTE_PTRS = {"Q"}  # the fp8 output, written as its bytes
@@ -70,14 +68,14 @@ class StaticReportError(NormfuseError):
 
 @dataclass
 class Op:
-    """One op the pass emits: which kernel pair, its constexpr flags, its tensors."""
+    """One op the pass emits: which kernel pair, its flags (which operands it has, its options: kernel_args
+    turns them into the kernel's arguments), its tensors."""
 
     name: str
     backward: bool
     flags: dict
     inputs: tuple          # tensors read once per row
     outputs: tuple         # tensors written once per row
-    dtype_args: tuple = field(default=())  # constexpr dtype arguments, set to the op's dtype
 
 
 # add_norm's modes (x1, rowscale, weight1/bias1, dropout) and its fp8 epilogue, off unless an op turns them on
@@ -96,7 +94,6 @@ def _quant(**flags) -> dict:
     return dict(QUANT_RMS, **NO_GATE, **dict(NO_QUANT, QUANT=True, HAS_CLAMP=True, **flags))
 NO_MODES_BWD = dict(HAS_DY1=False, HAS_B1=False, HAS_DX1=False, HAS_ROWSCALE=False, HAS_DROPOUT=False, HAS_B=False,
                     **NO_GATE)
-FWD_DTYPES = ("SUM_DTYPE", "NORM_ROUND_DTYPE", "OUT_DTYPE", "BRANCH_DTYPE", "GATE_OUT_DTYPE")
 # gated RMSNorms, no residual (inside a Mamba2 / Qwen3-Next mixer): Mamba2's gate before the norm with
 # statistics per group of 256 columns, Qwen3-Next's gate after it; both with llama rounding
 GATED = dict(HAS_RESIDUAL=False, HAS_WEIGHT=True, HAS_BIAS=False, IS_RMS=True, ROUND_FIRST=True, STORE_SUM=False,
@@ -109,19 +106,19 @@ OPS = [
     Op("add_rms_norm (HF llama: round, then * w)", False,
        dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=False, IS_RMS=True, ROUND_FIRST=True, STORE_SUM=True,
             STORE_Y=True, ADD_AFTER_NORM=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, **NO_MODES), ("X", "R"),
-       ("Y", "S"), FWD_DTYPES),
+       ("Y", "S")),
     Op("add_layer_norm (w, b; BERT, GPT-2)", False,
        dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=True, IS_RMS=False, ROUND_FIRST=False, STORE_SUM=True,
             STORE_Y=True, ADD_AFTER_NORM=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, **NO_MODES), ("X", "R"),
-       ("Y", "S"), FWD_DTYPES),
+       ("Y", "S")),
     Op("rms_norm (standalone)", False,
        dict(HAS_RESIDUAL=False, HAS_WEIGHT=True, HAS_BIAS=False, IS_RMS=True, ROUND_FIRST=True, STORE_SUM=False,
-            STORE_Y=True, ADD_AFTER_NORM=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, **NO_MODES), ("X",), ("Y",),
-       FWD_DTYPES),
+            STORE_Y=True, ADD_AFTER_NORM=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, **NO_MODES), ("X",),
+       ("Y",)),
     Op("rms_norm_add (res-post, sandwich)", False,
        dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=False, IS_RMS=True, ROUND_FIRST=False, STORE_SUM=True,
             STORE_Y=False, ADD_AFTER_NORM=True, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, **NO_MODES), ("X", "R"),
-       ("S",), FWD_DTYPES),
+       ("S",)),
     Op("add_rms_norm backward", True,
        dict(HAS_DEXTRA=True, HAS_WEIGHT=True, HAS_BIAS=False, HAS_DRES=True, IS_RMS=True, ADD_AFTER_NORM=False,
             **NO_MODES_BWD),
@@ -135,23 +132,21 @@ OPS = [
        dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=True, IS_RMS=False, ROUND_FIRST=False, STORE_SUM=True,
             STORE_Y=True, ADD_AFTER_NORM=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, HAS_X1=True,
             HAS_ROWSCALE=True, HAS_W1=True, HAS_B1=True, HAS_DROPOUT=True, **NO_QUANT, **NO_GATE),
-       ("X", "R", "X1"), ("Y", "S", "Y1"), FWD_DTYPES),
+       ("X", "R", "X1"), ("Y", "S", "Y1")),
     Op("add_layer_norm + modes backward", True,
        dict(HAS_DEXTRA=True, HAS_WEIGHT=True, HAS_BIAS=True, HAS_DRES=True, IS_RMS=False, ADD_AFTER_NORM=False,
             HAS_DY1=True, HAS_B1=True, HAS_DX1=True, HAS_ROWSCALE=True, HAS_DROPOUT=True, HAS_B=False, **NO_GATE),
        ("DY", "DE", "INP", "DY1"), ("DX", "DRES", "DX1")),
     # the fp8 epilogue (vLLM/FlashInfer's add + RMSNorm + quant): a dynamic scale per token, one per
     # group of 128 columns, a static scale
-    Op("add_rms_norm + fp8 quant, scale per row", False, _quant(HAS_AMAX_MIN=True), ("X", "R"), ("S", "Q"),
-       FWD_DTYPES),
+    Op("add_rms_norm + fp8 quant, scale per row", False, _quant(HAS_AMAX_MIN=True), ("X", "R"), ("S", "Q")),
     Op("add_rms_norm + fp8 quant, scale per group of 128", False, _quant(QUANT_GROUP=128, HAS_AMAX_MIN=True),
-       ("X", "R"), ("S", "Q"), FWD_DTYPES),
-    Op("add_rms_norm + fp8 quant, static scale", False, _quant(QUANT_STATIC=True), ("X", "R"), ("S", "Q"),
-       FWD_DTYPES),
+       ("X", "R"), ("S", "Q")),
+    Op("add_rms_norm + fp8 quant, static scale", False, _quant(QUANT_STATIC=True), ("X", "R"), ("S", "Q")),
     Op("gated rms_norm (Mamba2: gate before, groups of 256)", False,
-       dict(GATED, HAS_GATE=True, GATE_AFTER=False, GATE_SILU=True, NORM_GROUP=256), ("X", "Z"), ("Y",), FWD_DTYPES),
+       dict(GATED, HAS_GATE=True, GATE_AFTER=False, GATE_SILU=True, NORM_GROUP=256), ("X", "Z"), ("Y",)),
     Op("gated rms_norm (Qwen3-Next: gate after)", False,
-       dict(GATED, HAS_GATE=True, GATE_AFTER=True, GATE_SILU=True, NORM_GROUP=0), ("X", "Z"), ("Y",), FWD_DTYPES),
+       dict(GATED, HAS_GATE=True, GATE_AFTER=True, GATE_SILU=True, NORM_GROUP=0), ("X", "Z"), ("Y",)),
     Op("gated rms_norm (Mamba2) backward", True,
        dict(GATED_BWD, HAS_GATE=True, GATE_AFTER=False, GATE_SILU=True, NORM_GROUP=256), ("DY", "INP", "Z"),
        ("DX", "DZ")),
@@ -167,37 +162,115 @@ def _kernel(op: Op, looped: bool):
     return K._add_norm_fwd_looped_kernel if looped else K._add_norm_fwd_kernel
 
 
-def source(op: Op, dtype: str, block: int, looped: bool) -> ASTSource:
-    """The kernel as the launcher would launch it: types, constexprs, 16-divisibility of
-    pointers, strides and N (true for contiguous rows with N a multiple of 16)."""
-    fn = _kernel(op, looped)
-    tl_dtype = DTYPES[dtype][1]
-    signature, constexprs, attrs = {}, {}, {}
+# ------------------------------------------------------------------ kernel signatures
+
+@dataclass(frozen=True)
+class Leaf:
+    """One value a kernel receives: its AOT type ("*bf16", "i32", "fp32", ... or "constexpr" with
+    ``value``), whether a launch specializes it as divisible by 16, and the name the PTX report gives it
+    (pointers in capitals, as the kernels name them)."""
+
+    type: str
+    name: str = "?"
+    value: object = None
+    divisible: bool = False
+
+
+def kernel_source(fn, args: dict) -> tuple[ASTSource, list[str]]:
+    """The ASTSource of ``fn`` for ``args`` (per parameter: a constexpr value for a constexpr parameter,
+    else a Leaf, or a tuple of Leafs for a tuple argument: an operand's (pointer, strides) or a group of
+    scalars), and the names of the compiled kernel's parameters in order (its non-constexpr leaves)."""
+    signature, constexprs, attrs, names = {}, {}, {}, []
     for i, name in enumerate(fn.arg_names):
         if fn.params[i].is_constexpr:
             signature[name] = "constexpr"
-            if name == "BLOCK_N":
-                constexprs[name] = block
-            elif name in op.dtype_args:
-                constexprs[name] = tl_dtype
-            elif name in op.flags:
-                constexprs[name] = op.flags[name]
-            else:
-                raise StaticReportError(f"kernel {fn.__name__} has a constexpr {name!r} that op {op.name!r} does not "
-                                        f"set; add it to that op's flags in benchmarks/bench_static_kernels.py.")
-        elif name in FLOAT_ARGS:
-            signature[name] = "fp32"
-        elif name in INT64_ARGS:
-            signature[name] = "i64"
-        elif _is_pointer(name):
-            signature[name] = ("*fp32" if name in STAT_PTRS else "*u8" if name in BYTE_PTRS
-                               else f"*{_ptr_type(tl_dtype)}")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "i32"
-            if name.startswith("stride") or name == "N":
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+            constexprs[name] = args[name]
+            continue
+        arg = args[name]
+        leaves = arg if isinstance(arg, tuple) else (arg,)
+        for j, leaf in enumerate(leaves):
+            path = (i, j) if isinstance(arg, tuple) else (i,)
+            if leaf.type == "constexpr":
+                constexprs[path] = leaf.value
+                continue
+            names.append(leaf.name)
+            if leaf.divisible:
+                attrs[path] = [["tt.divisibility", 16]]
+        types = tuple(leaf.type for leaf in leaves)
+        signature[name] = types if isinstance(arg, tuple) else types[0]
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), names
+
+
+def pointer(name: str, tl_dtype, present: bool = True) -> Leaf:
+    """A tensor's pointer as the launcher passes it (16-byte aligned), or None (absent: a constexpr)."""
+    if not present:
+        return Leaf("constexpr", name)
+    ptr_type = "fp32" if name in STAT_PTRS else "u8" if name in BYTE_PTRS else _ptr_type(tl_dtype)
+    return Leaf(f"*{ptr_type}", name, divisible=True)
+
+
+def operand(name: str, tl_dtype, present: bool = True, strides: int = 1, constant: dict = None) -> tuple:
+    """A (pointer, strides) operand: strides divisible by 16 (contiguous rows of N a multiple of 16),
+    ``constant`` {index: value} of strides a launch specializes (a stride of 1)."""
+    constant = constant or {}
+    return (pointer(name, tl_dtype, present),
+            *(Leaf("constexpr", value=constant[j]) if j in constant else
+              Leaf("i32", f"stride_{name}_{j}", divisible=True) for j in range(1, strides + 1)))
+
+
+def scalar(name: str, present: bool = True, type_: str = "fp32") -> Leaf:
+    return Leaf(type_, name.lower()) if present else Leaf("constexpr", name.lower())
+
+
+def kernel_args(op: Op, tl_dtype, block: int) -> dict:
+    """The row kernels' arguments for ``op``: its flags say which operands exist (absent: None) and
+    set the constexpr options."""
+    f = op.flags
+    if op.backward:
+        has_dy1 = f["HAS_DY1"]
+        present = dict(DY=True, DE=f["HAS_DEXTRA"], INP=True, DY1=has_dy1, Z=f["HAS_GATE"], DX=True,
+                       DRES=f["HAS_DRES"], DX1=f["HAS_DX1"], DZ=f["HAS_GATE"])
+        vectors = dict(MEAN=True, RSTD=True, W=f["HAS_WEIGHT"], B=f["HAS_B"], W1=has_dy1, RS=f["HAS_ROWSCALE"],
+                       DW_PART=f["HAS_WEIGHT"], DB_PART=f["HAS_BIAS"], DW1_PART=has_dy1,
+                       DB1_PART=has_dy1 and f["HAS_B1"])
+        constexprs = dict(IS_RMS=f["IS_RMS"], ADD_AFTER_NORM=f["ADD_AFTER_NORM"],
+                          GATE_OPTS=(f["GATE_AFTER"], f["GATE_SILU"]), NORM_GROUP=f["NORM_GROUP"], BLOCK_N=block)
+        scalars = dict(n_rows=scalar("n_rows", type_="i32"), rows_per_program=scalar("rows_per_program", type_="i32"))
+    else:
+        quant, static = f["QUANT"], f["QUANT_STATIC"]
+        present = dict(X=True, R=f["HAS_RESIDUAL"], Y=f["STORE_Y"], S=f["STORE_SUM"], X1=f["HAS_X1"], Y1=f["HAS_W1"],
+                       Z=f["HAS_GATE"], Q=quant, QS=quant and not static)
+        vectors = dict(W=f["HAS_WEIGHT"], B=f["HAS_BIAS"], MEAN=True, RSTD=True, RS=f["HAS_ROWSCALE"], W1=f["HAS_W1"],
+                       B1=f["HAS_B1"], SC=quant and static)
+        constexprs = dict(DTYPES=(tl_dtype,) * 4, IS_RMS=f["IS_RMS"], ROUND_FIRST=f["ROUND_FIRST"],
+                          ADD_AFTER_NORM=f["ADD_AFTER_NORM"], SCALE_RESIDUAL=f["SCALE_RESIDUAL"],
+                          ROUND_SUM_FIRST=f["ROUND_SUM_FIRST"], GATE_OPTS=(f["GATE_AFTER"], f["GATE_SILU"], tl_dtype),
+                          NORM_GROUP=f["NORM_GROUP"],
+                          QUANT_OPTS=(f["QUANT_E5M2"], f["QUANT_GROUP"], f["SCALE_FORM"], f["QUANT_APPLY"],
+                                      f["SCALE_RECIPROCAL"]), BLOCK_N=block)
+        scalars = dict(n_rows=scalar("n_rows", type_="i32"), rows_per_program=scalar("rows_per_program", type_="i32"),
+                       eps=scalar("eps"),
+                       QUANT=(scalar("quant_max"), scalar("quant_amax_min", f["HAS_AMAX_MIN"]),
+                              scalar("quant_scale_min", f["HAS_SCALE_MIN"]), scalar("quant_clamp", f["HAS_CLAMP"])))
+    args = {name: operand(name, tl_dtype, on) for name, on in present.items()}
+    args.update({name: pointer(name, tl_dtype, on) for name, on in vectors.items()})
+    args.update(scalars, **constexprs, N=Leaf("i32", "N", divisible=True), weight_offset=scalar("weight_offset"),
+                residual_scale=scalar("residual_scale"),
+                DROPOUT=(scalar("seed", f["HAS_DROPOUT"], "i64"), scalar("dropout_p"), scalar("dropout_scale")))
+    return args
+
+
+def source(op: Op, dtype: str, block: int, looped: bool) -> tuple[ASTSource, list[str]]:
+    """The kernel as the launcher would launch it: types, constexprs, 16-divisibility of
+    pointers, strides and N (true for contiguous rows with N a multiple of 16); and the names of
+    its compiled parameters."""
+    fn = _kernel(op, looped)
+    args = kernel_args(op, DTYPES[dtype][1], block)
+    missing = [name for name in fn.arg_names if name not in args]
+    if missing:
+        raise StaticReportError(f"kernel {fn.__name__} has parameters {missing} that op {op.name!r} does not "
+                                f"set; add them to kernel_args in benchmarks/bench_static_kernels.py.")
+    return kernel_source(fn, args)
 
 
 def _is_pointer(name: str) -> bool:
@@ -218,13 +291,15 @@ _ACCESS = re.compile(r"^(ld|st)\.global(?:\.[\w:]+)*?(?:\.v(\d))?\.([bsuf])(\d+)
 
 def ptx_accesses(ptx: str, arg_names: list[str]) -> dict[str, dict[str, int]]:
     """{tensor: {"load_bytes": per thread, "store_bytes": ..., "loads": n, "stores": n}}: each
-    global access attributed to the pointer parameter its address was computed from."""
+    global access attributed to the pointer parameter its address was computed from (``arg_names``: the
+    compiled kernel's parameters, kernel_source's names)."""
     origin: dict[str, set] = {}
     out: dict[str, dict[str, int]] = {}
     for line in ptx.splitlines():
         m = _PARAM.search(line)
         if m:
-            name = arg_names[int(m.group(3))]
+            index = int(m.group(3))
+            name = arg_names[index] if index < len(arg_names) else "?"  # past them: the compiler's scratch
             origin[m.group(1)] = {name} if _is_pointer(name) else set()
             continue
         m = _INSTR.match(line)
@@ -316,7 +391,7 @@ def configurations(ns: list[int], dtypes: list[str]):
 
 
 def compile_one(op: Op, dtype: str, block: int, warps: int, looped: bool, target: str) -> dict:
-    src = source(op, dtype, block, looped)
+    src, names = source(op, dtype, block, looped)
     t0 = time.perf_counter()
     kernel = triton.compile(src, target=TARGETS[target], options={"num_warps": warps})
     row = {"compile_s": time.perf_counter() - t0, "shared": kernel.metadata.shared}
@@ -326,8 +401,7 @@ def compile_one(op: Op, dtype: str, block: int, warps: int, looped: bool, target
         row.update(res)
         row["occupancy"] = cuda_occupancy(res["regs"], warps, kernel.metadata.shared, TARGETS[target].arch)
         elem = DTYPES[dtype][0].itemsize
-        fn = _kernel(op, looped)
-        for name, rec in ptx_accesses(kernel.asm["ptx"], fn.arg_names).items():
+        for name, rec in ptx_accesses(kernel.asm["ptx"], names).items():
             if name in STAT_PTRS or name == "?":
                 row[f"{name}_ld_st_instr"] = f"{rec['loads']}/{rec['stores']}"
                 continue
@@ -396,32 +470,41 @@ STRIDED_OPS = [
 ]
 
 
-def strided_source(fn, flags: dict, layouts: dict, dtype: str, block_hw: int, block_n: int) -> ASTSource:
-    """A channel-norm kernel as a launch on NCHW operands specializes it (see STRIDED_OPS)."""
+# a channel-norm kernel's operands: the layout key of each (STRIDED_OPS), and when the op has it
+STRIDED_OPERANDS = {"X": ("x", None), "R": ("r", "HAS_RESIDUAL"), "Y": ("y", None), "S": ("s", "STORE_SUM"),
+                    "DY": ("dy", None), "DE": ("de", "HAS_DEXTRA"), "INP": ("i", None), "DX": ("dx", None),
+                    "DRES": ("dr", "HAS_DRES")}
+STRIDED_VECTORS = {"W": "HAS_WEIGHT", "B": "HAS_BIAS", "MEAN": None, "RSTD": None, "DW_PART": "HAS_WEIGHT",
+                   "DB_PART": "HAS_BIAS"}
+
+
+def strided_source(fn, flags: dict, layouts: dict, dtype: str, block_hw: int, block_n: int) -> tuple:
+    """A channel-norm kernel as a launch on NCHW operands specializes it (see STRIDED_OPS): operands
+    (pointer, outer, position and channel strides) with the contiguous dim's stride the constant 1 of a
+    launch and the others divisible by 16; and its compiled parameters' names."""
     tl_dtype = DTYPES[dtype][1]
-    signature, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if fn.params[i].is_constexpr:
-            signature[name] = "constexpr"
-            constexprs[name] = (block_hw if name == "BLOCK_HW" else block_n if name == "BLOCK_N"
-                                else tl_dtype if name.endswith("_DTYPE") else flags[name])
+    args = {}
+    for name in fn.arg_names:
+        if name in STRIDED_OPERANDS:
+            key, flag = STRIDED_OPERANDS[name]
+            unit = {"channels-first": 2, "rows": 3}[layouts[key]]  # (outer 1, position 2, channel 3)
+            args[name] = operand(name, tl_dtype, flag is None or flags[flag], 3, {unit: 1})
+        elif name in STRIDED_VECTORS:
+            flag = STRIDED_VECTORS[name]
+            args[name] = pointer(name, tl_dtype, flag is None or flags[flag])
         elif name in FLOAT_ARGS:
-            signature[name] = "fp32"
-        elif name[:1] == "s" and name[-2:] in ("_o", "_h", "_c"):  # (outer, position, channel) strides
-            unit = {"channels-first": "_h", "rows": "_c"}[layouts[name[1:-2]]]
-            if name.endswith(unit):  # the contiguous dim: the stride 1 a launch specializes
-                signature[name], constexprs[name] = "constexpr", 1
-            else:
-                signature[name] = "i32"
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name.isupper() and name not in ("HW", "N"):
-            signature[name] = "*fp32" if name in STAT_PTRS else f"*{_ptr_type(tl_dtype)}"
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            args[name] = scalar(name)
+        elif name in ("HW", "N"):
+            args[name] = Leaf("i32", name, divisible=True)
+        elif name == "DTYPES":
+            args[name] = (tl_dtype,) * 3
+        elif name in ("BLOCK_HW", "BLOCK_N"):
+            args[name] = block_hw if name == "BLOCK_HW" else block_n
+        elif name in flags:
+            args[name] = flags[name]
         else:
-            signature[name] = "i32"
-            if name in ("HW", "N"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+            args[name] = scalar(name, type_="i32")
+    return kernel_source(fn, args)
 
 
 def strided_rows(dtypes: list[str], targets: list[str]) -> list[dict]:
@@ -439,8 +522,8 @@ def strided_rows(dtypes: list[str], targets: list[str]) -> list[dict]:
                     key = (name, dtype, block_hw, block_n, warps, target)
                     if key not in compiled:
                         t0 = time.perf_counter()
-                        kernel = triton.compile(strided_source(fn, flags, layouts, dtype, block_hw, block_n),
-                                                target=TARGETS[target], options={"num_warps": warps})
+                        src, names = strided_source(fn, flags, layouts, dtype, block_hw, block_n)
+                        kernel = triton.compile(src, target=TARGETS[target], options={"num_warps": warps})
                         row = {"compile_s": time.perf_counter() - t0, "shared": kernel.metadata.shared}
                         threads = warps * TARGETS[target].warp_size
                         if target.startswith("cuda"):
@@ -448,7 +531,7 @@ def strided_rows(dtypes: list[str], targets: list[str]) -> list[dict]:
                             row.update(res)
                             row["occupancy"] = cuda_occupancy(res["regs"], warps, kernel.metadata.shared,
                                                               TARGETS[target].arch)
-                            for tensor, rec in ptx_accesses(kernel.asm["ptx"], fn.arg_names).items():
+                            for tensor, rec in ptx_accesses(kernel.asm["ptx"], names).items():
                                 if tensor in STAT_PTRS or tensor == "?":
                                     continue
                                 per_tile = block_hw * block_n * elem

@@ -31,15 +31,15 @@ from common import machine, markdown_table, parse_args, write_csv, write_json
 import triton
 from triton.compiler import ASTSource
 
-from bench_static_kernels import (DTYPES, TARGETS, cuda_occupancy, cuda_resources, hip_occupancy, hip_resources,
-                                  ptx_accesses)
+from bench_static_kernels import (DTYPES, TARGETS, Leaf, cuda_occupancy, cuda_resources, hip_occupancy,
+                                  hip_resources, kernel_source, ptx_accesses)
 from normfuse.kernels import triton_rope as KR
 
 HQ, HK = 32, 8  # Qwen3-8B's heads (GQA); the tile takes the larger count
 FLOAT_ARGS = {"eps", "weight_offset"}
 SIZE_ARGS = {"S", "HQ", "HK"}  # the capital integers (D and R are constexprs)
 FP32_PTRS = {"RSTD_Q", "RSTD_K", "DWQ_PART", "DWK_PART"}
-DTYPE_ARGS = ("NORM_ROUND_DTYPE", "NORM_OUT_DTYPE", "ROPE_DTYPE", "OUT_DTYPE")
+OPERANDS = {"Q", "K", "QO", "KO", "DQO", "DKO"}  # (pointer, batch, position and head strides)
 
 
 def configurations(heads_dims, dtypes):
@@ -52,35 +52,43 @@ def configurations(heads_dims, dtypes):
                         yield backward, layout, row_norm, D, R, dtype
 
 
-def source(backward: bool, layout: str, row_norm: bool, D: int, R: int, dtype: str) -> tuple[ASTSource, int, dict]:
+def _pointer(name: str, dtype: str) -> Leaf:
+    return Leaf("*fp32" if name in FP32_PTRS else f"*{dtype}", name, divisible=True)
+
+
+def _strides(name: str, n: int) -> tuple:
+    return tuple(Leaf("i32", f"stride_{name}_{j}", divisible=True) for j in range(1, n + 1))
+
+
+def source(backward: bool, layout: str, row_norm: bool, D: int, R: int, dtype: str) -> tuple[ASTSource, int, dict,
+                                                                                            list]:
     """The kernel as the launcher specializes it for q and k of ``dtype`` (Qwen3's rounding: the norm
     rounded first, RoPE in ``dtype``; weights in ``dtype``), contiguous rows; strides and D divisible
-    by 16. Returns (source, warps, tile)."""
+    by 16. Returns (source, warps, tile, the compiled parameters' names)."""
     fn = KR._qk_rope_bwd_kernel if backward else KR._qk_rope_fwd_kernel
     hb, half, pas, pas2 = KR._tile(HQ, D, R, row_norm, KR._TILE_BWD if backward else KR._TILE_FWD)
     tl_dtype = DTYPES[dtype][1]
-    flags = dict(D=D, R=R, HAS_WQ=True, HAS_WK=True, ROW_NORM=row_norm, NEOX=layout == "neox", HALF_TABLE=False,
-                 ROUND_FIRST=True, HB=hb, HALF=half, PASS=pas, HAS_PASS=D > R, PASS2=pas2)
-    signature, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if fn.params[i].is_constexpr:
-            signature[name] = "constexpr"
-            constexprs[name] = tl_dtype if name in DTYPE_ARGS else flags[name]
+    args = dict(D=D, R=R, ROW_NORM=row_norm, NEOX=layout == "neox", HALF_TABLE=False, ROUND_FIRST=True,
+                DTYPES=(tl_dtype,) * 4, HB=hb, HALF=half, PASS=pas, PASS2=pas2,
+                ROPE=(_pointer("COS", dtype), _pointer("SIN", dtype), *_strides("ROPE", 3)))
+    for name in fn.arg_names:
+        if name in args:
+            continue
+        if name in OPERANDS:
+            args[name] = (_pointer(name, dtype), *_strides(name, 3))
         elif name in FLOAT_ARGS:
-            signature[name] = "fp32"
+            args[name] = Leaf("fp32", name)
         elif name.isupper() and name not in SIZE_ARGS:  # pointers are named in capitals
-            signature[name] = "*fp32" if name in FP32_PTRS else f"*{dtype}"
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            args[name] = _pointer(name, dtype)
         else:
-            signature[name] = "i32"
-            if name.startswith("stride"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return src, KR._warps(hb, KR._columns(half, pas, pas2), backward), dict(HB=hb, HALF=half, PASS=pas, PASS2=pas2)
+            args[name] = Leaf("i32", name)
+    src, names = kernel_source(fn, args)
+    return src, KR._warps(hb, KR._columns(half, pas, pas2), backward), dict(HB=hb, HALF=half, PASS=pas, PASS2=pas2), \
+        names
 
 
 def compile_one(backward, layout, row_norm, D, R, dtype, target) -> dict:
-    src, warps, tile = source(backward, layout, row_norm, D, R, dtype)
+    src, warps, tile, names = source(backward, layout, row_norm, D, R, dtype)
     t0 = time.perf_counter()
     options = {"num_warps": warps} if backward else {"num_warps": warps, "enable_fp_fusion": False}  # as launched
     kernel = triton.compile(src, target=TARGETS[target], options=options)
@@ -95,9 +103,8 @@ def compile_one(backward, layout, row_norm, D, R, dtype, target) -> dict:
         columns = 2 * tile["HALF"] + (tile["PASS"] + tile["PASS2"] if D > R else 0)
         row["masked_columns"] = (columns - D) / columns
         per_tile = tile["HB"] * columns * DTYPES[dtype][0].itemsize
-        fn = KR._qk_rope_bwd_kernel if backward else KR._qk_rope_fwd_kernel
         accesses = {}  # per tensor: an address computed from a size (S) as well still reads that tensor
-        for names, rec in ptx_accesses(kernel.asm["ptx"], fn.arg_names).items():
+        for names, rec in ptx_accesses(kernel.asm["ptx"], names).items():
             tensors = set(names.split("/")) - SIZE_ARGS
             if len(tensors) == 1:
                 total = accesses.setdefault(tensors.pop(), dict.fromkeys(rec, 0))

@@ -1,8 +1,9 @@
 """The Triton backend: kernels and their launchers.
 
 The same function as ``reference.py`` (read that first), with the same backend
-interface: ``add_norm_fwd``, ``norm_add_fwd``, ``add_norm_bwd`` take the custom
-ops' arguments positionally and return None for outputs that do not exist.
+interface: ``add_norm_fwd``, ``add_norm_quant_fwd``, ``norm_add_fwd`` and ``add_norm_bwd`` take the
+op's grouped call (``specs.AddNormCall``, ``NormAddCall``, ``BackwardCall``: ``specs.call_of``) and
+return None for outputs that do not exist.
 CUDA/ROCm tensors run these kernels; CPU tensors run them under Triton's
 interpreter when NORMFUSE_TRITON_CPU=1 (the tests do).
 """
@@ -18,6 +19,8 @@ import torch
 from torch import Tensor
 
 from normfuse.kernels.reference import channel_split, quant_scale_shape, sum_like
+from normfuse.kernels.declarations import DECLARATIONS
+from normfuse.kernels.specs import AddNormCall, BackwardCall, Fp8Quant, NormAddCall
 from normfuse.vocabulary import QUANT_APPLY, QUANT_SCALE_FORMS
 
 
@@ -43,8 +46,9 @@ except ImportError:  # pragma: no cover - platforms without triton
 # --------------------------------------------------------------------------------------
 # One forward kernel (and its looped sibling for rows wider than one block) serves
 # both orders. Pointer S holds "the residual sum" of either order: the pre-norm sum
-# s of add_norm, or out = r' + y of norm_add (ADD_AFTER_NORM). Flags are constexpr, so
-# each combination compiles to straight-line code. Rows are addressed with 64-bit
+# s of add_norm, or out = r' + y of norm_add (ADD_AFTER_NORM). Which operands a call has
+# (None when absent) and its options are constexpr, so each combination compiles to
+# straight-line code. Rows are addressed with 64-bit
 # offsets (row * row_stride), so tensors past 2^31 elements and strided rows work.
 
 # The interpreter's fp32 -> bf16 cast truncates (triton 3.8 passes it no rounding
@@ -324,52 +328,79 @@ if triton is not None:
         bits = _quant_bits(yf, scale, quant_clamp, QUANT_APPLY, HAS_CLAMP, QUANT_E5M2)
         tl.store(Q + q_off + cols, bits.to(tl.uint8), mask=mask)
 
+    # The kernels take one argument per operand: a row operand is (pointer, row stride in elements),
+    # a vector (weights, a static scale, rowscale) its pointer; an absent operand is None ((None, 0) for a
+    # row operand), and each kernel reads which operands it has from that (constexpr). Options come as
+    # tuples: DROPOUT (seed, p, 1 / (1 - p)), QUANT (max, amax_min, scale_min, clamp: None when unset),
+    # and the constexpr DTYPES (sum, norm round, out, branch), GATE_OPTS (after, silu, out dtype),
+    # QUANT_OPTS (e5m2, group, scale form, apply, reciprocal scale out).
+
+    @triton.jit
+    def _row_input(X, R, X1, RS, row, row_ok, cols, mask, N, residual_scale, DROPOUT, DTYPES: tl.constexpr,
+                   ADD_RESIDUAL: tl.constexpr, SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr):
+        """_load_norm_input of one block of a row of the row operands (the residual only when ADD_RESIDUAL)."""
+        return _load_norm_input(X[0], R[0], X1[0], RS, row, row_ok, row * X[1], row * R[1], row * X1[1], cols, mask,
+                                N, residual_scale, DROPOUT[0], DROPOUT[1], DROPOUT[2], ADD_RESIDUAL, SCALE_RESIDUAL,
+                                DTYPES[0], ROUND_SUM_FIRST, X1[0] is not None, RS is not None,
+                                DROPOUT[0] is not None, DTYPES[3])
+
+    @triton.jit
+    def _row_input_again(X, R, X1, RS, S, row, row_ok, cols, mask, N, residual_scale, DROPOUT,
+                         DTYPES: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, SCALE_RESIDUAL: tl.constexpr,
+                         ROUND_SUM_FIRST: tl.constexpr):
+        """u of one block in a later pass of the looped kernel: read back from the stored s when that is
+        the norm input, else recomputed."""
+        if S[0] is not None and not ADD_AFTER_NORM and ROUND_SUM_FIRST:
+            u = tl.load(S[0] + row * S[1] + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            _, u = _row_input(X, R, X1, RS, row, row_ok, cols, mask, N, residual_scale, DROPOUT, DTYPES,
+                              R[0] is not None and not ADD_AFTER_NORM, SCALE_RESIDUAL, ROUND_SUM_FIRST)
+        return u
+
+    @triton.jit
+    def _row_quantize(y, mask, row_ok, start, cols, N, Q, QS, SC, row, QUANT, QUANT_OPTS: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+        """_quantize_and_store of one block of a row (a static scale, or one per group within the block)."""
+        _quantize_and_store(y, mask, row_ok, start, cols, N, Q[0], QS[0], SC, row * Q[1], row * QS[1], QUANT[0],
+                            QUANT[1], QUANT[2], QUANT[3], SC is not None, QUANT_OPTS[1], QUANT_OPTS[2],
+                            QUANT[1] is not None, QUANT[2] is not None, QUANT_OPTS[3], QUANT[3] is not None,
+                            QUANT_OPTS[0], QUANT_OPTS[4], BLOCK_N)
+
     @triton.jit
     def _add_norm_fwd_kernel(
-        X, R, W, B, Y, S, MEAN, RSTD,                        # S: the sum (pre: s; ADD_AFTER_NORM: out)
-        X1, RS, W1, B1, Y1,                                  # add_norm's modes (dummies when off)
-        Q, QS, SC,                                           # fp8 bits of y, its scales, a static scale
-        stride_x, stride_r, stride_y, stride_s, stride_x1, stride_y1,   # row strides, in elements
-        stride_q, stride_qs,
-        n_rows, N, eps, weight_offset, residual_scale, rows_per_program, seed, dropout_p, dropout_scale,
-        quant_max, quant_amax_min, quant_scale_min, quant_clamp,
-        Z, stride_z,                                         # the gate (a dummy without one)
-        SUM_DTYPE: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
-        ROUND_FIRST: tl.constexpr, STORE_SUM: tl.constexpr, STORE_Y: tl.constexpr, ADD_AFTER_NORM: tl.constexpr,
-        SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, HAS_X1: tl.constexpr,
-        HAS_ROWSCALE: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-        BRANCH_DTYPE: tl.constexpr,
-        QUANT: tl.constexpr, QUANT_E5M2: tl.constexpr, QUANT_STATIC: tl.constexpr, QUANT_GROUP: tl.constexpr,
-        SCALE_FORM: tl.constexpr, HAS_AMAX_MIN: tl.constexpr, HAS_SCALE_MIN: tl.constexpr,
-        QUANT_APPLY: tl.constexpr, HAS_CLAMP: tl.constexpr, SCALE_RECIPROCAL: tl.constexpr,
-        HAS_GATE: tl.constexpr, GATE_AFTER: tl.constexpr, GATE_SILU: tl.constexpr, NORM_GROUP: tl.constexpr,
-        GATE_OUT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+        X, R, W, B, Y, S, MEAN, RSTD,    # S: the sum (pre: s; ADD_AFTER_NORM: out)
+        X1, RS, W1, B1, Y1, Z,           # add_norm's modes and the gate (None when off)
+        Q, QS, SC,                       # fp8 bits of y, its scales, a static scale
+        n_rows, N, eps, weight_offset, residual_scale, rows_per_program, DROPOUT, QUANT,
+        DTYPES: tl.constexpr, IS_RMS: tl.constexpr, ROUND_FIRST: tl.constexpr, ADD_AFTER_NORM: tl.constexpr,
+        SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, GATE_OPTS: tl.constexpr,
+        NORM_GROUP: tl.constexpr, QUANT_OPTS: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         """A row fits one block: one read of each input and one write of each output per row."""
+        HAS_W1: tl.constexpr = W1 is not None
+        QUANT_ON: tl.constexpr = Q[0] is not None
+        HAS_GATE: tl.constexpr = Z[0] is not None
         cols = tl.arange(0, BLOCK_N)
         # Also with a second weight set in blocks that take one row per program anyway: its four
         # parameter blocks held across the row's reductions spilled (sm90, bf16 N = 16384); and with
         # the fp8 epilogue, whose y held for its amax spilled 8 B/thread (sm80, bf16 N = 16384).
-        PARAMS_AFTER_STATS: tl.constexpr = ((BLOCK_N * X.dtype.element_ty.primitive_bitwidth // 8
+        PARAMS_AFTER_STATS: tl.constexpr = ((BLOCK_N * X[0].dtype.element_ty.primitive_bitwidth // 8
                                              >= _PARAMS_AFTER_STATS_BYTES_C)
-                                            or ((HAS_W1 or QUANT) and BLOCK_N > _MULTI_ROW_MAX_BLOCK_C))
+                                            or ((HAS_W1 or QUANT_ON) and BLOCK_N > _MULTI_ROW_MAX_BLOCK_C))
         if not PARAMS_AFTER_STATS:  # once per program
-            w, b = _load_params(W, B, cols, cols < N, weight_offset, HAS_WEIGHT, HAS_BIAS)
-            w1, b1 = _load_params(W1, B1, cols, cols < N, weight_offset, HAS_W1, HAS_B1)
+            w, b = _load_params(W, B, cols, cols < N, weight_offset, W is not None, B is not None)
+            w1, b1 = _load_params(W1, B1, cols, cols < N, weight_offset, HAS_W1, B1 is not None)
         for i in range(rows_per_program):
             row = tl.program_id(0) * rows_per_program + i
             row_ok = row < n_rows
             mask = (cols < N) & row_ok
             row = row.to(tl.int64)
-            s, u = _load_norm_input(X, R, X1, RS, row, row_ok, row * stride_x, row * stride_r, row * stride_x1, cols,
-                                    mask, N, residual_scale, seed, dropout_p, dropout_scale,
-                                    HAS_RESIDUAL and not ADD_AFTER_NORM, SCALE_RESIDUAL, SUM_DTYPE, ROUND_SUM_FIRST,
-                                    HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BRANCH_DTYPE)
-            if STORE_SUM and not ADD_AFTER_NORM:
-                tl.store(S + row * stride_s + cols, s, mask=mask)
-            gate, _ = _load_gate(Z, row * stride_z, cols, mask, HAS_GATE, GATE_SILU)
-            if HAS_GATE and not GATE_AFTER:
+            s, u = _row_input(X, R, X1, RS, row, row_ok, cols, mask, N, residual_scale, DROPOUT, DTYPES,
+                              R[0] is not None and not ADD_AFTER_NORM, SCALE_RESIDUAL, ROUND_SUM_FIRST)
+            if S[0] is not None and not ADD_AFTER_NORM:
+                tl.store(S[0] + row * S[1] + cols, s, mask=mask)
+            gate, _ = _load_gate(Z[0], row * Z[1], cols, mask, HAS_GATE, GATE_OPTS[1])
+            if HAS_GATE and not GATE_OPTS[0]:
                 u = u * gate  # the norm of the gated input, unrounded
             if NORM_GROUP > 0:
                 mean, rstd = _group_stats(u, mask, row_ok, 0, N, eps, MEAN, RSTD, row * (N // NORM_GROUP), IS_RMS,
@@ -386,175 +417,180 @@ if triton is not None:
                 rstd = tl.rsqrt(var + eps)
                 tl.store(RSTD + row, rstd, mask=row < n_rows)
             if PARAMS_AFTER_STATS:
-                w, b = _load_params(W, B, cols, cols < N, weight_offset, HAS_WEIGHT, HAS_BIAS)
-            n, y = _normalize_and_store(u, mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s,
-                                        row * stride_r, cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS,
-                                        ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, ADD_AFTER_NORM, SCALE_RESIDUAL,
-                                        gate, HAS_GATE and GATE_AFTER, GATE_OUT_DTYPE)
-            if QUANT:
-                if QUANT_STATIC or QUANT_GROUP > 0:
-                    _quantize_and_store(y, mask, row_ok, 0, cols, N, Q, QS, SC, row * stride_q, row * stride_qs,
-                                        quant_max, quant_amax_min, quant_scale_min, quant_clamp, QUANT_STATIC,
-                                        QUANT_GROUP, SCALE_FORM, HAS_AMAX_MIN, HAS_SCALE_MIN, QUANT_APPLY, HAS_CLAMP,
-                                        QUANT_E5M2, SCALE_RECIPROCAL, BLOCK_N)
+                w, b = _load_params(W, B, cols, cols < N, weight_offset, W is not None, B is not None)
+            n, y = _normalize_and_store(u, mean, rstd, w, b, Y[0], S[0], R[0], row * Y[1], row * S[1], row * R[1],
+                                        cols, mask, residual_scale, W is not None, B is not None, IS_RMS, ROUND_FIRST,
+                                        DTYPES[1], DTYPES[2], Y[0] is not None, ADD_AFTER_NORM, SCALE_RESIDUAL,
+                                        gate, HAS_GATE and GATE_OPTS[0], GATE_OPTS[2])
+            if QUANT_ON:
+                if SC is not None or QUANT_OPTS[1] > 0:
+                    _row_quantize(y, mask, row_ok, 0, cols, N, Q, QS, SC, row, QUANT, QUANT_OPTS, BLOCK_N)
                 else:
-                    _quantize_row(y, mask, row_ok, cols, Q, QS, row * stride_q, row * stride_qs, quant_max,
-                                  quant_amax_min, quant_scale_min, quant_clamp, SCALE_FORM, HAS_AMAX_MIN,
-                                  HAS_SCALE_MIN, QUANT_APPLY, HAS_CLAMP, QUANT_E5M2, SCALE_RECIPROCAL)
+                    _quantize_row(y, mask, row_ok, cols, Q[0], QS[0], row * Q[1], row * QS[1], QUANT[0], QUANT[1],
+                                  QUANT[2], QUANT[3], QUANT_OPTS[2], QUANT[1] is not None, QUANT[2] is not None,
+                                  QUANT_OPTS[3], QUANT[3] is not None, QUANT_OPTS[0], QUANT_OPTS[4])
             if HAS_W1:
                 if PARAMS_AFTER_STATS:  # once y is written: four parameter blocks of these rows spill
-                    w1, b1 = _load_params(W1, B1, cols, cols < N, weight_offset, HAS_W1, HAS_B1)
-                _store_second_norm(n, w1, b1, Y1, row * stride_y1, cols, mask, HAS_B1, OUT_DTYPE)
+                    w1, b1 = _load_params(W1, B1, cols, cols < N, weight_offset, HAS_W1, B1 is not None)
+                _store_second_norm(n, w1, b1, Y1[0], row * Y1[1], cols, mask, B1 is not None, DTYPES[2])
+
+    @triton.jit
+    def _looped_stats(X, R, X1, RS, S, Z, MEAN, RSTD, row, row_ok, cols0, zero, N, eps, residual_scale, DROPOUT,
+                      DTYPES: tl.constexpr, IS_RMS: tl.constexpr, ADD_AFTER_NORM: tl.constexpr,
+                      SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, GATE_OPTS: tl.constexpr,
+                      NORM_GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Pass 1 of a wide row: s stored block by block, the row's stats accumulated (Chan's parallel
+        mean/M2 update for layer_norm) and stored; returns (mean, rstd) (statistics per group: none
+        here, a group lies within a block and takes its statistics in pass 2)."""
+        HAS_GATE: tl.constexpr = Z[0] is not None
+        mean = zero
+        m2 = zero
+        count = zero
+        for start in range(0, N, BLOCK_N):
+            cols = start + cols0
+            mask = (cols < N) & row_ok
+            s, u = _row_input(X, R, X1, RS, row, row_ok, cols, mask, N, residual_scale, DROPOUT, DTYPES,
+                              R[0] is not None and not ADD_AFTER_NORM, SCALE_RESIDUAL, ROUND_SUM_FIRST)
+            if S[0] is not None and not ADD_AFTER_NORM:
+                tl.store(S[0] + row * S[1] + cols, s, mask=mask)
+            if HAS_GATE and not GATE_OPTS[0]:
+                u = u * _load_gate(Z[0], row * Z[1], cols, mask, HAS_GATE, GATE_OPTS[1])[0]
+            if NORM_GROUP > 0:
+                pass  # a group lies within a block: its statistics are taken in the second pass
+            elif IS_RMS:
+                m2 += tl.sum(u * u, axis=0)
+            else:
+                n_b = tl.sum((cols < N).to(tl.float32), axis=0)
+                mean_b = tl.sum(u, axis=0) / n_b
+                d = tl.where(mask, u - mean_b, 0.0)
+                total = count + n_b
+                delta = mean_b - mean
+                mean += delta * (n_b / total)
+                m2 += tl.sum(d * d, axis=0) + delta * delta * (count * n_b / total)
+                count = total
+        rstd = zero
+        if NORM_GROUP == 0:
+            rstd = tl.rsqrt(m2 / N + eps)
+            tl.store(RSTD + row, rstd, mask=row_ok)
+            if not IS_RMS:
+                tl.store(MEAN + row, mean, mask=row_ok)
+        return mean, rstd
+
+    @triton.jit
+    def _looped_write(X, R, W, B, Y, S, MEAN, RSTD, X1, RS, W1, B1, Y1, Z, Q, QS, SC, row, row_ok, cols0, mean,
+                      rstd, N, eps, weight_offset, residual_scale, DROPOUT, QUANT, DTYPES: tl.constexpr,
+                      IS_RMS: tl.constexpr, ROUND_FIRST: tl.constexpr, ADD_AFTER_NORM: tl.constexpr,
+                      SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, GATE_OPTS: tl.constexpr,
+                      NORM_GROUP: tl.constexpr, QUANT_OPTS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Pass 2 of a wide row: re-reads the row (the dropout mask regenerated, not stored) and writes y,
+        out, y1 and q (a static scale or one per group); returns the bits of the row's amax of y."""
+        HAS_GATE: tl.constexpr = Z[0] is not None
+        amax_bits = tl.sum(tl.zeros([BLOCK_N], dtype=tl.int32), axis=0)
+        for start in range(0, N, BLOCK_N):
+            cols = start + cols0
+            mask = (cols < N) & row_ok
+            u = _row_input_again(X, R, X1, RS, S, row, row_ok, cols, mask, N, residual_scale, DROPOUT, DTYPES,
+                                 ADD_AFTER_NORM, SCALE_RESIDUAL, ROUND_SUM_FIRST)
+            gate, _ = _load_gate(Z[0], row * Z[1], cols, mask, HAS_GATE, GATE_OPTS[1])
+            if HAS_GATE and not GATE_OPTS[0]:
+                u = u * gate
+            w, b = _load_params(W, B, cols, mask, weight_offset, W is not None, B is not None)
+            if NORM_GROUP > 0:
+                mean_c, rstd_c = _group_stats(u, mask, row_ok, start, N, eps, MEAN, RSTD, row * (N // NORM_GROUP),
+                                              IS_RMS, NORM_GROUP, BLOCK_N)
+            else:
+                mean_c, rstd_c = mean, rstd
+            n, y = _normalize_and_store(u, mean_c, rstd_c, w, b, Y[0], S[0], R[0], row * Y[1], row * S[1],
+                                        row * R[1], cols, mask, residual_scale, W is not None, B is not None, IS_RMS,
+                                        ROUND_FIRST, DTYPES[1], DTYPES[2], Y[0] is not None, ADD_AFTER_NORM,
+                                        SCALE_RESIDUAL, gate, HAS_GATE and GATE_OPTS[0], GATE_OPTS[2])
+            if W1 is not None:
+                w1, b1 = _load_params(W1, B1, cols, mask, weight_offset, True, B1 is not None)
+                _store_second_norm(n, w1, b1, Y1[0], row * Y1[1], cols, mask, B1 is not None, DTYPES[2])
+            if Q[0] is not None:
+                if SC is not None or QUANT_OPTS[1] > 0:  # a group lies within a block
+                    _row_quantize(y, mask, row_ok, start, cols, N, Q, QS, SC, row, QUANT, QUANT_OPTS, BLOCK_N)
+                else:
+                    amax_bits = tl.maximum(amax_bits, _abs_max_bits(y.to(tl.float32), mask, 0))
+        return amax_bits
+
+    @triton.jit
+    def _looped_quantize_row(X, R, W, B, S, X1, RS, Q, QS, row, row_ok, cols0, mean, rstd, amax_bits, N,
+                             weight_offset, residual_scale, DROPOUT, QUANT, DTYPES: tl.constexpr,
+                             IS_RMS: tl.constexpr, ROUND_FIRST: tl.constexpr, ADD_AFTER_NORM: tl.constexpr,
+                             SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr,
+                             QUANT_OPTS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Pass 3 of a wide row with a dynamic scale per row (it needs the whole row's amax): the scale
+        stored, y recomputed (the same bits) and q written."""
+        amax = amax_bits.to(tl.float32, bitcast=True)
+        scale = _dynamic_scale(amax, QUANT[0], QUANT[1], QUANT[2], QUANT_OPTS[2], QUANT[1] is not None,
+                               QUANT[2] is not None)
+        tl.store(QS[0] + row * QS[1], _scale_out(scale, QUANT_OPTS[4]), mask=row_ok)
+        for start in range(0, N, BLOCK_N):
+            cols = start + cols0
+            mask = (cols < N) & row_ok
+            u = _row_input_again(X, R, X1, RS, S, row, row_ok, cols, mask, N, residual_scale, DROPOUT, DTYPES,
+                                 ADD_AFTER_NORM, SCALE_RESIDUAL, ROUND_SUM_FIRST)
+            w, b = _load_params(W, B, cols, mask, weight_offset, W is not None, B is not None)
+            _, y = _normalize_and_store(u, mean, rstd, w, b, None, S[0], R[0], 0, row * S[1], row * R[1], cols,
+                                        mask, residual_scale, W is not None, B is not None, IS_RMS, ROUND_FIRST,
+                                        DTYPES[1], DTYPES[2], False, False, SCALE_RESIDUAL)
+            bits = _quant_bits(y.to(tl.float32), scale, QUANT[3], QUANT_OPTS[3], QUANT[3] is not None,
+                               QUANT_OPTS[0])
+            tl.store(Q[0] + row * Q[1] + cols, bits.to(tl.uint8), mask=mask)
 
     @triton.jit
     def _add_norm_fwd_looped_kernel(
         X, R, W, B, Y, S, MEAN, RSTD,
-        X1, RS, W1, B1, Y1,
+        X1, RS, W1, B1, Y1, Z,
         Q, QS, SC,
-        stride_x, stride_r, stride_y, stride_s, stride_x1, stride_y1,
-        stride_q, stride_qs,
-        n_rows, N, eps, weight_offset, residual_scale, rows_per_program, seed, dropout_p, dropout_scale,
-        quant_max, quant_amax_min, quant_scale_min, quant_clamp,
-        Z, stride_z,                                         # the gate (a dummy without one)
-        SUM_DTYPE: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
-        ROUND_FIRST: tl.constexpr, STORE_SUM: tl.constexpr, STORE_Y: tl.constexpr, ADD_AFTER_NORM: tl.constexpr,
-        SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, HAS_X1: tl.constexpr,
-        HAS_ROWSCALE: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-        BRANCH_DTYPE: tl.constexpr,
-        QUANT: tl.constexpr, QUANT_E5M2: tl.constexpr, QUANT_STATIC: tl.constexpr, QUANT_GROUP: tl.constexpr,
-        SCALE_FORM: tl.constexpr, HAS_AMAX_MIN: tl.constexpr, HAS_SCALE_MIN: tl.constexpr,
-        QUANT_APPLY: tl.constexpr, HAS_CLAMP: tl.constexpr, SCALE_RECIPROCAL: tl.constexpr,
-        HAS_GATE: tl.constexpr, GATE_AFTER: tl.constexpr, GATE_SILU: tl.constexpr, NORM_GROUP: tl.constexpr,
-        GATE_OUT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+        n_rows, N, eps, weight_offset, residual_scale, rows_per_program, DROPOUT, QUANT,
+        DTYPES: tl.constexpr, IS_RMS: tl.constexpr, ROUND_FIRST: tl.constexpr, ADD_AFTER_NORM: tl.constexpr,
+        SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, GATE_OPTS: tl.constexpr,
+        NORM_GROUP: tl.constexpr, QUANT_OPTS: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        """Rows wider than one block: pass 1 accumulates the stats block by block (Chan's
-        parallel mean/M2 update for layer_norm), pass 2 re-reads the row and writes (the
-        dropout mask is regenerated, not stored); a dynamic quantization scale per row takes a
-        third pass."""
+        """Rows wider than one block: pass 1 accumulates the stats block by block, pass 2 re-reads the
+        row and writes; a dynamic quantization scale per row takes a third pass."""
         cols0 = tl.arange(0, BLOCK_N)
         zero = tl.sum(tl.zeros([BLOCK_N], dtype=tl.float32), axis=0)
         for i in range(rows_per_program):
             row = tl.program_id(0) * rows_per_program + i
             row_ok = row < n_rows
             row = row.to(tl.int64)
-            mean = zero
-            m2 = zero
-            count = zero
-            for start in range(0, N, BLOCK_N):
-                cols = start + cols0
-                mask = (cols < N) & row_ok
-                s, u = _load_norm_input(X, R, X1, RS, row, row_ok, row * stride_x, row * stride_r, row * stride_x1,
-                                        cols, mask, N, residual_scale, seed, dropout_p, dropout_scale,
-                                        HAS_RESIDUAL and not ADD_AFTER_NORM, SCALE_RESIDUAL, SUM_DTYPE, ROUND_SUM_FIRST,
-                                        HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BRANCH_DTYPE)
-                if STORE_SUM and not ADD_AFTER_NORM:
-                    tl.store(S + row * stride_s + cols, s, mask=mask)
-                if HAS_GATE and not GATE_AFTER:
-                    u = u * _load_gate(Z, row * stride_z, cols, mask, HAS_GATE, GATE_SILU)[0]
-                if NORM_GROUP > 0:
-                    pass  # a group lies within a block: its statistics are taken in the second pass
-                elif IS_RMS:
-                    m2 += tl.sum(u * u, axis=0)
-                else:
-                    n_b = tl.sum((cols < N).to(tl.float32), axis=0)
-                    mean_b = tl.sum(u, axis=0) / n_b
-                    d = tl.where(mask, u - mean_b, 0.0)
-                    total = count + n_b
-                    delta = mean_b - mean
-                    mean += delta * (n_b / total)
-                    m2 += tl.sum(d * d, axis=0) + delta * delta * (count * n_b / total)
-                    count = total
-            if NORM_GROUP == 0:
-                rstd = tl.rsqrt(m2 / N + eps)
-                tl.store(RSTD + row, rstd, mask=row_ok)
-                if not IS_RMS:
-                    tl.store(MEAN + row, mean, mask=row_ok)
-            amax_bits = tl.sum(tl.zeros([BLOCK_N], dtype=tl.int32), axis=0)
-            for start in range(0, N, BLOCK_N):
-                cols = start + cols0
-                mask = (cols < N) & row_ok
-                if STORE_SUM and not ADD_AFTER_NORM and ROUND_SUM_FIRST:
-                    u = tl.load(S + row * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
-                else:
-                    _, u = _load_norm_input(X, R, X1, RS, row, row_ok, row * stride_x, row * stride_r,
-                                            row * stride_x1, cols, mask, N, residual_scale, seed, dropout_p,
-                                            dropout_scale, HAS_RESIDUAL and not ADD_AFTER_NORM, SCALE_RESIDUAL,
-                                            SUM_DTYPE, ROUND_SUM_FIRST, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BRANCH_DTYPE)
-                gate, _ = _load_gate(Z, row * stride_z, cols, mask, HAS_GATE, GATE_SILU)
-                if HAS_GATE and not GATE_AFTER:
-                    u = u * gate
-                w, b = _load_params(W, B, cols, mask, weight_offset, HAS_WEIGHT, HAS_BIAS)
-                if NORM_GROUP > 0:
-                    mean_c, rstd_c = _group_stats(u, mask, row_ok, start, N, eps, MEAN, RSTD, row * (N // NORM_GROUP),
-                                                  IS_RMS, NORM_GROUP, BLOCK_N)
-                else:
-                    mean_c, rstd_c = mean, rstd
-                n, y = _normalize_and_store(u, mean_c, rstd_c, w, b, Y, S, R, row * stride_y, row * stride_s,
-                                            row * stride_r, cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS,
-                                            ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, STORE_Y, ADD_AFTER_NORM,
-                                            SCALE_RESIDUAL, gate, HAS_GATE and GATE_AFTER, GATE_OUT_DTYPE)
-                if HAS_W1:
-                    w1, b1 = _load_params(W1, B1, cols, mask, weight_offset, HAS_W1, HAS_B1)
-                    _store_second_norm(n, w1, b1, Y1, row * stride_y1, cols, mask, HAS_B1, OUT_DTYPE)
-                if QUANT:
-                    if QUANT_STATIC or QUANT_GROUP > 0:  # a group lies within a block
-                        _quantize_and_store(y, mask, row_ok, start, cols, N, Q, QS, SC, row * stride_q,
-                                            row * stride_qs, quant_max, quant_amax_min, quant_scale_min, quant_clamp,
-                                            QUANT_STATIC, QUANT_GROUP, SCALE_FORM, HAS_AMAX_MIN, HAS_SCALE_MIN,
-                                            QUANT_APPLY, HAS_CLAMP, QUANT_E5M2, SCALE_RECIPROCAL, BLOCK_N)
-                    else:
-                        amax_bits = tl.maximum(amax_bits, _abs_max_bits(y.to(tl.float32), mask, 0))
-            if QUANT and not QUANT_STATIC and QUANT_GROUP == 0:
-                # a scale per row needs the whole row's amax: a third pass recomputes y (the same
-                # bits) and writes q
-                amax = amax_bits.to(tl.float32, bitcast=True)
-                scale = _dynamic_scale(amax, quant_max, quant_amax_min, quant_scale_min, SCALE_FORM, HAS_AMAX_MIN,
-                                       HAS_SCALE_MIN)
-                tl.store(QS + row * stride_qs, _scale_out(scale, SCALE_RECIPROCAL), mask=row_ok)
-                for start in range(0, N, BLOCK_N):
-                    cols = start + cols0
-                    mask = (cols < N) & row_ok
-                    if STORE_SUM and not ADD_AFTER_NORM and ROUND_SUM_FIRST:
-                        u = tl.load(S + row * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
-                    else:
-                        _, u = _load_norm_input(X, R, X1, RS, row, row_ok, row * stride_x, row * stride_r,
-                                                row * stride_x1, cols, mask, N, residual_scale, seed, dropout_p,
-                                                dropout_scale, HAS_RESIDUAL and not ADD_AFTER_NORM, SCALE_RESIDUAL,
-                                                SUM_DTYPE, ROUND_SUM_FIRST, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT,
-                                                BRANCH_DTYPE)
-                    w, b = _load_params(W, B, cols, mask, weight_offset, HAS_WEIGHT, HAS_BIAS)
-                    _, y = _normalize_and_store(u, mean, rstd, w, b, Y, S, R, row * stride_y, row * stride_s,
-                                                row * stride_r, cols, mask, residual_scale, HAS_WEIGHT, HAS_BIAS,
-                                                IS_RMS, ROUND_FIRST, NORM_ROUND_DTYPE, OUT_DTYPE, False, False,
-                                                SCALE_RESIDUAL)
-                    bits = _quant_bits(y.to(tl.float32), scale, quant_clamp, QUANT_APPLY, HAS_CLAMP, QUANT_E5M2)
-                    tl.store(Q + row * stride_q + cols, bits.to(tl.uint8), mask=mask)
+            mean, rstd = _looped_stats(X, R, X1, RS, S, Z, MEAN, RSTD, row, row_ok, cols0, zero, N, eps,
+                                       residual_scale, DROPOUT, DTYPES, IS_RMS, ADD_AFTER_NORM, SCALE_RESIDUAL,
+                                       ROUND_SUM_FIRST, GATE_OPTS, NORM_GROUP, BLOCK_N)
+            amax_bits = _looped_write(X, R, W, B, Y, S, MEAN, RSTD, X1, RS, W1, B1, Y1, Z, Q, QS, SC, row, row_ok,
+                                      cols0, mean, rstd, N, eps, weight_offset, residual_scale, DROPOUT, QUANT,
+                                      DTYPES, IS_RMS, ROUND_FIRST, ADD_AFTER_NORM, SCALE_RESIDUAL, ROUND_SUM_FIRST,
+                                      GATE_OPTS, NORM_GROUP, QUANT_OPTS, BLOCK_N)
+            if Q[0] is not None and SC is None and QUANT_OPTS[1] == 0:
+                _looped_quantize_row(X, R, W, B, S, X1, RS, Q, QS, row, row_ok, cols0, mean, rstd, amax_bits, N,
+                                     weight_offset, residual_scale, DROPOUT, QUANT, DTYPES, IS_RMS, ROUND_FIRST,
+                                     ADD_AFTER_NORM, SCALE_RESIDUAL, ROUND_SUM_FIRST, QUANT_OPTS, BLOCK_N)
 
     @triton.jit
-    def _row_grads(DY, DE, INP, DY1, w, w1, row, stride_dy, stride_de, stride_inp, stride_dy1, cols, mask, mean,
-                   rstd, HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr,
-                   ADD_AFTER_NORM: tl.constexpr, HAS_DY1: tl.constexpr, Z=None, stride_z=0, b=0.0,
-                   HAS_GATE: tl.constexpr = False, GATE_AFTER: tl.constexpr = False, GATE_SILU: tl.constexpr = True,
-                   HAS_B: tl.constexpr = False):
+    def _row_grads(DY, DE, INP, DY1, Z, w, w1, b, row, cols, mask, mean, rstd, HAS_WEIGHT: tl.constexpr,
+                   HAS_B: tl.constexpr, IS_RMS: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, GATE_OPTS: tl.constexpr):
         """x_hat, the gradients into the norm outputs (dn, dn1) and g = dn * w' + dn1 * w1' of one
         block of a row; with a gate also the norm input u, act(z), act'(z) and (gate "after") dz."""
-        u = tl.load(INP + row * stride_inp + cols, mask=mask, other=0.0).to(tl.float32)
-        a, da = _load_gate(Z, row * stride_z, cols, mask, HAS_GATE, GATE_SILU)
+        HAS_GATE: tl.constexpr = Z[0] is not None
+        u = tl.load(INP[0] + row * INP[1] + cols, mask=mask, other=0.0).to(tl.float32)
+        a, da = _load_gate(Z[0], row * Z[1], cols, mask, HAS_GATE, GATE_OPTS[1])
         h = u
-        if HAS_GATE and not GATE_AFTER:
+        if HAS_GATE and not GATE_OPTS[0]:
             h = u * a
         if IS_RMS:
             xhat = h * rstd
         else:
             xhat = (h - mean) * rstd
         xhat = tl.where(mask, xhat, 0.0)
-        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY[0] + row * DY[1] + cols, mask=mask, other=0.0).to(tl.float32)
         dn = dy
-        if ADD_AFTER_NORM and HAS_DEXTRA:
-            dn += tl.load(DE + row * stride_de + cols, mask=mask, other=0.0).to(tl.float32)
+        if ADD_AFTER_NORM and DE[0] is not None:
+            dn += tl.load(DE[0] + row * DE[1] + cols, mask=mask, other=0.0).to(tl.float32)
         dz = 0.0
-        if HAS_GATE and GATE_AFTER:  # y = y0 * act(z): dz = dy * y0 * act'(z), and y0 gets dy * act(z)
+        if HAS_GATE and GATE_OPTS[0]:  # y = y0 * act(z): dz = dy * y0 * act'(z), and y0 gets dy * act(z)
             y0 = xhat
             if HAS_WEIGHT:
                 y0 = y0 * w
@@ -566,16 +602,14 @@ if triton is not None:
         if HAS_WEIGHT:
             g = dn * w
         dn1 = 0.0
-        if HAS_DY1:
-            dn1 = tl.load(DY1 + row * stride_dy1 + cols, mask=mask, other=0.0).to(tl.float32)
+        if DY1[0] is not None:
+            dn1 = tl.load(DY1[0] + row * DY1[1] + cols, mask=mask, other=0.0).to(tl.float32)
             g = g + dn1 * w1
         return xhat, dy, dn, g, dn1, u, a, da, dz
 
     @triton.jit
-    def _block_grads(DY, DE, INP, DY1, W, W1, row, row_ok, start, cols0, N, stride_dy, stride_de, stride_inp,
-                     stride_dy1, mean, rstd, weight_offset, HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                     IS_RMS: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, HAS_DY1: tl.constexpr, Z, stride_z, B, RSTD, MEAN,
-                     HAS_GATE: tl.constexpr, GATE_AFTER: tl.constexpr, GATE_SILU: tl.constexpr, HAS_B: tl.constexpr,
+    def _block_grads(DY, DE, INP, DY1, Z, W, B, W1, MEAN, RSTD, row, row_ok, start, cols0, N, mean, rstd,
+                     weight_offset, IS_RMS: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, GATE_OPTS: tl.constexpr,
                      NORM_GROUP: tl.constexpr):
         """One block of a wide row (looped backward): its columns, mask, the statistics of its
         groups (NORM_GROUP: per column), and _row_grads."""
@@ -583,12 +617,11 @@ if triton is not None:
         mask = (cols < N) & row_ok
         if NORM_GROUP > 0:
             mean, rstd = _group_stats_of(RSTD, MEAN, row, cols, mask, N, IS_RMS, NORM_GROUP)
-        w, b = _load_params(W, B, cols, mask, weight_offset, HAS_WEIGHT, HAS_B)
-        w1, _ = _load_params(W1, W1, cols, mask, weight_offset, HAS_DY1, False)
-        xhat, dy, dn, g, dn1, u, a, da, dz = _row_grads(
-            DY, DE, INP, DY1, w, w1, row, stride_dy, stride_de, stride_inp, stride_dy1, cols, mask, mean, rstd,
-            HAS_DEXTRA, HAS_WEIGHT, IS_RMS, ADD_AFTER_NORM, HAS_DY1, Z, stride_z, b, HAS_GATE, GATE_AFTER, GATE_SILU,
-            HAS_B)
+        w, b = _load_params(W, B, cols, mask, weight_offset, W is not None, B is not None)
+        w1, _ = _load_params(W1, W1, cols, mask, weight_offset, DY1[0] is not None, False)
+        xhat, dy, dn, g, dn1, u, a, da, dz = _row_grads(DY, DE, INP, DY1, Z, w, w1, b, row, cols, mask, mean, rstd,
+                                                        W is not None, B is not None, IS_RMS, ADD_AFTER_NORM,
+                                                        GATE_OPTS)
         return cols, mask, xhat, dy, dn, g, dn1, u, a, da, dz
 
     @triton.jit
@@ -602,56 +635,51 @@ if triton is not None:
         return mean, rstd
 
     @triton.jit
-    def _store_input_grads(DE, DX, DRES, DX1, RS, row, row_ok, stride_de, stride_dx, stride_dres, stride_dx1, cols,
-                           mask, N, xhat, dy, g, c1, c2, rstd, residual_scale, seed, dropout_p, dropout_scale,
-                           HAS_DEXTRA: tl.constexpr, HAS_DRES: tl.constexpr, IS_RMS: tl.constexpr,
-                           ADD_AFTER_NORM: tl.constexpr, HAS_DX1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
-                           HAS_DROPOUT: tl.constexpr, DZ=None, stride_dz=0, u=0.0, a=1.0, da=0.0, dz=0.0,
-                           HAS_GATE: tl.constexpr = False, GATE_AFTER: tl.constexpr = False):
+    def _store_input_grads(DE, DX, DRES, DX1, DZ, RS, row, row_ok, cols, mask, N, xhat, dy, g, c1, c2, rstd,
+                           residual_scale, DROPOUT, u, a, da, dz, IS_RMS: tl.constexpr,
+                           ADD_AFTER_NORM: tl.constexpr, GATE_OPTS: tl.constexpr):
         """du = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) (a gate "before": times act(z), and
         dz = du * u * act'(z)) (+ dextra); dx = du * keep * scale * rowscale, dresidual, dx1 from it."""
         if IS_RMS:
             du = (g - xhat * c1) * rstd
         else:
             du = (g - c2 - xhat * c1) * rstd
-        if HAS_GATE:
-            if not GATE_AFTER:
+        if DZ[0] is not None:
+            if not GATE_OPTS[0]:
                 dz = du * u * da
                 du = du * a
-            tl.store(DZ + row * stride_dz + cols, _round(dz, DZ.dtype.element_ty), mask=mask)
-        if HAS_DEXTRA and not ADD_AFTER_NORM:
-            du += tl.load(DE + row * stride_de + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DZ[0] + row * DZ[1] + cols, _round(dz, DZ[0].dtype.element_ty), mask=mask)
+        if DE[0] is not None and not ADD_AFTER_NORM:
+            du += tl.load(DE[0] + row * DE[1] + cols, mask=mask, other=0.0).to(tl.float32)
         dx = du
-        if HAS_DROPOUT:
-            dx = _keep_scale(dx, row, cols, N, seed, dropout_p, dropout_scale)
-        if HAS_ROWSCALE:
+        if DROPOUT[0] is not None:
+            dx = _keep_scale(dx, row, cols, N, DROPOUT[0], DROPOUT[1], DROPOUT[2])
+        if RS is not None:
             dx = dx * _row_scale(RS, row, row_ok)
-        tl.store(DX + row * stride_dx + cols, _round(dx, DX.dtype.element_ty), mask=mask)
-        if HAS_DRES:
+        tl.store(DX[0] + row * DX[1] + cols, _round(dx, DX[0].dtype.element_ty), mask=mask)
+        if DRES[0] is not None:
             dres = dy if ADD_AFTER_NORM else du
-            tl.store(DRES + row * stride_dres + cols, _round(dres * residual_scale, DRES.dtype.element_ty),
+            tl.store(DRES[0] + row * DRES[1] + cols, _round(dres * residual_scale, DRES[0].dtype.element_ty),
                      mask=mask)
-        if HAS_DX1:
-            tl.store(DX1 + row * stride_dx1 + cols, _round(du, DX1.dtype.element_ty), mask=mask)
+        if DX1[0] is not None:
+            tl.store(DX1[0] + row * DX1[1] + cols, _round(du, DX1[0].dtype.element_ty), mask=mask)
 
     @triton.jit
     def _add_norm_bwd_kernel(
-        DY, DE, INP, MEAN, RSTD, W, DX, DRES, DW_PART, DB_PART,   # DE: grad of s (pre) / of y (ADD_AFTER_NORM)
-        DY1, W1, RS, DX1, DW1_PART, DB1_PART,                     # add_norm's modes (dummies when off)
-        stride_dy, stride_de, stride_inp, stride_dx, stride_dres, stride_dy1, stride_dx1,
-        n_rows, N, weight_offset, residual_scale, rows_per_program, seed, dropout_p, dropout_scale,
-        Z, DZ, B, stride_z, stride_dz,                            # the gate, its grad, the bias (gate "after")
-        HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr,
-        IS_RMS: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, HAS_DY1: tl.constexpr, HAS_B1: tl.constexpr,
-        HAS_DX1: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-        HAS_GATE: tl.constexpr, GATE_AFTER: tl.constexpr, GATE_SILU: tl.constexpr, HAS_B: tl.constexpr,
-        NORM_GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+        DY, DE, INP, DY1, Z,             # (pointer, row stride); DE: grad of s (pre) / of y (ADD_AFTER_NORM)
+        MEAN, RSTD, W, B, W1, RS,        # B: the norm's bias (a gate "after" reads y0); None when absent
+        DX, DRES, DX1, DZ,               # the input grads (pointer, row stride)
+        DW_PART, DB_PART, DW1_PART, DB1_PART,
+        n_rows, N, weight_offset, residual_scale, rows_per_program, DROPOUT,
+        IS_RMS: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, GATE_OPTS: tl.constexpr, NORM_GROUP: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):
         """Each program takes a contiguous chunk of rows and writes fp32 dw/db (dw1/db1) partials
         to row `pid` of [programs, N] buffers, summed on the host."""
+        HAS_DY1: tl.constexpr = DY1[0] is not None
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
-        w, b = _load_params(W, B, cols, cols < N, weight_offset, HAS_WEIGHT, HAS_B)  # once per program
+        w, b = _load_params(W, B, cols, cols < N, weight_offset, W is not None, B is not None)  # once per program
         w1, _ = _load_params(W1, W1, cols, cols < N, weight_offset, HAS_DY1, False)
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
         db = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -667,47 +695,47 @@ if triton is not None:
             else:
                 rstd = tl.load(RSTD + row, mask=row_ok, other=0.0)
                 mean = 0.0 if IS_RMS else tl.load(MEAN + row, mask=row_ok, other=0.0)
-            xhat, dy, dn, g, dn1, u, a, da, dz = _row_grads(
-                DY, DE, INP, DY1, w, w1, row, stride_dy, stride_de, stride_inp, stride_dy1, cols, mask, mean, rstd,
-                HAS_DEXTRA, HAS_WEIGHT, IS_RMS, ADD_AFTER_NORM, HAS_DY1, Z, stride_z, b, HAS_GATE, GATE_AFTER, GATE_SILU,
-                HAS_B)
+            xhat, dy, dn, g, dn1, u, a, da, dz = _row_grads(DY, DE, INP, DY1, Z, w, w1, b, row, cols, mask, mean,
+                                                            rstd, W is not None, B is not None, IS_RMS,
+                                                            ADD_AFTER_NORM, GATE_OPTS)
             if NORM_GROUP > 0:  # the means over each column's group
                 c1 = _group_sum(g * xhat, NORM_GROUP, BLOCK_N) / NORM_GROUP
                 c2 = 0.0 if IS_RMS else _group_sum(g, NORM_GROUP, BLOCK_N) / NORM_GROUP
             else:
                 c1 = tl.sum(g * xhat, axis=0) / N
                 c2 = 0.0 if IS_RMS else tl.sum(g, axis=0) / N
-            _store_input_grads(DE, DX, DRES, DX1, RS, row, row_ok, stride_de, stride_dx, stride_dres, stride_dx1, cols,
-                               mask, N, xhat, dy, g, c1, c2, rstd, residual_scale, seed, dropout_p, dropout_scale,
-                               HAS_DEXTRA, HAS_DRES, IS_RMS, ADD_AFTER_NORM, HAS_DX1, HAS_ROWSCALE, HAS_DROPOUT, DZ,
-                               stride_dz, u, a, da, dz, HAS_GATE, GATE_AFTER)
+            _store_input_grads(DE, DX, DRES, DX1, DZ, RS, row, row_ok, cols, mask, N, xhat, dy, g, c1, c2, rstd,
+                               residual_scale, DROPOUT, u, a, da, dz, IS_RMS, ADD_AFTER_NORM, GATE_OPTS)
             dw += dn * xhat
             db += dn
             if HAS_DY1:
                 dw1 += dn1 * xhat
                 db1 += dn1
         part = pid.to(tl.int64) * N + cols
-        if HAS_WEIGHT:
+        if W is not None:
             tl.store(DW_PART + part, dw, mask=cols < N)
-        if HAS_BIAS:
+        if DB_PART is not None:
             tl.store(DB_PART + part, db, mask=cols < N)
         if HAS_DY1:
             tl.store(DW1_PART + part, dw1, mask=cols < N)
-            if HAS_B1:
+            if DB1_PART is not None:
                 tl.store(DB1_PART + part, db1, mask=cols < N)
 
     @triton.jit
+    def _add_to_partial(PART, part, v, mask):
+        """PART[part] += v (this program's own row of the partials: no atomics)."""
+        if PART is not None:
+            tl.store(PART + part, tl.load(PART + part, mask=mask, other=0.0) + v, mask=mask)
+
+    @triton.jit
     def _add_norm_bwd_looped_kernel(
-        DY, DE, INP, MEAN, RSTD, W, DX, DRES, DW_PART, DB_PART,
-        DY1, W1, RS, DX1, DW1_PART, DB1_PART,
-        stride_dy, stride_de, stride_inp, stride_dx, stride_dres, stride_dy1, stride_dx1,
-        n_rows, N, weight_offset, residual_scale, rows_per_program, seed, dropout_p, dropout_scale,
-        Z, DZ, B, stride_z, stride_dz,                            # the gate, its grad, the bias (gate "after")
-        HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr,
-        IS_RMS: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, HAS_DY1: tl.constexpr, HAS_B1: tl.constexpr,
-        HAS_DX1: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-        HAS_GATE: tl.constexpr, GATE_AFTER: tl.constexpr, GATE_SILU: tl.constexpr, HAS_B: tl.constexpr,
-        NORM_GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+        DY, DE, INP, DY1, Z,
+        MEAN, RSTD, W, B, W1, RS,
+        DX, DRES, DX1, DZ,
+        DW_PART, DB_PART, DW1_PART, DB1_PART,
+        n_rows, N, weight_offset, residual_scale, rows_per_program, DROPOUT,
+        IS_RMS: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, GATE_OPTS: tl.constexpr, NORM_GROUP: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):
         """Rows wider than one block: pass 1 reduces mean(g * x_hat) and mean(g), pass 2
         writes the input grads and adds into this program's own partial row (zeroed
@@ -729,38 +757,29 @@ if triton is not None:
             if NORM_GROUP == 0:  # (a group lies within a block: its sums are taken in the second pass)
                 for start in range(0, N, BLOCK_N):
                     cols, mask, xhat, dy, dn, g, dn1, u, a, da, dz = _block_grads(
-                        DY, DE, INP, DY1, W, W1, row, row_ok, start, cols0, N, stride_dy, stride_de, stride_inp,
-                        stride_dy1, mean, rstd, weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, ADD_AFTER_NORM, HAS_DY1, Z,
-                        stride_z, B, RSTD, MEAN, HAS_GATE, GATE_AFTER, GATE_SILU, HAS_B, NORM_GROUP)
+                        DY, DE, INP, DY1, Z, W, B, W1, MEAN, RSTD, row, row_ok, start, cols0, N, mean, rstd,
+                        weight_offset, IS_RMS, ADD_AFTER_NORM, GATE_OPTS, NORM_GROUP)
                     c1 += tl.sum(g * xhat, axis=0)
                     c2 += tl.sum(g, axis=0)
                 c1 = c1 / N
                 c2 = c2 / N
             for start in range(0, N, BLOCK_N):
                 cols, mask, xhat, dy, dn, g, dn1, u, a, da, dz = _block_grads(
-                    DY, DE, INP, DY1, W, W1, row, row_ok, start, cols0, N, stride_dy, stride_de, stride_inp,
-                    stride_dy1, mean, rstd, weight_offset, HAS_DEXTRA, HAS_WEIGHT, IS_RMS, ADD_AFTER_NORM, HAS_DY1, Z,
-                    stride_z, B, RSTD, MEAN, HAS_GATE, GATE_AFTER, GATE_SILU, HAS_B, NORM_GROUP)
+                    DY, DE, INP, DY1, Z, W, B, W1, MEAN, RSTD, row, row_ok, start, cols0, N, mean, rstd,
+                    weight_offset, IS_RMS, ADD_AFTER_NORM, GATE_OPTS, NORM_GROUP)
                 c1_c, c2_c, rstd_c = c1, c2, rstd
                 if NORM_GROUP > 0:  # the means over each column's group, within this block
                     c1_c = _group_sum(g * xhat, NORM_GROUP, BLOCK_N) / NORM_GROUP
                     c2_c = _group_sum(g, NORM_GROUP, BLOCK_N) / NORM_GROUP
                     rstd_c = _group_stats_of(RSTD, MEAN, row, cols, mask, N, IS_RMS, NORM_GROUP)[1]
-                _store_input_grads(DE, DX, DRES, DX1, RS, row, row_ok, stride_de, stride_dx, stride_dres, stride_dx1,
-                                   cols, mask, N, xhat, dy, g, c1_c, c2_c, rstd_c, residual_scale, seed, dropout_p,
-                                   dropout_scale, HAS_DEXTRA, HAS_DRES, IS_RMS, ADD_AFTER_NORM, HAS_DX1, HAS_ROWSCALE,
-                                   HAS_DROPOUT, DZ, stride_dz, u, a, da, dz, HAS_GATE, GATE_AFTER)
+                _store_input_grads(DE, DX, DRES, DX1, DZ, RS, row, row_ok, cols, mask, N, xhat, dy, g, c1_c, c2_c,
+                                   rstd_c, residual_scale, DROPOUT, u, a, da, dz, IS_RMS, ADD_AFTER_NORM, GATE_OPTS)
                 part = pid.to(tl.int64) * N + cols
-                if HAS_WEIGHT:
-                    tl.store(DW_PART + part, tl.load(DW_PART + part, mask=mask, other=0.0) + dn * xhat, mask=mask)
-                if HAS_BIAS:
-                    tl.store(DB_PART + part, tl.load(DB_PART + part, mask=mask, other=0.0) + dn, mask=mask)
-                if HAS_DY1:
-                    tl.store(DW1_PART + part, tl.load(DW1_PART + part, mask=mask, other=0.0) + dn1 * xhat,
-                             mask=mask)
-                    if HAS_B1:
-                        tl.store(DB1_PART + part, tl.load(DB1_PART + part, mask=mask, other=0.0) + dn1, mask=mask)
-
+                _add_to_partial(DW_PART, part, dn * xhat, mask)
+                _add_to_partial(DB_PART, part, dn, mask)
+                if DY1[0] is not None:
+                    _add_to_partial(DW1_PART, part, dn1 * xhat, mask)
+                    _add_to_partial(DB1_PART, part, dn1, mask)
     @triton.jit
     def _dropout_keep_kernel(KEEP, seed, dropout_p, numel, BLOCK: tl.constexpr):
         """The keep mask the kernels above draw: element i (= row * N + col) of tl.rand(seed, i)."""
@@ -842,211 +861,203 @@ def _param(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.contiguous()
 
 
+# add_norm_bwd's outputs past the 8 gradients these kernels write (a modulation's, a gated branch's: ops.py
+# runs such calls on the reference backend): None
+_BWD_NOT_WRITTEN = (None,) * (len(DECLARATIONS["add_norm_bwd"].outputs) - 8)
 _SCALE_FORMS = {form: i for i, form in enumerate(QUANT_SCALE_FORMS)}
 _QUANT_APPLY = {apply: i for i, apply in enumerate(QUANT_APPLY)}
+_NO_ROWS = (None, 0)  # an absent row operand
 
 
-def _quant_launch_args(quant: Optional[dict], dummy: Tensor) -> dict:
-    """The quantization epilogue's kernel arguments (all off without ``quant``). ``quant``: q (the
-    (M, N) uint8 view of the fp8 output), scale (the (M, 1 or N // G) fp32 output, None for a static
-    scale), and the op's quant_* arguments without their prefix."""
-    if quant is None:
-        return dict(Q=dummy, QS=dummy, SC=dummy, stride_q=0, stride_qs=0, quant_max=0.0, quant_amax_min=0.0,
-                    quant_scale_min=0.0, quant_clamp=0.0, QUANT=False, QUANT_E5M2=False, QUANT_STATIC=False,
-                    QUANT_GROUP=0, SCALE_FORM=0, HAS_AMAX_MIN=False, HAS_SCALE_MIN=False, QUANT_APPLY=0,
-                    HAS_CLAMP=False, SCALE_RECIPROCAL=False)
-    static, scale = quant["static"], quant["scale"]
+def _row_operand(t: Optional[Tensor]) -> tuple:
+    """A row operand of the kernels: (its (M, N) rows, their stride), or (None, 0)."""
+    return _NO_ROWS if t is None else (t, t.stride(0))
+
+
+def _quant_launch_args(spec: Optional[Fp8Quant], q: Optional[Tensor] = None, scale: Optional[Tensor] = None) -> dict:
+    """The quantization epilogue's kernel arguments (all off without ``spec``): q (the (M, N) uint8 view of
+    the fp8 output) and scale (the (M, 1 or N // G) fp32 output, None for a static scale)."""
+    if spec is None:
+        return dict(Q=_NO_ROWS, QS=_NO_ROWS, SC=None, QUANT=(0.0, None, None, None), QUANT_OPTS=(False, 0, 0, 0, False))
+    static = None if spec.scale is None else spec.scale.reshape(1).to(torch.float32)
     return dict(
-        Q=quant["q"], QS=dummy if scale is None else scale, SC=dummy if static is None else static,
-        stride_q=quant["q"].stride(0), stride_qs=0 if scale is None else scale.stride(0),
-        quant_max=torch.finfo(quant["dtype"]).max, quant_amax_min=float(quant["amax_min"] or 0.0),
-        quant_scale_min=float(quant["scale_min"] or 0.0), quant_clamp=float(quant["clamp"] or 0.0),
-        QUANT=True, QUANT_E5M2=quant["dtype"] == torch.float8_e5m2, QUANT_STATIC=static is not None,
-        QUANT_GROUP=quant["group"] or 0, SCALE_FORM=_SCALE_FORMS[quant["scale_form"]],
-        HAS_AMAX_MIN=quant["amax_min"] is not None, HAS_SCALE_MIN=quant["scale_min"] is not None,
-        QUANT_APPLY=_QUANT_APPLY[quant["apply"]], HAS_CLAMP=quant["clamp"] is not None,
-        SCALE_RECIPROCAL=quant["scale_out"] == "reciprocal")
+        Q=_row_operand(q), QS=_row_operand(scale), SC=static,
+        QUANT=(torch.finfo(spec.dtype).max, *(None if v is None else float(v)
+                                               for v in (spec.amax_min, spec.scale_min, spec.clamp))),
+        QUANT_OPTS=(spec.dtype == torch.float8_e5m2, spec.group or 0, _SCALE_FORMS[spec.scale_form],
+                    _QUANT_APPLY[spec.apply], spec.scale_out == "reciprocal"))
 
 
-def _launch_fwd(x, residual, weight, bias, y, s, kind, eps, weight_offset, residual_scale, sum_dtype,
-                norm_round_dtype, out_dtype, store_sum, store_y, add_after_norm, round_sum_first=True, x1=None,
-                rowscale=None, weight1=None, bias1=None, y1=None, dropout_p=0.0, seed=None, quant=None, gate=None,
-                gate_position="before", gate_activation="silu", norm_group=None, gate_out_dtype=None):
-    """Shared by both orders; y, s and y1 are (M, N) outputs or None when not stored; quant: the
-    quantization epilogue's outputs and options (``_quant_launch_args``); gate and norm_group: the
-    gated norm and the statistics per group (a power of two, ops.py routes others to the reference)."""
+def _dropout_args(dropout) -> tuple:
+    """DROPOUT: (seed, p, 1 / (1 - p)), the seed None without dropout."""
+    if dropout is None or dropout.p <= 0:
+        return (None, 0.0, 1.0)
+    return (int(dropout.seed), dropout.p, 1.0 / (1.0 - dropout.p))
+
+
+def _launch_fwd(call, y: Optional[Tensor], s: Optional[Tensor], y1: Optional[Tensor] = None,
+                quant: Optional[dict] = None):
+    """Shared by both orders (a NormAddCall: the norm, then out = s); y, s and y1 are (M, N) outputs or
+    None when not stored; quant: the (M, N) uint8 q and the scale of add_norm_quant_fwd's epilogue.
+    A gate and norm_group (statistics per group: a power of two, ops.py routes others to the
+    reference) come from the call. Returns (mean, rstd)."""
+    rows, norm, rounding = call.rows, call.norm, call.rounding
+    add_after_norm = isinstance(call, NormAddCall)
+    second, dropout, gate = (None, None, None) if add_after_norm else (call.second, call.dropout, call.gate)
+    spec = None if add_after_norm else call.quant
+    x, norm_group = rows.x, norm.group
     n_cols = x.shape[-1]
-    x2, r2, x12, z2 = (_rows_2d(t, n_cols) for t in (x, residual, x1, gate))
+    x2, r2, x12, z2 = (_rows_2d(t, n_cols) for t in (x, rows.residual, rows.x1, None if gate is None else gate.z))
     n_rows = x2.shape[0]
-    acc = torch.float32
     stat_rows = n_rows * (n_cols // norm_group if norm_group else 1)
-    mean = x.new_empty((stat_rows,) if kind == "layer_norm" else (0,), dtype=acc)
-    rstd = x.new_empty((stat_rows,), dtype=acc)
+    mean = x.new_empty((stat_rows,) if norm.kind == "layer_norm" else (0,), dtype=torch.float32)
+    rstd = x.new_empty((stat_rows,), dtype=torch.float32)
     if n_rows == 0:
         return mean, rstd
-    widest = max(t.element_size() for t in (x, s, x1) if t is not None)
-    block, num_warps, looped = _blocking(n_cols, widest, two_norms=weight1 is not None, quant=quant is not None,
+    widest = max(t.element_size() for t in (x, s, rows.x1) if t is not None)
+    block, num_warps, looped = _blocking(n_cols, widest, two_norms=second is not None, quant=spec is not None,
                                          gated=gate is not None or bool(norm_group))
-    if looped and quant is not None and (quant["group"] or 0) > block:
-        block = quant["group"]  # a quantization group lies within one block of the loop
+    if looped and spec is not None and (spec.group or 0) > block:
+        block = spec.group  # a quantization group lies within one block of the loop
     if looped and (norm_group or 0) > block:
         block = norm_group  # so does a group of the statistics
     rows_per_program = min(max(triton.cdiv(n_rows, 8 * _sm_count(x.device)), 1),
                            max(1, _MULTI_ROW_MAX_BLOCK // block))
-    grid = (triton.cdiv(n_rows, rows_per_program),)
     kernel = _add_norm_fwd_looped_kernel if looped else _add_norm_fwd_kernel
-    dummy = rstd  # stands in for absent pointers; never read or written
-
-    def ptr(t):
-        return dummy if t is None else t
-
-    def stride(t):
-        return 0 if t is None else t.stride(0)
-    branch_dtype = x.dtype if x1 is None else torch.promote_types(x.dtype, x1.dtype)
-    has_dropout = dropout_p > 0
-    kernel[grid](
-        x2, ptr(r2), ptr(_param(weight)), ptr(_param(bias)), ptr(y), ptr(s), mean if kind == "layer_norm" else dummy,
-        rstd, ptr(x12), ptr(None if rowscale is None else rowscale.reshape(-1).contiguous()), ptr(_param(weight1)),
-        ptr(_param(bias1)), ptr(y1),
-        stride_x=x2.stride(0), stride_r=stride(r2), stride_y=stride(y), stride_s=stride(s), stride_x1=stride(x12),
-        stride_y1=stride(y1), n_rows=n_rows, N=n_cols, eps=eps, weight_offset=weight_offset,
-        residual_scale=residual_scale, rows_per_program=rows_per_program, seed=int(seed) if has_dropout else 0,
-        dropout_p=dropout_p, dropout_scale=1.0 / (1.0 - dropout_p), **_quant_launch_args(quant, dummy),
-        Z=ptr(z2), stride_z=stride(z2), HAS_GATE=gate is not None, GATE_AFTER=gate_position == "after",
-        GATE_SILU=gate_activation == "silu", NORM_GROUP=norm_group or 0,
-        GATE_OUT_DTYPE=TL_DTYPES[gate_out_dtype or out_dtype],
-        SUM_DTYPE=TL_DTYPES[sum_dtype], NORM_ROUND_DTYPE=TL_DTYPES[norm_round_dtype or out_dtype],
-        OUT_DTYPE=TL_DTYPES[out_dtype], HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None, IS_RMS=kind == "rms_norm", ROUND_FIRST=norm_round_dtype is not None,
-        STORE_SUM=store_sum, STORE_Y=store_y, ADD_AFTER_NORM=add_after_norm, SCALE_RESIDUAL=residual_scale != 1.0,
-        ROUND_SUM_FIRST=round_sum_first, HAS_X1=x1 is not None, HAS_ROWSCALE=rowscale is not None,
-        HAS_W1=weight1 is not None, HAS_B1=bias1 is not None, HAS_DROPOUT=has_dropout,
-        BRANCH_DTYPE=TL_DTYPES[branch_dtype], BLOCK_N=block, num_warps=num_warps)
+    out_dtype = rounding.out_dtype
+    sum_dtype = x.dtype if add_after_norm else rounding.sum_dtype  # norm_add: x's rows are the norm input
+    branch_dtype = x.dtype if rows.x1 is None else torch.promote_types(x.dtype, rows.x1.dtype)
+    gate_out = gate.out_dtype if gate is not None and gate.position == "after" else None
+    kernel[(triton.cdiv(n_rows, rows_per_program),)](
+        (x2, x2.stride(0)), _row_operand(r2), _param(norm.weight), _param(norm.bias), _row_operand(y),
+        _row_operand(s), mean if norm.kind == "layer_norm" else rstd, rstd,   # rms_norm: MEAN never written
+        _row_operand(x12), None if rows.rowscale is None else rows.rowscale.reshape(-1).contiguous(),
+        None if second is None else _param(second.weight), None if second is None else _param(second.bias),
+        _row_operand(y1), _row_operand(z2),
+        n_rows=n_rows, N=n_cols, eps=norm.eps, weight_offset=norm.weight_offset,
+        residual_scale=rows.residual_scale, rows_per_program=rows_per_program, DROPOUT=_dropout_args(dropout),
+        **_quant_launch_args(spec, **(quant or {})),
+        DTYPES=(TL_DTYPES[sum_dtype], TL_DTYPES[rounding.norm_round_dtype or out_dtype], TL_DTYPES[out_dtype],
+                TL_DTYPES[branch_dtype]),
+        IS_RMS=norm.kind == "rms_norm", ROUND_FIRST=rounding.norm_round_dtype is not None,
+        ADD_AFTER_NORM=add_after_norm, SCALE_RESIDUAL=rows.residual_scale != 1.0,
+        ROUND_SUM_FIRST=rounding.round_sum_first,
+        GATE_OPTS=(gate is not None and gate.position == "after", gate is None or gate.activation == "silu",
+                   TL_DTYPES[gate_out or out_dtype]),
+        NORM_GROUP=norm_group or 0, BLOCK_N=block, num_warps=num_warps)
     return mean, rstd
 
 
-def add_norm_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype, norm_round_dtype,
-                 out_dtype, store_sum, round_sum_first=True, x1=None, rowscale=None, weight1=None, bias1=None,
-                 dropout_p=0.0, seed=None, gate=None, gate_position="before", gate_activation="silu",
-                 norm_group=None, gate_out_dtype=None):
-    j = strided_fwd_ok(x, residual, x1, rowscale, weight1, dropout_p, gate, norm_group)
-    if j is not None:  # a channel norm: x or the residual stored channels-first
-        return _add_norm_fwd_strided(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
-                                     norm_round_dtype, out_dtype, store_sum, round_sum_first, j)
-    gated_after = gate is not None and gate_position == "after"
-    y = x.new_empty(x.shape, dtype=(gate_out_dtype or out_dtype) if gated_after else out_dtype)
-    s = x.new_empty(x.shape, dtype=sum_dtype) if store_sum else None
-    y1 = x.new_empty(x.shape, dtype=out_dtype) if weight1 is not None else None
-    n_cols = x.shape[-1]
+def _rows_of(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.view(-1, t.shape[-1])
 
-    def rows(t):
-        return None if t is None else t.view(-1, n_cols)
-    mean, rstd = _launch_fwd(x, residual, weight, bias, rows(y), rows(s), kind, eps, weight_offset, residual_scale,
-                             sum_dtype, norm_round_dtype, out_dtype, store_sum, True, False, round_sum_first, x1,
-                             rowscale, weight1, bias1, rows(y1), dropout_p, seed, None, gate, gate_position,
-                             gate_activation, norm_group, gate_out_dtype if gated_after else None)
+
+def add_norm_fwd(call: AddNormCall):
+    """(y, s, mean, rstd, y1) of add_norm_fwd; s None unless call.store.sum (ops.py clears it when there is
+    no sum), y1 None without a second norm."""
+    x, rounding, gate = call.rows.x, call.rounding, call.gate
+    j = strided_fwd_ok(call)
+    if j is not None:  # a channel norm: x or the residual stored channels-first
+        return _add_norm_fwd_strided(call, j)
+    out_dtype = rounding.out_dtype
+    gated_after = gate is not None and gate.position == "after"
+    y = x.new_empty(x.shape, dtype=(gate.out_dtype or out_dtype) if gated_after else out_dtype)
+    s = x.new_empty(x.shape, dtype=rounding.sum_dtype) if call.store.sum else None
+    y1 = x.new_empty(x.shape, dtype=out_dtype) if call.second is not None else None
+    mean, rstd = _launch_fwd(call, _rows_of(y), _rows_of(s), _rows_of(y1))
     return y, s, mean, rstd, y1
 
 
-def add_norm_quant_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
-                       norm_round_dtype, out_dtype, store_sum, round_sum_first, x1, rowscale, weight1, bias1,
-                       dropout_p, seed, store_y, quant_dtype, quant_scale, quant_group, quant_scale_form,
-                       quant_amax_min, quant_scale_min, quant_apply, quant_clamp, quant_scale_out):
-    n_cols = x.shape[-1]
-    y = x.new_empty(x.shape, dtype=out_dtype) if store_y else None
-    s = x.new_empty(x.shape, dtype=sum_dtype) if store_sum else None
-    y1 = x.new_empty(x.shape, dtype=out_dtype) if weight1 is not None else None
-    q = x.new_empty(x.shape, dtype=quant_dtype)
+def add_norm_quant_fwd(call: AddNormCall):
+    """(y, s, mean, rstd, y1, q, scale): add_norm_fwd's, y None unless call.store.y, and the fp8 epilogue's
+    q (call.quant.dtype) and scale (None for a static one)."""
+    x, rounding, spec = call.rows.x, call.rounding, call.quant
+    out_dtype = rounding.out_dtype
+    y = x.new_empty(x.shape, dtype=out_dtype) if call.store.y else None
+    s = x.new_empty(x.shape, dtype=rounding.sum_dtype) if call.store.sum else None
+    y1 = x.new_empty(x.shape, dtype=out_dtype) if call.second is not None else None
+    q = x.new_empty(x.shape, dtype=spec.dtype)
     scale = None
-    if quant_scale is None:
-        scale = x.new_empty(quant_scale_shape(x.shape, quant_group), dtype=torch.float32)
-
-    def rows(t):
-        return None if t is None else t.view(-1, t.shape[-1])
-    quant = dict(q=rows(q.view(torch.uint8)), scale=rows(scale),
-                 static=None if quant_scale is None else quant_scale.reshape(1).to(torch.float32),
-                 dtype=quant_dtype, group=quant_group, scale_form=quant_scale_form, amax_min=quant_amax_min,
-                 scale_min=quant_scale_min, apply=quant_apply, clamp=quant_clamp, scale_out=quant_scale_out)
-    mean, rstd = _launch_fwd(x, residual, weight, bias, rows(y), rows(s), kind, eps, weight_offset, residual_scale,
-                             sum_dtype, norm_round_dtype, out_dtype, store_sum, store_y, False, round_sum_first, x1,
-                             rowscale, weight1, bias1, rows(y1), dropout_p, seed, quant)
+    if spec.scale is None:
+        scale = x.new_empty(quant_scale_shape(x.shape, spec.group), dtype=torch.float32)
+    mean, rstd = _launch_fwd(call, _rows_of(y), _rows_of(s), _rows_of(y1),
+                             dict(q=_rows_of(q.view(torch.uint8)), scale=_rows_of(scale)))
     return y, s, mean, rstd, y1, q, scale
 
 
-def norm_add_fwd(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, norm_round_dtype, out_dtype,
-                 add_dtype, store_norm):
-    out = x.new_empty(x.shape, dtype=add_dtype)
-    y = x.new_empty(x.shape, dtype=out_dtype) if store_norm else None
-    n_cols = x.shape[-1]
-    mean, rstd = _launch_fwd(x, residual, weight, bias, None if y is None else y.view(-1, n_cols),
-                             out.view(-1, n_cols), kind, eps, weight_offset, residual_scale, x.dtype,
-                             norm_round_dtype, out_dtype, True, store_norm, True)
+def norm_add_fwd(call: NormAddCall):
+    """(out, y, mean, rstd): out = round(add_dtype, residual_scale * residual + y), y None unless store.y."""
+    x, rounding = call.rows.x, call.rounding
+    out = x.new_empty(x.shape, dtype=rounding.sum_dtype)
+    y = x.new_empty(x.shape, dtype=rounding.out_dtype) if call.store.y else None
+    mean, rstd = _launch_fwd(call, _rows_of(y), _rows_of(out))
     return out, y, mean, rstd
 
 
-def add_norm_bwd(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, add_after_norm, x_dtype,
-                 residual_dtype, bias_dtype, dy1=None, weight1=None, bias1_dtype=None, x1_dtype=None, rowscale=None,
-                 dropout_p=0.0, seed=None, gate=None, gate_position="before", gate_activation="silu",
-                 norm_group=None, bias=None):
-    j = strided_bwd_ok(inp, dy1 if weight1 is not None else None, rowscale, dropout_p, gate, norm_group,
-                       add_after_norm, x1_dtype)
-    if j is not None:  # a channel norm: its input stored channels-first
-        return _add_norm_bwd_strided(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale,
-                                     x_dtype, residual_dtype, bias_dtype, j)
-    n_cols = inp.shape[-1]
-    inp2, dy2, de2, dy12, z2 = (_rows_2d(t, n_cols) for t in (inp, dy, dextra, dy1, gate))
-    n_rows = inp2.shape[0]
-    dx = inp.new_empty(inp.shape, dtype=x_dtype)
-    dz = None if gate is None else inp.new_empty(inp.shape, dtype=gate.dtype)
-    dres = inp.new_empty(inp.shape, dtype=residual_dtype) if residual_dtype is not None else None
-    dx1 = inp.new_empty(inp.shape, dtype=x1_dtype) if x1_dtype is not None else None
-    has_y1 = dy1 is not None and weight1 is not None
-    block, num_warps, looped = _blocking(n_cols, max(inp.element_size(), dy.element_size()), backward=True,
-                                         two_norms=has_y1, gated=gate is not None or bool(norm_group))
+def _bwd_plan(call: BackwardCall, n_rows: int, n_cols: int, device) -> tuple:
+    """(block, num_warps, looped, programs, rows_per_program) of a row backward."""
+    grads, gate, norm_group = call.grads, call.gate, call.norm.group
+    inp = call.saved.inp
+    block, num_warps, looped = _blocking(n_cols, max(inp.element_size(), grads.dy.element_size()), backward=True,
+                                         two_norms=_has_y1(call), gated=gate is not None or bool(norm_group))
     if looped and (norm_group or 0) > block:
         block = norm_group  # a group of the statistics lies within one block of the loop
     k = 4 if block <= 1024 else 2 if block <= 4096 else 1
-    programs = max(1, min(n_rows, k * _sm_count(inp.device)))
-    rows_per_program = triton.cdiv(n_rows, programs) if n_rows else 0
+    programs = max(1, min(n_rows, k * _sm_count(device)))
+    return block, num_warps, looped, programs, triton.cdiv(n_rows, programs) if n_rows else 0
+
+
+def _has_y1(call: BackwardCall) -> bool:
+    return call.grads.dy1 is not None and call.second is not None
+
+
+def add_norm_bwd(call: BackwardCall):
+    """The op's outputs: the 8 gradients (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate), None
+    where that input does not exist, then None for the outputs these kernels do not write."""
+    j = strided_bwd_ok(call)
+    if j is not None:  # a channel norm: its input stored channels-first
+        return _add_norm_bwd_strided(call, j)
+    grads, saved, norm, dtypes, gate = call.grads, call.saved, call.norm, call.dtypes, call.gate
+    inp, weight, has_y1 = saved.inp, norm.weight, _has_y1(call)
+    n_cols = inp.shape[-1]
+    inp2, dy2, de2, dy12, z2 = (_rows_2d(t, n_cols) for t in (inp, grads.dy, grads.dextra,
+                                                               grads.dy1 if has_y1 else None,
+                                                               None if gate is None else gate.z))
+    n_rows = inp2.shape[0]
+    dx = inp.new_empty(inp.shape, dtype=dtypes.x)
+    dz = None if gate is None else inp.new_empty(inp.shape, dtype=gate.z.dtype)
+    dres = inp.new_empty(inp.shape, dtype=dtypes.residual) if dtypes.residual is not None else None
+    dx1 = inp.new_empty(inp.shape, dtype=dtypes.x1) if dtypes.x1 is not None else None
+    block, num_warps, looped, programs, rows_per_program = _bwd_plan(call, n_rows, n_cols, inp.device)
     alloc = torch.zeros if looped or not n_rows else torch.empty  # zero rows: the sums below must be zero
 
     def partials(exists):
         return alloc((programs, n_cols), dtype=torch.float32, device=inp.device) if exists else None
-    dw_part, db_part = partials(weight is not None), partials(bias_dtype is not None)
-    dw1_part, db1_part = partials(has_y1), partials(has_y1 and bias1_dtype is not None)
+    dw_part, db_part = partials(weight is not None), partials(dtypes.bias is not None)
+    dw1_part, db1_part = partials(has_y1), partials(has_y1 and dtypes.bias1 is not None)
     if n_rows:
-        dummy = rstd
-
-        def ptr(t):
-            return dummy if t is None else t
-
-        def rows(t):
-            return None if t is None else t.view(-1, n_cols)
+        def out_rows(t):
+            return _NO_ROWS if t is None else (t.view(-1, n_cols), n_cols)
         kernel = _add_norm_bwd_looped_kernel if looped else _add_norm_bwd_kernel
-        has_dropout = dropout_p > 0
         kernel[(programs,)](
-            dy2, ptr(de2), inp2, mean if kind == "layer_norm" else dummy, rstd, ptr(_param(weight)), rows(dx),
-            ptr(rows(dres)), ptr(dw_part), ptr(db_part),
-            ptr(dy12), ptr(_param(weight1) if has_y1 else None),
-            ptr(None if rowscale is None else rowscale.reshape(-1).contiguous()), ptr(rows(dx1)), ptr(dw1_part),
-            ptr(db1_part),
-            dy2.stride(0), 0 if de2 is None else de2.stride(0), inp2.stride(0), n_cols, n_cols,
-            0 if dy12 is None else dy12.stride(0), n_cols,
-            n_rows, n_cols, weight_offset, residual_scale, rows_per_program,
-            int(seed) if has_dropout else 0, dropout_p, 1.0 / (1.0 - dropout_p),
-            ptr(z2), ptr(rows(dz)), ptr(_param(bias)), 0 if z2 is None else z2.stride(0), n_cols,
-            HAS_GATE=gate is not None, GATE_AFTER=gate_position == "after", GATE_SILU=gate_activation == "silu",
-            HAS_B=bias is not None, NORM_GROUP=norm_group or 0,
-            HAS_DEXTRA=dextra is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias_dtype is not None,
-            HAS_DRES=dres is not None, IS_RMS=kind == "rms_norm", ADD_AFTER_NORM=add_after_norm, HAS_DY1=has_y1,
-            HAS_B1=bias1_dtype is not None, HAS_DX1=dx1 is not None, HAS_ROWSCALE=rowscale is not None,
-            HAS_DROPOUT=has_dropout, BLOCK_N=block, num_warps=num_warps)
+            _row_operand(dy2), _row_operand(de2), _row_operand(inp2), _row_operand(dy12), _row_operand(z2),
+            saved.mean if norm.kind == "layer_norm" else saved.rstd, saved.rstd,   # rms_norm: MEAN never read
+            _param(weight), _param(norm.bias),
+            _param(call.second.weight) if has_y1 else None,
+            None if call.rowscale is None else call.rowscale.reshape(-1).contiguous(),
+            out_rows(dx), out_rows(dres), out_rows(dx1), out_rows(dz), dw_part, db_part, dw1_part, db1_part,
+            n_rows, n_cols, norm.weight_offset, call.residual_scale, rows_per_program, _dropout_args(call.dropout),
+            IS_RMS=norm.kind == "rms_norm", ADD_AFTER_NORM=call.add_after_norm,
+            GATE_OPTS=(gate is not None and gate.position == "after", gate is None or gate.activation == "silu"),
+            NORM_GROUP=norm.group or 0, BLOCK_N=block, num_warps=num_warps)
     # the [programs, N] fp32 partials are summed in fp32, rounded once to the parameter's dtype
 
     def reduced(part, dtype):
         return None if part is None else part.sum(0).to(dtype)
-    return (dx, dres, reduced(dw_part, None if weight is None else weight.dtype), reduced(db_part, bias_dtype), dx1,
-            reduced(dw1_part, None if weight1 is None else weight1.dtype), reduced(db1_part, bias1_dtype), dz)
+    weight1 = None if call.second is None else call.second.weight
+    return (dx, dres, reduced(dw_part, None if weight is None else weight.dtype), reduced(db_part, dtypes.bias), dx1,
+            reduced(dw1_part, None if weight1 is None else weight1.dtype), reduced(db1_part, dtypes.bias1), dz,
+            *_BWD_NOT_WRITTEN)
 
 
 def dropout_keep(seed, n_rows: int, n_cols: int, p: float, device) -> Tensor:
@@ -1076,15 +1087,14 @@ if triton is not None:
 
     @triton.jit
     def _add_norm_fwd_strided_kernel(
-        X, R, W, B, Y, S, MEAN, RSTD,
-        sx_o, sx_h, sx_c, sr_o, sr_h, sr_c, sy_o, sy_h, sy_c, ss_o, ss_h, ss_c,  # (outer, position, channel)
+        X, R, Y, S,                      # (pointer, outer, position and channel strides); absent: (None, 0, 0, 0)
+        W, B, MEAN, RSTD,
         HW, N, eps, weight_offset, residual_scale, tiles_per_outer,
-        SUM_DTYPE: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
-        ROUND_FIRST: tl.constexpr, STORE_SUM: tl.constexpr, SCALE_RESIDUAL: tl.constexpr,
+        DTYPES: tl.constexpr, IS_RMS: tl.constexpr, ROUND_FIRST: tl.constexpr, SCALE_RESIDUAL: tl.constexpr,
         ROUND_SUM_FIRST: tl.constexpr, BLOCK_HW: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        """One tile of BLOCK_HW rows x all N channels: one read of each input, one write of each output."""
+        """One tile of BLOCK_HW rows x all N channels: one read of each input, one write of each output.
+        DTYPES: (sum, norm round, out)."""
         pid = tl.program_id(0)
         outer = (pid // tiles_per_outer).to(tl.int64)
         hw = (pid % tiles_per_outer) * BLOCK_HW + tl.arange(0, BLOCK_HW)
@@ -1094,12 +1104,12 @@ if triton is not None:
         h = hw.to(tl.int64)[:, None]
         c = cols.to(tl.int64)[None, :]
         row = outer * HW + hw.to(tl.int64)                       # (BLOCK_HW,): the row-major index of the rows
-        s, u = _load_norm_input(X, R, X, RSTD, row, hw_ok, outer * sx_o + h * sx_h + c * sx_c,
-                                outer * sr_o + h * sr_h + c * sr_c, 0, 0, mask, N, residual_scale, 0, 0.0, 1.0,
-                                HAS_RESIDUAL, SCALE_RESIDUAL, SUM_DTYPE, ROUND_SUM_FIRST, False, False, False,
-                                SUM_DTYPE)
-        if STORE_SUM:
-            tl.store(S + outer * ss_o + h * ss_h + c * ss_c, s, mask=mask)
+        s, u = _load_norm_input(X[0], R[0], None, None, row, hw_ok, outer * X[1] + h * X[2] + c * X[3],
+                                outer * R[1] + h * R[2] + c * R[3], 0, 0, mask, N, residual_scale, None, 0.0, 1.0,
+                                R[0] is not None, SCALE_RESIDUAL, DTYPES[0], ROUND_SUM_FIRST, False, False, False,
+                                DTYPES[0])
+        if S[0] is not None:
+            tl.store(S[0] + outer * S[1] + h * S[2] + c * S[3], s, mask=mask)
         if IS_RMS:
             mean = 0.0
             var = tl.sum(u * u, axis=1) / N
@@ -1111,21 +1121,20 @@ if triton is not None:
             mean = mean[:, None]
         rstd = tl.rsqrt(var + eps)
         tl.store(RSTD + row, rstd, mask=hw_ok)
-        w, b = _load_params(W, B, cols, cols < N, weight_offset, HAS_WEIGHT, HAS_BIAS)
-        if HAS_WEIGHT:
+        w, b = _load_params(W, B, cols, cols < N, weight_offset, W is not None, B is not None)
+        if W is not None:
             w = w[None, :]
-        if HAS_BIAS:
+        if B is not None:
             b = b[None, :]
-        _normalize_and_store(u, mean, rstd[:, None], w, b, Y, S, R, outer * sy_o + h * sy_h + c * sy_c, 0, 0, 0,
-                             mask, residual_scale, HAS_WEIGHT, HAS_BIAS, IS_RMS, ROUND_FIRST, NORM_ROUND_DTYPE,
-                             OUT_DTYPE, True, False, False)
+        _normalize_and_store(u, mean, rstd[:, None], w, b, Y[0], None, None, outer * Y[1] + h * Y[2] + c * Y[3], 0,
+                             0, 0, mask, residual_scale, W is not None, B is not None, IS_RMS, ROUND_FIRST, DTYPES[1],
+                             DTYPES[2], True, False, False)
 
     @triton.jit
     def _add_norm_bwd_strided_kernel(
-        DY, DE, INP, MEAN, RSTD, W, DX, DRES, DW_PART, DB_PART,   # DE: the gradient of s
-        sdy_o, sdy_h, sdy_c, sde_o, sde_h, sde_c, si_o, si_h, si_c, sdx_o, sdx_h, sdx_c, sdr_o, sdr_h, sdr_c,
+        DY, DE, INP, DX, DRES,           # (pointer, outer, position and channel strides); DE: the gradient of s
+        MEAN, RSTD, W, DW_PART, DB_PART,
         HW, N, n_tiles, tiles_per_outer, tiles_per_program, weight_offset, residual_scale,
-        HAS_DEXTRA: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr,
         IS_RMS: tl.constexpr, BLOCK_HW: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         """Each program takes a run of tiles and writes fp32 dw/db partials to row `pid` of
@@ -1133,8 +1142,8 @@ if triton is not None:
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
         c = cols.to(tl.int64)[None, :]
-        w, _ = _load_params(W, W, cols, cols < N, weight_offset, HAS_WEIGHT, False)
-        if HAS_WEIGHT:
+        w, _ = _load_params(W, W, cols, cols < N, weight_offset, W is not None, False)
+        if W is not None:
             w = w[None, :]
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
         db = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -1147,33 +1156,33 @@ if triton is not None:
             h = hw.to(tl.int64)[:, None]
             row = outer * HW + hw.to(tl.int64)
             rstd = tl.load(RSTD + row, mask=hw_ok, other=0.0)[:, None]
-            u = tl.load(INP + outer * si_o + h * si_h + c * si_c, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(INP[0] + outer * INP[1] + h * INP[2] + c * INP[3], mask=mask, other=0.0).to(tl.float32)
             if IS_RMS:
                 xhat = u * rstd
             else:
                 xhat = (u - tl.load(MEAN + row, mask=hw_ok, other=0.0)[:, None]) * rstd
             xhat = tl.where(mask, xhat, 0.0)
-            dy = tl.load(DY + outer * sdy_o + h * sdy_h + c * sdy_c, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY[0] + outer * DY[1] + h * DY[2] + c * DY[3], mask=mask, other=0.0).to(tl.float32)
             g = dy
-            if HAS_WEIGHT:
+            if W is not None:
                 g = dy * w
             c1 = tl.sum(g * xhat, axis=1)[:, None] / N
             if IS_RMS:
                 du = (g - xhat * c1) * rstd
             else:
                 du = (g - tl.sum(g, axis=1)[:, None] / N - xhat * c1) * rstd
-            if HAS_DEXTRA:
-                du += tl.load(DE + outer * sde_o + h * sde_h + c * sde_c, mask=mask, other=0.0).to(tl.float32)
-            tl.store(DX + outer * sdx_o + h * sdx_h + c * sdx_c, _round(du, DX.dtype.element_ty), mask=mask)
-            if HAS_DRES:
-                tl.store(DRES + outer * sdr_o + h * sdr_h + c * sdr_c,
-                         _round(du * residual_scale, DRES.dtype.element_ty), mask=mask)
+            if DE[0] is not None:
+                du += tl.load(DE[0] + outer * DE[1] + h * DE[2] + c * DE[3], mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX[0] + outer * DX[1] + h * DX[2] + c * DX[3], _round(du, DX[0].dtype.element_ty), mask=mask)
+            if DRES[0] is not None:
+                tl.store(DRES[0] + outer * DRES[1] + h * DRES[2] + c * DRES[3],
+                         _round(du * residual_scale, DRES[0].dtype.element_ty), mask=mask)
             dw += tl.sum(dy * xhat, axis=0)
             db += tl.sum(dy, axis=0)
         part = pid.to(tl.int64) * N + cols
-        if HAS_WEIGHT:
+        if W is not None:
             tl.store(DW_PART + part, dw, mask=cols < N)
-        if HAS_BIAS:
+        if DB_PART is not None:
             tl.store(DB_PART + part, db, mask=cols < N)
 
 
@@ -1201,6 +1210,11 @@ def _strides_3d(t: Optional[Tensor]) -> tuple:
     return (0, 0, 0) if t is None else tuple(t.stride())
 
 
+def _operand_3d(t: Optional[Tensor]) -> tuple:
+    """A channel-norm kernel operand: (pointer, outer, position and channel strides), or (None, 0, 0, 0)."""
+    return (t, *_strides_3d(t))
+
+
 def _strided_tile(positions: int, n_cols: int, backward: bool) -> tuple[int, int, int]:
     """(BLOCK_HW, BLOCK_N, num_warps) of a channel-norm tile (C within one tile: strided_*_ok)."""
     block_n = triton.next_power_of_2(n_cols)
@@ -1212,23 +1226,26 @@ def _strided_tile(positions: int, n_cols: int, backward: bool) -> tuple[int, int
     return block_hw, block_n, min(max(block_hw * block_n // 512, 1), 8)
 
 
-def strided_fwd_ok(x: Tensor, residual, x1, rowscale, weight1, dropout_p, gate, norm_group) -> Optional[int]:
+def strided_fwd_ok(call: AddNormCall) -> Optional[int]:
     """The split j (channel_split) of x or the residual when an add_norm call runs the
     channel-norm kernel, else None."""
-    if x1 is not None or rowscale is not None or weight1 is not None or dropout_p > 0 or gate is not None \
-            or norm_group or triton is None or triton.next_power_of_2(x.shape[-1]) > _STRIDED_TILE:
+    x, residual = call.rows.x, call.rows.residual
+    if call.rows.x1 is not None or call.rows.rowscale is not None or call.second is not None \
+            or call.dropout is not None and call.dropout.p > 0 or call.gate is not None or call.norm.group \
+            or triton is None or triton.next_power_of_2(x.shape[-1]) > _STRIDED_TILE:
         return None
     j = channel_split(x)
     return j if j is not None or residual is None else channel_split(residual)
 
 
-def _add_norm_fwd_strided(x, residual, weight, bias, kind, eps, weight_offset, residual_scale, sum_dtype,
-                          norm_round_dtype, out_dtype, store_sum, round_sum_first, j):
+def _add_norm_fwd_strided(call: AddNormCall, j: int):
     """add_norm_fwd's outputs for x or the residual stored channels-first (split j): y with contiguous rows (what
     a norm call returns), s in its residual's layout (reference.sum_like)."""
+    rows, norm, rounding = call.rows, call.norm, call.rounding
+    x, residual, kind, out_dtype = rows.x, rows.residual, norm.kind, rounding.out_dtype
     n_cols = x.shape[-1]
     y = x.new_empty(x.shape, dtype=out_dtype)
-    s = sum_like(x if residual is None else residual, sum_dtype) if store_sum else None
+    s = sum_like(x if residual is None else residual, rounding.sum_dtype) if call.store.sum else None
     x3, r3, y3, s3 = (_as_3d(t, j) for t in (x, residual, y, s))
     n_rows = x.numel() // n_cols
     mean = x.new_empty((n_rows,) if kind == "layer_norm" else (0,), dtype=torch.float32)
@@ -1238,29 +1255,27 @@ def _add_norm_fwd_strided(x, residual, weight, bias, kind, eps, weight_offset, r
     positions = x3.shape[1]
     block_hw, block_n, num_warps = _strided_tile(positions, n_cols, backward=False)
     tiles_per_outer = triton.cdiv(positions, block_hw)
-    dummy = rstd
     _add_norm_fwd_strided_kernel[(x3.shape[0] * tiles_per_outer,)](
-        x3, dummy if r3 is None else r3, dummy if weight is None else _param(weight),
-        dummy if bias is None else _param(bias), y3, dummy if s3 is None else s3,
-        mean if kind == "layer_norm" else dummy, rstd,
-        *_strides_3d(x3), *_strides_3d(r3), *_strides_3d(y3), *_strides_3d(s3),
-        positions, n_cols, eps, weight_offset, residual_scale, tiles_per_outer,
-        SUM_DTYPE=TL_DTYPES[sum_dtype], NORM_ROUND_DTYPE=TL_DTYPES[norm_round_dtype or out_dtype],
-        OUT_DTYPE=TL_DTYPES[out_dtype], HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None, IS_RMS=kind == "rms_norm", ROUND_FIRST=norm_round_dtype is not None,
-        STORE_SUM=s is not None, SCALE_RESIDUAL=residual_scale != 1.0, ROUND_SUM_FIRST=round_sum_first,
+        _operand_3d(x3), _operand_3d(r3), _operand_3d(y3), _operand_3d(s3), _param(norm.weight), _param(norm.bias),
+        mean if kind == "layer_norm" else rstd, rstd,   # rms_norm: MEAN never written
+        positions, n_cols, norm.eps, norm.weight_offset, rows.residual_scale, tiles_per_outer,
+        DTYPES=(TL_DTYPES[rounding.sum_dtype], TL_DTYPES[rounding.norm_round_dtype or out_dtype],
+                TL_DTYPES[out_dtype]),
+        IS_RMS=kind == "rms_norm", ROUND_FIRST=rounding.norm_round_dtype is not None,
+        SCALE_RESIDUAL=rows.residual_scale != 1.0, ROUND_SUM_FIRST=rounding.round_sum_first,
         BLOCK_HW=block_hw, BLOCK_N=block_n, num_warps=num_warps)
     return y, s, mean, rstd, None
 
 
-def _add_norm_bwd_strided(dy, dextra, inp, mean, rstd, weight, kind, weight_offset, residual_scale, x_dtype,
-                          residual_dtype, bias_dtype, j):
+def _add_norm_bwd_strided(call: BackwardCall, j: int):
     """add_norm_bwd's gradients for a norm input stored channels-first (split j); dx and dresidual
     with contiguous rows, as the row kernels write them."""
+    saved, norm, dtypes, weight = call.saved, call.norm, call.dtypes, call.norm.weight
+    inp, rstd = saved.inp, saved.rstd
     n_cols = inp.shape[-1]
-    dx = inp.new_empty(inp.shape, dtype=x_dtype)
-    dres = inp.new_empty(inp.shape, dtype=residual_dtype) if residual_dtype is not None else None
-    i3, dy3, de3, dx3, dr3 = (_as_3d(t, j) for t in (inp, dy, dextra, dx, dres))
+    dx = inp.new_empty(inp.shape, dtype=dtypes.x)
+    dres = inp.new_empty(inp.shape, dtype=dtypes.residual) if dtypes.residual is not None else None
+    i3, dy3, de3, dx3, dr3 = (_as_3d(t, j) for t in (inp, call.grads.dy, call.grads.dextra, dx, dres))
     positions = i3.shape[1]
     block_hw, block_n, num_warps = _strided_tile(positions, n_cols, backward=True)
     tiles_per_outer = triton.cdiv(positions, block_hw)
@@ -1272,27 +1287,23 @@ def _add_norm_bwd_strided(dy, dextra, inp, mean, rstd, weight, kind, weight_offs
 
     def partials(exists):
         return alloc((programs, n_cols), dtype=torch.float32, device=inp.device) if exists else None
-    dw_part, db_part = partials(weight is not None), partials(bias_dtype is not None)
+    dw_part, db_part = partials(weight is not None), partials(dtypes.bias is not None)
     if n_tiles:
-        dummy = rstd
         _add_norm_bwd_strided_kernel[(programs,)](
-            dy3, dummy if de3 is None else de3, i3, mean if kind == "layer_norm" else dummy, rstd,
-            dummy if weight is None else _param(weight), dx3, dummy if dr3 is None else dr3,
-            dummy if dw_part is None else dw_part, dummy if db_part is None else db_part,
-            *_strides_3d(dy3), *_strides_3d(de3), *_strides_3d(i3), *_strides_3d(dx3), *_strides_3d(dr3),
-            positions, n_cols, n_tiles, tiles_per_outer, tiles_per_program, weight_offset, residual_scale,
-            HAS_DEXTRA=dextra is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias_dtype is not None,
-            HAS_DRES=dres is not None, IS_RMS=kind == "rms_norm", BLOCK_HW=block_hw, BLOCK_N=block_n,
-            num_warps=num_warps)
+            _operand_3d(dy3), _operand_3d(de3), _operand_3d(i3), _operand_3d(dx3), _operand_3d(dr3),
+            saved.mean if norm.kind == "layer_norm" else rstd, rstd, _param(weight), dw_part, db_part,
+            positions, n_cols, n_tiles, tiles_per_outer, tiles_per_program, norm.weight_offset, call.residual_scale,
+            IS_RMS=norm.kind == "rms_norm", BLOCK_HW=block_hw, BLOCK_N=block_n, num_warps=num_warps)
     # the [programs, N] fp32 partials are summed in fp32, rounded once to the parameter's dtype
     return (dx, dres, None if dw_part is None else dw_part.sum(0).to(weight.dtype),
-            None if db_part is None else db_part.sum(0).to(bias_dtype), None, None, None, None)
+            None if db_part is None else db_part.sum(0).to(dtypes.bias), None, None, None, None, *_BWD_NOT_WRITTEN)
 
 
-def strided_bwd_ok(inp: Tensor, dy1, rowscale, dropout_p, gate, norm_group, add_after_norm, x1_dtype) -> Optional[int]:
+def strided_bwd_ok(call: BackwardCall) -> Optional[int]:
     """The split j when an add_norm backward runs the channel-norm kernel, else None."""
-    if dy1 is not None or rowscale is not None or dropout_p > 0 or gate is not None or norm_group \
-            or add_after_norm or x1_dtype is not None or triton is None \
-            or triton.next_power_of_2(inp.shape[-1]) > _STRIDED_TILE_BWD:
+    inp = call.saved.inp
+    if _has_y1(call) or call.rowscale is not None or call.dropout is not None and call.dropout.p > 0 \
+            or call.gate is not None or call.norm.group or call.add_after_norm or call.dtypes.x1 is not None \
+            or triton is None or triton.next_power_of_2(inp.shape[-1]) > _STRIDED_TILE_BWD:
         return None
     return channel_split(inp)

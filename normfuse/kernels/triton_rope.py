@@ -1,9 +1,10 @@
 """The Triton backend of qk_norm_rope: kernels and launchers.
 
 The same function as ``qk_rope.py``'s reference (read its docstring first), with the same backend
-interface: ``qk_norm_rope_fwd`` and ``qk_norm_rope_bwd`` take the custom ops' arguments positionally
-and return None for outputs that do not exist. q and k go through one launch: program axis 1 picks
-the tensor (0: q, 1: k), axis 0 the position (forward) or a chunk of positions (backward).
+interface: ``qk_norm_rope_fwd`` and ``qk_norm_rope_bwd`` take the op's grouped call
+(``specs.QkNormRopeCall``, ``QkNormRopeBackwardCall``) and return None for outputs that do not exist.
+q and k go through one launch: program axis 1 picks the tensor (0: q, 1: k), axis 0 the position
+(forward) or a chunk of positions (backward).
 
 A program holds one position's heads as tiles of (heads, columns), each column loaded once: the
 rotated columns as two halves A and B that rotate into each other (neox: columns [0, R/2) and
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from normfuse.kernels.specs import QkNormRopeBackwardCall, QkNormRopeCall
 from normfuse.kernels.triton import TL_DTYPES, _round, _sm_count, triton, tl
 
 # Elements of one (heads, columns) tile: the forward keeps x and y of a tile live, the backward x,
@@ -114,34 +116,42 @@ if triton is not None:
     def _rope_step(v, ROPE_DTYPE: tl.constexpr):
         return _round(v, ROPE_DTYPE).to(tl.float32)
 
+    # The kernels take one argument per operand: q, k, their outputs and output gradients as (pointer,
+    # batch, position and head strides) of a (B, S, H, D) view; the weights, rstd and dq/dk (contiguous) as
+    # their pointers (None: no weight); the rope tables as one ROPE = (cos, sin, batch, position and column
+    # strides) (cos and sin share their strides). DTYPES: (norm round, norm out, rope, out).
+
     @triton.jit
-    def _fwd_position(X, W, O, RSTD, COS, SIN, pos, b, s, H, eps, weight_offset, stride_xb, stride_xs, stride_xh,
-                      stride_ob, stride_os, stride_oh, stride_cb, stride_cs, stride_cc, D: tl.constexpr,
-                      R: tl.constexpr, HAS_W: tl.constexpr, ROW_NORM: tl.constexpr, NEOX: tl.constexpr,
-                      HALF_TABLE: tl.constexpr, ROUND_FIRST: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr,
-                      NORM_OUT_DTYPE: tl.constexpr, ROPE_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                      HB: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, HAS_PASS: tl.constexpr,
-                      PASS2: tl.constexpr):
+    def _fwd_position(X, W, O, RSTD, ROPE, pos, b, s, H, eps, weight_offset, D: tl.constexpr, R: tl.constexpr,
+                      ROW_NORM: tl.constexpr, NEOX: tl.constexpr, HALF_TABLE: tl.constexpr,
+                      ROUND_FIRST: tl.constexpr, DTYPES: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr,
+                      PASS: tl.constexpr, PASS2: tl.constexpr):
         """The norm and RoPE of every head of one position of q (or k)."""
+        HAS_W: tl.constexpr = W is not None
+        HAS_PASS: tl.constexpr = D > R
+        NORM_ROUND_DTYPE: tl.constexpr = DTYPES[0]
+        NORM_OUT_DTYPE: tl.constexpr = DTYPES[1]
+        ROPE_DTYPE: tl.constexpr = DTYPES[2]
+        OUT_DTYPE: tl.constexpr = DTYPES[3]
         # the tables, (1, HALF), rounded to ROPE_DTYPE as eager's y * cos promotes them (shared by all heads)
-        c_row = tl.zeros([1], dtype=tl.int64) + b * stride_cb + s * stride_cs
-        cos_a, cos_b = _load_ab(COS, c_row, c_row >= 0, stride_cc, R, NEOX, HALF, HALF_TABLE)
-        sin_a, sin_b = _load_ab(SIN, c_row, c_row >= 0, stride_cc, R, NEOX, HALF, HALF_TABLE)
+        c_row = tl.zeros([1], dtype=tl.int64) + b * ROPE[2] + s * ROPE[3]
+        cos_a, cos_b = _load_ab(ROPE[0], c_row, c_row >= 0, ROPE[4], R, NEOX, HALF, HALF_TABLE)
+        sin_a, sin_b = _load_ab(ROPE[1], c_row, c_row >= 0, ROPE[4], R, NEOX, HALF, HALF_TABLE)
         cos_a, cos_b = _rope_step(cos_a, ROPE_DTYPE), _rope_step(cos_b, ROPE_DTYPE)
         sin_a, sin_b = _rope_step(sin_a, ROPE_DTYPE), _rope_step(sin_b, ROPE_DTYPE)
-        x_base = b * stride_xb + s * stride_xs
-        o_base = b * stride_ob + s * stride_os
+        x_base = b * X[1] + s * X[2]
+        o_base = b * O[1] + s * O[2]
         for h0 in range(0, H, HB):  # ROW_NORM: HB >= H, one pass
             heads = h0 + tl.arange(0, HB)
             h_ok = heads < H
-            x_rows = x_base + heads * stride_xh
-            xa, xb = _load_ab(X, x_rows, h_ok, 1, R, NEOX, HALF)
+            x_rows = x_base + heads * X[3]
+            xa, xb = _load_ab(X[0], x_rows, h_ok, 1, R, NEOX, HALF)
             ss = tl.sum(xa * xa, axis=1) + tl.sum(xb * xb, axis=1)
             if HAS_PASS:
-                xp = _load_pass(X, x_rows, h_ok, R, D, PASS)
+                xp = _load_pass(X[0], x_rows, h_ok, R, D, PASS)
                 ss += tl.sum(xp * xp, axis=1)
             if PASS2 > 0:  # the rest of a pass-through that is not a power of two (R = D / 4: D / 2 + D / 4)
-                xp2 = _load_pass(X, x_rows, h_ok, R + PASS, D, PASS2)
+                xp2 = _load_pass(X[0], x_rows, h_ok, R + PASS, D, PASS2)
                 ss += tl.sum(xp2 * xp2, axis=1)
             if ROW_NORM:
                 rstd_row = tl.rsqrt(tl.sum(ss, axis=0) / (H * D) + eps)
@@ -157,27 +167,23 @@ if triton is not None:
             # o = round(rope, round(rope, y * c) + round(rope, sign * y[P] * s)): eager's three ops
             oa = _rope_step(_rope_step(ya * cos_a, ROPE_DTYPE) + _rope_step(-(yb * sin_a), ROPE_DTYPE), ROPE_DTYPE)
             ob = _rope_step(_rope_step(yb * cos_b, ROPE_DTYPE) + _rope_step(ya * sin_b, ROPE_DTYPE), ROPE_DTYPE)
-            o_rows = o_base + heads * stride_oh
-            _store_ab(O, o_rows, h_ok, _round(oa, OUT_DTYPE), _round(ob, OUT_DTYPE), R, NEOX, HALF)
+            o_rows = o_base + heads * O[3]
+            _store_ab(O[0], o_rows, h_ok, _round(oa, OUT_DTYPE), _round(ob, OUT_DTYPE), R, NEOX, HALF)
             if HAS_PASS:
                 yp = _norm_out(xp, rstd, wp, HAS_W, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE)
-                _store_pass(O, o_rows, h_ok, _round(yp, OUT_DTYPE), R, D, PASS)
+                _store_pass(O[0], o_rows, h_ok, _round(yp, OUT_DTYPE), R, D, PASS)
             if PASS2 > 0:
                 yp2 = _norm_out(xp2, rstd, wp2, HAS_W, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE)
-                _store_pass(O, o_rows, h_ok, _round(yp2, OUT_DTYPE), R + PASS, D, PASS2)
+                _store_pass(O[0], o_rows, h_ok, _round(yp2, OUT_DTYPE), R + PASS, D, PASS2)
 
     @triton.jit
     def _qk_rope_fwd_kernel(
-        Q, K, WQ, WK, QO, KO, RSTD_Q, RSTD_K, COS, SIN,
+        Q, K, QO, KO,                    # (pointer, batch, position and head strides): inputs, outputs (B, S, H, D)
+        WQ, WK, RSTD_Q, RSTD_K, ROPE,
         S, HQ, HK, eps, weight_offset,
-        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,          # inputs (B, S, H, D)
-        stride_qob, stride_qos, stride_qoh, stride_kob, stride_kos, stride_koh,    # outputs, as (B, S, H, D)
-        stride_cb, stride_cs, stride_cc,                                           # tables (B, S, R or R / 2)
         D: tl.constexpr, R: tl.constexpr,                                          # constexpr: the masks fold
-        HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr, ROW_NORM: tl.constexpr, NEOX: tl.constexpr,
-        HALF_TABLE: tl.constexpr, ROUND_FIRST: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr,
-        NORM_OUT_DTYPE: tl.constexpr, ROPE_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        HB: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, HAS_PASS: tl.constexpr, PASS2: tl.constexpr,
+        ROW_NORM: tl.constexpr, NEOX: tl.constexpr, HALF_TABLE: tl.constexpr, ROUND_FIRST: tl.constexpr,
+        DTYPES: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, PASS2: tl.constexpr,
     ):
         """Program (position, tensor): the norm and RoPE of all heads of q (axis 1 = 0) or k (1) at one
         position."""
@@ -185,27 +191,49 @@ if triton is not None:
         b = pos // S
         s = pos % S
         if tl.program_id(1) == 0:
-            _fwd_position(Q, WQ, QO, RSTD_Q, COS, SIN, pos, b, s, HQ, eps, weight_offset, stride_qb, stride_qs,
-                          stride_qh, stride_qob, stride_qos, stride_qoh, stride_cb, stride_cs, stride_cc, D, R, HAS_WQ,
-                          ROW_NORM, NEOX, HALF_TABLE, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE, ROPE_DTYPE,
-                          OUT_DTYPE, HB, HALF, PASS, HAS_PASS, PASS2)
+            _fwd_position(Q, WQ, QO, RSTD_Q, ROPE, pos, b, s, HQ, eps, weight_offset, D, R, ROW_NORM, NEOX,
+                          HALF_TABLE, ROUND_FIRST, DTYPES, HB, HALF, PASS, PASS2)
         else:
-            _fwd_position(K, WK, KO, RSTD_K, COS, SIN, pos, b, s, HK, eps, weight_offset, stride_kb, stride_ks,
-                          stride_kh, stride_kob, stride_kos, stride_koh, stride_cb, stride_cs, stride_cc, D, R, HAS_WK,
-                          ROW_NORM, NEOX, HALF_TABLE, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE, ROPE_DTYPE,
-                          OUT_DTYPE, HB, HALF, PASS, HAS_PASS, PASS2)
+            _fwd_position(K, WK, KO, RSTD_K, ROPE, pos, b, s, HK, eps, weight_offset, D, R, ROW_NORM, NEOX,
+                          HALF_TABLE, ROUND_FIRST, DTYPES, HB, HALF, PASS, PASS2)
 
     @triton.jit
-    def _bwd_positions(DO, X, W, DX, RSTD, COS, SIN, DW_PART, pid, rows_per_program, n_pos, S, H, weight_offset,
-                       stride_db, stride_ds, stride_dh, stride_xb, stride_xs, stride_xh, stride_cb, stride_cs,
-                       stride_cc, D: tl.constexpr, R: tl.constexpr, HAS_W: tl.constexpr, ROW_NORM: tl.constexpr,
-                       NEOX: tl.constexpr, HALF_TABLE: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr,
-                       PASS: tl.constexpr, HAS_PASS: tl.constexpr, PASS2: tl.constexpr):
+    def _store_weight_partials(DW_PART, pid, H, acc_a, acc_b, acc_p, acc_p2, D: tl.constexpr, R: tl.constexpr,
+                               ROW_NORM: tl.constexpr, NEOX: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr,
+                               PASS: tl.constexpr, PASS2: tl.constexpr):
+        """This program's row of the fp32 weight-gradient partials: per head and column for a row norm,
+        the heads summed (per column) for a head norm."""
+        HAS_PASS: tl.constexpr = D > R
+        if ROW_NORM:  # one partial per head and column
+            heads = tl.arange(0, HB)
+            rows = pid.to(tl.int64) * (H * D) + heads * D
+            _store_ab(DW_PART, rows, heads < H, acc_a, acc_b, R, NEOX, HALF)
+            if HAS_PASS:
+                _store_pass(DW_PART, rows, heads < H, acc_p, R, D, PASS)
+            if PASS2 > 0:
+                _store_pass(DW_PART, rows, heads < H, acc_p2, R + PASS, D, PASS2)
+        else:  # the heads summed: one partial per column
+            rows = tl.zeros([1], dtype=tl.int64) + pid.to(tl.int64) * D
+            _store_ab(DW_PART, rows, rows >= 0, tl.sum(acc_a, axis=0)[None, :], tl.sum(acc_b, axis=0)[None, :],
+                      R, NEOX, HALF)
+            if HAS_PASS:
+                _store_pass(DW_PART, rows, rows >= 0, tl.sum(acc_p, axis=0)[None, :], R, D, PASS)
+            if PASS2 > 0:
+                _store_pass(DW_PART, rows, rows >= 0, tl.sum(acc_p2, axis=0)[None, :], R + PASS, D, PASS2)
+
+    @triton.jit
+    def _bwd_positions(DO, X, W, DX, RSTD, ROPE, DW_PART, pid, rows_per_program, n_pos, S, H, weight_offset,
+                       D: tl.constexpr, R: tl.constexpr, ROW_NORM: tl.constexpr, NEOX: tl.constexpr,
+                       HALF_TABLE: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
+                       PASS2: tl.constexpr):
         """dx of rows_per_program contiguous positions of q (or k), and this program's row of the fp32
         weight-gradient partials (per column; per head and column for a row norm)."""
+        HAS_W: tl.constexpr = W is not None
+        HAS_PASS: tl.constexpr = D > R
         acc_a = tl.zeros((HB, HALF), dtype=tl.float32)
         acc_b = tl.zeros((HB, HALF), dtype=tl.float32)
         acc_p = tl.zeros((HB, PASS), dtype=tl.float32)
+        acc_p2 = acc_p  # no second pass-through block: unused
         if PASS2 > 0:
             acc_p2 = tl.zeros((HB, PASS2), dtype=tl.float32)
         for i in range(rows_per_program):
@@ -213,9 +241,9 @@ if triton is not None:
             pos_ok = pos < n_pos
             b = pos // S
             s = pos % S
-            c_row = tl.zeros([1], dtype=tl.int64) + b * stride_cb + s * stride_cs
-            cos_a, cos_b = _load_ab(COS, c_row, c_row * 0 + pos < n_pos, stride_cc, R, NEOX, HALF, HALF_TABLE)
-            sin_a, sin_b = _load_ab(SIN, c_row, c_row * 0 + pos < n_pos, stride_cc, R, NEOX, HALF, HALF_TABLE)
+            c_row = tl.zeros([1], dtype=tl.int64) + b * ROPE[2] + s * ROPE[3]
+            cos_a, cos_b = _load_ab(ROPE[0], c_row, c_row * 0 + pos < n_pos, ROPE[4], R, NEOX, HALF, HALF_TABLE)
+            sin_a, sin_b = _load_ab(ROPE[1], c_row, c_row * 0 + pos < n_pos, ROPE[4], R, NEOX, HALF, HALF_TABLE)
             for h0 in range(0, H, HB):  # ROW_NORM: HB >= H, one pass
                 heads = h0 + tl.arange(0, HB)
                 h_ok = (heads < H) & pos_ok
@@ -223,12 +251,13 @@ if triton is not None:
                     rstd = tl.zeros([HB], dtype=tl.float32) + tl.load(RSTD + pos, mask=pos_ok, other=0.0)
                 else:
                     rstd = tl.load(RSTD + pos * H + heads, mask=h_ok, other=0.0)
-                ga, gb = _load_ab(DO, b * stride_db + s * stride_ds + heads * stride_dh, h_ok, 1, R, NEOX, HALF)
+                do_rows = b * DO[1] + s * DO[2] + heads * DO[3]
+                ga, gb = _load_ab(DO[0], do_rows, h_ok, 1, R, NEOX, HALF)
                 # dy = dout * c + rot^T(dout * s): A takes B's sin term, B gives A's back negated
                 dya = ga * cos_a + gb * sin_b
                 dyb = gb * cos_b - ga * sin_a
-                x_rows = b * stride_xb + s * stride_xs + heads * stride_xh
-                xa, xb = _load_ab(X, x_rows, h_ok, 1, R, NEOX, HALF)
+                x_rows = b * X[1] + s * X[2] + heads * X[3]
+                xa, xb = _load_ab(X[0], x_rows, h_ok, 1, R, NEOX, HALF)
                 xha = xa * rstd[:, None]
                 xhb = xb * rstd[:, None]
                 wa, wb, wp, wp2 = _weights(W, heads, h_ok, weight_offset, D, R, HAS_W, ROW_NORM, NEOX, HALF, PASS,
@@ -237,13 +266,13 @@ if triton is not None:
                 dnb = dyb * wb
                 dot = tl.sum(dna * xha, axis=1) + tl.sum(dnb * xhb, axis=1)
                 if HAS_PASS:
-                    dyp = _load_pass(DO, b * stride_db + s * stride_ds + heads * stride_dh, h_ok, R, D, PASS)
-                    xhp = _load_pass(X, x_rows, h_ok, R, D, PASS) * rstd[:, None]
+                    dyp = _load_pass(DO[0], do_rows, h_ok, R, D, PASS)
+                    xhp = _load_pass(X[0], x_rows, h_ok, R, D, PASS) * rstd[:, None]
                     dnp = dyp * wp
                     dot += tl.sum(dnp * xhp, axis=1)
                 if PASS2 > 0:
-                    dyp2 = _load_pass(DO, b * stride_db + s * stride_ds + heads * stride_dh, h_ok, R + PASS, D, PASS2)
-                    xhp2 = _load_pass(X, x_rows, h_ok, R + PASS, D, PASS2) * rstd[:, None]
+                    dyp2 = _load_pass(DO[0], do_rows, h_ok, R + PASS, D, PASS2)
+                    xhp2 = _load_pass(X[0], x_rows, h_ok, R + PASS, D, PASS2) * rstd[:, None]
                     dnp2 = dyp2 * wp2
                     dot += tl.sum(dnp2 * xhp2, axis=1)
                 if ROW_NORM:
@@ -269,48 +298,26 @@ if triton is not None:
                     if HAS_W:
                         acc_p2 += dyp2 * xhp2
         if HAS_W:
-            if ROW_NORM:  # one partial per head and column
-                heads = tl.arange(0, HB)
-                rows = pid.to(tl.int64) * (H * D) + heads * D
-                _store_ab(DW_PART, rows, heads < H, acc_a, acc_b, R, NEOX, HALF)
-                if HAS_PASS:
-                    _store_pass(DW_PART, rows, heads < H, acc_p, R, D, PASS)
-                if PASS2 > 0:
-                    _store_pass(DW_PART, rows, heads < H, acc_p2, R + PASS, D, PASS2)
-            else:  # the heads summed: one partial per column
-                rows = tl.zeros([1], dtype=tl.int64) + pid.to(tl.int64) * D
-                _store_ab(DW_PART, rows, rows >= 0, tl.sum(acc_a, axis=0)[None, :], tl.sum(acc_b, axis=0)[None, :],
-                          R, NEOX, HALF)
-                if HAS_PASS:
-                    _store_pass(DW_PART, rows, rows >= 0, tl.sum(acc_p, axis=0)[None, :], R, D, PASS)
-                if PASS2 > 0:
-                    _store_pass(DW_PART, rows, rows >= 0, tl.sum(acc_p2, axis=0)[None, :], R + PASS, D, PASS2)
+            _store_weight_partials(DW_PART, pid, H, acc_a, acc_b, acc_p, acc_p2, D, R, ROW_NORM, NEOX, HB, HALF, PASS,
+                                   PASS2)
 
     @triton.jit
     def _qk_rope_bwd_kernel(
-        DQO, DKO, Q, K, WQ, WK, DQ, DK, RSTD_Q, RSTD_K, COS, SIN, DWQ_PART, DWK_PART,
+        DQO, DKO, Q, K,                  # (pointer, batch, position and head strides): output grads, inputs
+        WQ, WK, DQ, DK, RSTD_Q, RSTD_K, ROPE, DWQ_PART, DWK_PART,
         n_pos, rows_per_program, S, HQ, HK, weight_offset,
-        stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks, stride_dkh,   # output grads, as (B, S, H, D)
-        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,         # inputs (B, S, H, D)
-        stride_cb, stride_cs, stride_cc,                                          # tables (B, S, R or R / 2)
-        D: tl.constexpr, R: tl.constexpr,
-        HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr, ROW_NORM: tl.constexpr, NEOX: tl.constexpr,
-        HALF_TABLE: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, HAS_PASS: tl.constexpr,
-        PASS2: tl.constexpr,
+        D: tl.constexpr, R: tl.constexpr, ROW_NORM: tl.constexpr, NEOX: tl.constexpr, HALF_TABLE: tl.constexpr,
+        HB: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, PASS2: tl.constexpr,
     ):
         """Program (chunk, tensor): dq (axis 1 = 0) or dk (1) of a chunk of positions, and its weight
         gradient partials."""
         pid = tl.program_id(0)
         if tl.program_id(1) == 0:
-            _bwd_positions(DQO, Q, WQ, DQ, RSTD_Q, COS, SIN, DWQ_PART, pid, rows_per_program, n_pos, S, HQ,
-                           weight_offset, stride_dqb, stride_dqs, stride_dqh, stride_qb, stride_qs, stride_qh,
-                           stride_cb, stride_cs, stride_cc, D, R, HAS_WQ, ROW_NORM, NEOX, HALF_TABLE, HB, HALF, PASS,
-                           HAS_PASS, PASS2)
+            _bwd_positions(DQO, Q, WQ, DQ, RSTD_Q, ROPE, DWQ_PART, pid, rows_per_program, n_pos, S, HQ, weight_offset,
+                           D, R, ROW_NORM, NEOX, HALF_TABLE, HB, HALF, PASS, PASS2)
         else:
-            _bwd_positions(DKO, K, WK, DK, RSTD_K, COS, SIN, DWK_PART, pid, rows_per_program, n_pos, S, HK,
-                           weight_offset, stride_dkb, stride_dks, stride_dkh, stride_kb, stride_ks, stride_kh,
-                           stride_cb, stride_cs, stride_cc, D, R, HAS_WK, ROW_NORM, NEOX, HALF_TABLE, HB, HALF, PASS,
-                           HAS_PASS, PASS2)
+            _bwd_positions(DKO, K, WK, DK, RSTD_K, ROPE, DWK_PART, pid, rows_per_program, n_pos, S, HK, weight_offset,
+                           D, R, ROW_NORM, NEOX, HALF_TABLE, HB, HALF, PASS, PASS2)
 
 
 # --------------------------------------------------------------------------------------
@@ -349,8 +356,23 @@ def _warps(hb: int, columns: int, backward: bool = False) -> int:
     return min(1 << (warps.bit_length() - 1), 8)
 
 
-def qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps, weight_offset, norm_round_dtype, norm_out_dtype,
-                     rope_dtype, out_dtype, layout, rotary_dim, full_width, transpose_out):
+def _operand(t: torch.Tensor) -> tuple:
+    """A (B, S, H, D) operand of the kernels: (pointer, batch, position and head strides)."""
+    return (t, t.stride(0), t.stride(1), t.stride(2))
+
+
+def _rope_tables(rope, B: int, S: int) -> tuple:
+    """ROPE: (cos, sin, batch, position and column strides), the tables as (B, S, R') views."""
+    c3, s3 = _tables_3d(rope.cos, B, S), _tables_3d(rope.sin, B, S)
+    if c3.stride() != s3.stride():  # one set of strides serves both
+        c3, s3 = c3.contiguous(), s3.contiguous()
+    return (c3, s3, *c3.stride())
+
+
+def qk_norm_rope_fwd(call: QkNormRopeCall):
+    """(q_out, k_out, q_rstd, k_rstd); k's None without k."""
+    q, k, rope, norm, rounding = call.q.x, None if call.k is None else call.k.x, call.rope, call.norm, call.rounding
+    transpose_out, full_width, rotary_dim = call.transpose_out, norm.full_width, rope.rotary_dim
     B, S, H, D = q.shape
     outs, rstds = [], []
     for x in (q, k):
@@ -359,37 +381,35 @@ def qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps, weight_offset, nor
             rstds.append(None)
             continue
         h = x.shape[2]
-        o = x.new_empty((B, h, S, D) if transpose_out else (B, S, h, D), dtype=out_dtype)
+        o = x.new_empty((B, h, S, D) if transpose_out else (B, S, h, D), dtype=rounding.out_dtype)
         outs.append(o.transpose(1, 2) if transpose_out else o)  # written through its (B, S, H, D) view
         rstds.append(x.new_empty((B * S * (1 if full_width else h),), dtype=torch.float32))
     if B * S:
-        c3, s3 = _tables_3d(cos, B, S), _tables_3d(sin, B, S)
-        if c3.stride() != s3.stride():  # one set of strides serves both
-            c3, s3 = c3.contiguous(), s3.contiguous()
         q2, k2 = (None if x is None else (x if x.stride(-1) == 1 else x.contiguous()) for x in (q, k))
         hb, half, pas, pas2 = _tile(max(H, 0 if k is None else k.shape[2]), D, rotary_dim, full_width, _TILE_FWD)
         qo, ko = outs
         kk, kko = (q2, qo) if k is None else (k2, ko)   # k absent: axis 1 has one program, k's arguments unused
-        wk = k_weight if k is not None else None
+        norm_out = rounding.norm_out_dtype
         _qk_rope_fwd_kernel[(B * S, 1 if k is None else 2)](
-            q2, kk, q_weight if q_weight is not None else q2, wk if wk is not None else q2, qo, kko, rstds[0],
-            rstds[1] if k is not None else rstds[0], c3, s3,
-            S, H, kk.shape[2], eps, weight_offset,
-            q2.stride(0), q2.stride(1), q2.stride(2), kk.stride(0), kk.stride(1), kk.stride(2),
-            qo.stride(0), qo.stride(1), qo.stride(2), kko.stride(0), kko.stride(1), kko.stride(2),
-            c3.stride(0), c3.stride(1), c3.stride(2), D=D, R=rotary_dim,
-            HAS_WQ=q_weight is not None, HAS_WK=wk is not None, ROW_NORM=full_width, NEOX=layout == "neox",
-            HALF_TABLE=cos.shape[-1] != rotary_dim, ROUND_FIRST=norm_round_dtype is not None,
-            NORM_ROUND_DTYPE=TL_DTYPES[norm_round_dtype or norm_out_dtype], NORM_OUT_DTYPE=TL_DTYPES[norm_out_dtype],
-            ROPE_DTYPE=TL_DTYPES[rope_dtype], OUT_DTYPE=TL_DTYPES[out_dtype], HB=hb, HALF=half, PASS=pas,
-            HAS_PASS=D > rotary_dim, PASS2=pas2, num_warps=_warps(hb, _columns(half, pas, pas2)),
+            _operand(q2), _operand(kk), _operand(qo), _operand(kko), call.q.weight,
+            None if k is None else call.k.weight, rstds[0], rstds[1] if k is not None else rstds[0],
+            _rope_tables(rope, B, S), S, H, kk.shape[2], norm.eps, norm.weight_offset, D=D, R=rotary_dim,
+            ROW_NORM=full_width, NEOX=rope.layout == "neox", HALF_TABLE=rope.cos.shape[-1] != rotary_dim,
+            ROUND_FIRST=rounding.norm_round_dtype is not None,
+            DTYPES=(TL_DTYPES[rounding.norm_round_dtype or norm_out], TL_DTYPES[norm_out],
+                    TL_DTYPES[rounding.rope_dtype], TL_DTYPES[rounding.out_dtype]),
+            HB=hb, HALF=half, PASS=pas, PASS2=pas2, num_warps=_warps(hb, _columns(half, pas, pas2)),
             enable_fp_fusion=False)  # an fp32 rope_dtype rounds y * c before the add, as eager does
     q_out, k_out = (None if o is None else (o.transpose(1, 2) if transpose_out else o) for o in outs)
     return q_out, k_out, rstds[0], rstds[1]
 
 
-def qk_norm_rope_bwd(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd, weight_offset, layout,
-                     rotary_dim, full_width):
+def qk_norm_rope_bwd(call: QkNormRopeBackwardCall):
+    """(dq, dk, dq_weight, dk_weight); k's None without k, a weight's None without that weight."""
+    q, k, rope, full_width, rotary_dim = call.q.x, None if call.k is None else call.k.x, call.rope, \
+        call.norm.full_width, call.rope.rotary_dim
+    q_weight, q_rstd = call.q.weight, call.q.rstd
+    k_weight, k_rstd, dk_out = (None, None, None) if k is None else (call.k.weight, call.k.rstd, call.k.dout)
     B, S, H, D = q.shape
     n_pos = B * S
     programs = max(1, min(n_pos, 4 * _sm_count(q.device)))
@@ -402,29 +422,19 @@ def qk_norm_rope_bwd(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, q_rstd,
         # every program writes its row (zeros when it has no positions); no launch without positions
         alloc = torch.empty if n_pos else torch.zeros
         return None if w is None else alloc((programs, w.numel()), dtype=torch.float32, device=q.device)
-    q2, k2, dq2, dk2 = (rows(t) for t in (q, k, dq_out, dk_out))
+    q2, k2, dq2, dk2 = (rows(t) for t in (q, k, call.q.dout, dk_out))
     dq = q.new_empty(q.shape)
     dk = None if k is None else k.new_empty(k.shape)
-    k_weight = None if k is None else k_weight
     dwq, dwk = partials(q_weight), partials(k_weight)
     if n_pos:
-        c3, s3 = _tables_3d(cos, B, S), _tables_3d(sin, B, S)
-        if c3.stride() != s3.stride():  # one set of strides serves both
-            c3, s3 = c3.contiguous(), s3.contiguous()
         hb, half, pas, pas2 = _tile(max(H, 0 if k is None else k.shape[2]), D, rotary_dim, full_width, _TILE_BWD)
         kk, dkk, dko = (q2, dq, dq2) if k is None else (k2, dk, dk2)  # k absent: one program per chunk on axis 1
-        dummy = q_rstd
         _qk_rope_bwd_kernel[(programs, 1 if k is None else 2)](
-            dq2, dko, q2, kk, dummy if q_weight is None else q_weight, dummy if k_weight is None else k_weight,
-            dq, dkk, q_rstd, q_rstd if k is None else k_rstd, c3, s3, dummy if dwq is None else dwq,
-            dummy if dwk is None else dwk,
-            n_pos, rows_per_program, S, H, kk.shape[2], weight_offset,
-            dq2.stride(0), dq2.stride(1), dq2.stride(2), dko.stride(0), dko.stride(1), dko.stride(2),
-            q2.stride(0), q2.stride(1), q2.stride(2), kk.stride(0), kk.stride(1), kk.stride(2),
-            c3.stride(0), c3.stride(1), c3.stride(2), D=D, R=rotary_dim,
-            HAS_WQ=q_weight is not None, HAS_WK=k_weight is not None, ROW_NORM=full_width, NEOX=layout == "neox",
-            HALF_TABLE=cos.shape[-1] != rotary_dim, HB=hb, HALF=half, PASS=pas, HAS_PASS=D > rotary_dim,
-            PASS2=pas2, num_warps=_warps(hb, _columns(half, pas, pas2), backward=True))
+            _operand(dq2), _operand(dko), _operand(q2), _operand(kk), q_weight, k_weight, dq, dkk, q_rstd,
+            q_rstd if k is None else k_rstd, _rope_tables(rope, B, S), dwq, dwk,
+            n_pos, rows_per_program, S, H, kk.shape[2], call.norm.weight_offset, D=D, R=rotary_dim,
+            ROW_NORM=full_width, NEOX=rope.layout == "neox", HALF_TABLE=rope.cos.shape[-1] != rotary_dim, HB=hb,
+            HALF=half, PASS=pas, PASS2=pas2, num_warps=_warps(hb, _columns(half, pas, pas2), backward=True))
     # the [programs, N] fp32 partials summed in fp32, rounded once to the weight's dtype
     return (dq, dk, None if dwq is None else dwq.sum(0).to(q_weight.dtype),
             None if dwk is None else dwk.sum(0).to(k_weight.dtype))
