@@ -29,6 +29,7 @@ from normfuse.passes.analysis import Analysis
 from normfuse.passes.canonical import canonical, node_dtype, node_shape, real_users, same_shape
 from normfuse.passes.graph import copy_meta
 from normfuse.passes.parts import folded_nodes, taken_parts
+from normfuse.passes.parts.base import BuiltCall
 from normfuse.passes.planning import Plan, Planning, sum_escapes
 from normfuse.passes.record import CallRecord, output_names, record_call
 
@@ -36,15 +37,13 @@ __all__ = ["Rewriting", "apply_plans", "output_index"]
 
 
 class Rewriting:
-    """The graph being rewritten: its node order (inserted nodes placed between the existing
-    ones), the canonical view of the nodes whose arguments changed, and what replaced what.
-    Starts from the analysis, which it never writes to."""
+    """The graph being rewritten and what replaced what. Starts from the analysis, which it
+    never writes to; node order is the graph's own (``fx.Node`` compares by position)."""
 
     def __init__(self, analysis: Analysis, as_op: bool):
         self.analysis = analysis
         self.graph = analysis.index.graph
         self.as_op = as_op
-        self.order: dict[fx.Node, float] = dict(analysis.index.order)
         self.replaced: dict[fx.Node, fx.Node] = {}  # old node -> node holding its value now
         self.records: list[CallRecord] = []         # per call, what it replaced (record.py)
 
@@ -96,143 +95,133 @@ def output_index(options: dict, as_op: bool = False) -> dict[str, int]:
     return {name: i for i, name in enumerate(output_names(options, as_op))}
 
 
-def _insertion_point(r: Rewriting, p: Plan) -> fx.Node:
+def _insertion_point(p: Plan) -> fx.Node:
     """The plan's first node, with the late operands moved up before it (in graph order)."""
     first = p.insertion.first
-    for i, node in enumerate(p.insertion.moves):
+    for node in p.insertion.moves:
         first.prepend(node)
-        r.order[node] = r.order[first] - 0.9 + i * 1e-4
     return first
 
 
 def apply(r: Rewriting, p: Plan) -> fx.Node:
-    """Insert the plan's call and reroute the users of what it computes; returns the call and
-    adds its record to ``r.records``."""
-    graph = r.graph
-    lead = r.analysis.sites[p.lead]
-    m = lead.match
+    """Insert the plan's call before its first node and reroute the users of what it computes;
+    returns the call and adds its record to ``r.records``."""
+    m = r.analysis.sites[p.lead].match
     parts = taken_parts(p.taken)
-    # for the call's record: the original values its arguments carry, the node each output
-    # replaces, the original value each node inserted here holds
-    reads: set = {p.x, p.residual, m.weight, m.bias}
-    stands_for: list[tuple[int, fx.Node]] = []
-    holds: dict[fx.Node, fx.Node] = {}
-    permuted_back: dict[int, tuple[int, ...]] = {}
-    first = _insertion_point(r, p)
     modes = dict(kind=m.kind, eps=m.eps, weight_offset=m.weight_offset, residual_scale=p.residual_scale,
                  norm_round_dtype=m.norm_round_dtype, out_dtype=m.out_dtype)
     if m.group is not None:  # statistics per group of columns (only then: plain calls read as before)
         modes["norm_group"] = m.group
-    old_nodes = list(m.nodes)
     builder = next(((part, found) for part, found in parts if part.builds_call), None)
-    with graph.inserting_before(first):
+    with r.graph.inserting_before(_insertion_point(p)):
         if builder is not None:  # a part computes the site with a call of its own op (norm_add)
             built = builder[0].build(builder[1], p, r, modes)
-            call, inserted = built.call, built.inserted
-            stands_for += built.stands_for
-            old_nodes += built.old_nodes
-            holds.update(built.holds)
         else:
-            call, inserted = _add_norm_call(r, p, parts, modes, reads, stands_for, holds, permuted_back, old_nodes)
-    for i, node in enumerate(inserted):  # keep graph order known for later ancestor queries
-        r.order[node] = r.order[first] - 0.5 + i * 1e-3
-    # the call's outputs, and what the rewrite made of them (reshaped, permuted back), hold the
-    # values of the nodes they replaced
-    outputs = dict(stands_for)
-    for node in inserted:  # in insertion order: an output before what is made of it
-        if node is call or node in holds:
-            continue
-        if node.target is operator.getitem and node.args[0] is call and node.args[1] in outputs:
-            holds[node] = outputs[node.args[1]]
-        elif node.all_input_nodes and node.all_input_nodes[0] in holds:
-            holds[node] = holds[node.all_input_nodes[0]]
-    reads = {a for a in reads if isinstance(a, fx.Node)}
-    r.records.append(record_call(r.analysis, p, call, reads, stands_for, holds, permuted_back))
+            built = _add_norm_call(r, p, parts, modes)
+    call = built.call
+    holds = _outputs_hold(built)
+    reads = {a for a in (p.x, p.residual, m.weight, m.bias, *built.reads) if isinstance(a, fx.Node)}
+    r.records.append(record_call(r.analysis, p, call, reads, built.stands_for, holds, built.permuted_back))
     call.meta["stack_trace"] = m.output.meta.get("stack_trace")
     call.meta["nn_module_stack"] = m.output.meta.get("nn_module_stack")
-    _erase_dead(graph, old_nodes, r.order)
+    _erase_dead(r.graph, [*m.nodes, *built.old_nodes])
     return call
 
 
-def _add_norm_call(r: Rewriting, p: Plan, parts: list, modes: dict, reads: set, stands_for: list, holds: dict,
-                   permuted_back: dict, old_nodes: list) -> tuple[fx.Node, list[fx.Node]]:
+def _outputs_hold(built: BuiltCall) -> dict[fx.Node, fx.Node]:
+    """The original value each of the call's outputs holds, and each node the rewrite made of
+    one (reshaped, permuted back): an output's ``getitem`` holds the node it replaced."""
+    outputs, holds = dict(built.stands_for), dict(built.holds)
+    for node in built.inserted:  # in insertion order: an output before what is made of it
+        if node is built.call or node in holds:
+            continue
+        if node.target is operator.getitem and node.args[0] is built.call and node.args[1] in outputs:
+            holds[node] = outputs[node.args[1]]
+        elif node.all_input_nodes and node.all_input_nodes[0] in holds:
+            holds[node] = holds[node.all_input_nodes[0]]
+    return holds
+
+
+def _add_norm_call(r: Rewriting, p: Plan, parts: list, modes: dict) -> BuiltCall:
     """The add_norm call of plan ``p`` (a norm alone: ``add_norm(x, None, ...)``) with what its
-    parts add, its outputs rerouted; returns the call and the nodes inserted (the record's
-    arguments are filled in)."""
-    graph = r.graph
-    lead = r.analysis.sites[p.lead]
-    m = lead.match
-    add = lead.in_add if p.op == "add_norm" else None
-    s_used = sum_escapes(r.analysis, p)
-    operands, inserted = (r.resolve(p.x), r.resolve(p.residual)), []
+    parts add, inserted at the graph's insertion point, its outputs rerouted."""
+    m = r.analysis.sites[p.lead].match
+    operands = (r.resolve(p.x), r.resolve(p.residual))
+    built = BuiltCall(call=None, inserted=[], stands_for=[], old_nodes=[])
+    for part, found in parts:
+        operands, piece = part.operands(found, operands, (p.x, p.residual), r)
+        built.inserted += piece.inserted
+        built.holds.update(piece.holds)
     options: dict = {}
     output = m.output  # the original node the call's y replaces
     for part, found in parts:
-        operands, piece = part.operands(found, operands, (p.x, p.residual), r)
-        inserted += piece.inserted
-        holds.update(piece.holds)
-    for part, found in parts:
         piece = part.call(found, r)
         options.update(piece.options)
-        inserted += piece.inserted
-        holds.update(piece.holds)
-        reads.update(part.reads(found))
-        old_nodes += part.nodes(found)
+        built.inserted += piece.inserted
+        built.holds.update(piece.holds)
+        built.reads.update(part.reads(found))
+        built.old_nodes += part.nodes(found)
         output = part.y_output(found, output)
+    s_used = sum_escapes(r.analysis, p)
     sum_dtype = p.residual_dtype if p.widens else p.sum_dtype
-    call = r.fused_call("add_norm", (*operands, m.weight, m.bias),
-                        dict(modes, sum_dtype=sum_dtype, return_sum=s_used, **options))
+    built.call = r.fused_call("add_norm", (*operands, m.weight, m.bias),
+                              dict(modes, sum_dtype=sum_dtype, return_sum=s_used, **options))
+    built.inserted.append(built.call)
     where = output_index(options, r.as_op)
-    inserted.append(call)
+    add = r.analysis.sites[p.lead].in_add if p.op == "add_norm" else None
     if all(part.y_read(found) for part, found in parts):  # else y was read only by a part's step
-        y = graph.call_function(operator.getitem, (call, where["y"]))
-        copy_meta(y, output)
-        inserted.append(y)
-        stands_for.append((where["y"], output))
-        result = _returned(r, parts, "y", y, output, where, inserted, permuted_back)
-        if result is y and add is not None and not same_shape(node_shape(add.node), node_shape(output)):
-            # the add and the norm see the rows in different shapes (a view between them)
-            result = graph.call_method("reshape", (y, *node_shape(output)))
-            copy_meta(result, output)
-            inserted.append(result)
-        r.replace(output, result)
+        _reroute_y(r, parts, built, where, output, add)
     kernel_shape = node_shape(add.node) if add is not None else node_shape(m.output)
     for part, found in parts:  # the outputs a part adds (a second norm's y1, fp8 q and its scale)
-        more, replaced = part.outputs(found, r, call, kernel_shape, where)
-        inserted += more
-        stands_for += replaced
+        more, replaced = part.outputs(found, r, built.call, kernel_shape, where)
+        built.inserted += more
+        built.stands_for += replaced
     if s_used:
-        s = graph.call_function(operator.getitem, (call, where["s"]))
+        s = r.graph.call_function(operator.getitem, (built.call, where["s"]))
         copy_meta(s, add.node)
-        inserted.append(s)
-        stands_for.append((where["s"], add.node))
-        r.replace(add.node, _returned(r, parts, "s", s, add.node, where, inserted, permuted_back))
+        built.inserted.append(s)
+        built.stands_for.append((where["s"], add.node))
+        r.replace(add.node, _returned(r, parts, "s", s, add.node, where, built))
     if add is not None:
         folded = folded_nodes(p.taken)
-        old_nodes += [add.node, *add.chain, *folded]
+        built.old_nodes += [add.node, *add.chain, *folded]
         # the operands' scaling / upcasts that the kernel now does itself
-        old_nodes += [n for n in add.node.all_input_nodes]
-        old_nodes += [n for b in folded for n in b.all_input_nodes]
-    return call, inserted
+        built.old_nodes += [n for n in add.node.all_input_nodes]
+        built.old_nodes += [n for b in folded for n in b.all_input_nodes]
+    return built
+
+
+def _reroute_y(r: Rewriting, parts: list, built: BuiltCall, where: dict, output: fx.Node, add) -> None:
+    """The call's y, as the parts hand it back, in place of ``output`` (reshaped when the add
+    and the norm see the rows in different shapes: a view between them)."""
+    y = r.graph.call_function(operator.getitem, (built.call, where["y"]))
+    copy_meta(y, output)
+    built.inserted.append(y)
+    built.stands_for.append((where["y"], output))
+    result = _returned(r, parts, "y", y, output, where, built)
+    if result is y and add is not None and not same_shape(node_shape(add.node), node_shape(output)):
+        result = r.graph.call_method("reshape", (y, *node_shape(output)))
+        copy_meta(result, output)
+        built.inserted.append(result)
+    r.replace(output, result)
 
 
 def _returned(r: Rewriting, parts: list, name: str, value: fx.Node, original: fx.Node, where: dict,
-              inserted: list, permuted_back: dict) -> fx.Node:
+              built: BuiltCall) -> fx.Node:
     """The call's output ``name`` as the parts hand it back in place of ``original``."""
     for part, found in parts:
         value, more, dims = part.returned(found, name, value, original, r)
-        inserted += more
+        built.inserted += more
         if dims is not None:
-            permuted_back[where[name]] = dims
+            built.permuted_back[where[name]] = dims
     return value
 
 
-def _erase_dead(graph: fx.Graph, nodes: list[fx.Node], order: dict) -> None:
-    """Erase the plan's old nodes that nothing reads any more, last first."""
+def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase the plan's old nodes that nothing reads any more, last first (in graph order)."""
     # the site's own nodes are pure (arithmetic, casts, views, norm calls or norm modules)
     pending = sorted({n for n in nodes if isinstance(n, fx.Node) and n.op in ("call_function", "call_method",
-                                                                             "call_module")},
-                     key=lambda n: order.get(n, -1), reverse=True)
+                                                                             "call_module")}, reverse=True)
     for node in pending:
         if node.graph is not graph or real_users(node):
             continue
@@ -311,7 +300,7 @@ def _recompute(r: Rewriting, planning: Planning, calls: list[fx.Node]) -> None:
             inp = x
         modes = {k: call.kwargs[k] for k in ("kind", "eps", "weight_offset", "sum_dtype", "norm_round_dtype",
                                              "out_dtype")}
-        first = min(linears, key=lambda n: r.order.get(n, float("inf")))
+        first = min(linears)  # the first in graph order
         with graph.inserting_before(first):
             fused = graph.call_function(norm_linears, (y, inp, weight, bias, [o[0] for o in operands],
                                                        [o[1] for o in operands]), modes)

@@ -45,15 +45,19 @@ __all__ = ["FusionPart", "CallPiece", "BuiltCall", "PlanContext"]
 
 @dataclass
 class BuiltCall:
-    """A call a part made itself (``FusionPart.build``): the call, the nodes inserted with it, the
-    original node each of its outputs replaced, the original nodes it computes, and the original
-    value each node inserted for its arguments holds (an operand reshaped for the kernel)."""
+    """One fused call as the rewrite built it (the add_norm call, or a call a part made itself
+    with ``FusionPart.build``): the call, the nodes inserted with it (in graph order), the
+    original node each of its outputs replaced, the original nodes it computes, the original
+    value each node inserted for its arguments holds (an operand reshaped for the kernel), the
+    original values its arguments read, and the outputs handed back permuted (index -> dims)."""
 
     call: fx.Node
     inserted: list[fx.Node]
     stands_for: list[tuple[int, fx.Node]]
     old_nodes: list[fx.Node]
     holds: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    reads: set = field(default_factory=set)
+    permuted_back: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass
