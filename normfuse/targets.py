@@ -249,7 +249,20 @@ def _grid(tokens: int) -> tuple[int, int]:
 def _diffusers_inputs(family: str, model: nn.Module, batch: int, seq: int, device: str,
                       dtype: torch.dtype) -> dict[str, Any]:
     """Keyword inputs of ``model.forward`` for ``seq`` image tokens (one latent frame for a video model),
-    ``DIFFUSERS_TEXT_TOKENS`` text tokens, each tensor made from the config's sizes."""
+    ``DIFFUSERS_TEXT_TOKENS`` text tokens, each tensor made from the config's sizes; the guidance
+    scale too where the model embeds one."""
+    made = _family_inputs(family, model, batch, seq, device, dtype)
+    if family in _GUIDED and model.config.guidance_embeds:
+        made["guidance"] = torch.full((batch,), 500.0, device=device, dtype=dtype)
+    return made
+
+
+_GUIDED = frozenset({"flux", "flux2", "hunyuan_video", "sana", "qwen_image"})  # configs with guidance_embeds
+
+
+def _family_inputs(family: str, model: nn.Module, batch: int, seq: int, device: str,
+                   dtype: torch.dtype) -> dict[str, Any]:
+    """The inputs ``_diffusers_inputs`` makes for one family, before the guidance scale."""
     c = model.config
     h, w = _grid(seq)
     text = DIFFUSERS_TEXT_TOKENS
@@ -287,15 +300,11 @@ def _diffusers_inputs(family: str, model: nn.Module, batch: int, seq: int, devic
         made = dict(hidden_states=x(batch, seq, c.in_channels), encoder_hidden_states=x(batch, text, c.joint_attention_dim),
                     pooled_projections=x(batch, c.pooled_projection_dim), timestep=steps(),
                     img_ids=x(seq, 3), txt_ids=x(text, 3))
-        if c.guidance_embeds:
-            made["guidance"] = steps()
         return made
     if family == "flux2":
         axes = len(c.axes_dims_rope)
         made = dict(hidden_states=x(batch, seq, c.in_channels), encoder_hidden_states=x(batch, text, c.joint_attention_dim),
                     timestep=steps(), img_ids=ints(batch, seq, axes), txt_ids=ints(batch, text, axes))
-        if c.guidance_embeds:
-            made["guidance"] = steps()
         return made
     if family == "wan":
         pt, ph, pw = patch(c.patch_size)
@@ -317,21 +326,15 @@ def _diffusers_inputs(family: str, model: nn.Module, batch: int, seq: int, devic
                     timestep=steps(), encoder_hidden_states=x(batch, text, c.text_embed_dim),
                     encoder_attention_mask=torch.ones(batch, text, device=device, dtype=dtype),
                     pooled_projections=x(batch, c.pooled_projection_dim))
-        if c.guidance_embeds:
-            made["guidance"] = steps()
         return made
     if family == "sana":
         p = c.patch_size
         made = dict(hidden_states=x(batch, c.in_channels, h * p, w * p),
                     encoder_hidden_states=x(batch, text, c.caption_channels), timestep=steps())
-        if c.guidance_embeds:
-            made["guidance"] = steps()
         return made
     if family == "qwen_image":
         made = dict(hidden_states=x(batch, seq, c.in_channels), encoder_hidden_states=x(batch, text, c.joint_attention_dim),
                     encoder_hidden_states_mask=None, timestep=steps(), img_shapes=[(1, h, w)] * batch)
-        if c.guidance_embeds:
-            made["guidance"] = steps()
         return made
     if family == "z_image":
         p, pf = c.all_patch_size[0], c.all_f_patch_size[0]

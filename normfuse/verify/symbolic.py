@@ -209,20 +209,36 @@ def _live_dropout_scale(c) -> Any:
     return None if p is None else sympy.Rational(1.0 / (1.0 - p))
 
 
+# primitives that map each value of a row on its own, with no option of their own
+_UNARY = {
+    "square": lambda a: a ** 2,
+    "rsqrt": lambda a: a ** sympy.Rational(-1, 2),
+    "sqrt": sympy.sqrt,
+    "reciprocal": lambda a: 1 / a,
+    "abs": sympy.Abs,
+    "neg": operator.neg,
+}
+
+
+def _eval_getitem(node: fx.Node, load) -> Any:
+    """``value[idx]``: an output of a tuple, or a row indexed as a whole or in a block."""
+    src, idx = node.args
+    value = load(src)
+    if isinstance(value, tuple):
+        return value[idx]
+    if getattr(canonical(node), "prim", None) in ("unsqueeze", "view"):  # x[:, None], w[:, None, None]:
+        return value                                                       # the row as it is
+    if getattr(canonical(node), "prim", None) == "slice":  # x[..., a:b]: a block of the row
+        return _slice_row(node, canonical(node), value)
+    raise _Unsupported(f"{node.name} indexes a value that is not a tuple")
+
+
 def _eval_node(node: fx.Node, load, eps: float | None, eps_sym, heads: _HeadRows | None = None) -> Any:
     def val(a):
         return load(a) if isinstance(a, fx.Node) else _const(a, eps, eps_sym)
 
     if node.op == "call_function" and node.target is operator.getitem:
-        src, idx = node.args
-        value = load(src)
-        if isinstance(value, tuple):
-            return value[idx]
-        if getattr(canonical(node), "prim", None) in ("unsqueeze", "view"):  # x[:, None], w[:, None, None]:
-            return value                                                       # the row as it is
-        if getattr(canonical(node), "prim", None) == "slice":  # x[..., a:b]: a block of the row
-            return _slice_row(node, canonical(node), value)
-        raise _Unsupported(f"{node.name} indexes a value that is not a tuple")
+        return _eval_getitem(node, load)
     c = canonical(node)
     if c is None and _max_values(node):  # torch.max(x, dim) returns (values, indices): the row's maximum
         return [_max(*val(node.args[0]))], None
@@ -240,56 +256,22 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym, heads: _HeadRows
         alpha = _const(c["alpha"], None, None)
         sign = 1 if p == "add" else -1
         return _elementwise(lambda a, b: a + sign * alpha * b, val(c["input"]), val(c["other"]))
-    if p == "mul":
-        a, b = val(c["input"]), val(c["other"])
-        if isinstance(a, _Complex) or isinstance(b, _Complex):  # the complex form's rotation
-            if isinstance(a, (_Groups, _Heads)) or isinstance(b, (_Groups, _Heads)):
-                raise _Unsupported(f"{node.name} multiplies complex values with pairs or heads")
-            return _complex_mul(a, b)
-        return _elementwise(operator.mul, a, b)
-    if p == "view_as_complex":
-        value = val(c["input"])
-        if not isinstance(value, _Groups) or any(len(g) != 2 for g in value):
-            raise _Unsupported(f"{node.name} reads a value that is not pairs of columns as complex")
-        return _Complex(value)
-    if p == "view_as_real":
-        value = val(c["input"])
-        if not isinstance(value, _Complex):
-            raise _Unsupported(f"{node.name} reads a value that is not complex")
-        return _Groups(value)
-    if p == "stack":  # rows stacked along a new last dim: the groups of their columns
-        ndim = len(node_shape(node) or ())
-        dims = c["dim"] if isinstance(c["dim"], (list, tuple)) else [c["dim"]]
-        rows = [val(t) for t in c["tensors"]]
-        if list(dims) not in ([-1], [ndim - 1]) or any(not isinstance(r, list) or _structured(r) or
-                                                         isinstance(r, _Heads) for r in rows) \
-                or len({len(r) for r in rows}) != 1:
-            raise _Unsupported(f"{node.name} stacks other than rows of one length along a new last dim")
-        return _Groups(zip(*rows))
+    if p in _PAIRED:
+        return _PAIRED[p](node, c, val)
     if p == "flatten":
         return _flattened(node, c, val(c["input"]))
     if p == "div":
         return _elementwise(operator.truediv, val(c["input"]), val(c["other"]))
     if p == "pow":
         return _elementwise(lambda a, e: a ** e, val(c["input"]), val(c["exponent"]))
-    if p == "square":
-        return _elementwise(lambda a: a ** 2, val(c["input"]))
-    if p == "rsqrt":
-        return _elementwise(lambda a: a ** sympy.Rational(-1, 2), val(c["input"]))
-    if p == "sqrt":
-        return _elementwise(sympy.sqrt, val(c["input"]))
-    if p == "reciprocal":
-        return _elementwise(lambda a: 1 / a, val(c["input"]))
+    if p in _UNARY:
+        return _elementwise(_UNARY[p], val(c["input"]))
     if p == "mean":
         return _mean(val(c["input"]))
     if p == "var":
         return _var(val(c["input"]), bool(c["unbiased"]))
     if p in ("silu", "sigmoid"):
         return _elementwise(lambda v: _activation(p, v), val(c["input"]))
-    if p == "abs":
-        return _elementwise(sympy.Abs, val(c["input"]))
-    if p == "neg":
-        return _elementwise(operator.neg, val(c["input"]))
     if p == "unsqueeze":  # the dim an amax without keepdim dropped, put back: the row as it is
         return val(c["input"])
     if p == "transpose":  # of two dims before the last (q's heads and positions): each row as it is
@@ -298,16 +280,6 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym, heads: _HeadRows
         return val(c["input"])
     if p == "slice":
         return _slice_row(node, c, val(c["input"]))
-    if p == "cat":  # rows joined along the last dim (rotate_half's cat((-x2, x1), -1))
-        ndim = len(node_shape(node) or ())
-        if list(c["dim"]) not in ([-1], [ndim - 1]):
-            raise _Unsupported(f"{node.name} concatenates along a dim other than the last")
-        parts = [val(t) for t in c["tensors"]]
-        if any(isinstance(t, _Heads) for t in parts):  # head by head
-            if not all(isinstance(t, _Heads) and len(t) == len(parts[0]) for t in parts):
-                raise _Unsupported(f"{node.name} concatenates a value split into heads with another")
-            return _Heads([v for t in part for v in t] for part in zip(*parts))
-        return [v for t in parts for v in t]
     if p == "amax":  # over the last dim, keepdim (the matcher took no other): the row's maximum
         return [_max(*_whole(val(c["input"])))]
     if p == "clamp":
@@ -318,6 +290,59 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym, heads: _HeadRows
         y = _norm(p, val(c["input"]), weight, bias, eps_sym)
         return (y, None, None) if c.multi_output else y
     raise _Unsupported(f"no symbolic rule for primitive {p!r} (node {node.name})")
+
+
+def _eval_mul(node: fx.Node, c, val) -> Any:
+    a, b = val(c["input"]), val(c["other"])
+    if isinstance(a, _Complex) or isinstance(b, _Complex):  # the complex form's rotation
+        if isinstance(a, (_Groups, _Heads)) or isinstance(b, (_Groups, _Heads)):
+            raise _Unsupported(f"{node.name} multiplies complex values with pairs or heads")
+        return _complex_mul(a, b)
+    return _elementwise(operator.mul, a, b)
+
+
+def _eval_view_as_complex(node: fx.Node, c, val) -> Any:
+    value = val(c["input"])
+    if not isinstance(value, _Groups) or any(len(g) != 2 for g in value):
+        raise _Unsupported(f"{node.name} reads a value that is not pairs of columns as complex")
+    return _Complex(value)
+
+
+def _eval_view_as_real(node: fx.Node, c, val) -> Any:
+    value = val(c["input"])
+    if not isinstance(value, _Complex):
+        raise _Unsupported(f"{node.name} reads a value that is not complex")
+    return _Groups(value)
+
+
+def _eval_stack(node: fx.Node, c, val) -> Any:
+    """Rows stacked along a new last dim: the groups of their columns."""
+    ndim = len(node_shape(node) or ())
+    dims = c["dim"] if isinstance(c["dim"], (list, tuple)) else [c["dim"]]
+    rows = [val(t) for t in c["tensors"]]
+    if list(dims) not in ([-1], [ndim - 1]) or any(not isinstance(r, list) or _structured(r) or
+                                                     isinstance(r, _Heads) for r in rows) \
+            or len({len(r) for r in rows}) != 1:
+        raise _Unsupported(f"{node.name} stacks other than rows of one length along a new last dim")
+    return _Groups(zip(*rows))
+
+
+def _eval_cat(node: fx.Node, c, val) -> Any:
+    """Rows joined along the last dim (rotate_half's cat((-x2, x1), -1)), head by head if split."""
+    ndim = len(node_shape(node) or ())
+    if list(c["dim"]) not in ([-1], [ndim - 1]):
+        raise _Unsupported(f"{node.name} concatenates along a dim other than the last")
+    parts = [val(t) for t in c["tensors"]]
+    if any(isinstance(t, _Heads) for t in parts):  # head by head
+        if not all(isinstance(t, _Heads) and len(t) == len(parts[0]) for t in parts):
+            raise _Unsupported(f"{node.name} concatenates a value split into heads with another")
+        return _Heads([v for t in part for v in t] for part in zip(*parts))
+    return [v for t in parts for v in t]
+
+
+# primitives that build a row from pairs, complex values or several rows: (node, canonical, val)
+_PAIRED = {"mul": _eval_mul, "view_as_complex": _eval_view_as_complex, "view_as_real": _eval_view_as_real,
+           "stack": _eval_stack, "cat": _eval_cat}
 
 
 def _touches_last(node: fx.Node, *dims: Any) -> bool:

@@ -323,8 +323,22 @@ def _scaled(index, value: fx.Node) -> tuple[fx.Node, object] | tuple[None, None]
     return (user, other) if isinstance(other, (int, float)) and not isinstance(other, bool) else (None, None)
 
 
-def _find_rope(index, m, steps: list) -> RopeMatch | None:
-    """find_rope's search; a step the call cannot take on the way is added to ``steps``, said why."""
+@dataclass
+class _Heads:
+    """How a normalized q/k reaches its RoPE as (batch, seq, heads, head_dim) rows: the value the
+    RoPE reads (so far), the nodes on the way, whether heads and positions are swapped, the node
+    the kernel reads when the norm comes after the swap, the shape and the norm's width."""
+
+    value: fx.Node
+    chain: list
+    transposed: bool
+    operand: fx.Node | None
+    shape: tuple
+    width: str
+
+
+def _to_heads(index, m, steps: list) -> _Heads | None:
+    """The normalized q/k as heads (a scale and a view to heads on the way), or None."""
     value, chain, transposed = m.output, [], False
     out_shape = node_shape(m.output)  # batch and sequence may be symbolic; heads and head_dim are not
     if out_shape is None or not isinstance(out_shape[-1], int):
@@ -359,6 +373,16 @@ def _find_rope(index, m, steps: list) -> RopeMatch | None:
         "row" if m.hidden_size == H * D and same_shape(out_shape, (B, S, H * D)) else None
     if width is None:
         return None
+    return _Heads(value, chain, transposed, operand, (B, S, H, D), width)
+
+
+def _find_rope(index, m, steps: list) -> RopeMatch | None:
+    """find_rope's search; a step the call cannot take on the way is added to ``steps``, said why."""
+    heads = _to_heads(index, m, steps)
+    if heads is None:
+        return None
+    value, chain, transposed, operand, width = heads.value, heads.chain, heads.transposed, heads.operand, heads.width
+    B, S, H, D = heads.shape
 
     def rotation(r):  # (the rotation on r, its layout), neox first
         found = _rotate_half(index, r, D)
@@ -398,6 +422,14 @@ def _find_rope(index, m, steps: list) -> RopeMatch | None:
     if upcast is not None and not exact:
         return RopeMatch(reason=f"q/k is cast from {node_dtype(m.output)} to {node_dtype(upcast)} before its RoPE, "
                                 f"a rounding the kernel does not make")
+    return _rope_match(index, found, chain, passed, value, transposed, rotary, layout, heads)
+
+
+def _rope_match(index, found: tuple, chain: list, passed, value, transposed: bool, rotary: int, layout: str,
+                heads: _Heads) -> RopeMatch:
+    """The RopeMatch of a rotation found (``found``: its output, cos, sin and nodes), or why the call
+    cannot take it: the rest of the head put back, the cast after, the tables and the dtypes."""
+    B, S, H, D = heads.shape
     o, c, s, nodes = found
     chain += nodes
     out = o
@@ -425,7 +457,7 @@ def _find_rope(index, m, steps: list) -> RopeMatch | None:
     if rope_dtype not in KERNEL_DTYPES or out_dtype not in KERNEL_DTYPES:
         return RopeMatch(reason=f"RoPE dtypes {rope_dtype} -> {out_dtype} are not ones the kernels take")
     return RopeMatch(nodes=tuple(chain), output=out, cos=cos, sin=sin, layout=layout, rotary_dim=rotary, head_dim=D,
-                     heads_shape=(B, S, H, D), operand=operand, norm_width=width, transpose_out=transposed,
+                     heads_shape=(B, S, H, D), operand=heads.operand, norm_width=heads.width, transpose_out=transposed,
                      rope_dtype=rope_dtype, out_dtype=out_dtype)
 
 
