@@ -1,4 +1,4 @@
-"""The pass, one direction: analyze (canonicalize -> find -> classify) -> plan -> rewrite -> verify -> report.
+"""The pass, one direction: analyze (canonicalize -> find -> classify) -> plan -> rewrite -> lint -> report.
 
 ``NormFusionPass(config)`` is the one object every way in goes through: ``optimize`` and
 the dynamo backends call it on each captured graph, ``fuse_graph`` on any GraphModule,
@@ -48,7 +48,7 @@ __all__ = ["NormFusionPass", "PassResult", "PassFailure", "STAGES", "ENTERED_REG
 
 log = logging.getLogger("normfuse")
 
-STAGES = ("canonicalize", "find", "classify", "plan", "rewrite", "verify")
+STAGES = ("canonicalize", "find", "classify", "plan", "rewrite", "lint")  # lint: graph.lint() of the rewritten graph
 
 # Higher-order ops whose subgraph computes exactly what the region computes, so a rewritten
 # subgraph keeps the region's meaning (checkpointing recomputes the same subgraph in
@@ -266,7 +266,7 @@ class NormFusionPass(CustomGraphPass):
         self._stage("rewrite")
         records = apply_plans(found, planning, self._as_op) if self.apply else []
         sites = site_records(found, planning, applied=self.apply)
-        self._stage("verify")
+        self._stage("lint")
         if self.apply:
             graph.lint()
             gm.graph = graph  # the setter recompiles the module's code
