@@ -55,7 +55,7 @@ class FuseConfig:
                 act silu or sigmoid in fp32, takes the gate into its call (normfuse/passes/parts/gate.py).
     fuse_rope:  a q/k norm whose output goes into HF's rotary embedding (``q * cos + rotate_half(q) *
                 sin``, partial rotary included) becomes one ``qk_norm_rope`` call, q and k of one
-                attention together (normfuse/passes/parts/qk_rope.py).
+                attention together (normfuse/passes/fusions/qk_norm_rope.py).
     """
 
     filter_fn: Callable[[Any], bool] | None = None

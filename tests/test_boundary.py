@@ -16,7 +16,6 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import normfuse
-from normfuse.backends import last_report
 from normfuse.passes.cross_block import ResidualPair, rewrite_streams, undo_streams
 from normfuse.zoo import ToyTransformer, hf_model
 

@@ -16,7 +16,6 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 import normfuse
 from tests.loops import CheckpointedStack

@@ -10,7 +10,6 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import normfuse
 from normfuse.verify.sites import fused_calls

@@ -113,7 +113,7 @@ def test_each_fusion_part_lives_in_its_module():
     """A fusion part (normfuse/passes/parts/) is declared in one module: outside it and the
     kernels (the op it extends, normfuse/kernels/), its name appears in at most 5 modules of the
     package (the registry, the option that switches it off, the report's fields); and no stage
-    of the pass imports a part's module, only the registry."""
+    of the pass imports a part's module, only the registry and the order."""
     import re
 
     from normfuse.passes.parts import PARTS
@@ -127,5 +127,30 @@ def test_each_fusion_part_lives_in_its_module():
         naming = [name for name, path in modules.items()
                   if name != own and not name.startswith("normfuse.kernels") and word.search(path.read_text())]
         assert len(naming) <= 5, (part.name, naming)
-        importers = {m for m in graph.predecessors(own) if not m.startswith("normfuse.passes.parts")}
+        importers = {m for m in graph.predecessors(own) if not m.startswith("normfuse.passes.parts")
+                     and m != "normfuse.passes.order"}
         assert not importers, (part.name, sorted(importers))
+
+
+def test_each_fusion_lives_in_its_module_and_the_stages_name_none():
+    """A fusion (normfuse/passes/fusions/) is one module named after its op, imported only by
+    the fusions' registry, the order and the pieces of the pass that build on its op; the
+    rewrite and the checker reach it through ``fusion_of`` and name no fusion op or part."""
+    import re
+
+    from normfuse.passes.fusions import FUSIONS
+    from normfuse.passes.order import STEPS
+
+    modules = _modules()
+    graph = import_graph()
+    for fusion in FUSIONS:
+        own = f"normfuse.passes.fusions.{fusion.ops[0]}"
+        assert own in modules, f"fusion {fusion.name!r} has no module {own}"
+        importers = {m for m in graph.predecessors(own) if not m.startswith("normfuse.passes.fusions")}
+        assert importers <= {"normfuse.passes.order", "normfuse.passes.rewrite", "normfuse.passes.record"}, \
+            (fusion.name, sorted(importers))
+    words = {op for fusion in FUSIONS for op in fusion.ops} | {step.name for step in STEPS}
+    pattern = re.compile(rf"\b({'|'.join(sorted(words - {'norm'}))})\b")  # "norm" is also the word
+    for name, path in modules.items():
+        if name.startswith("normfuse.verify"):
+            assert not pattern.search(path.read_text()), (name, pattern.search(path.read_text()).group())

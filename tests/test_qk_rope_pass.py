@@ -1,4 +1,4 @@
-"""The graph pass fuses q/k norms with their rotary embedding (parts/qk_rope.py).
+"""The graph pass fuses q/k norms with their rotary embedding (fusions/qk_norm_rope.py).
 
 HF models built from configs (2 layers, no download); each layer has one q_norm and one k_norm
 whose outputs go into ``apply_rotary_pos_emb``: 2L = 4 norms, fused with their RoPE in L = 2

@@ -1,4 +1,4 @@
-"""The graph pass fuses torchtitan's q/k norms with their rotary embedding (parts/qk_rope.py).
+"""The graph pass fuses torchtitan's q/k norms with their rotary embedding (fusions/qk_norm_rope.py).
 
 torchtitan's Qwen3 (``Qwen3Model.Config`` with ``_build_qwen3_layers``, shrunk to 2 layers of dim 64,
 4 heads, 2 kv heads, head_dim 16), its attention ``GQAttention`` with ``qk_norm``, and each of its two

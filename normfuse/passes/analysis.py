@@ -26,7 +26,7 @@ from normfuse.passes.canonical import canonicalize
 from normfuse.passes.classify import Found, classify, sum_continues
 from normfuse.passes.find import AddMatch, NormMatch, find_input_add, find_norms, find_output_add
 from normfuse.passes.graph import GraphIndex
-from normfuse.passes.parts import PARTS
+from normfuse.passes.order import STEPS
 from normfuse.vocabulary import Placement
 
 __all__ = ["Analysis", "SiteAnalysis", "analyze"]
@@ -84,5 +84,5 @@ def analyze(graph: fx.Graph, stage: Callable[[str], None] = lambda name: None) -
 
 
 def _parts_found(index: GraphIndex, match: NormMatch) -> Mapping[str, Any]:
-    found = {part.name: part.find(index, match) for part in PARTS}
+    found = {step.name: step.find(index, match) for step in STEPS}
     return MappingProxyType({name: m for name, m in found.items() if m is not None})

@@ -69,7 +69,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "clamp": ("input", "min", "max"),
     "neg": ("input",),
     "unsqueeze": ("input", "dim"),  # a new dim of size 1: x.unsqueeze(d), x[:, None], x[..., None]
-    # ... the rotary embedding after q/k norms (parts/qk_rope.py): halves, rotate_half's cat, heads transpose
+    # ... the rotary embedding after q/k norms (fusions/qk_norm_rope.py): halves, rotate_half's cat, heads transpose
     "slice": ("input", "dim", "start", "end", "step"),  # x[..., a:b], aten.slice
     "cat": ("tensors", "dim"),
     "stack": ("tensors", "dim"),  # GPT-J's rotation written out: stack((-x[..., 1::2], x[..., ::2]), -1)

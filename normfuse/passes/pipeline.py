@@ -37,7 +37,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from normfuse.config import FuseConfig
 from normfuse.passes.analysis import Analysis, analyze
 from normfuse.passes.dtensor_graph import hoist_from_local
-from normfuse.passes.graph import copy_graph, copy_graph_module
+from normfuse.passes.graph import copy_graph
 from normfuse.passes.planning import Planning, plan
 from normfuse.passes.provenance import site_record, site_records
 from normfuse.passes.record import attach_records, is_fused_call

@@ -5,10 +5,11 @@ decides, site by site in graph order, which call each becomes:
 
 - add -> norm      : ``add_norm(x, residual, w, b, ...)``; the sum is an output when anything
                      else still reads it;
-- norm -> add      : ``norm_add(f, stream, w, b, ...)`` for ``x + norm(f)`` (res-post, sandwich);
 - a norm alone     : ``add_norm(x, None, w, b, ...)``;
-- each fusion part (``parts/``) found at the site that the call can take is taken, in
-  ``PARTS`` order; a part it cannot take keeps its reason.
+- then each step found at the site (``order.STEPS``: the fusions of ``fusions/``, which make
+  the call one of their own op, ``norm_add`` for ``x + norm(f)`` or ``qk_norm_rope``, and the
+  parts of ``parts/``, which extend an add_norm call) is offered to the call; a step it cannot
+  take keeps its reason.
 
 A ``Plan`` carries everything decided for one call: the sites it computes, the adds it
 claims, the fusion parts it takes, the operands, the rounding modes, where it goes (with the late
@@ -32,7 +33,9 @@ from normfuse.passes.analysis import Analysis, SiteAnalysis
 from normfuse.passes.canonical import canonical, mutates, node_dtype, node_shape, real_users, same_shape
 from normfuse.passes.classify import stream_operand
 from normfuse.passes.graph import GraphIndex
-from normfuse.passes.parts import PARTS, PlanContext, folded_nodes
+from normfuse.passes.order import STEPS
+from normfuse.passes.parts import folded_nodes
+from normfuse.passes.step import PlanContext
 from normfuse.vocabulary import KERNEL_DTYPES, LOW_PRECISION, Placement
 
 __all__ = ["Plan", "Decision", "Planning", "Insertion", "plan"]
@@ -78,7 +81,7 @@ class Plan:
     @property
     def exclusive(self) -> bool:
         """A part it takes changes y: no second norm shares the call, no linear recomputes y."""
-        return any(part.exclusive for part in PARTS if part.name in self.taken)
+        return any(step.exclusive for step in STEPS if step.name in self.taken)
 
 
 @dataclass(frozen=True)
@@ -177,16 +180,16 @@ def _add_reason(site: SiteAnalysis, p: Plan | None, claimed: set, reserved: set,
     return "the add after the norm does not keep the stream's shape"
 
 
-def _take_parts(context: PlanContext, site: SiteAnalysis, p: Plan) -> dict[str, str]:
-    """Offer the call each fusion part, in ``PARTS`` order; returns why the call lacks the parts
-    found at its site that it does not take."""
+def _offer_steps(context: PlanContext, site: SiteAnalysis, p: Plan) -> dict[str, str]:
+    """Offer the call each step (fusions and parts), in ``order.STEPS``; returns why the call
+    lacks the steps found at its site that it does not take."""
     reasons = {}
-    for part in PARTS:
-        taken, reason = part.offer(context, site, site.parts.get(part.name), p)
+    for step in STEPS:
+        taken, reason = step.offer(context, site, site.parts.get(step.name), p)
         if taken is not None:
-            p.taken[part.name] = taken
+            p.taken[step.name] = taken
         elif reason is not None:
-            reasons[part.name] = reason
+            reasons[step.name] = reason
     return reasons
 
 
@@ -200,9 +203,9 @@ def _candidates(analysis: Analysis, p: Plan) -> list[fx.Node]:
         nodes += [lead.in_add.node, *lead.in_add.chain]
     if p.output_add is not None:
         nodes.append(p.output_add)
-    for part in PARTS:
-        if part.name in p.taken:
-            nodes += part.spans(p.taken[part.name])
+    for step in STEPS:
+        if step.name in p.taken:
+            nodes += step.spans(p.taken[step.name])
     return nodes
 
 
@@ -216,9 +219,9 @@ def _place(analysis: Analysis, p: Plan) -> tuple[Insertion | None, str | None]:
     first = min(candidates, key=index.order.__getitem__)
     lead = analysis.sites[p.lead].match
     extra = ()
-    for part in PARTS:
-        if part.name in p.taken:
-            extra += part.reads(p.taken[part.name])
+    for step in STEPS:
+        if step.name in p.taken:
+            extra += step.reads(p.taken[step.name])
     moves: list[fx.Node] = []
     for operand in (p.x, p.residual, lead.weight, lead.bias, *extra):
         if isinstance(operand, fx.Node) and index.order[operand] >= index.order[first]:
@@ -379,15 +382,14 @@ def plan(analysis: Analysis, config, as_op: bool = False, excluded: Callable[[in
         if site.number in unavailable:
             continue
         chosen, reason = _choose(analysis, site, claimed)
-        part_reasons = _take_parts(context, site, chosen) if chosen is not None else {}
+        part_reasons = _offer_steps(context, site, chosen) if chosen is not None else {}
         if chosen is not None:
             chosen.insertion, reason = _place(analysis, chosen)
-            # a part whose operand comes too late: the call without it, the last part offered
-            # first (an earlier part may have decided what a later one took)
-            for part in reversed(PARTS):
-                if reason and part.name in chosen.taken and part.may_drop(chosen.taken[part.name]):
-                    part.drop(chosen, chosen.taken.pop(part.name))
-                    part_reasons[part.name] = f"{part.operand_name}: {reason}"
+            # a step whose operand comes too late: the call without it (order.py says which first)
+            for step in reversed(STEPS):
+                if reason and step.name in chosen.taken and step.may_drop(chosen.taken[step.name]):
+                    step.drop(chosen, chosen.taken.pop(step.name))
+                    part_reasons[step.name] = f"{step.operand_name}: {reason}"
                     chosen.insertion, reason = _place(analysis, chosen)
         if reason is None and chosen.op == "norm" and not config.standalone:
             reason = "standalone norms not rewritten (standalone=False)"

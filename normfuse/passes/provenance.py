@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch.fx as fx
 
 from normfuse.passes.canonical import node_dtype
-from normfuse.passes.parts import PARTS
+from normfuse.passes.order import STEPS
 from normfuse.reporting import Site
 from normfuse.vocabulary import CONVERTED_META, COPY_FILE, TORCH_NORMS, Placement
 
@@ -90,9 +90,9 @@ def site_record(analysis: Analysis, site: SiteAnalysis) -> Site:
         norm_round_dtype=str(m.norm_round_dtype) if m.norm_round_dtype else None,
         out_dtype=str(m.out_dtype) if m.out_dtype else None, module_type=cls,
         norm_group=m.group)
-    for part in PARTS:  # what each fusion part found here (fused or not is decided later)
-        if part.name in site.parts:
-            part.report(record, site.parts[part.name], fused=False, reason=None)
+    for step in STEPS:  # what each step found here (fused or not is decided later)
+        if step.name in site.parts:
+            step.report(record, site.parts[step.name], fused=False, reason=None)
     return record
 
 
@@ -121,12 +121,12 @@ def site_records(analysis: Analysis, planning: Planning | None = None, applied: 
         plan = planning.plans[decision.plan] if decision.plan is not None else None
         # what the call takes over of each part is the lead's (a second norm shares its call)
         taken = plan.taken if plan is not None and plan.lead == site.number else {}
-        for part in PARTS:
-            if part.name in taken:
-                part.report(record, taken[part.name], fused=True, reason=None)
-            elif part.name in site.parts:
-                reason = decision.part_reasons.get(part.name) or decision.reason or "not rewritten"
-                part.report(record, site.parts[part.name], fused=False, reason=reason)
+        for step in STEPS:
+            if step.name in taken:
+                step.report(record, taken[step.name], fused=True, reason=None)
+            elif step.name in site.parts:
+                reason = decision.part_reasons.get(step.name) or decision.reason or "not rewritten"
+                step.report(record, site.parts[step.name], fused=False, reason=reason)
     for site, decision in zip(sites, planning.decisions):
         if decision.plan is None:
             site.reason = decision.reason or "not rewritten"

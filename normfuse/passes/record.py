@@ -24,17 +24,18 @@ import torch.fx as fx
 
 from normfuse.kernels.add_norm import add_norm, fused_add_norm, norm_add
 from normfuse.kernels.qk_rope import qk_norm_rope
-from normfuse.kernels.specs import OP_OUTPUTS, api_outputs
 from normfuse.passes.find import live_dropout_p
-from normfuse.passes.parts import PARTS, folded_nodes
+from normfuse.passes.fusions.add_norm import output_names
+from normfuse.passes.order import STEPS
+from normfuse.passes.parts import folded_nodes
 
-__all__ = ["CallRecord", "record_call", "records_of", "attach_records", "fused_op_name", "is_fused_call", "output_names",
+__all__ = ["CallRecord", "record_call", "records_of", "attach_records", "fused_op_name", "is_fused_call", "runnable_target", "output_names",
            "ARG_ROLES", "OPTION_ROLES"]
 
 # the roles of a fused call's tensor arguments: positional (the checker passes them in this
 # order), then the keyword options the fusion parts put into a call (read by name)
 ARG_ROLES = ("x", "residual", "weight", "bias")
-OPTION_ROLES = tuple(role for part in PARTS for role in part.roles)
+OPTION_ROLES = tuple(role for step in STEPS for role in step.roles)
 
 _RECORDS = "normfuse_calls"  # the rewritten graph module's meta key holding its records
 
@@ -88,17 +89,15 @@ def fused_op_name(node: fx.Node) -> str | None:
     return family
 
 
+def runnable_target(target):
+    """What runs a fused call's target outside its graph (the checker's numeric run): a graph
+    rewritten by 0.1 calls add_norm with the flat keywords, which fused_add_norm takes without
+    add_norm's deprecation warning."""
+    return fused_add_norm if target is add_norm else target
+
+
 def is_fused_call(node: fx.Node) -> bool:
     return fused_op_name(node) is not None
-
-
-def output_names(options: dict, as_op: bool = False) -> tuple[str, ...]:
-    """The outputs of a rewritten add_norm call with these keyword options, in order: the
-    functional API's (normfuse.kernels.specs.api_outputs), or (``as_op``) the custom op's."""
-    if as_op:
-        return OP_OUTPUTS["add_norm_fwd"]
-    return api_outputs(second_norm=options.get("weight1") is not None,
-                       quantized=options.get("quant_dtype") is not None)
 
 
 # --------------------------------------------------------------------------- building one record
@@ -116,9 +115,9 @@ def record_call(analysis: Any, p: Any, call: fx.Node, reads: set[fx.Node],
     m = lead.match
     folded = folded_nodes(p.taken)
     nodes = list(m.nodes)
-    for part in PARTS:
-        if part.name in p.taken:
-            nodes += part.nodes(p.taken[part.name])
+    for step in STEPS:
+        if step.name in p.taken:
+            nodes += step.nodes(p.taken[step.name])
     if p.op == "add_norm":
         add = lead.in_add
         nodes += [add.node, *add.chain, *_operand_prep(index, add.node, set(add.operands) | reads)]

@@ -3,9 +3,8 @@
 The plans were decided on the analysed graph before anything changed; here each becomes
 its call, inserted where its ``Insertion`` says (late operands moved up first), its users
 rerouted to the call's outputs and its old nodes erased when nothing reads them any more.
-An add_norm call is built here with what each fusion part it takes adds (its operands as the
-call reads them, its options, the outputs it hands back or adds: ``parts/base.py``); a part
-that computes the site with another op (the add after the norm: ``norm_add``) builds its call.
+The plan's fusion builds the call (``fusions/``: the add_norm call with what each part it
+takes adds, a norm_add call, a qk_norm_rope call); this module places it and records it.
 Values an earlier call replaced are looked up through ``Rewriting.resolve``. Then the
 stream sums a plan keeps wider (``residual_dtype``) are widened, and the linears a plan
 recomputes its output for become one ``norm_linears`` call.
@@ -24,16 +23,16 @@ import torch
 import torch.fx as fx
 
 from normfuse.kernels.add_norm import fused_add_norm, norm_add
-from normfuse.kernels.specs import NORM_ADD_OUTPUTS, op_arguments, op_defaults
+from normfuse.kernels.specs import op_arguments, op_defaults
 from normfuse.passes.analysis import Analysis
-from normfuse.passes.canonical import canonical, node_dtype, node_shape, real_users, same_shape
-from normfuse.passes.graph import copy_meta
-from normfuse.passes.parts import folded_nodes, taken_parts
-from normfuse.passes.parts.base import BuiltCall
-from normfuse.passes.planning import Plan, Planning, sum_escapes
-from normfuse.passes.record import CallRecord, output_names, record_call
+from normfuse.passes.canonical import canonical, node_dtype, real_users
+from normfuse.passes.fusions import fusion_of
+from normfuse.passes.fusions.add_norm import output_index
+from normfuse.passes.planning import Plan, Planning
+from normfuse.passes.record import CallRecord, record_call
+from normfuse.passes.step import BuiltCall
 
-__all__ = ["Rewriting", "apply_plans", "output_index"]
+__all__ = ["Rewriting", "apply_plans"]
 
 
 class Rewriting:
@@ -90,11 +89,6 @@ def _fused_call(graph: fx.Graph, family: str, args: tuple, options: dict, as_op:
     return call
 
 
-def output_index(options: dict, as_op: bool = False) -> dict[str, int]:
-    """Where each output (y, s, y1, q, scale) is among a rewritten add_norm call's outputs."""
-    return {name: i for i, name in enumerate(output_names(options, as_op))}
-
-
 def _insertion_point(p: Plan) -> fx.Node:
     """The plan's first node, with the late operands moved up before it (in graph order)."""
     first = p.insertion.first
@@ -107,17 +101,13 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
     """Insert the plan's call before its first node and reroute the users of what it computes;
     returns the call and adds its record to ``r.records``."""
     m = r.analysis.sites[p.lead].match
-    parts = taken_parts(p.taken)
+    fusion = fusion_of(p.op)
     modes = dict(kind=m.kind, eps=m.eps, weight_offset=m.weight_offset, residual_scale=p.residual_scale,
                  norm_round_dtype=m.norm_round_dtype, out_dtype=m.out_dtype)
     if m.group is not None:  # statistics per group of columns (only then: plain calls read as before)
         modes["norm_group"] = m.group
-    builder = next(((part, found) for part, found in parts if part.builds_call), None)
     with r.graph.inserting_before(_insertion_point(p)):
-        if builder is not None:  # a part computes the site with a call of its own op (norm_add)
-            built = builder[0].build(builder[1], p, r, modes)
-        else:
-            built = _add_norm_call(r, p, parts, modes)
+        built = fusion.build(p.taken.get(fusion.name), p, r, modes)
     call = built.call
     holds = _outputs_hold(built)
     reads = {a for a in (p.x, p.residual, m.weight, m.bias, *built.reads) if isinstance(a, fx.Node)}
@@ -140,81 +130,6 @@ def _outputs_hold(built: BuiltCall) -> dict[fx.Node, fx.Node]:
         elif node.all_input_nodes and node.all_input_nodes[0] in holds:
             holds[node] = holds[node.all_input_nodes[0]]
     return holds
-
-
-def _add_norm_call(r: Rewriting, p: Plan, parts: list, modes: dict) -> BuiltCall:
-    """The add_norm call of plan ``p`` (a norm alone: ``add_norm(x, None, ...)``) with what its
-    parts add, inserted at the graph's insertion point, its outputs rerouted."""
-    m = r.analysis.sites[p.lead].match
-    operands = (r.resolve(p.x), r.resolve(p.residual))
-    built = BuiltCall(call=None, inserted=[], stands_for=[], old_nodes=[])
-    for part, found in parts:
-        operands, piece = part.operands(found, operands, (p.x, p.residual), r)
-        built.inserted += piece.inserted
-        built.holds.update(piece.holds)
-    options: dict = {}
-    output = m.output  # the original node the call's y replaces
-    for part, found in parts:
-        piece = part.call(found, r)
-        options.update(piece.options)
-        built.inserted += piece.inserted
-        built.holds.update(piece.holds)
-        built.reads.update(part.reads(found))
-        built.old_nodes += part.nodes(found)
-        output = part.y_output(found, output)
-    s_used = sum_escapes(r.analysis, p)
-    sum_dtype = p.residual_dtype if p.widens else p.sum_dtype
-    built.call = r.fused_call("add_norm", (*operands, m.weight, m.bias),
-                              dict(modes, sum_dtype=sum_dtype, return_sum=s_used, **options))
-    built.inserted.append(built.call)
-    where = output_index(options, r.as_op)
-    add = r.analysis.sites[p.lead].in_add if p.op == "add_norm" else None
-    if all(part.y_read(found) for part, found in parts):  # else y was read only by a part's step
-        _reroute_y(r, parts, built, where, output, add)
-    kernel_shape = node_shape(add.node) if add is not None else node_shape(m.output)
-    for part, found in parts:  # the outputs a part adds (a second norm's y1, fp8 q and its scale)
-        more, replaced = part.outputs(found, r, built.call, kernel_shape, where)
-        built.inserted += more
-        built.stands_for += replaced
-    if s_used:
-        s = r.graph.call_function(operator.getitem, (built.call, where["s"]))
-        copy_meta(s, add.node)
-        built.inserted.append(s)
-        built.stands_for.append((where["s"], add.node))
-        r.replace(add.node, _returned(r, parts, "s", s, add.node, where, built))
-    if add is not None:
-        folded = folded_nodes(p.taken)
-        built.old_nodes += [add.node, *add.chain, *folded]
-        # the operands' scaling / upcasts that the kernel now does itself
-        built.old_nodes += [n for n in add.node.all_input_nodes]
-        built.old_nodes += [n for b in folded for n in b.all_input_nodes]
-    return built
-
-
-def _reroute_y(r: Rewriting, parts: list, built: BuiltCall, where: dict, output: fx.Node, add) -> None:
-    """The call's y, as the parts hand it back, in place of ``output`` (reshaped when the add
-    and the norm see the rows in different shapes: a view between them)."""
-    y = r.graph.call_function(operator.getitem, (built.call, where["y"]))
-    copy_meta(y, output)
-    built.inserted.append(y)
-    built.stands_for.append((where["y"], output))
-    result = _returned(r, parts, "y", y, output, where, built)
-    if result is y and add is not None and not same_shape(node_shape(add.node), node_shape(output)):
-        result = r.graph.call_method("reshape", (y, *node_shape(output)))
-        copy_meta(result, output)
-        built.inserted.append(result)
-    r.replace(output, result)
-
-
-def _returned(r: Rewriting, parts: list, name: str, value: fx.Node, original: fx.Node, where: dict,
-              built: BuiltCall) -> fx.Node:
-    """The call's output ``name`` as the parts hand it back in place of ``original``."""
-    for part, found in parts:
-        value, more, dims = part.returned(found, name, value, original, r)
-        built.inserted += more
-        if dims is not None:
-            built.permuted_back[where[name]] = dims
-    return value
 
 
 def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
@@ -252,7 +167,7 @@ def _widen(r: Rewriting, planning: Planning, calls: list[fx.Node]) -> None:
         if not p.widens:
             continue
         call = calls[i]
-        out = _output(call, NORM_ADD_OUTPUTS.index("out") if p.op == "norm_add" else output_index(call.kwargs)["s"])
+        out = _output(call, fusion_of(p.op).stream_sum(call)[0])
         if out is None:
             continue
         old = node_dtype(out)

@@ -37,6 +37,7 @@ from normfuse.passes.canonical import canonical, mutates, node_shape
 from normfuse.passes.find import autocast_upcast
 from normfuse.passes.graph import copy_graph_module  # noqa: F401  (one graph copy for the project)
 from normfuse.passes.parts import PARTS
+from normfuse.passes.record import runnable_target
 from normfuse.tolerances import ROUNDED_REFERENCE_BUDGET, rounding_budget, within_tolerance
 from normfuse.verify.sites import SitePair
 from normfuse.vocabulary import LOW_PRECISION
@@ -468,13 +469,6 @@ def _subgraph_values(gm: fx.GraphModule, pair: SitePair, env: dict[fx.Node, Any]
 _CHECK_SEED = 20240607
 
 
-def _runnable(target: Callable) -> Callable:
-    """What the check runs for a call's target: a graph rewritten by 0.1 calls add_norm with the
-    flat keywords, which fused_add_norm takes without add_norm's deprecation warning."""
-    from normfuse.kernels.add_norm import add_norm, fused_add_norm
-    return fused_add_norm if target is add_norm else target
-
-
 def _call_arguments(pair: SitePair, env: dict[fx.Node, Any]) -> tuple[list, dict]:
     """The fused call's positional arguments and options, with the original run's values."""
     def value(a):
@@ -526,7 +520,7 @@ def check_site(gm: fx.GraphModule, pair: SitePair, env: dict[fx.Node, Any]) -> S
         return result
     args, kwargs = _call_arguments(pair, env)
     with torch.no_grad():
-        got = _runnable(pair.call.target)(*args, **kwargs)
+        got = runnable_target(pair.call.target)(*args, **kwargs)
     # outputs the rewrite permutes back (the sum of an add moved through a permute, a channel norm's y)
     got = tuple(g.permute(pair.permuted_back[i]) if i in pair.permuted_back and g is not None else g
                 for i, g in enumerate(got))

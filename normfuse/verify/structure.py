@@ -17,32 +17,43 @@ from normfuse.vocabulary import CONVERTED_META, FINAL_META, GRAPH_META
 
 __all__ = ["check_structure"]
 
-def _is_fused(node: Any, family: str) -> bool:
-    """A call of the fused op family "add_norm" (a plain norm included) or "norm_add"."""
+def _fusion(node: Any):
+    """The fusion of a fused call (None for any other value)."""
+    from normfuse.passes.fusions import fusion_of
     from normfuse.passes.record import fused_op_name
-    name = fused_op_name(node) if isinstance(node, fx.Node) else None
-    return name is not None and (name == family or (family == "add_norm" and name == "norm"))
+    return fusion_of(fused_op_name(node)) if isinstance(node, fx.Node) else None
+
+
+def _sum_output(node: fx.Node) -> tuple[fx.Node, tuple | None] | None:
+    """(the call, the operands of its add or None when scaled) when ``node`` is the output of a
+    fused call that holds the stream's sum (``Fusion.stream_sum``)."""
+    if node.op == "call_function" and node.target is operator.getitem and _fusion(node.args[0]) is not None:
+        call = node.args[0]
+        summed = _fusion(call).stream_sum(call)
+        if summed is not None and summed[0] == node.args[1]:
+            return call, summed[1]
+    return None
 
 
 def _value(node: fx.Node) -> fx.Node:
-    """A fused op's sum output stands for the op itself (the add happens inside it)."""
-    if node.op == "call_function" and node.target is operator.getitem and _is_fused(node.args[0], "add_norm") \
-            and node.args[1] == 1:
-        return node.args[0]
+    """A fused call's sum output stands for the call itself when its norm reads that sum (the
+    add happens inside it)."""
+    found = _sum_output(node)
+    if found is not None and _fusion(found[0]).stream_input(found[0]) is found[0]:
+        return found[0]
     return node
 
 
 def _add_operands(node: fx.Node) -> tuple[Any, Any] | None:
-    """(a, b) when ``node`` is an unscaled add of two values: a plain add, or a fused op's add."""
+    """(a, b) when ``node`` is an unscaled add of two values: a plain add, or a fused call's add."""
     node = _value(node)
-    if _is_fused(node, "add_norm"):
-        if node.args[1] is None or node.kwargs.get("residual_scale", 1.0) != 1.0:
-            return None
-        return node.args[0], node.args[1]
-    if node.op == "call_function" and node.target is operator.getitem and _is_fused(node.args[0], "norm_add") \
-            and node.args[1] == 0:
-        call = node.args[0]
-        return (call.args[1], call.args[0]) if call.kwargs.get("residual_scale", 1.0) == 1.0 else None
+    fusion = _fusion(node)
+    if fusion is not None:  # the call standing for its sum
+        summed = fusion.stream_sum(node) if fusion.stream_input(node) is node else None
+        return None if summed is None else summed[1]
+    found = _sum_output(node)
+    if found is not None:
+        return found[1]
     c = canonical(node)
     if c is not None and c.prim == "add" and c["alpha"] == 1 and isinstance(c["input"], fx.Node) \
             and isinstance(c["other"], fx.Node):
@@ -53,8 +64,10 @@ def _add_operands(node: fx.Node) -> tuple[Any, Any] | None:
 def _entry(nodes: list[fx.Node], order: dict) -> fx.Node | None:
     """The stream value a norm (fused or not) reads."""
     for n in nodes:
-        if _is_fused(n, "add_norm"):
-            return n if n.args[1] is not None else n.args[0]
+        fusion = _fusion(n)
+        read = fusion.stream_input(n) if fusion is not None else None
+        if read is not None:
+            return read
     for n in nodes:
         c = canonical(n)
         if c is not None and c.prim in ("layer_norm", "rms_norm"):

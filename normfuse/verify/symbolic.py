@@ -3,7 +3,7 @@
 Both sides become sympy expressions over one symbolic row of length ``ROW`` (x, the
 residual, the weight and the bias are rows of symbols, eps is a symbol): the original
 subgraph node by node through the canonical view, the fused call from its keyword
-arguments and the defining formula of ``normfuse.kernels.add_norm``. Casts, views and
+arguments and its fusion's formula (``Fusion.formula``, the defining formula of its op). Casts, views and
 identity dropout are identities in exact arithmetic; the rounding points are the
 numeric checker's business.
 
@@ -27,11 +27,11 @@ import sympy
 import torch
 import torch.fx as fx
 
-from normfuse.kernels.specs import OP_OUTPUTS
 from normfuse.passes.canonical import TUPLE_SPELLINGS, canonical, node_dtype, node_shape
 from normfuse.passes.find import live_dropout_p
-from normfuse.passes.parts import PARTS
-from normfuse.passes.record import fused_op_name, output_names
+from normfuse.passes.fusions import fusion_of
+from normfuse.passes.order import STEPS
+from normfuse.passes.record import fused_op_name
 from normfuse.verify.sites import SitePair
 
 __all__ = ["ROW", "SymbolicResult", "prove_site"]
@@ -93,7 +93,7 @@ def _structured(*values: Any) -> bool:
 
 @dataclass(frozen=True)
 class _HeadRows:
-    """How the rows of a ``qk_norm_rope`` call stand for heads: a head's ``head_dim`` columns are
+    """How the rows of a call stand for heads (its fusion says so: ``Fusion.heads``): a head's ``head_dim`` columns are
     ``per_head`` symbols, so many that the rotary columns and their halves fall on whole symbols.
     A value of m heads (m * head_dim columns) is a row of d heads, d the least prime factor of m
     (one head for m = 1), each symbol standing for the same columns of the m / d heads it covers:
@@ -114,13 +114,14 @@ class _HeadRows:
 
 
 def _head_rows(pair: SitePair) -> _HeadRows | None:
-    """The heads of a ``qk_norm_rope`` call's rows (None for every other call)."""
-    if fused_op_name(pair.call) != "qk_norm_rope" or not pair.outputs:
+    """The heads of a call's rows (None for a call whose rows are not heads)."""
+    heads = fusion_of(fused_op_name(pair.call)).heads(pair.call, pair.outputs)
+    if heads is None:
         return None
-    head_dim = (node_shape(pair.outputs[0][1]) or (None,))[-1]
+    head_dim, rotary = heads
     if not isinstance(head_dim, int) or head_dim % 2:
-        raise _Unsupported(f"the RoPE output {pair.outputs[0][1].name} has no even head_dim")
-    rotary = pair.call.kwargs.get("rotary_dim") or head_dim
+        raise _Unsupported(f"the output {pair.outputs[0][1].name} has no even head_dim")
+    rotary = rotary or head_dim
     # p * rotary / 2 a multiple of head_dim: the halves of the rotary columns are whole symbols
     return _HeadRows(head_dim, math.lcm(ROW, 2 * head_dim // math.gcd(rotary, 2 * head_dim)))
 
@@ -351,7 +352,7 @@ def _touches_last(node: fx.Node, *dims: Any) -> bool:
 
 
 def _split_heads(node: fx.Node, c, row: Any, heads: _HeadRows) -> Any:
-    """A view of a qk_norm_rope call's value: one that splits the last dim into heads of
+    """A view of a value whose rows stand for heads: one that splits the last dim into heads of
     ``head_dim`` columns makes the row heads, one into pairs (..., D/2, 2) makes groups, one that
     merges groups back interleaves them; any other keeps the row as it is."""
     shape_in, shape_out = node_shape(c["input"]) or (None,), node_shape(node) or (None,)
@@ -511,9 +512,9 @@ def _source(node: fx.Node, inside: set, transposes: bool = False) -> fx.Node:
         c = canonical(node)
         if c is None or c.prim not in ("cast", "dropout", "view", "transpose") or not isinstance(c["input"], fx.Node):
             return node
-        # a transpose keeps each row only for a call that reads q before it (qk_norm_rope's
-        # transpose_out); elsewhere it stays a value of its own, so a call reading the
-        # untransposed value is refuted
+        # a transpose keeps each row only for a call that reads the value before it
+        # (Fusion.reads_transposed); elsewhere it stays a value of its own, so a call reading
+        # the untransposed value is refuted
         if c.prim == "transpose" and (not transposes or _touches_last(node, c["dim0"], c["dim1"])):
             return node
         if c.prim == "view" and (node_shape(node) or (None,))[-1:] != (node_shape(c["input"]) or (None,))[-1:]:
@@ -525,29 +526,19 @@ def _source(node: fx.Node, inside: set, transposes: bool = False) -> fx.Node:
 # --------------------------------------------------------------------------- the fused formula
 
 def _fused(pair: SitePair, rows: dict[str, Any], eps_sym, eps: float | None) -> list:
-    """The fused call's outputs by the defining formula (normfuse/kernels/reference.py), in the
-    order the functional API returns them."""
+    """The fused call's outputs by its fusion's formula (``Fusion.formula``, from the defining
+    formulas of normfuse/kernels/), in the order the call returns them."""
     kw = pair.call.kwargs
-    qk = fused_op_name(pair.call) == "qk_norm_rope"
-    kind = "rms_norm" if qk else kw.get("kind")
-    x, r, w, b = (rows[k] for k in ("x", "residual", "weight", "bias"))
-    scale = _const(float(kw.get("residual_scale", 1.0)), None, None)
+    fusion = fusion_of(fused_op_name(pair.call))
+    kind = fusion.norm_kind(kw)
+    w, b = rows["weight"], rows["bias"]
     offset = _const(float(kw.get("weight_offset", 0.0)), None, None) if w is not None else 0
     e = _const(float(kw["eps"]), eps, eps_sym)
-    if fused_op_name(pair.call) == "norm_add":
-        y = _norm(kind, x, w, b, e, offset)
-        return [_elementwise(lambda rv, yv: scale * rv + yv, r, y), y]
+
     def normalize(value, weight=w, bias=b):  # the call's norm of a row (a second norm: its own parameters)
         return _norm(kind, value, weight, bias, e, offset)
 
-    for part in PARTS:  # the parts' steps on x before the sum (the add's branch)
-        x = part.symbolic_input(kw, rows, x, _ROW_OPS)
-    s = x if r is None else _elementwise(lambda xv, rv: xv + scale * rv, x, r)
-    for part in PARTS:  # a fusion part in the call may give the outputs by its own formula
-        by_name = part.symbolic(kw, rows, s, normalize, _ROW_OPS) if part.uses(kw) else None
-        if by_name is not None:
-            return [by_name[name] for name in (OP_OUTPUTS["qk_norm_rope_fwd"][:2] if qk else output_names(kw))]
-    return [normalize(s), s]
+    return fusion.formula(kw, rows, normalize, _ROW_OPS)
 
 
 # --------------------------------------------------------------------------- equality
@@ -616,7 +607,8 @@ def _decide(lhs, rhs, rng: random.Random) -> tuple[str, str, str | None]:
 
 
 # the symbols of each argument of the fused call: x0..x3, r0..r3, ...
-_SYMBOL_PREFIX = {"x": "x", "residual": "r", "weight": "w", "bias": "b", **{role: p for part in PARTS for role, p in part.roles.items()}}
+_SYMBOL_PREFIX = {"x": "x", "residual": "r", "weight": "w", "bias": "b",
+                  **{role: p for step in STEPS for role, p in step.roles.items()}}
 
 
 def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
@@ -627,7 +619,7 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
     if pair.problem:
         return SymbolicResult("unsupported", detail=pair.problem)
     hidden = pair.site.hidden_size
-    transposes = fused_op_name(pair.call) == "qk_norm_rope" and bool(pair.call.kwargs.get("transpose_out"))
+    transposes = fusion_of(fused_op_name(pair.call)).reads_transposed(pair.call.kwargs)
     eps_sym = sympy.Symbol("eps", positive=True)
     inside = set(pair.nodes)
     try:

@@ -21,7 +21,6 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 import torch.fx as fx
 
 __all__ = ["DIFFUSION", "DiffusionModel", "build", "measure", "elementwise_passes", "activation_numel",

@@ -1,4 +1,4 @@
-"""The rotary embedding after a q/k norm, a fusion part: QK-norm + RoPE as one ``qk_norm_rope`` call.
+"""The rotary embedding after a q/k norm, a fusion: QK-norm + RoPE as one ``qk_norm_rope`` call.
 
 Qwen3, Gemma 3, OLMo 2 and GLM-4 MoE (``use_qk_norm``) normalize q and k and rotate them right
 after, as HF writes it (``apply_rotary_pos_emb``)::
@@ -43,13 +43,17 @@ import torch
 import torch.fx as fx
 
 from normfuse.kernels.qk_rope import qk_norm_rope
+from normfuse.kernels.specs import OP_OUTPUTS
 from normfuse.passes.canonical import (canonical, is_exact_upcast, node_dtype, node_shape, real_users, same_dim,
                                        same_shape)
 from normfuse.passes.graph import copy_meta
-from normfuse.passes.parts.base import BuiltCall, FusionPart, PlanContext
+from normfuse.passes.fusions.base import Fusion
+from normfuse.passes.step import BuiltCall, PlanContext
 from normfuse.vocabulary import KERNEL_DTYPES
 
-__all__ = ["QK_ROPE", "RopeMatch"]
+__all__ = ["QK_NORM_ROPE", "RopeMatch"]
+
+QK_NORM_ROPE_OUTPUTS = OP_OUTPUTS["qk_norm_rope_fwd"][:2]  # (q_out, k_out): what a call returns
 
 
 @dataclass(frozen=True)
@@ -505,7 +509,7 @@ def _partner(ctx: PlanContext, site, found: RopeMatch):
     downstream of this one, is no partner (its call could not start where this one does)."""
     index = ctx.analysis.index
     for other in ctx.analysis.sites:
-        theirs = other.parts.get(QK_ROPE.name)
+        theirs = other.parts.get(QK_NORM_ROPE.name)
         if other is site or other.number in ctx.unavailable or theirs is None or theirs.reason is not None:
             continue
         if index.order[other.match.output] < index.order[site.match.output] or ctx.norm_refusal(other) is not None:
@@ -518,10 +522,10 @@ def _partner(ctx: PlanContext, site, found: RopeMatch):
     return None
 
 
-class _QkRope(FusionPart):
+class _QkNormRope(Fusion):
     name = "qk_rope"
+    ops = ("qk_norm_rope",)
     exclusive = True  # y is rotated in the call: nothing else reads it
-    builds_call = True
     roles = {"cos": "c", "sin": "sn"}
     operand_name = "the k norm's operands"
 
@@ -640,10 +644,17 @@ class _QkRope(FusionPart):
         return fwd, bwd
 
     # ---------------------------------------------------------------- checker
-    def uses(self, options: dict) -> bool:
-        return options.get("rotary_dim") is not None
+    def norm_kind(self, options: dict) -> str:
+        return "rms_norm"
 
-    def symbolic(self, options: dict, rows: dict, s: list, norm, ops) -> dict[str, list]:
+    def heads(self, call: fx.Node, outputs: list) -> tuple:
+        head_dim = (node_shape(outputs[0][1]) or (None,))[-1] if outputs else None
+        return head_dim, call.kwargs.get("rotary_dim")
+
+    def reads_transposed(self, options: dict) -> bool:
+        return bool(options.get("transpose_out"))
+
+    def formula(self, options: dict, rows: dict, normalize, ops) -> list:
         """q_out, k_out: each normalized with its weight (the call's x / weight, residual / bias
         roles) over its rows (norm_width: each head, or all heads of a position), then rotated head by head
         (``rows["heads"]``: a head is ``per_head`` symbols, the first ``per_head * R / D`` rotated)."""
@@ -657,12 +668,12 @@ class _QkRope(FusionPart):
                 continue
             p = heads.per_head
             if options.get("norm_width", "head") == "row":
-                y = norm(x, w, None)
+                y = normalize(x, w, None)
             else:  # each head's statistics (a weight of all heads' columns read head by head)
                 y = [v for h in range(0, len(x), p)
-                     for v in norm(x[h:h + p], w if w is None or len(w) == p else w[h:h + p], None)]
+                     for v in normalize(x[h:h + p], w if w is None or len(w) == p else w[h:h + p], None)]
             out[name] = [v for h in range(0, len(y), p) for v in _rotated(y[h:h + p], c, sn, layout, rotated)]
-        return out
+        return [out[name] for name in QK_NORM_ROPE_OUTPUTS]
 
 
 def _per_column(table: list, rotated: int, layout: str, ops) -> list:
@@ -695,4 +706,4 @@ def _rotated(y: list, c: list, s: list, layout: str, rotated: int) -> list:
     return [y[j] * c[j] + rot[j] * s[j] for j in range(rotated)] + y[rotated:]
 
 
-QK_ROPE = _QkRope()
+QK_NORM_ROPE = _QkNormRope()

@@ -1,13 +1,13 @@
-"""The add after the norm, a fusion part: ``x + norm(f)`` as one ``norm_add`` call.
+"""The add after the norm, a fusion: ``x + norm(f)`` as one ``norm_add`` call.
 
 Res-post and sandwich blocks (Swin v2, OLMo 2, Gemma 2's post-norms) add the norm's output into
 the stream: ``out = residual + norm(f)``. The call ``norm_add(f, residual, w, b, ...)`` returns
 ``out`` (and y while anything else reads it): the stream is read and written once, y never
 (``normfuse.kernels.reference``: "Norm-then-add").
 
-``ADD_AFTER_NORM`` is the part: a plain norm's call (no add before the norm, not permuted) becomes
+``NORM_ADD`` is the fusion: a plain norm's call (no add before the norm, not permuted) becomes
 a ``norm_add`` call when the add after it is the stream's residual add, nothing sits between
-them, and no add_norm call claims that add (``fuse_output_add``). It builds its call itself.
+them, and no add_norm call claims that add (``fuse_output_add``).
 """
 
 from __future__ import annotations
@@ -20,16 +20,17 @@ from normfuse.kernels.specs import NORM_ADD_OUTPUTS
 from normfuse.passes.canonical import node_dtype, node_shape, real_users, same_shape
 from normfuse.passes.classify import stream_operand
 from normfuse.passes.graph import copy_meta
-from normfuse.passes.parts.base import BuiltCall, FusionPart, PlanContext
+from normfuse.passes.fusions.base import Fusion
+from normfuse.passes.step import BuiltCall, PlanContext
 from normfuse.vocabulary import Placement
 
-__all__ = ["ADD_AFTER_NORM"]
+__all__ = ["NORM_ADD"]
 
 
-class _AddAfterNorm(FusionPart):
+class _NormAdd(Fusion):
     name = "add_after_norm"
+    ops = ("norm_add",)
     exclusive = True  # y goes into the add in the same call
-    builds_call = True
 
     def offer(self, ctx: PlanContext, site, found, plan):
         out, m = site.output_add, site.match
@@ -73,4 +74,16 @@ class _AddAfterNorm(FusionPart):
         return built
 
 
-ADD_AFTER_NORM = _AddAfterNorm()
+    # ---------------------------------------------------------------- checker
+    def formula(self, options: dict, rows: dict, normalize, ops) -> list:
+        """(out, y): out = residual_scale * residual + y, y = norm(x)."""
+        scale = ops.rational(float(options.get("residual_scale", 1.0)))
+        y = normalize(rows["x"])
+        return [ops.elementwise(lambda rv, yv: scale * rv + yv, rows["residual"], y), y]
+
+    def stream_sum(self, call: fx.Node) -> tuple[int, tuple | None]:
+        operands = (call.args[1], call.args[0]) if call.kwargs.get("residual_scale", 1.0) == 1.0 else None
+        return NORM_ADD_OUTPUTS.index("out"), operands
+
+
+NORM_ADD = _NormAdd()
