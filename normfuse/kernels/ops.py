@@ -270,9 +270,7 @@ def _add_norm_backend(call: AddNormCall):
     rounding, gate, mod = call.rounding, call.gate, call.modulation
     dtypes = _dtypes(*_call_tensors(call), rounding.sum_dtype, rounding.norm_round_dtype, rounding.out_dtype,
                      None if gate is None else gate.out_dtype, *((mod.dtype, mod.out_dtype) if mod else ()))
-    backend = _backend(call.rows.x, dtypes, call.norm.group)
-    # the modulation epilogue and the gated branch run on the reference backend until the Triton kernels take them
-    return reference if mod is not None or call.rows.x_gate is not None else backend
+    return _backend(call.rows.x, dtypes, call.norm.group)
 
 
 def _check_seed(dropout: Optional[DropoutMask]) -> None:
@@ -432,8 +430,6 @@ def add_norm_bwd(call: BackwardCall):
     tensors = _backward_tensors(call)
     backend = _backend(inp, _dtypes(*tensors, dtypes.x, dtypes.residual, dtypes.bias, dtypes.bias1, dtypes.x1),
                        call.norm.group)
-    if call.modulation is not None or call.x_gate is not None:
-        backend = reference  # as the forward: the reference takes them
     return _op_outputs(backend.add_norm_bwd(call), (None, *(inp.dtype,) * 10), inp, tensors)
 
 

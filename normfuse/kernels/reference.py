@@ -133,7 +133,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from normfuse.kernels.specs import (SUPPORTED_DTYPES, AddNormCall, BackwardCall, DropoutMask, Modulation, Norm,
-                                    NormAddCall, Rounding, Rows, SecondNorm, Store)
+                                    NormAddCall, Rounding, Rows, SecondNorm, Store, XGate)
 from normfuse.kernels.specs import Gate
 from normfuse.vocabulary import KINDS
 
@@ -654,7 +654,7 @@ def _norm_output(h, mean, rstd, weight, bias, kind, weight_offset, norm_group) -
     return y0 if bias is None else y0 + bias.to(acc)
 
 
-def _modulation_grads(dm: Tensor, call: BackwardCall) -> tuple:
+def modulation_grads(dm: Tensor, call: BackwardCall) -> tuple:
     """(the gradient into the norm output, dscale, dshift) of m = y * scale + shift (rounding
     straight-through), dscale and dshift summed over what each broadcasts across."""
     saved, norm, mod = call.saved, call.norm, call.modulation
@@ -680,7 +680,7 @@ def add_norm_bwd(call: BackwardCall):
     dn = grads.dy + dextra if (add_after_norm and dextra is not None) else grads.dy  # gradient into the norm's output
     dscale = dshift = None
     if call.modulation is not None:
-        dn, dscale, dshift = _modulation_grads(dn, call)
+        dn, dscale, dshift = modulation_grads(dn, call)
     dgate = None
     if gate is None and not norm.group:
         weight1 = None if call.second is None else call.second.weight
@@ -708,13 +708,18 @@ def add_norm_bwd(call: BackwardCall):
     if call.rowscale is not None:
         dx = dx.to(acc) * call.rowscale[..., None].to(acc)
     dx_gate = None
-    if call.x_gate is not None:  # b = x * gate: db is dx above
-        gate, x = call.x_gate.gate, call.x_gate.x
-        dx_gate = (dx.to(acc) * x.to(acc)).sum_to_size(gate.shape).to(gate.dtype)
-        dx = dx.to(acc) * gate.to(acc)
+    if call.x_gate is not None:
+        dx, dx_gate = gated_branch_grads(dx.to(acc), call.x_gate)
     return (dx.to(dtypes.x), dres, None if dw is None else dw.to(norm.weight.dtype),
             None if db is None else db.to(dtypes.bias), dx1, None if dw1 is None else dw1.to(call.second.weight.dtype),
             None if db1 is None else db1.to(dtypes.bias1), dgate, dscale, dshift, dx_gate)
+
+
+def gated_branch_grads(db: Tensor, x_gate: XGate) -> tuple[Tensor, Tensor]:
+    """(dx, dgate) of the branch b = x * gate from db (in the accumulation dtype; dx stays in it,
+    dgate summed over what the gate broadcasts across, in the gate's dtype)."""
+    gate, x = x_gate.gate, x_gate.x
+    return db * gate.to(db.dtype), (db * x.to(db.dtype)).sum_to_size(gate.shape).to(gate.dtype)
 
 
 def add_norm_bwd_ref(call: BackwardCall):

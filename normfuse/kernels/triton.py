@@ -10,6 +10,7 @@ interpreter when NORMFUSE_TRITON_CPU=1 (the tests do).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -18,6 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from normfuse.kernels import reference
 from normfuse.kernels.reference import channel_split, quant_scale_shape, sum_like
 from normfuse.kernels.declarations import DECLARATIONS
 from normfuse.kernels.specs import AddNormCall, BackwardCall, Fp8Quant, NormAddCall
@@ -952,9 +954,27 @@ def _rows_of(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.view(-1, t.shape[-1])
 
 
+# The gated residual branch (x * x_gate) and the adaLN modulation (y * scale + shift) are not in the
+# kernels yet: they run as the reference's torch ops around them (forward and backward), and the add
+# and the norm stay one kernel. Same numbers as the reference: the branch is rounded once before the
+# add, the modulation reads the rounded y; the gradient into the branch stays fp32 until the gate's.
+
+def _around_kernels(call: AddNormCall) -> bool:
+    return call.rows.x_gate is not None or call.modulation is not None
+
+
+def _kernel_part(call: AddNormCall) -> AddNormCall:
+    """The call the kernels take: the gated branch as its x, no modulation."""
+    rows = dataclasses.replace(call.rows, x=reference.gated_branch(call.rows.x, call.rows.x_gate), x_gate=None)
+    return dataclasses.replace(call, rows=rows, modulation=None)
+
+
 def add_norm_fwd(call: AddNormCall):
     """(y, s, mean, rstd, y1) of add_norm_fwd; s None unless call.store.sum (ops.py clears it when there is
     no sum), y1 None without a second norm."""
+    if _around_kernels(call):
+        y, s, mean, rstd, y1 = add_norm_fwd(_kernel_part(call))
+        return (y if call.modulation is None else reference.modulate(y, call.modulation)), s, mean, rstd, y1
     x, rounding, gate = call.rows.x, call.rounding, call.gate
     j = strided_fwd_ok(call)
     if j is not None:  # a channel norm: x or the residual stored channels-first
@@ -1011,9 +1031,30 @@ def _has_y1(call: BackwardCall) -> bool:
     return call.grads.dy1 is not None and call.second is not None
 
 
+def _add_norm_bwd_around_kernels(call: BackwardCall) -> tuple:
+    """add_norm_bwd with the modulation's and the gated branch's gradients taken as the reference
+    takes them, around the kernels' backward of the add and the norm."""
+    grads, dtypes = call.grads, call.dtypes
+    dscale = dshift = None
+    if call.modulation is not None:
+        dn, dscale, dshift = reference.modulation_grads(grads.dy, call)
+        grads = dataclasses.replace(grads, dy=dn)
+    if call.x_gate is not None:  # the branch's gradient kept in fp32 for the gate's products
+        dtypes = dataclasses.replace(dtypes, x=torch.float32)
+    out = list(add_norm_bwd(dataclasses.replace(call, grads=grads, dtypes=dtypes, modulation=None, x_gate=None)))
+    out[8], out[9] = dscale, dshift
+    if call.x_gate is not None:
+        dx, out[10] = reference.gated_branch_grads(out[0], call.x_gate)
+        out[0] = dx.to(call.dtypes.x)
+    return tuple(out)
+
+
 def add_norm_bwd(call: BackwardCall):
     """The op's outputs: the 8 gradients (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate), None
-    where that input does not exist, then None for the outputs these kernels do not write."""
+    where that input does not exist, then None for the outputs these kernels do not write (but for the
+    modulation's and the gated branch's, taken around the kernels)."""
+    if call.modulation is not None or call.x_gate is not None:
+        return _add_norm_bwd_around_kernels(call)
     j = strided_bwd_ok(call)
     if j is not None:  # a channel norm: its input stored channels-first
         return _add_norm_bwd_strided(call, j)
