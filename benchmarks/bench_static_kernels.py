@@ -253,6 +253,8 @@ def kernel_args(op: Op, tl_dtype, block: int) -> dict:
                        QUANT=(scalar("quant_max"), scalar("quant_amax_min", f["HAS_AMAX_MIN"]),
                               scalar("quant_scale_min", f["HAS_SCALE_MIN"]), scalar("quant_clamp", f["HAS_CLAMP"])))
     args = {name: operand(name, tl_dtype, on) for name, on in present.items()}
+    if not op.backward:  # the residual's rows repeat every ``period`` rows (a broadcast table of positions)
+        args["R"] = (*args["R"], Leaf("i32", "period_R") if present["R"] else Leaf("constexpr", value=1))
     args.update({name: pointer(name, tl_dtype, on) for name, on in vectors.items()})
     args.update(scalars, **constexprs, N=Leaf("i32", "N", divisible=True), weight_offset=scalar("weight_offset"),
                 residual_scale=scalar("residual_scale"),

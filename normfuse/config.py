@@ -53,6 +53,10 @@ class FuseConfig:
                 its scale in the same call (normfuse/passes/parts/quant.py lists the spellings read).
     fuse_gate:  a gated RMSNorm, ``norm(x * act(z))`` (Mamba2) or ``norm(x) * act(z)`` (Qwen3-Next),
                 act silu or sigmoid in fp32, takes the gate into its call (normfuse/passes/parts/gate.py).
+    fuse_modulation: a diffusion transformer's adaLN modulation of the norm's output (``y * (1 + scale) +
+                shift``, addcmul, scale or shift only, Wan's fp32 steps) and the gate of the residual branch
+                before the add (``residual + gate * branch``) go into the call
+                (normfuse/passes/parts/modulation.py, gated_residual.py).
     fuse_rope:  a q/k norm whose output goes into HF's rotary embedding (``q * cos + rotate_half(q) *
                 sin``, partial rotary included) becomes one ``qk_norm_rope`` call, q and k of one
                 attention together (normfuse/passes/fusions/qk_norm_rope.py).
@@ -73,6 +77,7 @@ class FuseConfig:
     fuse_quant: bool = True
     fuse_gate: bool = True
     fuse_rope: bool = True
+    fuse_modulation: bool = True
 
     def __post_init__(self):
         if self.filter_fn is not None and not callable(self.filter_fn):
@@ -86,7 +91,7 @@ class FuseConfig:
         for name in ("standalone", "fuse_output_add", "prenorm", "check", "recompute_norm_output", "cross_block",
                      "cross_checkpoints",
                      "fuse_branch", "fuse_dropout", "pair_norms", "fuse_quant", "fuse_gate",
-                     "fuse_rope"):
+                     "fuse_rope", "fuse_modulation"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidOptionError(f"{name} must be True or False, got {value!r}.")

@@ -57,6 +57,12 @@ class Site:
     rope: str | None = None       # the norm's output goes into a rotary embedding: "neox, rotary 64 of 128"
     fused_rope: bool = False      # ... and the call (qk_norm_rope) computes that RoPE too
     rope_reason: str | None = None  # why it does not
+    modulation: str | None = None  # the norm's output is modulated (adaLN): "y * scale + shift in bfloat16"
+    fused_modulation: bool = False  # ... and the call computes the modulation
+    modulation_reason: str | None = None  # why it does not
+    gated_residual: str | None = None  # the add's branch is gated: "x * gate (2, 1, 64)"
+    fused_gated_residual: bool = False  # ... and the call reads the branch and the gate
+    gated_residual_reason: str | None = None  # why it does not
     graph: int = 0              # the graph run it was found in (nested subgraphs count as graphs)
     number: int = 0             # its place among that graph's sites, in graph order
     # dynamo runs one compiled graph for every module whose forward is the same code (the
@@ -155,6 +161,10 @@ class FusionReport:
             "fused_gate": sum(s.fused_gate for s in self.fused),
             "rope": sum(s.rope is not None for s in self.sites),
             "fused_rope": sum(s.fused_rope for s in self.fused),
+            "modulated": sum(s.modulation is not None for s in self.sites),
+            "fused_modulation": sum(s.fused_modulation for s in self.fused),
+            "gated_residual": sum(s.gated_residual is not None for s in self.sites),
+            "fused_gated_residual": sum(s.fused_gated_residual for s in self.fused),
             "not_captured": len(self.uncaptured),
         }
 
@@ -245,7 +255,9 @@ def folded_steps(site: Site) -> str:
     the add's branch, and the fp8 quantization of its output (or why not)."""
     steps = [name for name, on in (("x1", site.fused_x1), ("drop_path", site.fused_rowscale),
                                    ("dropout", site.fused_dropout), ("gate", site.fused_gate),
-                                   ("fp8 quant", site.fused_quant), ("rope", site.fused_rope)) if on]
+                                   ("fp8 quant", site.fused_quant), ("rope", site.fused_rope),
+                                   ("gated branch", site.fused_gated_residual),
+                                   ("modulation", site.fused_modulation)) if on]
     text = "".join(f" + {step}" for step in steps)
     if site.quant is not None and not site.fused_quant and site.fused:
         text += f" (fp8 quantization left: {site.quant_reason})"

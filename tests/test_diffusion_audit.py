@@ -46,9 +46,11 @@ def test_wan_audit_lists_its_norms(capsys):
     out = _audit(capsys, "diffusers:WanTransformer3DModel", "--layers", "1", "--seq", "64")
     # one block: norm1, q/k RMSNorms across heads of self- and cross-attention, norm2 (the cross-attention
     # norm) and norm3 after their residual adds, the final norm: at Wan 2.1 14B's hidden size. The class
-    # keeps norm1/2/3 in fp32 (as from_pretrained loads it): norm2's and norm_out's adds round to bf16 first
-    assert "8 norm sites in 1 graph(s); 8 would fuse (1 with their residual add)" in out
-    assert "a rounding cast sits between the residual add and the norm" in _json_reasons(capsys)
+    # keeps norm1/2/3 in fp32 (as from_pretrained loads it): norm2's and norm_out's adds are formed in fp32
+    # and rounded to bf16 by a cast, the call's sum dtype; the gated branches and the modulations go in too
+    assert "8 norm sites in 1 graph(s); 8 would fuse (3 with their residual add)" in out
+    assert "would fuse as add_norm + gated branch" in out  # norm2 and norm_out (the modulation: the JSON)
+    assert "a rounding cast sits between the residual add and the norm" not in _json_reasons(capsys)
     for fqn in ("blocks.0.norm1", "blocks.0.attn1.norm_q", "blocks.0.attn2.norm_k", "blocks.0.norm3", "norm_out"):
         assert fqn in out
     assert "5120" in out

@@ -33,8 +33,8 @@ EXPECTED = {
     "gemma2": dict(sites=9, placements={"standalone": 1, "pre": 4, "sandwich": 4}, input_is_add=4, fused_add=4,
                    kind="rms_norm"),
     "t5": dict(sites=12, placements={"standalone": 2, "pre": 10}, input_is_add=10, fused_add=10, kind="rms_norm"),
-    "bert": dict(sites=5, placements={"embedding": 1, "post": 4}, input_is_add=5, fused_add=4, kind="layer_norm"),
-    "gpt2": dict(sites=5, placements={"pre": 5}, input_is_add=5, fused_add=4, kind="layer_norm"),
+    "bert": dict(sites=5, placements={"embedding": 1, "post": 4}, input_is_add=5, fused_add=5, kind="layer_norm"),
+    "gpt2": dict(sites=5, placements={"pre": 5}, input_is_add=5, fused_add=5, kind="layer_norm"),
     "gpt_neox": dict(sites=5, placements={"parallel": 4, "pre": 1}, input_is_add=3, fused_add=3,
                      kind="layer_norm"),
 }

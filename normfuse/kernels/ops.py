@@ -61,6 +61,21 @@ __all__ = ["add_norm_fwd", "add_norm_quant_fwd", "norm_add_fwd", "add_norm_bwd",
 # Validation
 # --------------------------------------------------------------------------------------
 
+def residual_period(residual: Tensor, x: Tensor) -> Optional[int]:
+    """How many rows of x the residual's rows repeat over when it broadcasts over x's leading dims
+    only (learned positions: a (S, C) or (1, S, C) table added to (B, S, C)); x's row count for a
+    residual of x's shape; None for any other shape."""
+    if residual.shape == x.shape:
+        return math.prod(x.shape[:-1])
+    if residual.dim() > x.dim() or residual.dim() == 0:
+        return None
+    r = (1,) * (x.dim() - residual.dim()) + tuple(residual.shape)
+    k = next((i for i, d in enumerate(r) if d != 1), len(r) - 1)
+    if tuple(r[k:]) != tuple(x.shape[k:]):
+        return None
+    return math.prod(r[k:-1])
+
+
 def check_shapes(x, residual, weight, bias, x1=None, rowscale=None, weight1=None, bias1=None):
     """The shape checks (all a fake can check): raise a ShapeMismatchError naming the fix."""
     if not isinstance(x, Tensor) or x.dim() == 0:
@@ -70,11 +85,14 @@ def check_shapes(x, residual, weight, bias, x1=None, rowscale=None, weight1=None
     if n_cols == 0:
         raise ShapeMismatchError(f"x has shape {tuple(x.shape)}: its last dim, the one normalized, is empty; "
                                  f"pass at least one element per row.")
-    for name, t in (("residual", residual), ("x1", x1)):
-        if t is not None and t.shape != x.shape:
-            raise ShapeMismatchError(f"{name} has shape {tuple(t.shape)} but x has shape {tuple(x.shape)}; the "
-                                     f"fused add does not broadcast, so expand or reshape {name} to "
-                                     f"{tuple(x.shape)} first.")
+    if residual is not None and isinstance(residual, Tensor) and residual_period(residual, x) is None:
+        raise ShapeMismatchError(f"residual has shape {tuple(residual.shape)} but x has shape {tuple(x.shape)}; the "
+                                 f"fused add broadcasts the residual over x's leading dims only (a (S, C) or "
+                                 f"(1, S, C) table added to (B, S, C)), so expand or reshape it to "
+                                 f"{tuple(x.shape)} first.")
+    if x1 is not None and x1.shape != x.shape:
+        raise ShapeMismatchError(f"x1 has shape {tuple(x1.shape)} but x has shape {tuple(x.shape)}; the "
+                                 f"fused add does not broadcast, so expand or reshape x1 to {tuple(x.shape)} first.")
     if rowscale is not None and rowscale.shape != x.shape[:-1]:
         raise ShapeMismatchError(f"rowscale has shape {tuple(rowscale.shape)} but x has shape {tuple(x.shape)}; it "
                                  f"scales each row of x, so it must have shape {tuple(x.shape[:-1])} (x.shape[:-1]).")
@@ -288,7 +306,9 @@ def _with_stored_sum(call: AddNormCall) -> AddNormCall:
 
 
 def _sum_layout(call: AddNormCall) -> Tensor:
-    return call.rows.x if call.rows.residual is None else call.rows.residual
+    """The tensor whose layout the sum takes: the residual's (the stream's), x's when it broadcasts."""
+    residual = call.rows.residual
+    return call.rows.x if residual is None or residual.shape != call.rows.x.shape else residual
 
 
 @implement("add_norm_fwd")

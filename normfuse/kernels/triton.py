@@ -338,10 +338,17 @@ if triton is not None:
     # QUANT_OPTS (e5m2, group, scale form, apply, reciprocal scale out).
 
     @triton.jit
+    def _residual_row(R, row):
+        """The offset of the residual's row that x's row ``row`` adds: R is (pointer, row stride, period),
+        a table broadcast over x's leading dims repeating every ``period`` rows (learned positions)."""
+        return (row % R[2]) * R[1]
+
+    @triton.jit
     def _row_input(X, R, X1, RS, row, row_ok, cols, mask, N, residual_scale, DROPOUT, DTYPES: tl.constexpr,
                    ADD_RESIDUAL: tl.constexpr, SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr):
         """_load_norm_input of one block of a row of the row operands (the residual only when ADD_RESIDUAL)."""
-        return _load_norm_input(X[0], R[0], X1[0], RS, row, row_ok, row * X[1], row * R[1], row * X1[1], cols, mask,
+        return _load_norm_input(X[0], R[0], X1[0], RS, row, row_ok, row * X[1], _residual_row(R, row), row * X1[1],
+                                cols, mask,
                                 N, residual_scale, DROPOUT[0], DROPOUT[1], DROPOUT[2], ADD_RESIDUAL, SCALE_RESIDUAL,
                                 DTYPES[0], ROUND_SUM_FIRST, X1[0] is not None, RS is not None,
                                 DROPOUT[0] is not None, DTYPES[3])
@@ -420,7 +427,8 @@ if triton is not None:
                 tl.store(RSTD + row, rstd, mask=row < n_rows)
             if PARAMS_AFTER_STATS:
                 w, b = _load_params(W, B, cols, cols < N, weight_offset, W is not None, B is not None)
-            n, y = _normalize_and_store(u, mean, rstd, w, b, Y[0], S[0], R[0], row * Y[1], row * S[1], row * R[1],
+            n, y = _normalize_and_store(u, mean, rstd, w, b, Y[0], S[0], R[0], row * Y[1], row * S[1],
+                                        _residual_row(R, row),
                                         cols, mask, residual_scale, W is not None, B is not None, IS_RMS, ROUND_FIRST,
                                         DTYPES[1], DTYPES[2], Y[0] is not None, ADD_AFTER_NORM, SCALE_RESIDUAL,
                                         gate, HAS_GATE and GATE_OPTS[0], GATE_OPTS[2])
@@ -503,7 +511,8 @@ if triton is not None:
             else:
                 mean_c, rstd_c = mean, rstd
             n, y = _normalize_and_store(u, mean_c, rstd_c, w, b, Y[0], S[0], R[0], row * Y[1], row * S[1],
-                                        row * R[1], cols, mask, residual_scale, W is not None, B is not None, IS_RMS,
+                                        _residual_row(R, row), cols, mask, residual_scale, W is not None,
+                                        B is not None, IS_RMS,
                                         ROUND_FIRST, DTYPES[1], DTYPES[2], Y[0] is not None, ADD_AFTER_NORM,
                                         SCALE_RESIDUAL, gate, HAS_GATE and GATE_OPTS[0], GATE_OPTS[2])
             if W1 is not None:
@@ -534,7 +543,8 @@ if triton is not None:
             u = _row_input_again(X, R, X1, RS, S, row, row_ok, cols, mask, N, residual_scale, DROPOUT, DTYPES,
                                  ADD_AFTER_NORM, SCALE_RESIDUAL, ROUND_SUM_FIRST)
             w, b = _load_params(W, B, cols, mask, weight_offset, W is not None, B is not None)
-            _, y = _normalize_and_store(u, mean, rstd, w, b, None, S[0], R[0], 0, row * S[1], row * R[1], cols,
+            _, y = _normalize_and_store(u, mean, rstd, w, b, None, S[0], R[0], 0, row * S[1],
+                                        _residual_row(R, row), cols,
                                         mask, residual_scale, W is not None, B is not None, IS_RMS, ROUND_FIRST,
                                         DTYPES[1], DTYPES[2], False, False, SCALE_RESIDUAL)
             bits = _quant_bits(y.to(tl.float32), scale, QUANT[3], QUANT_OPTS[3], QUANT[3] is not None,
@@ -871,6 +881,12 @@ _QUANT_APPLY = {apply: i for i, apply in enumerate(QUANT_APPLY)}
 _NO_ROWS = (None, 0)  # an absent row operand
 
 
+def _residual_operand(r: Optional[Tensor]) -> tuple:
+    """The residual as the forward kernels read it: (its (P, N) rows, their stride, P), x's row r adding
+    the residual's row r % P (P: x's row count, or a table's broadcast over x's leading dims)."""
+    return (None, 0, 1) if r is None else (r, r.stride(0), r.shape[0])
+
+
 def _row_operand(t: Optional[Tensor]) -> tuple:
     """A row operand of the kernels: (its (M, N) rows, their stride), or (None, 0)."""
     return _NO_ROWS if t is None else (t, t.stride(0))
@@ -931,7 +947,7 @@ def _launch_fwd(call, y: Optional[Tensor], s: Optional[Tensor], y1: Optional[Ten
     branch_dtype = x.dtype if rows.x1 is None else torch.promote_types(x.dtype, rows.x1.dtype)
     gate_out = gate.out_dtype if gate is not None and gate.position == "after" else None
     kernel[(triton.cdiv(n_rows, rows_per_program),)](
-        (x2, x2.stride(0)), _row_operand(r2), _param(norm.weight), _param(norm.bias), _row_operand(y),
+        (x2, x2.stride(0)), _residual_operand(r2), _param(norm.weight), _param(norm.bias), _row_operand(y),
         _row_operand(s), mean if norm.kind == "layer_norm" else rstd, rstd,   # rms_norm: MEAN never written
         _row_operand(x12), None if rows.rowscale is None else rows.rowscale.reshape(-1).contiguous(),
         None if second is None else _param(second.weight), None if second is None else _param(second.bias),
@@ -1273,7 +1289,8 @@ def strided_fwd_ok(call: AddNormCall) -> Optional[int]:
     x, residual = call.rows.x, call.rows.residual
     if call.rows.x1 is not None or call.rows.rowscale is not None or call.second is not None \
             or call.dropout is not None and call.dropout.p > 0 or call.gate is not None or call.norm.group \
-            or triton is None or triton.next_power_of_2(x.shape[-1]) > _STRIDED_TILE:
+            or triton is None or triton.next_power_of_2(x.shape[-1]) > _STRIDED_TILE \
+            or residual is not None and residual.shape != x.shape:
         return None
     j = channel_split(x)
     return j if j is not None or residual is None else channel_split(residual)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from normfuse.vocabulary import LOW_PRECISION, TORCH_NORMS
 
 __all__ = ["real_users", "mutates", "is_check_only", "Canon", "canonicalize", "canonical", "common_subexpressions", "SPELLINGS", "PARAMS", "tensor_meta", "node_dtype",
-           "node_shape", "dim_value", "same_dim", "same_shape", "last_dim", "is_exact_upcast"]
+           "node_shape", "dim_value", "same_dim", "same_shape", "last_dim", "is_exact_upcast", "is_split_piece"]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -86,6 +86,8 @@ PARAMS: dict[str, tuple[str, ...]] = {
     # ... and activations (passes/parts/)
     "silu": ("input",),
     "sigmoid": ("input",),
+    # ... and adaLN's fused multiply-add: input + value * tensor1 * tensor2
+    "addcmul": ("input", "tensor1", "tensor2", "value"),
 }
 
 # Canonical primitive -> every spelling of it: call_function targets (callables, ATen
@@ -143,6 +145,7 @@ SPELLINGS: dict[str, list[Any]] = {
     "squeeze": [torch.squeeze, "squeeze", *_aten("squeeze.dim", "squeeze.dims", "squeeze.default")],
     "silu": [F.silu, "silu", *_aten("silu.default")],
     "sigmoid": [torch.sigmoid, F.sigmoid, "sigmoid", *_aten("sigmoid.default")],
+    "addcmul": [torch.addcmul, "addcmul", *_aten("addcmul.default")],
 }
 
 # Ops returning a tuple of primitives: each ``getitem`` of their result is read as the
@@ -170,6 +173,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "cat": {"dim": [0]},
     "stack": {"dim": [0]},
     "flatten": {"start_dim": 0, "end_dim": -1},
+    "addcmul": {"value": 1},
 }
 
 # ATen spellings whose positional layout differs from the canonical one.
@@ -345,8 +349,26 @@ def canonical(node: fx.Node) -> Canon | None:
         args["size"] = tuple(node.args[1:])
     if prim == "dropout" and "train" in args:
         args["training"] = args.pop("train")
+    identity = _times_one(prim, args)
+    if identity is not None:  # x / 1, x * 1: the same values (an attention's rescale_output_factor of 1.0)
+        return Canon("cast", {"input": identity})
     multi = node.target in _aten("native_layer_norm.default", "_fused_rms_norm.default")
     return Canon(prim, args, multi)
+
+
+def _times_one(prim: str, args: dict) -> fx.Node | None:
+    """The tensor of ``x / 1`` or ``x * 1`` (either order), which every float keeps exactly; else None."""
+    def one(v):
+        return type(v) in (int, float) and v == 1
+    if prim == "div" and isinstance(args.get("input"), fx.Node) and one(args.get("other")):
+        return args["input"]
+    if prim == "mul":
+        a, b = args.get("input"), args.get("other")
+        if isinstance(a, fx.Node) and one(b):
+            return a
+        if isinstance(b, fx.Node) and one(a):
+            return b
+    return None
 
 
 def canonicalize(graph: fx.Graph) -> dict[fx.Node, Canon]:
@@ -362,6 +384,26 @@ def canonicalize(graph: fx.Graph) -> dict[fx.Node, Canon]:
 # In-place spellings write into their input: a value read by one is not pure, and two
 # equal-looking expressions on either side of the write may differ.
 _IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
+
+
+# Ops that split a tensor into a tuple of pieces (views of it, no arithmetic): diffusion
+# transformers chunk one timestep projection into the pieces their blocks modulate with.
+SPLIT_SPELLINGS = frozenset([torch.chunk, torch.split, torch.unbind, torch.Tensor.chunk, torch.Tensor.split,
+                             torch.Tensor.unbind, "chunk", "split", "unbind",
+                             *_aten("chunk.default", "split.Tensor", "split_with_sizes.default", "unbind.int")])
+
+
+def is_split_piece(node: fx.Node) -> bool:
+    """A split of a tensor into pieces (``chunk``, ``split``, ``unbind``), or one piece of one:
+    pure views, as a canonical primitive is pure arithmetic."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    if node.op not in ("call_function", "call_method"):
+        return False
+    try:
+        return node.target in SPLIT_SPELLINGS
+    except TypeError:  # unhashable target
+        return False
 
 
 def mutates(node: fx.Node) -> bool:

@@ -62,6 +62,13 @@ class AddMatch:
     chain: tuple[fx.Node, ...] = ()  # pass-through nodes between the add and the norm
     permute: tuple[int, ...] | None = None  # a permute in the chain: the norm reads ``sum.permute(*permute)``
     reason: str | None = None        # why it cannot be folded into the kernel
+    rounded: fx.Node | None = None   # the cast right after an fp32 add that rounds the sum (Wan): the sum's value
+    broadcast: int | None = None     # index of an operand broadcast over the other's leading dims (positions)
+
+    @property
+    def total(self) -> fx.Node:
+        """The node holding the sum the stream goes on with (the rounding cast after the add, if any)."""
+        return self.rounded if self.rounded is not None else self.node
 
 
 # --------------------------------------------------------------------------- helpers
@@ -652,7 +659,15 @@ def as_add(index: GraphIndex, node: Any, n: int | None) -> AddMatch | None:
     if sa is None or sb is None:
         return None
     if not same_shape(sa, sb):
-        return AddMatch(node=node, operands=(a, b), reason=f"the add broadcasts ({tuple(sa)} + {tuple(sb)})")
+        table = _broadcast_operand(sa, sb, node_shape(node))
+        if table is None or c["alpha"] != 1:
+            why = "over other dims than the leading ones" if table is None else f"with alpha={c['alpha']}"
+            return AddMatch(node=node, operands=(a, b), reason=f"the add broadcasts ({tuple(sa)} + {tuple(sb)}) {why}")
+        ops = tuple(strip_upcasts(index, o) for o in (a, b))
+        dts = [node_dtype(o) for o in ops]
+        reason = f"operand dtypes {dts} are not ones the kernels take" if any(d not in KERNEL_DTYPES for d in dts) \
+            else None
+        return AddMatch(node=node, operands=ops, broadcast=table, reason=reason)
     if c["alpha"] != 1:
         return AddMatch(node=node, operands=(a, b),
                         reason=f"torch.add with alpha={c['alpha']} (scaled operand inside the add)")
@@ -671,6 +686,20 @@ def as_add(index: GraphIndex, node: Any, n: int | None) -> AddMatch | None:
     dts = [node_dtype(o) for o in ops]
     reason = f"operand dtypes {dts} are not ones the kernels take" if any(d not in KERNEL_DTYPES for d in dts) else None
     return AddMatch(node=node, operands=tuple(ops), scaled=scaled, residual_scale=residual_scale, reason=reason)
+
+
+def _broadcast_operand(sa: tuple, sb: tuple, out: tuple | None) -> int | None:
+    """The index of the operand that broadcasts over the other's leading dims only (a (S, C) or
+    (1, S, C) table of learned positions added to (B, S, C)): the kernel reads its rows again every
+    table's length of rows. None for any other broadcast."""
+    for i, (small, big) in enumerate(((sa, sb), (sb, sa))):
+        if len(small) > len(big) or out is None or not same_shape(out, big):
+            continue
+        padded = (1,) * (len(big) - len(small)) + tuple(small)
+        k = next((j for j, d in enumerate(padded) if not same_dim(d, 1)), len(padded) - 1)
+        if k > 0 and all(same_dim(padded[j], big[j]) for j in range(k, len(big))):
+            return i
+    return None
 
 
 def permute_dims(index: GraphIndex, node: Any) -> tuple[int, ...] | None:
@@ -756,14 +785,18 @@ def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
                     reason = "a reshape and a permute both sit between the residual add and the norm"
                 else:
                     reason = permuted_layout_reason(am, permute)
+            rounded = _rounding_of_sum(am.node, chain)
             if reason is None:
                 for p in chain:
+                    if p is rounded:
+                        continue
                     if index.prim(p) == "cast" and not is_exact_upcast(node_dtype(p.args[0]) if p.args else None,
                                                                         node_dtype(p)):
                         reason = "a rounding cast sits between the residual add and the norm"
                     elif index.prim(p) == "dropout" and not identity_dropout(index.canon(p)):
                         reason = "live dropout (training mode) sits between the residual add and the norm"
-            return replace(am, chain=tuple(chain), permute=permute if am.reason is None else None, reason=reason)
+            return replace(am, chain=tuple(chain), permute=permute if am.reason is None else None, reason=reason,
+                           rounded=rounded if reason is None else None)
         c = index.canon(cur)
         if c is not None and c.prim == "permute" and permute_dims(index, cur) is not None:
             # the norm reads cur.permute(permute) = input.permute(dims).permute(permute)
@@ -780,6 +813,16 @@ def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
         chain.append(cur)
         cur = index.canon(cur)["input"]
     return None
+
+
+def _rounding_of_sum(add: fx.Node, chain: list) -> fx.Node | None:
+    """The cast right after an fp32 add, its one reader, that rounds the sum to 16 bits (Wan:
+    ``(h.float() + out * g).type_as(h)``): the kernel forms the sum in fp32 and rounds it to its
+    sum dtype, the same two roundings. None otherwise."""
+    cast = chain[-1] if chain else None
+    if cast is None or canonical(cast) is None or canonical(cast).prim != "cast" or real_users(add) != [cast]:
+        return None
+    return cast if node_dtype(add) == torch.float32 and node_dtype(cast) in LOW_PRECISION else None
 
 
 def _stream_collapse(index: GraphIndex, node: fx.Node, chain: list) -> AddMatch | None:

@@ -12,7 +12,7 @@ offered first: an earlier step may have decided what a later one took).
 from __future__ import annotations
 
 from normfuse.passes.fusions import NORM_ADD, QK_NORM_ROPE
-from normfuse.passes.parts import BRANCH_FOLD, CHANNEL_LAYOUT, GATE, QUANT, SECOND_NORM
+from normfuse.passes.parts import BRANCH_FOLD, CHANNEL_LAYOUT, GATE, GATED_RESIDUAL, MODULATION, QUANT, SECOND_NORM
 from normfuse.passes.step import Step
 
 __all__ = ["ORDER", "STEPS", "taken_steps"]
@@ -21,14 +21,18 @@ ORDER: tuple[tuple[Step, str], ...] = (
     (CHANNEL_LAYOUT, "first: it decides whether the call reads its operands permuted (plan.permute), which "
                      "every later step checks before it takes a site"),
     (NORM_ADD, "before the parts: a plain norm whose output goes into the stream's add becomes a norm_add "
-               "call, and the gate, the fp8 epilogue and a second norm, offered after it, say why they do not "
+               "call, and the gated norm, the fp8 epilogue and a second norm, offered after it, say why they do not "
                "extend that call"),
     (BRANCH_FOLD, "the add's branch (second add, drop path, dropout): it changes the add_norm call's x; no "
                   "later step reads the branch"),
-    (GATE, "before the epilogues: a gate changes what y is (exclusive), which the fp8 epilogue and the "
-           "second norm after it read"),
+    (GATE, "before the epilogues: a gated norm changes what y is (exclusive), which the modulation, the fp8 "
+           "epilogue and the second norm after it read"),
+    (MODULATION, "after the gated norm, which it does not combine with; it changes what y is (exclusive), which "
+                 "the fp8 epilogue and the second norm after it read"),
     (QUANT, "an epilogue of the one y: after every step that decides what y is"),
     (SECOND_NORM, "after every step that changes y: a second norm shares the call only when none did"),
+    (GATED_RESIDUAL, "after every step it does not combine with (the branch's, the gated norm, the fp8 epilogue, a "
+                     "second norm): it takes the call only when none of them did, and changes its x to the branch"),
     (QK_NORM_ROPE, "last: it takes only a plain norm's call that no step before it extended"),
 )
 

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from normfuse.passes.analysis import Analysis, SiteAnalysis
-from normfuse.passes.canonical import canonical, mutates, node_dtype, node_shape, real_users, same_shape
+from normfuse.passes.canonical import canonical, is_split_piece, mutates, node_dtype, node_shape, real_users, same_shape
 from normfuse.passes.classify import stream_operand
 from normfuse.passes.graph import GraphIndex
 from normfuse.passes.order import STEPS
@@ -48,6 +48,8 @@ class Insertion:
 
     first: fx.Node
     moves: tuple[fx.Node, ...] = ()
+    replaces: tuple[fx.Node, ...] = ()  # placed after the site (not at its start): the values it replaces
+    follows: tuple[fx.Node, ...] = ()   # ... and the views or casts of its sum the stream goes on with, moved after it
 
 
 @dataclass
@@ -62,7 +64,7 @@ class Plan:
     residual_scale: float = 1.0
     sum_dtype: torch.dtype | None = None
     permute: tuple[int, ...] | None = None   # the kernel reads x and residual permuted by these dims
-    claims: tuple[fx.Node, ...] = ()         # adds (and nodes a part folded) no other call may take
+    claims: tuple[fx.Node, ...] = ()         # adds, nodes a part folded or replaces: no other call may take them
     insertion: Insertion | None = None
     residual_dtype: torch.dtype | None = None  # the call writes, or reads, a stream kept in this dtype
     widens: bool = False                     # ... it writes the sum in residual_dtype
@@ -145,13 +147,15 @@ def _choose(analysis: Analysis, site: SiteAnalysis, claimed: set) -> tuple[Plan 
     if add is not None and add.reason is None and add.node not in claimed and (static or not reshaped):
         a, b = add.operands
         # s = x + scale * residual: the scaled operand (DeepNorm) is the residual
-        if add.scaled is not None:
+        if add.broadcast is not None:  # the kernel reads the table (learned positions) as the residual
+            x, residual = (b, a) if add.broadcast == 0 else (a, b)
+        elif add.scaled is not None:
             x, residual = (b, a) if add.scaled == 0 else (a, b)
         else:
             stream = stream_operand(index, add)
             x, residual = (b, a) if stream == 0 else (a, b)
         return Plan("add_norm", (site.number,), x, residual, residual_scale=add.residual_scale,
-                    sum_dtype=node_dtype(add.node)), None
+                    sum_dtype=node_dtype(add.total)), None
     return Plan("norm", (site.number,), m.input, None, sum_dtype=node_dtype(m.input)), None
 
 
@@ -209,11 +213,12 @@ def _candidates(analysis: Analysis, p: Plan) -> list[fx.Node]:
     return nodes
 
 
-def _place(analysis: Analysis, p: Plan) -> tuple[Insertion | None, str | None]:
+def _place(analysis: Analysis, p: Plan, late: dict[fx.Node, int]) -> tuple[Insertion | None, str | None]:
     """Where the call goes, or why it cannot go where the site starts. An operand computed
     later (Nemotron's LayerNorm1P computes ``weight + 1`` after the residual add) moves up
     together with what it is computed from, when that is pure and reads only values computed
-    before it."""
+    before it; else the call goes where its first output is read (``_last_place``). ``late``:
+    the values earlier calls placed after their site's start replace -> where that call goes."""
     index = analysis.index
     candidates = _candidates(analysis, p)
     first = min(candidates, key=index.order.__getitem__)
@@ -223,32 +228,85 @@ def _place(analysis: Analysis, p: Plan) -> tuple[Insertion | None, str | None]:
         if step.name in p.taken:
             extra += step.reads(p.taken[step.name])
     moves: list[fx.Node] = []
-    for operand in (p.x, p.residual, lead.weight, lead.bias, *extra):
-        if isinstance(operand, fx.Node) and index.order[operand] >= index.order[first]:
-            moved = _movable_up(index, operand, first, set(candidates))
+    operands = [t for t in (p.x, p.residual, lead.weight, lead.bias, *extra) if isinstance(t, fx.Node)]
+    for operand in operands:
+        if max(index.order[operand], late.get(operand, -1)) >= index.order[first]:
+            moved = _movable_up(index, operand, first, set(candidates), late)
             if moved is None:
+                last = _last_place(analysis, p, candidates, operands, late)
+                if last is not None:  # the call where its first output is read, after every operand
+                    return Insertion(last[0], replaces=last[1], follows=last[2]), None
                 return None, (f"operand {operand.name} is computed after the site starts and cannot move before "
                               "it (it reads a value of the site, is not a pure primitive, or a value it reads is "
-                              "written in place)")
+                              "written in place), nor can the call go after it")
             moves += [n for n in moved if n not in moves]
     return Insertion(first, tuple(sorted(moves, key=index.order.__getitem__))), None
 
 
-def _movable_up(index: GraphIndex, operand: fx.Node, first: fx.Node, site: set) -> list[fx.Node] | None:
+def _last_place(analysis: Analysis, p: Plan, candidates: list[fx.Node], operands: list[fx.Node],
+                late: dict[fx.Node, int]) -> tuple[fx.Node, tuple[fx.Node, ...], tuple[fx.Node, ...]] | None:
+    """The latest place an add_norm call can go instead: before the first node outside the site
+    that reads a value of it, when every operand is computed before that, none is written in
+    place between the site's start and there, and of the site's nodes only the sum, y (as the
+    parts give it) and the pass-through nodes between the add and the norm are read outside it
+    (those move after the call; any other node that stays would read the call's output before
+    the call). An adaLN ``1 + scale``, computed from the block's own timestep projection after
+    the add the call takes, is why. (that node, the values the call replaces, the nodes that
+    move after it), or None."""
+    if p.op not in ("add_norm", "norm"):
+        return None
+    index = analysis.index
+    inside = set(candidates) | set(folded_nodes(p.taken))
+    y = analysis.sites[p.lead].match.output
+    for step in STEPS:
+        if step.name in p.taken:
+            inside |= set(step.nodes(p.taken[step.name]))
+            y = step.y_output(p.taken[step.name], y) if hasattr(step, "y_output") else y
+    replaced = {y, sum_node(analysis, p)}
+    lead = analysis.sites[p.lead]
+    chain = set(lead.in_add.chain) if p.op == "add_norm" and lead.in_add is not None else set()
+    read_outside = [n for n in inside if any(u not in inside for u in n.users)]
+    survivors = [n for n in read_outside if n not in replaced]
+    if any(n not in chain for n in survivors):
+        return None
+    # a pass-through node read outside stays, and so do those between the add and it, which it reads
+    follows = sorted((n for n in chain if survivors and index.order[n] <= max(map(index.order.__getitem__,
+                                                                                 survivors))),
+                     key=index.order.__getitem__)
+    readers = [u for n in read_outside if n in replaced for u in n.users if u not in inside]
+    if not readers:
+        return None
+    last = min(readers, key=index.order.__getitem__)
+    start, end = min(index.order[n] for n in inside), index.order[last]
+    if any(index.order[u] <= end for n in follows for u in n.users if u not in inside) or \
+            any(index.order[a] >= end for n in follows for a in n.all_input_nodes if a not in inside):
+        return None  # what reads a moved node comes before the call; or it reads a value made after it
+    if any(max(index.order[t], late.get(t, -1)) >= end or t in inside for t in operands):
+        return None
+    if any(mutates(u) and start <= index.order.get(u, -1) <= end for t in operands for u in t.users):
+        return None
+    return last, tuple(n for n in replaced if n is not None), tuple(follows)
+
+
+def _movable_up(index: GraphIndex, operand: fx.Node, first: fx.Node, site: set, late: dict[fx.Node, int]
+                ) -> list[fx.Node] | None:
     """``operand`` and the nodes it is computed from that come at or after ``first``, in graph
     order, when moving them all before ``first`` keeps every value: each is a get_attr or a
     pure primitive (no in-place write, no random dropout), none is part of the site, and
     nothing writes in place into them or into what they read before the site has read them
-    (the fused call reads them at ``first``). None otherwise."""
+    (the fused call reads them at ``first``), and none is a value a call placed after ``first``
+    replaces (``late``). None otherwise."""
     start, end = index.order[first], max(index.order[n] for n in site)
     later, stack = set(), [operand]
     while stack:
         node = stack.pop()
+        if late.get(node, -1) >= start:
+            return None
         if node in later or index.order[node] < start:
             continue
         if node in site or node.op not in ("get_attr", "call_function", "call_method"):
             return None
-        if node.op != "get_attr":
+        if node.op != "get_attr" and not is_split_piece(node):
             c = index.view.get(node)
             if c is None or c.multi_output or mutates(node) or c.prim == "dropout":
                 return None
@@ -266,7 +324,7 @@ def sum_node(analysis: Analysis, p: Plan) -> fx.Node | None:
     """The node whose value a call's stream output (the sum, or norm_add's result) replaces."""
     lead = analysis.sites[p.lead]
     if p.op == "add_norm" and p.residual is not None and lead.in_add is not None:
-        return lead.in_add.node
+        return lead.in_add.total
     return p.output_add if p.op == "norm_add" else None
 
 
@@ -372,8 +430,9 @@ def plan(analysis: Analysis, config, as_op: bool = False, excluded: Callable[[in
     claimed: set[fx.Node] = set()
     reserved = {s.in_add.node for s in analysis.sites if s.in_add is not None and s.in_add.reason is None}
     unavailable: set[int] = set()  # sites no call may take as its second norm: excluded, or taken already
+    late: dict[fx.Node, int] = {}   # values replaced by calls placed after their site's start -> where those go
     context = PlanContext(analysis, config, as_op, unavailable=unavailable, claimed=claimed, reserved=reserved,
-                          norm_refusal=refusal)
+                          norm_refusal=refusal, steps=STEPS)
     for site in analysis.sites:
         if excluded(site.number):
             decisions[site.number] = Decision(reason="excluded by filter_fn")
@@ -384,13 +443,13 @@ def plan(analysis: Analysis, config, as_op: bool = False, excluded: Callable[[in
         chosen, reason = _choose(analysis, site, claimed)
         part_reasons = _offer_steps(context, site, chosen) if chosen is not None else {}
         if chosen is not None:
-            chosen.insertion, reason = _place(analysis, chosen)
+            chosen.insertion, reason = _place(analysis, chosen, late)
             # a step whose operand comes too late: the call without it (order.py says which first)
             for step in reversed(STEPS):
                 if reason and step.name in chosen.taken and step.may_drop(chosen.taken[step.name]):
                     step.drop(chosen, chosen.taken.pop(step.name))
                     part_reasons[step.name] = f"{step.operand_name}: {reason}"
-                    chosen.insertion, reason = _place(analysis, chosen)
+                    chosen.insertion, reason = _place(analysis, chosen, late)
         if reason is None and chosen.op == "norm" and not config.standalone:
             reason = "standalone norms not rewritten (standalone=False)"
         if reason is not None:
@@ -400,10 +459,13 @@ def plan(analysis: Analysis, config, as_op: bool = False, excluded: Callable[[in
             continue
         add_reason = _add_reason(site, chosen, claimed, reserved, config)
         chosen.claims = tuple(n for n in (site.in_add.node if chosen.op == "add_norm" and site.in_add is not None
-                                          else None, chosen.output_add, *folded_nodes(chosen.taken)) if n is not None)
+                                          else None, chosen.output_add, *folded_nodes(chosen.taken),
+                                          *(n for step in STEPS if step.name in chosen.taken
+                                            for n in step.nodes(chosen.taken[step.name]))) if n is not None)
         claimed.update(chosen.claims)  # an add folded into one kernel is not folded into another
         if config.recompute_norm_output and not as_op and not chosen.exclusive:
             chosen.recompute = _linear_readers(analysis, chosen)
+        late.update({n: analysis.index.order[chosen.insertion.first] for n in chosen.insertion.replaces})
         number = len(planning.plans)
         planning.plans.append(chosen)
         for member in chosen.sites:

@@ -93,7 +93,8 @@ def _insertion_point(p: Plan) -> fx.Node:
     """The plan's first node, with the late operands moved up before it (in graph order)."""
     first = p.insertion.first
     for node in p.insertion.moves:
-        first.prepend(node)
+        if node > first:  # an earlier call may have moved it up already, further than this one needs
+            first.prepend(node)
     return first
 
 
@@ -108,6 +109,8 @@ def apply(r: Rewriting, p: Plan) -> fx.Node:
         modes["norm_group"] = m.group
     with r.graph.inserting_before(_insertion_point(p)):
         built = fusion.build(p.taken.get(fusion.name), p, r, modes)
+    for node in p.insertion.follows:  # the stream's views of the sum go on after the call that makes it
+        p.insertion.first.prepend(node)
     call = built.call
     holds = _outputs_hold(built)
     reads = {a for a in (p.x, p.residual, m.weight, m.bias, *built.reads) if isinstance(a, fx.Node)}

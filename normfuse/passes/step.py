@@ -67,6 +67,7 @@ class PlanContext:
     claimed: set                       # adds (and folded nodes) a call took: no other call may
     reserved: set                      # adds some norm reads its sum from (an add_norm may take them)
     norm_refusal: Callable[[Any], str | None]  # planning.refusal: why a site's norm cannot be fused
+    steps: tuple = ()                  # every step, in the order they are offered (order.STEPS)
 
 
 class Step:
@@ -78,6 +79,7 @@ class Step:
     # the call's options holding tensors the checker reads -> the prefix of their symbols
     roles: Mapping[str, str] = MappingProxyType({})
     operand_name: str = "its operand"
+    joins_gated_branch: bool = False  # a call that reads a gated residual branch (x * x_gate) may take it too
 
     # ---------------------------------------------------------------- find
     def find(self, index: GraphIndex, match) -> Any | None:

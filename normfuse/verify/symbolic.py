@@ -263,6 +263,10 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym, heads: _HeadRows
         return _flattened(node, c, val(c["input"]))
     if p == "div":
         return _elementwise(operator.truediv, val(c["input"]), val(c["other"]))
+    if p == "addcmul":  # input + value * tensor1 * tensor2
+        value = _const(c["value"], None, None)
+        product = _elementwise(operator.mul, val(c["tensor1"]), val(c["tensor2"]))
+        return _elementwise(lambda a, b: a + value * b, val(c["input"]), product)
     if p == "pow":
         return _elementwise(lambda a, e: a ** e, val(c["input"]), val(c["exponent"]))
     if p in _UNARY:
@@ -510,8 +514,12 @@ def _source(node: fx.Node, inside: set, transposes: bool = False) -> fx.Node:
     cast is the numeric check's business)."""
     while node not in inside:
         c = canonical(node)
-        if c is None or c.prim not in ("cast", "dropout", "view", "transpose") or not isinstance(c["input"], fx.Node):
+        if c is None or c.prim not in ("cast", "dropout", "view", "transpose", "unsqueeze") \
+                or not isinstance(c["input"], fx.Node):
             return node
+        if c.prim == "unsqueeze" and _touches_last(node, *(c["dim"] if isinstance(c["dim"], (list, tuple))
+                                                              else (c["dim"],))):
+            return node  # a new last dim: the row is another one
         # a transpose keeps each row only for a call that reads the value before it
         # (Fusion.reads_transposed); elsewhere it stays a value of its own, so a call reading
         # the untransposed value is refuted

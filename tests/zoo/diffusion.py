@@ -362,7 +362,8 @@ def _grads_within(model: nn.Module, kwargs: dict[str, Any], eager: dict, optimiz
 def measure(name: str) -> dict[str, Any]:
     """What tests/test_diffusion_zoo.py asserts about one model, as plain data.
 
-    norms, fused, fused_with_add: the report of ``normfuse.optimize`` (its counts()); equal: the
+    norms, fused, fused_with_add: the report of ``normfuse.optimize`` (its counts()); modulation,
+    gated: the adaLN modulations and gated residual branches found and those their calls take; equal: the
     optimized prediction ``torch.equal`` to eager's (fp32, CPU: the reference path); grads, after one
     backward of the same cotangent: "equal" (every parameter's gradient ``torch.equal`` to eager's),
     "within" (not all equal, all within the tolerance table against an fp64 copy) or "FAILS";
@@ -397,6 +398,8 @@ def measure(name: str) -> dict[str, Any]:
     c = report.counts()
     return {"norms": c["sites"], "fused": c["fused"], "fused_with_add": c["fused_with_add"],
             "input_is_add": c["input_is_add"], "rope": c["rope"], "fused_rope": c["fused_rope"],
+            "modulation": (c["modulated"], c["fused_modulation"]),
+            "gated": (c["gated_residual"], c["fused_gated_residual"]),
             "equal": torch.equal(out_eager, out_opt), "grads": grads,
             "passes": (sum(elementwise_passes(gm, threshold) for gm in before),
                        sum(elementwise_passes(gm, threshold) for gm in after)),
@@ -406,3 +409,31 @@ def measure(name: str) -> dict[str, Any]:
                                    if s.fused and s.input_is_add and not s.fused_add and s.add_reason}),
             "not_captured": list(report.uncaptured), "report": report,
             "seconds": round(time.perf_counter() - start, 2)}
+
+
+def _bf16(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(torch.bfloat16) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return {k: _bf16(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_bf16(v) for v in value)
+    return value
+
+
+def measure_bf16(name: str) -> dict[str, Any]:
+    """The model and its inputs in bf16 (the dtype these models run in): whether the optimized
+    prediction is ``torch.equal`` to eager's (CPU: the reference path), and the report's counts."""
+    import normfuse
+
+    model, kwargs = build(name)
+    model, kwargs = model.to(torch.bfloat16), _bf16(kwargs)
+    with torch.no_grad():
+        want = prediction(model(**kwargs))
+        torch._dynamo.reset()
+        optimized = normfuse.optimize(copy.deepcopy(model))
+        got = prediction(optimized(**kwargs))
+    c = normfuse.report(optimized).counts()
+    return {"equal": torch.equal(got, want), "fused": c["fused"], "fused_with_add": c["fused_with_add"],
+            "modulation": (c["modulated"], c["fused_modulation"]),
+            "gated": (c["gated_residual"], c["fused_gated_residual"])}

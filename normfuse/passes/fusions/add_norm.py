@@ -73,10 +73,10 @@ def _add_norm_call(r, p, parts: list, modes: dict) -> BuiltCall:
         built.stands_for += replaced
     if s_used:
         s = r.graph.call_function(operator.getitem, (built.call, where["s"]))
-        copy_meta(s, add.node)
+        copy_meta(s, add.total)
         built.inserted.append(s)
-        built.stands_for.append((where["s"], add.node))
-        r.replace(add.node, _returned(r, parts, "s", s, add.node, where, built))
+        built.stands_for.append((where["s"], add.total))
+        r.replace(add.total, _returned(r, parts, "s", s, add.total, where, built))
     if add is not None:
         folded = folded_nodes(p.taken)
         built.old_nodes += [add.node, *add.chain, *folded]

@@ -6,6 +6,8 @@
     gate.py            the gate of a gated norm: norm(x * act(z)), norm(x) * act(z)  (Mamba2, Qwen3-Next)
     quant.py           the fp8 quantization of the norm's output (q and its scale)
     second_norm.py     a second norm of the same value (parallel blocks): weight1 / bias1 -> y1
+    modulation.py      the adaLN modulation of y: y * scale + shift (diffusion transformers)
+    gated_residual.py  the gated residual branch: residual + gate * branch (diffusion transformers)
 
 ``PARTS`` lists them; the order the planner offers them in (with the fusions, ``passes/fusions/``)
 is ``passes/order.py``'s. Adding a part: write its module, add it here and there; no stage of the
@@ -18,13 +20,15 @@ from normfuse.passes.parts.base import CallPiece, FusionPart, PlanContext
 from normfuse.passes.parts.branch_fold import BRANCH_FOLD
 from normfuse.passes.parts.channel_layout import CHANNEL_LAYOUT
 from normfuse.passes.parts.gate import GATE
+from normfuse.passes.parts.gated_residual import GATED_RESIDUAL
+from normfuse.passes.parts.modulation import MODULATION
 from normfuse.passes.parts.quant import QUANT
 from normfuse.passes.parts.second_norm import SECOND_NORM
 
 __all__ = ["PARTS", "FusionPart", "CallPiece", "PlanContext", "taken_parts", "folded_nodes", "BRANCH_FOLD",
-           "CHANNEL_LAYOUT", "GATE", "QUANT", "SECOND_NORM"]
+           "CHANNEL_LAYOUT", "GATE", "GATED_RESIDUAL", "MODULATION", "QUANT", "SECOND_NORM"]
 
-PARTS: tuple[FusionPart, ...] = (CHANNEL_LAYOUT, BRANCH_FOLD, GATE, QUANT, SECOND_NORM)
+PARTS: tuple[FusionPart, ...] = (CHANNEL_LAYOUT, BRANCH_FOLD, GATE, MODULATION, QUANT, SECOND_NORM, GATED_RESIDUAL)
 
 
 def taken_parts(taken: dict) -> list[tuple[FusionPart, object]]:

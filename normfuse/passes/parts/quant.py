@@ -559,7 +559,7 @@ class _Quant(FusionPart):
         if plan.permute is not None:
             return "the call reads its operands permuted (a channel norm): the epilogue quantizes rows of y"
         if plan.exclusive or site.match.group is not None:
-            return "a gated or grouped norm: the epilogue does not quantize its output"
+            return "a gated, modulated or grouped norm: the epilogue does not quantize its output"
         return None
 
     def reads(self, found: QuantMatch) -> tuple[fx.Node, ...]:

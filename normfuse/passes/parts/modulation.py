@@ -1,0 +1,228 @@
+"""The adaLN modulation of a norm's output, a fusion part: ``norm(s) * scale + shift``.
+
+Diffusion transformers (DiT, PixArt, SD3, Flux, Wan, CogVideoX, LTX, HunyuanVideo, Sana, ...)
+modulate every norm's output with a scale and a shift computed from the timestep::
+
+    norm_hidden_states = self.norm2(hidden_states)
+    norm_hidden_states = norm_hidden_states * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+
+and its spellings: the factor first (``(1 + scale) * n + shift``), ``torch.addcmul(shift, n, 1 +
+scale)`` (one rounding), scale only (x-transformers' adaptive norms, and a norm without affine
+followed by its weight: ``LayerNorm(d, elementwise_affine=False)(x) * gamma``), shift only, and
+Wan's ``(norm(x.float()) * (1 + scale) + shift).type_as(x)`` (fp32 steps, one cast). Eagerly that
+is two more passes over the row; the fused call takes it (``mod_scale`` is the factor as the
+graph computed it, ``1 + scale`` included; the rounding points are ``Modulation``'s:
+``normfuse.kernels.reference.modulate``).
+
+``find_modulation(index, match)`` reads the norm's one reader; ``MODULATION`` is the part: an
+add_norm call (or a plain norm's) whose y nothing else changes takes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from normfuse.kernels.specs import Modulation
+from normfuse.passes.canonical import is_exact_upcast, node_dtype, node_shape, real_users
+from normfuse.passes.graph import GraphIndex
+from normfuse.passes.parts.base import CallPiece, FusionPart
+from normfuse.vocabulary import KERNEL_DTYPES
+
+__all__ = ["ModulationMatch", "find_modulation", "MODULATION"]
+
+
+@dataclass(frozen=True)
+class ModulationMatch:
+    """The modulation of one norm's output, as the fused call's options."""
+
+    scale: fx.Node | None                # the factor y is multiplied by (``1 + scale`` as the graph has it)
+    shift: fx.Node | None
+    dtype: torch.dtype                   # what the product and the sum round to
+    fused: bool                          # addcmul: one rounding of the product and the sum
+    out_dtype: torch.dtype               # the modulated output's dtype (a cast after it: Wan's type_as)
+    steps: tuple[fx.Node, ...]           # the casts that change no value before it, the product, the sum
+    cast: fx.Node | None = None          # the cast after it
+
+    @property
+    def output(self) -> fx.Node:
+        """The node the call's y replaces."""
+        return self.cast if self.cast is not None else self.steps[-1]
+
+    @property
+    def nodes(self) -> tuple[fx.Node, ...]:
+        return self.steps if self.cast is None else (*self.steps, self.cast)
+
+    def spec(self, scale: Any, shift: Any) -> Modulation:
+        """The kernel-facing argument group with the operands as the call reads them."""
+        return Modulation(scale, shift, self.dtype, self.fused, self.out_dtype if self.out_dtype != self.dtype else None)
+
+    def without_shift(self) -> ModulationMatch:
+        """The product alone, its add left to the graph (not for addcmul)."""
+        return ModulationMatch(self.scale, None, self.dtype, False, self.dtype, self.steps[:-1])
+
+    def describe(self) -> str:
+        steps = "addcmul" if self.fused else " ".join(
+            step for step, on in (("* scale", self.scale is not None), ("+ shift", self.shift is not None)) if on)
+        cast = f", then {self.out_dtype}" if self.out_dtype != self.dtype else ""
+        return f"y {steps} in {self.dtype}{cast}".replace("torch.", "")
+
+
+def _broadcasts_to(operand: Any, y: fx.Node, smaller: bool) -> bool:
+    """``operand`` is a tensor of at least one dim that broadcasts to y's shape without widening y
+    (and, with ``smaller``, has fewer elements: a stream of y's size is another value's add)."""
+    a, b = node_shape(operand) if isinstance(operand, fx.Node) else None, node_shape(y)
+    if not a or b is None or len(a) > len(b) or node_dtype(operand) not in KERNEL_DTYPES:
+        return False
+    if any(not (d == 1 or d == e) for d, e in zip(reversed(a), reversed(b))):
+        return False
+    padded = (1,) * (len(b) - len(a)) + tuple(a)
+    return not smaller or any(d == 1 and e != 1 for d, e in zip(padded, b))
+
+
+def _other(c, value: fx.Node, names: tuple[str, str]) -> Any:
+    """The operand of ``c`` that is not ``value`` (None when neither or both are)."""
+    first, second = (c[name] for name in names)
+    if first is value and second is not value:
+        return second
+    if second is value and first is not value:
+        return first
+    return None
+
+
+def _only_reader(node: fx.Node) -> fx.Node | None:
+    readers = real_users(node)
+    return readers[0] if len(readers) == 1 else None
+
+
+def _steps(index: GraphIndex, y: fx.Node) -> tuple[Any, Any, bool, list[fx.Node]]:
+    """(scale, shift, fused, nodes) of the modulation reading y; nodes empty when there is none."""
+    first = _only_reader(y)
+    c = index.canon(first) if first is not None else None
+    if c is None:
+        return None, None, False, []
+    if c.prim == "addcmul" and c["value"] == 1 and _broadcasts_to(c["input"], y, smaller=False):
+        scale = _other(c, y, ("tensor1", "tensor2"))
+        return (scale, c["input"], True, [first]) if _broadcasts_to(scale, y, smaller=False) else (None, None, False, [])
+    if c.prim == "mul":
+        scale = _other(c, y, ("input", "other"))
+        if not _broadcasts_to(scale, y, smaller=False):
+            return None, None, False, []
+        after = _only_reader(first)
+        a = index.canon(after) if after is not None else None
+        if a is not None and a.prim == "add" and a["alpha"] == 1:
+            shift = _other(a, first, ("input", "other"))
+            if _broadcasts_to(shift, y, smaller=False) and node_dtype(after) == node_dtype(first):
+                return scale, shift, False, [first, after]
+        return scale, None, False, [first]
+    if c.prim == "add" and c["alpha"] == 1:  # shift only: a value that broadcasts (a stream's add is not one)
+        shift = _other(c, y, ("input", "other"))
+        return (None, shift, False, [first]) if _broadcasts_to(shift, y, smaller=True) else (None, None, False, [])
+    return None, None, False, []
+
+
+def find_modulation(index: GraphIndex, match) -> ModulationMatch | None:
+    """The modulation of a matched norm's output (see the module docstring), or None: each step
+    rounds to the dtype eager's type promotion gives it, so the call rounds where eager does."""
+    y, casts = match.output, []
+    # casts that change no value between the norm and the product (FP32LayerNorm's .to(float32))
+    while (reader := _only_reader(y)) is not None and index.prim(reader) == "cast" \
+            and is_exact_upcast(node_dtype(y), node_dtype(reader)):
+        y = reader
+        casts.append(reader)
+    scale, shift, fused, nodes = _steps(index, y)
+    if not nodes:
+        return None
+    nodes = [*casts, *nodes]
+    dtype = node_dtype(nodes[-1])
+    promoted = node_dtype(y)
+    for t in (scale, shift):
+        promoted = promoted if t is None else torch.promote_types(promoted, node_dtype(t))
+    if dtype not in KERNEL_DTYPES or dtype != promoted or any(node_dtype(n) != dtype for n in nodes[len(casts):]):
+        return None  # a python scalar or a 0-dim operand promotes otherwise; not a modulation of the row
+    out = _only_reader(nodes[-1])
+    if out is not None and index.prim(out) == "cast" and node_dtype(out) in KERNEL_DTYPES:
+        return ModulationMatch(scale, shift, dtype, fused, node_dtype(out), tuple(nodes), out)
+    return ModulationMatch(scale, shift, dtype, fused, dtype, tuple(nodes))
+
+
+class _Modulation(FusionPart):
+    name = "modulation"
+    exclusive = True  # y is modulated: no second norm shares the call, no linear recomputes y
+    roles = {"mod_scale": "ms", "mod_shift": "mh"}
+    operand_name = "the modulation's scale and shift"
+    joins_gated_branch = True  # the adaLN block tail: gated branch, add, norm, modulation
+
+    def find(self, index: GraphIndex, match) -> ModulationMatch | None:
+        return find_modulation(index, match)
+
+    def offer(self, ctx, site, found: ModulationMatch | None, plan) -> tuple[ModulationMatch | None, str | None]:
+        if found is None:
+            return None, None
+        if not ctx.config.fuse_modulation:
+            return None, "modulations are not fused (fuse_modulation=False)"
+        if ctx.as_op:
+            return None, "Inductor's post-grad pass does not write the modulated call (use backend=\"normfuse\" or optimize)"
+        if plan.op not in ("norm", "add_norm"):
+            return None, "the norm's output goes into the add after it in the same call (norm_add)"
+        if plan.permute is not None:
+            return None, "the call reads its operands permuted (a channel norm): the modulation reads rows of y"
+        if plan.exclusive or site.match.group is not None:
+            return None, "a gated or grouped norm: the call does not modulate its output"
+        if found.shift is not None and found.steps[-1] in ctx.reserved:
+            # "+ shift" is a residual add another norm reads its sum from (Z-Image's x + g * norm(a)):
+            # that norm's call takes the add with its stream; this call takes the product only
+            if found.scale is None or found.fused:
+                return None, "the shift is the residual stream that the next norm's call adds"
+            found = found.without_shift()
+        return found, None
+
+    def may_drop(self, found: ModulationMatch) -> bool:
+        return True  # the call without it: the modulation stays in the graph
+
+    def reads(self, found: ModulationMatch) -> tuple[fx.Node, ...]:
+        return tuple(t for t in (found.scale, found.shift) if isinstance(t, fx.Node))
+
+    def nodes(self, found: ModulationMatch) -> tuple[fx.Node, ...]:
+        return found.nodes
+
+    def call(self, found: ModulationMatch, rewriting) -> CallPiece:
+        return CallPiece(found.spec(rewriting.resolve(found.scale), rewriting.resolve(found.shift)).kernel_args())
+
+    def y_output(self, found: ModulationMatch, y: fx.Node) -> fx.Node:
+        return found.output
+
+    def report(self, record, found: ModulationMatch, fused: bool, reason: str | None) -> None:
+        record.modulation = found.describe()
+        record.fused_modulation = fused
+        record.modulation_reason = None if fused else reason
+
+    def eager_nodes(self, found: ModulationMatch) -> tuple[fx.Node, ...]:
+        return found.nodes
+
+    def fused_bytes(self, found: ModulationMatch, y_bytes: int, size) -> tuple[int, int]:
+        """Until the kernels take the modulation it runs as torch ops around them (kernels/triton.py):
+        forward, the norm's y written and read once more, scale and shift read; backward, the
+        norm's input read again to rebuild y, the gradient into y written and read, the gradients
+        of scale and shift written."""
+        operands = sum(size.bytes(t) for t in (found.scale, found.shift) if isinstance(t, fx.Node))
+        return 2 * y_bytes + operands, 3 * y_bytes + 2 * operands
+
+    # ---------------------------------------------------------------- checker
+    def uses(self, options: dict) -> bool:
+        return options.get("mod_scale") is not None or options.get("mod_shift") is not None
+
+    def symbolic(self, options: dict, rows: dict, s: list, norm, ops) -> dict[str, list]:
+        """y = norm(s) * scale + shift (either may be absent), s as it is."""
+        y = norm(s)
+        if rows.get("mod_scale") is not None:
+            y = ops.elementwise(ops.mul, y, rows["mod_scale"])
+        if rows.get("mod_shift") is not None:
+            y = ops.elementwise(ops.add, y, rows["mod_shift"])
+        return {"y": y, "s": s}
+
+
+MODULATION = _Modulation()

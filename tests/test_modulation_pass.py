@@ -1,0 +1,206 @@
+"""The pass takes a diffusion transformer's block tail into one call (parts/modulation.py,
+parts/gated_residual.py): the gated residual branch ``h + gate * f(h)``, the add, the norm and the
+adaLN modulation ``y * (1 + scale) + shift``, in every spelling the blocks write.
+
+Per spelling: the call takes it (the report says so), the output equals the block's eager ops
+bit for bit on the reference path (fp32 and bf16), the gradients are held to the tolerance rule
+against fp64, and ``normfuse.check`` proves the site. Planted faults (scale and shift swapped, the
+raw scale read where the graph has ``1 + scale``, the gate on the stream instead of the branch,
+Wan's fp32 composition rounded per op) are refuted at their site. A modulation the call cannot
+take keeps a reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import optimized_with_fault
+
+import normfuse
+from normfuse.tolerances import within_tolerance
+from normfuse.verify.sites import fused_calls
+
+B, S, C = 2, 6, 32
+FORMS = ("dit", "scale_first", "addcmul", "wan", "scale_only", "shift_only", "weight_after")
+
+
+class Block(nn.Module):
+    """A DiT block's second half: h = h + gate * attn(h); then norm2, modulated as ``form`` writes it."""
+
+    def __init__(self, form: str, gated: bool = True, dtype=torch.float32):
+        super().__init__()
+        self.form, self.gated = form, gated
+        self.attn = nn.Linear(C, C, dtype=dtype)
+        self.ada = nn.Linear(C, 3 * C, dtype=dtype)
+        self.norm2 = nn.LayerNorm(C, elementwise_affine=False, eps=1e-6, dtype=dtype)
+        self.gamma = nn.Parameter(torch.randn(C, dtype=dtype))
+        self.ff = nn.Linear(C, C, dtype=dtype)
+
+    def forward(self, h, emb):
+        gate, scale, shift = self.ada(F.silu(emb)).chunk(3, dim=1)
+        branch = self.attn(h)
+        h = h + (gate.unsqueeze(1) * branch if self.gated else branch)
+        form = self.form
+        if form == "wan":
+            n = self.norm2(h.float())
+            m = (n * (1 + scale[:, None].float()) + shift[:, None].float()).type_as(h)
+        else:
+            n = self.norm2(h)
+            if form == "dit":
+                m = n * (1 + scale[:, None]) + shift[:, None]
+            elif form == "scale_first":
+                m = (1 + scale[:, None]) * n + shift[:, None]
+            elif form == "addcmul":
+                m = torch.addcmul(shift[:, None], n, 1 + scale[:, None])
+            elif form == "scale_only":
+                m = n * (1 + scale[:, None])
+            elif form == "shift_only":
+                m = n + shift[:, None]
+            else:  # "weight_after": a norm without affine, then its weight (x-transformers' LayerNorm)
+                m = n * self.gamma
+        return self.ff(m), h
+
+
+def _inputs(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, S, C, generator=g).to(dtype), torch.randn(B, C, generator=g).to(dtype)
+
+
+def _model(form, dtype=torch.float32, gated=True):
+    torch.manual_seed(0)
+    return Block(form, gated, dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+@pytest.mark.parametrize("form", FORMS)
+def test_each_spelling_is_taken_and_equals_eager(form, dtype):
+    model = _model(form, dtype)
+    h, emb = _inputs(dtype)
+    with torch.no_grad():
+        want = model(h, emb)
+        opt = normfuse.optimize(model)
+        got = opt(h, emb)
+    site = next(s for s in normfuse.report(opt).sites if "norm2" in (s.fqn or ""))
+    assert site.fused and site.fused_add and site.fused_gated_residual, site
+    # a weight after a norm without affine is the norm's own (the finder reads it as its weight,
+    # rounded where the graph rounds: find.py); every other form is the modulation's
+    assert site.fused_modulation == (form != "weight_after"), site
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("form", ("dit", "wan", "addcmul"))
+def test_gradients_within_the_rule(form):
+    dtype = torch.bfloat16
+    model = _model(form, dtype)
+    h, emb = _inputs(dtype, seed=3)
+    exact = _model(form, torch.float64)
+    exact.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    g = torch.Generator().manual_seed(5)
+    cots = [torch.randn(B, S, C, generator=g, dtype=torch.float64) for _ in range(2)]
+
+    def grads(m, x, e):
+        x, e = x.clone().requires_grad_(), e.clone().requires_grad_()
+        out = m(x, e)
+        sum((o.double() * c).sum() for o, c in zip(out, cots)).backward()
+        return {"h": x.grad, "emb": e.grad, **{n: p.grad for n, p in m.named_parameters()}}
+
+    base = grads(model, h, emb)
+    want = grads(exact, h.double(), emb.double())
+    opt = normfuse.optimize(_model(form, dtype))
+    got = grads(opt, h, emb)
+    assert normfuse.report(opt).counts()["fused_modulation"] == 1
+    for name, g_base in base.items():
+        if g_base is None:
+            continue
+        ok, err, err_base, bound = within_tolerance(got[name], g_base, want[name], dtype=g_base.dtype)
+        assert ok, f"d{name}: error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_check_proves_the_site(form):
+    model = _model(form)
+    res = normfuse.check(model, *_inputs(torch.float32), backward=False)
+    assert res.ok, res
+    site = next(s for s in res.sites if "norm2" in s.id or "norm2" in str(s))
+    assert site.symbolic.status == "proved", site.symbolic
+
+
+# --------------------------------------------------------------------------- planted faults
+
+def _plant(gm, fault):
+    call = next(n for n in fused_calls(gm.graph) if n.kwargs.get("mod_scale") is not None
+                or n.kwargs.get("mod_shift") is not None)
+    kw = dict(call.kwargs)
+    if fault == "scale_shift_swapped":
+        kw["mod_scale"], kw["mod_shift"] = kw["mod_shift"], kw["mod_scale"]
+    elif fault == "raw_scale":      # the call reads scale[:, None] where the graph has 1 + scale[:, None]
+        one_plus = kw["mod_scale"]
+        assert one_plus.target is torch.ops.aten.add.Tensor or "add" in str(one_plus.target)
+        kw["mod_scale"] = next(a for a in one_plus.args if isinstance(a, torch.fx.Node))
+    elif fault == "gate_on_stream":  # the gate multiplies the residual instead of the branch
+        x, residual = call.args[:2]
+        call.args = (residual, x, *call.args[2:])
+    elif fault == "wan_rounded_per_op":  # Wan's fp32 steps rounded to bf16 after each op
+        assert kw["mod_dtype"] == torch.float32
+        kw["mod_dtype"] = torch.bfloat16
+    else:
+        raise ValueError(fault)
+    call.kwargs = kw
+    gm.recompile()
+
+
+@pytest.mark.parametrize("form,fault,status", [("dit", "scale_shift_swapped", "refuted"),
+                                               ("dit", "raw_scale", "refuted"),
+                                               ("dit", "gate_on_stream", "refuted"),
+                                               ("wan", "wan_rounded_per_op", "proved")])
+def test_planted_fault_is_refuted_at_its_site(form, fault, status):
+    dtype = torch.bfloat16 if form == "wan" else torch.float32
+    model = _model(form, dtype)
+    optimized = optimized_with_fault(model, lambda gm: _plant(gm, fault))
+    res = normfuse.check(model, *_inputs(dtype), optimized=optimized, backward=False)
+    assert not res.ok
+    failing = [s for s in res.sites if not s.passed]
+    assert [s.id for s in failing] == [res.first_divergence.id]
+    assert "norm2" in str(res.first_divergence)
+    # a change of the exact math is refuted; a rounding fault is caught numerically, its math proved
+    assert res.first_divergence.symbolic.status == status, res.first_divergence.symbolic
+    assert res.first_divergence.numeric.passed is False
+
+
+# --------------------------------------------------------------------------- left as it was, with a reason
+
+def test_fuse_modulation_false_leaves_the_chain():
+    model = _model("dit")
+    opt = normfuse.optimize(model, fuse_modulation=False)
+    with torch.no_grad():
+        opt(*_inputs(torch.float32))
+    site = next(s for s in normfuse.report(opt).sites if "norm2" in (s.fqn or ""))
+    assert site.fused and not site.fused_modulation and not site.fused_gated_residual
+    assert site.modulation_reason == "modulations are not fused (fuse_modulation=False)"
+    assert site.gated_residual_reason == "gated residual branches are not fused (fuse_modulation=False)"
+
+
+class TwoReaders(nn.Module):
+    """The norm's output read twice (SD3.5's two modulations of one norm): the call keeps y."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(C, elementwise_affine=False)
+
+    def forward(self, h, scale):
+        n = self.norm(h)
+        return n * (1 + scale[:, None]), n * (2 + scale[:, None])
+
+
+def test_a_norm_read_twice_is_fused_without_the_modulation():
+    model = TwoReaders()
+    h, emb = _inputs(torch.float32)
+    with torch.no_grad():
+        want = model(h, emb)
+        opt = normfuse.optimize(model)
+        got = opt(h, emb)
+    site = normfuse.report(opt).sites[0]
+    assert site.fused and site.modulation is None
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
