@@ -66,8 +66,6 @@ FAST = ["dit", "pixart_sigma", "sd35_medium", "flux", "wan21"]
 # What the pass leaves of each family's block chain today, with the reason the report gives (None: no
 # reason; the report lists nothing about it). For the note of issue 38 and the next round's parts.
 NOT_TAKEN = {
-    "flux single-stream": ("the sum split into text and image tokens and concatenated by the next block",
-                           None),
     "diffusers RoPE": ("Flux/Flux2/HunyuanVideo/CogVideoX/LTX/Wan q/k norms' RoPE not recognized", None),
     "qwen-image RoPE": ("complex RoPE after the q/k norms",
                         "the complex RoPE is not the pair rotation in fp32 of q upcast from torch.float32 ..."),
@@ -139,3 +137,32 @@ def test_check_proves_every_site(name):
     assert res.ok, res
     assert [s.symbolic.status for s in res.sites] == ["proved"] * len(res.sites), \
         [(s.id, s.symbolic) for s in res.sites if s.symbolic.status != "proved"]
+
+
+def test_flux_single_stream_blocks_read_their_add_through_the_split():
+    """A single-stream block splits its sum into text and image tokens, the next one concatenates
+    them again: ``cat`` of slices that tile a tensor is that tensor (canonical.py), so the next
+    block's norm takes the add, its gated branch and its modulation."""
+    import copy
+
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    import normfuse
+    from tests.zoo.diffusion import build
+
+    _, kwargs = build("flux")
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=3,
+                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                   pooled_projection_dim=32, axes_dims_rope=[4, 4, 8]).eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = model(**kwargs)[0]
+        optimized = normfuse.optimize(copy.deepcopy(model))
+        got = optimized(**kwargs)[0]
+    assert torch.equal(got, want)
+    sites = {s.fqn: s for s in normfuse.report(optimized).sites}
+    for k in (1, 2):  # block 0 reads the double-stream blocks' two sums, concatenated
+        site = sites[f"single_transformer_blocks.{k}.norm.norm"]
+        assert site.fused_add and site.fused_gated_residual and site.fused_modulation, site

@@ -352,8 +352,35 @@ def canonical(node: fx.Node) -> Canon | None:
     identity = _times_one(prim, args)
     if identity is not None:  # x / 1, x * 1: the same values (an attention's rescale_output_factor of 1.0)
         return Canon("cast", {"input": identity})
+    whole = _cat_of_slices(node, args) if prim == "cat" else None
+    if whole is not None:  # Flux's single-stream blocks split the stream into text and image and join it
+        return Canon("view", {"input": whole})
     multi = node.target in _aten("native_layer_norm.default", "_fused_rms_norm.default")
     return Canon(prim, args, multi)
+
+
+def _cat_of_slices(node: fx.Node, args: dict) -> fx.Node | None:
+    """The tensor ``x`` of ``cat([x[..., a:b], x[..., b:c], ...], dim)`` when the slices tile x
+    along that dim in order (so the cat is x's values again); else None."""
+    tensors, ndim = args.get("tensors"), len(node_shape(node) or ())
+    dims = args.get("dim")
+    dim = dims[0] if isinstance(dims, (list, tuple)) and len(dims) == 1 else dims
+    if not isinstance(tensors, (list, tuple)) or len(tensors) < 2 or not isinstance(dim, int) or not ndim:
+        return None
+    source, end = None, 0
+    for t in tensors:
+        c = canonical(t) if isinstance(t, fx.Node) else None
+        if c is None or c.prim != "slice" or c["step"] != 1 or not isinstance(c["input"], fx.Node):
+            return None
+        if source is None:
+            source = c["input"]
+        d = c["dim"][0] if isinstance(c["dim"], (list, tuple)) else c["dim"]
+        if c["input"] is not source or not isinstance(d, int) or d % ndim != dim % ndim \
+                or (c["start"] or 0) != end or c["end"] is None and t is not tensors[-1]:
+            return None
+        end = c["end"]
+    size = (node_shape(source) or (None,) * ndim)[dim % ndim]
+    return source if end is None or (isinstance(size, int) and end == size) else None
 
 
 def _times_one(prim: str, args: dict) -> fx.Node | None:
