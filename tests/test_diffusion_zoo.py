@@ -35,10 +35,10 @@ EXPECTED = {
                           modulation=(8, 8), gated=(6, 6), equal=True, grads="equal", passes=(40, 11)),
     "sd35_medium":   dict(norms=18, fused=18, fused_with_add=7, input_is_add=7, rope=0, fused_rope=0,
                           modulation=(7, 7), gated=(6, 5), equal=True, grads="within", passes=(86, 27)),
-    "flux":          dict(norms=12, fused=12, fused_with_add=2, input_is_add=2, rope=0, fused_rope=0,
-                          modulation=(6, 6), gated=(2, 2), equal=True, grads="within", passes=(53, 37)),
-    "flux2":         dict(norms=12, fused=12, fused_with_add=2, input_is_add=2, rope=0, fused_rope=0,
-                          modulation=(6, 6), gated=(2, 2), equal=True, grads="within", passes=(56, 40)),
+    "flux":          dict(norms=12, fused=12, fused_with_add=2, input_is_add=2, rope=2, fused_rope=2,
+                          modulation=(6, 6), gated=(2, 2), equal=True, grads="within", passes=(53, 28)),
+    "flux2":         dict(norms=12, fused=12, fused_with_add=2, input_is_add=2, rope=2, fused_rope=2,
+                          modulation=(6, 6), gated=(2, 2), equal=True, grads="within", passes=(56, 31)),
     "wan21":         dict(norms=15, fused=15, fused_with_add=6, input_is_add=6, rope=0, fused_rope=0,
                           modulation=(5, 5), gated=(4, 4), equal=True, grads="within", passes=(64, 44)),
     "wan22_ti2v":    dict(norms=15, fused=15, fused_with_add=6, input_is_add=6, rope=0, fused_rope=0,
@@ -49,8 +49,8 @@ EXPECTED = {
                           modulation=(9, 9), gated=(7, 7), equal=True, grads="equal", passes=(66, 34)),
     "ltx_video":     dict(norms=13, fused=13, fused_with_add=4, input_is_add=4, rope=0, fused_rope=0,
                           modulation=(5, 5), gated=(2, 2), equal=True, grads="within", passes=(58, 38)),
-    "hunyuan_video": dict(norms=14, fused=14, fused_with_add=4, input_is_add=4, rope=0, fused_rope=0,
-                          modulation=(6, 6), gated=(4, 4), equal=True, grads="within", passes=(73, 40)),
+    "hunyuan_video": dict(norms=14, fused=14, fused_with_add=4, input_is_add=4, rope=2, fused_rope=2,
+                          modulation=(6, 6), gated=(4, 4), equal=True, grads="within", passes=(73, 31)),
     "sana":          dict(norms=6, fused=6, fused_with_add=4, input_is_add=4, rope=0, fused_rope=0,
                           modulation=(5, 5), gated=(2, 2), equal=True, grads="within", passes=(47, 27)),
     "qwen_image":    dict(norms=18, fused=18, fused_with_add=7, input_is_add=7, rope=0, fused_rope=0,
@@ -66,7 +66,8 @@ FAST = ["dit", "pixart_sigma", "sd35_medium", "flux", "wan21"]
 # What the pass leaves of each family's block chain today, with the reason the report gives (None: no
 # reason; the report lists nothing about it). For the note of issue 38 and the next round's parts.
 NOT_TAKEN = {
-    "diffusers RoPE": ("Flux/Flux2/HunyuanVideo/CogVideoX/LTX/Wan q/k norms' RoPE not recognized", None),
+    "diffusers RoPE": ("CogVideoX/LTX/Wan q/k norms' RoPE (after a transpose, a norm across heads, strided "
+                       "stores) and the double-stream blocks' RoPE of the concatenated text and image q", None),
     "qwen-image RoPE": ("complex RoPE after the q/k norms",
                         "the complex RoPE is not the pair rotation in fp32 of q upcast from torch.float32 ..."),
     "gate with a second branch": ("SD3.5's dual attention adds two branches",
@@ -166,3 +167,30 @@ def test_flux_single_stream_blocks_read_their_add_through_the_split():
     for k in (1, 2):  # block 0 reads the double-stream blocks' two sums, concatenated
         site = sites[f"single_transformer_blocks.{k}.norm.norm"]
         assert site.fused_add and site.fused_gated_residual and site.fused_modulation, site
+
+
+def test_diffusers_rope_after_the_qk_norms_is_fused_and_proved():
+    """Flux's and HunyuanVideo's q/k RMSNorms and their interleaved RoPE (``reshape(..., -1, 2).unbind(-1)``,
+    ``stack([-imag, real], -1).flatten(3)``, ``(x.float() * cos + rotated.float() * sin).to(x.dtype)``):
+    one qk_norm_rope call per attention (GPT-J's pairs), each site proved; cos and sin swapped in the
+    call is refuted at its site."""
+    import normfuse
+    from helpers import optimized_with_fault
+    from normfuse.verify.sites import fused_calls
+    from tests.zoo.diffusion import build
+
+    def swap_tables(gm):
+        call = next(n for n in fused_calls(gm.graph) if n.kwargs.get("rotary_dim") is not None)
+        call.kwargs = {**call.kwargs, "cos": call.kwargs["sin"], "sin": call.kwargs["cos"]}
+        gm.recompile()
+
+    model, kwargs = build("flux")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = normfuse.check(model, **kwargs, backward=False)
+        assert res.ok and [s.symbolic.status for s in res.sites] == ["proved"] * len(res.sites), res
+        assert res.report.counts()["fused_rope"] == 2, res.report
+        faulty = normfuse.check(model, **kwargs, backward=False, optimized=optimized_with_fault(model, swap_tables))
+    assert not faulty.ok
+    failing = [s for s in faulty.sites if not s.passed]
+    assert failing and all(s.symbolic.status == "refuted" for s in failing), failing

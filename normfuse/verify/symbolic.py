@@ -234,6 +234,25 @@ def _eval_getitem(node: fx.Node, load) -> Any:
     raise _Unsupported(f"{node.name} indexes a value that is not a tuple")
 
 
+def _unbinds_last(node: fx.Node) -> bool:
+    """``x.unbind(-1)`` / ``torch.unbind(x, -1)`` over the last dim (a tuple of its slices)."""
+    if node.op not in ("call_method", "call_function") or getattr(node.target, "__name__", node.target) != "unbind":
+        return False
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    return isinstance(dim, int) and _touches_last(node.args[0], dim)
+
+
+def _unbind_groups(node: fx.Node, value: Any) -> tuple:
+    """The unbind of a row of groups (pairs) over their last dim: one row per position in a group
+    (per head when the row is split into heads)."""
+    if isinstance(value, _Heads) and all(isinstance(h, _Groups) for h in value):
+        parts = [_unbind_groups(node, h) for h in value]
+        return tuple(_Heads(p[k] for p in parts) for k in range(len(parts[0])))
+    if not isinstance(value, _Groups) or not value or len({len(g) for g in value}) != 1:
+        raise _Unsupported(f"{node.name} unbinds a value that is not a row of groups")
+    return tuple([g[k] for g in value] for k in range(len(value[0])))
+
+
 def _eval_node(node: fx.Node, load, eps: float | None, eps_sym, heads: _HeadRows | None = None) -> Any:
     def val(a):
         return load(a) if isinstance(a, fx.Node) else _const(a, eps, eps_sym)
@@ -243,6 +262,8 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym, heads: _HeadRows
     c = canonical(node)
     if c is None and _max_values(node):  # torch.max(x, dim) returns (values, indices): the row's maximum
         return [_max(*val(node.args[0]))], None
+    if c is None and _unbinds_last(node):  # x.reshape(..., -1, 2).unbind(-1): the pairs' first and second halves
+        return _unbind_groups(node, val(node.args[0]))
     if c is None:
         raise _Unsupported(f"no symbolic rule for node {node.name} ({node.op} {getattr(node.target, '__name__', node.target)})")
     p = c.prim

@@ -45,7 +45,7 @@ import torch.fx as fx
 from normfuse.kernels.qk_rope import qk_norm_rope
 from normfuse.kernels.specs import OP_OUTPUTS
 from normfuse.passes.canonical import (canonical, is_exact_upcast, node_dtype, node_shape, real_users, same_dim,
-                                       same_shape)
+                                       same_shape, tensor_meta)
 from normfuse.passes.graph import copy_meta
 from normfuse.passes.fusions.base import Fusion
 from normfuse.passes.step import BuiltCall, PlanContext
@@ -229,6 +229,59 @@ def _rotate_pairs(index, r: fx.Node, width: int):
 def _swaps_heads(c) -> bool:
     """A transpose of dims 1 and 2 of a 4-d value: (B, S, H, D) <-> (B, H, S, D)."""
     return isinstance(c["dim0"], int) and isinstance(c["dim1"], int) and {c["dim0"] % 4, c["dim1"] % 4} == {1, 2}
+
+
+def _unbound_pairs(index, x: fx.Node, width: int):
+    """Diffusers' interleaved rotation of ``x`` (Flux, CogVideoX, HunyuanDiT)::
+
+        x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+        x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
+
+    GPT-J's pair rotation: (the reshape, the x_rotated node, the nodes), or None."""
+    pairs = next((u for u in _readers(x) if index.prim(u) == "view"
+                  and tuple(node_shape(u) or ())[-2:] == (width // 2, 2)), None)
+    unbind = _single_user(pairs) if pairs is not None else None
+    if unbind is None or unbind.op not in ("call_method", "call_function") \
+            or getattr(unbind.target, "__name__", unbind.target) != "unbind" \
+            or unbind.args[1:] not in ((-1,), (len(node_shape(pairs)) - 1,)) and unbind.kwargs.get("dim") != -1:
+        return None
+    items = {u.args[1]: u for u in unbind.users if u.target is operator.getitem}
+    if set(items) != {0, 1} or len(unbind.users) != 2:
+        return None
+    real, imag = items[0], items[1]
+    neg = _single_user(imag)
+    if neg is None or index.prim(neg) != "neg" or _readers(real) != [_single_user(neg)]:
+        return None
+    stack = _single_user(neg)
+    cs = index.canon(stack)
+    if cs is None or cs.prim != "stack" or list(cs["tensors"]) != [neg, real] \
+            or not _last(cs["dim"], len(node_shape(stack) or ())):
+        return None
+    flat = _single_user(stack)
+    if flat is None or index.prim(flat) not in ("flatten", "view") or not same_shape(node_shape(flat), node_shape(x)):
+        return None
+    return pairs, flat, [pairs, unbind, real, imag, neg, stack, flat]
+
+
+def _rotate_unbound_pairs(index, r: fx.Node, x: fx.Node, width: int):
+    """``r * c + fp32(x_rotated) * s`` with ``r`` an exact upcast of ``x`` and x_rotated diffusers'
+    interleaved rotation of x (the rotation commutes with the upcast: GPT-J's pairs on r):
+    (sum, c, s, nodes) as _rotate_pairs's, or None."""
+    found = _unbound_pairs(index, x, width)
+    if found is None:
+        return None
+    _, flat, nodes = found
+    cast = _single_user(flat)
+    muls = [(u, _other(index, u, r)) for u in _readers(r) if _other(index, u, r) is not None]
+    if cast is None or index.prim(cast) != "cast" or node_dtype(cast) != node_dtype(r) or len(muls) != 1 \
+            or not is_exact_upcast(node_dtype(flat), node_dtype(cast)):
+        return None
+    a, c = muls[0]
+    summed = _sum_with_rotated(index, a, cast)
+    if summed is None:
+        return None
+    o, s, b = summed
+    return o, c, s, [a, *nodes, cast, b, o]
 
 
 def _first_reader(index, node: fx.Node, prim: str):
@@ -419,6 +472,10 @@ def _find_rope(index, m, steps: list) -> RopeMatch | None:
                 chain += [rot, passed]
                 if len(users) != 2:
                     found = "the normalized q/k is read outside its RoPE"
+    if found is None and upcast is not None:  # diffusers: x.float() * cos + x_rotated(x).float() * sin
+        found, layout = _rotate_unbound_pairs(index, value, heads.value, D), "gptj"
+        pairs = _unbound_pairs(index, heads.value, D) if found is not None else None
+        leak = leak and not (pairs is not None and set(_readers(heads.value)) == {upcast, pairs[0]})
     if found is None:
         return None
     if isinstance(found, str) or (upcast is not None and leak):
@@ -545,6 +602,10 @@ class _QkNormRope(Fusion):
             return None, "qk_norm_rope calls are made in torch-level graphs (dynamo, export), not ATen post-grad ones"
         if plan.op != "norm" or plan.taken or plan.permute is not None:
             return None, "the norm's call takes another step"
+        if any(getattr(tensor_meta(t), "requires_grad", False) for t in (found.cos, found.sin) if isinstance(t, fx.Node)):
+            # Flux's tables are computed from its position ids: an input that requires grad makes them
+            return None, "the rotary tables require grad (computed from an input that does): qk_norm_rope does " \
+                         "not differentiate them"
         partner = _partner(ctx, site, found)
         plan.op = "qk_norm_rope"
         if partner is None:
