@@ -121,7 +121,8 @@ def test_diffusion_bf16(name):
         warnings.simplefilter("ignore")
         got = measure_bf16(name)
     want = EXPECTED[name]
-    assert got == {"equal": True, **{k: want[k] for k in ("fused", "fused_with_add", "modulation", "gated")}}, got
+    keys = ("fused", "fused_with_add", "fused_rope", "modulation", "gated")
+    assert got == {"equal": True, **{k: want[k] for k in keys}}, got
 
 
 @pytest.mark.parametrize("name", ["dit", "z_image"])

@@ -435,5 +435,6 @@ def measure_bf16(name: str) -> dict[str, Any]:
         got = prediction(optimized(**kwargs))
     c = normfuse.report(optimized).counts()
     return {"equal": torch.equal(got, want), "fused": c["fused"], "fused_with_add": c["fused_with_add"],
+            "fused_rope": c["fused_rope"],
             "modulation": (c["modulated"], c["fused_modulation"]),
             "gated": (c["gated_residual"], c["fused_gated_residual"])}

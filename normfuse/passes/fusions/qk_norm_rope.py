@@ -281,7 +281,8 @@ def _rotate_unbound_pairs(index, r: fx.Node, x: fx.Node, width: int):
     if summed is None:
         return None
     o, s, b = summed
-    return o, c, s, [a, *nodes, cast, b, o]
+    pairs, unbind, real, imag, neg, stack, flat = nodes
+    return o, c, s, [a, pairs, unbind, real, imag, b, neg, stack, flat, cast, o]  # a and b where _rotate_half has them
 
 
 def _first_reader(index, node: fx.Node, prim: str):
