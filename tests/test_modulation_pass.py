@@ -204,3 +204,29 @@ def test_a_norm_read_twice_is_fused_without_the_modulation():
     site = normfuse.report(opt).sites[0]
     assert site.fused and site.modulation is None
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+class ScaleFromTheSum(nn.Module):
+    """A factor computed from the sum the call makes: the call cannot read it before it computes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(C, elementwise_affine=False), nn.Linear(C, C)
+
+    def forward(self, h):
+        h = h + self.lin(h)
+        n = self.norm(h)
+        return n * (1 + h.mean(-1, keepdim=True)), h
+
+
+def test_a_factor_computed_from_the_sum_keeps_the_modulation_in_the_graph():
+    model = ScaleFromTheSum().eval()
+    h, _ = _inputs(torch.float32)
+    with torch.no_grad():
+        want = model(h)
+        opt = normfuse.optimize(model)
+        got = opt(h)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    site = normfuse.report(opt).sites[0]
+    assert site.fused and site.fused_add and site.modulation and not site.fused_modulation, site
+    assert site.modulation_reason.startswith("the modulation's scale and shift: operand"), site.modulation_reason
