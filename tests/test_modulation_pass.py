@@ -194,7 +194,7 @@ class TwoReaders(nn.Module):
         return n * (1 + scale[:, None]), n * (2 + scale[:, None])
 
 
-def test_a_norm_read_twice_is_fused_without_the_modulation():
+def test_a_norm_modulated_twice_is_fused_without_the_modulations_with_the_reason():
     model = TwoReaders()
     h, emb = _inputs(torch.float32)
     with torch.no_grad():
@@ -202,7 +202,8 @@ def test_a_norm_read_twice_is_fused_without_the_modulation():
         opt = normfuse.optimize(model)
         got = opt(h, emb)
     site = normfuse.report(opt).sites[0]
-    assert site.fused and site.modulation is None
+    assert site.fused and site.modulation and not site.fused_modulation, site
+    assert site.modulation_reason.startswith("the norm's output is modulated 2 times"), site.modulation_reason
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 

@@ -46,6 +46,8 @@ class ModulationMatch:
     out_dtype: torch.dtype               # the modulated output's dtype (a cast after it: Wan's type_as)
     steps: tuple[fx.Node, ...]           # the casts that change no value before it, the product, the sum
     cast: fx.Node | None = None          # the cast after it
+    times: int = 1                       # modulations of the one y (SD3.5's AdaLayerNormZeroX: two)
+    reason: str | None = None            # found, but the call cannot take it
 
     @property
     def output(self) -> fx.Node:
@@ -68,7 +70,8 @@ class ModulationMatch:
         steps = "addcmul" if self.fused else " ".join(
             step for step, on in (("* scale", self.scale is not None), ("+ shift", self.shift is not None)) if on)
         cast = f", then {self.out_dtype}" if self.out_dtype != self.dtype else ""
-        return f"y {steps} in {self.dtype}{cast}".replace("torch.", "")
+        times = f", {self.times} times" if self.times > 1 else ""
+        return f"y {steps} in {self.dtype}{cast}{times}".replace("torch.", "")
 
 
 def _broadcasts_to(operand: Any, y: fx.Node, smaller: bool) -> bool:
@@ -98,9 +101,8 @@ def _only_reader(node: fx.Node) -> fx.Node | None:
     return readers[0] if len(readers) == 1 else None
 
 
-def _steps(index: GraphIndex, y: fx.Node) -> tuple[Any, Any, bool, list[fx.Node]]:
-    """(scale, shift, fused, nodes) of the modulation reading y; nodes empty when there is none."""
-    first = _only_reader(y)
+def _steps(index: GraphIndex, y: fx.Node, first: fx.Node | None) -> tuple[Any, Any, bool, list[fx.Node]]:
+    """(scale, shift, fused, nodes) of the modulation ``first`` starts on y; nodes empty when it starts none."""
     c = index.canon(first) if first is not None else None
     if c is None:
         return None, None, False, []
@@ -133,7 +135,16 @@ def find_modulation(index: GraphIndex, match) -> ModulationMatch | None:
             and is_exact_upcast(node_dtype(y), node_dtype(reader)):
         y = reader
         casts.append(reader)
-    scale, shift, fused, nodes = _steps(index, y)
+    readers = real_users(y)
+    if len(readers) > 1:  # several modulations of one y: one output of the call is one of them
+        found = [st for st in (_steps(index, y, r) for r in readers) if st[3]]
+        if len(found) < 2 or len(found) != len(readers):
+            return None
+        scale, shift, fused, nodes = found[0]
+        return ModulationMatch(scale, shift, node_dtype(nodes[-1]), fused, node_dtype(nodes[-1]), tuple(nodes),
+                               times=len(found), reason=f"the norm's output is modulated {len(found)} times (SD3.5's "
+                               f"AdaLayerNormZeroX): the call returns one modulated output")
+    scale, shift, fused, nodes = _steps(index, y, _only_reader(y))
     if not nodes:
         return None
     nodes = [*casts, *nodes]
@@ -162,6 +173,8 @@ class _Modulation(FusionPart):
     def offer(self, ctx, site, found: ModulationMatch | None, plan) -> tuple[ModulationMatch | None, str | None]:
         if found is None:
             return None, None
+        if found.reason is not None:
+            return None, found.reason
         if not ctx.config.fuse_modulation:
             return None, "modulations are not fused (fuse_modulation=False)"
         if ctx.as_op:
