@@ -22,7 +22,7 @@ import torch.fx as fx
 from normfuse.passes.analysis import SiteAnalysis
 from normfuse.passes.canonical import node_dtype, node_shape, real_users, tensor_meta
 from normfuse.passes.find import identity_dropout
-from normfuse.passes.order import STEPS
+from normfuse.passes.order import taken_steps
 from normfuse.passes.parts import folded_nodes, taken_parts
 from normfuse.passes.planning import Plan
 
@@ -174,9 +174,8 @@ def _site_nodes(site: SiteAnalysis, plan: Plan | None) -> list[fx.Node]:
     elif op == "norm_add" and site.output_add is not None:
         nodes = [*nodes, *site.output_chain, site.output_add.node]
     if plan is not None and site.number == plan.lead:  # the steps of the parts the call takes (eager: y read back)
-        for step in STEPS:
-            if step.name in plan.taken:
-                nodes = [*nodes, *step.eager_nodes(plan.taken[step.name])]
+        for step, found in taken_steps(plan.taken):
+            nodes = [*nodes, *step.eager_nodes(found)]
     seen: list[fx.Node] = []
     for n in nodes:
         if n not in seen:
@@ -274,10 +273,9 @@ def site_bytes(index, site: SiteAnalysis, plan: Plan | None, residual_dtype: tor
     else:  # "norm"
         fused.add(fwd=x_bytes + params + y_bytes + stats)
         fused.add(bwd=y_bytes + x_bytes + stats + 2 * params + x_bytes)
-    for step in STEPS:  # what the steps the call takes write (or save) besides y and s
-        if step.name in plan.taken:
-            fwd, bwd = step.fused_bytes(plan.taken[step.name], y_bytes, _SIZES)
-            fused.add(fwd=fwd, bwd=bwd)
+    for step, found in taken_steps(plan.taken):  # what the steps the call takes write (or save) besides y and s
+        fwd, bwd = step.fused_bytes(found, y_bytes, _SIZES)
+        fused.add(fwd=fwd, bwd=bwd)
     return eager, fused, nodes
 
 

@@ -77,12 +77,12 @@ def analyze(graph: fx.Graph, stage: Callable[[str], None] = lambda name: None) -
     stage("classify")
     placements, groups = classify(index, found)
     sites = tuple(SiteAnalysis(number, f.match, f.in_add, f.output_add, tuple(f.output_chain), placement, group,
-                               sum_continues(f), _parts_found(index, f.match))
+                               sum_continues(f), _parts_found(index, f))
                   for number, (f, placement, group) in enumerate(zip(found, placements, groups)))
     index.freeze()
     return Analysis(index, sites)
 
 
-def _parts_found(index: GraphIndex, match: NormMatch) -> Mapping[str, Any]:
-    found = {step.name: step.find(index, match) for step in STEPS}
+def _parts_found(index: GraphIndex, f: Found) -> Mapping[str, Any]:
+    found = {step.name: step.find(index, f.match, f.in_add) for step in STEPS}
     return MappingProxyType({name: m for name, m in found.items() if m is not None})

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from normfuse.vocabulary import LOW_PRECISION, TORCH_NORMS
 
 __all__ = ["real_users", "mutates", "is_check_only", "Canon", "canonicalize", "canonical", "common_subexpressions", "SPELLINGS", "PARAMS", "tensor_meta", "node_dtype",
-           "node_shape", "dim_value", "same_dim", "same_shape", "last_dim", "is_exact_upcast", "is_split_piece"]
+           "node_shape", "dim_value", "same_dim", "same_shape", "broadcasts_to", "last_dim", "is_exact_upcast", "is_split_piece",
+           "unbound_dim"]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -415,9 +416,24 @@ _IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
 
 # Ops that split a tensor into a tuple of pieces (views of it, no arithmetic): diffusion
 # transformers chunk one timestep projection into the pieces their blocks modulate with.
-SPLIT_SPELLINGS = frozenset([torch.chunk, torch.split, torch.unbind, torch.Tensor.chunk, torch.Tensor.split,
-                             torch.Tensor.unbind, "chunk", "split", "unbind",
-                             *_aten("chunk.default", "split.Tensor", "split_with_sizes.default", "unbind.int")])
+UNBIND_SPELLINGS = frozenset([torch.unbind, torch.Tensor.unbind, "unbind", *_aten("unbind.int")])
+SPLIT_SPELLINGS = UNBIND_SPELLINGS | frozenset([torch.chunk, torch.split, torch.Tensor.chunk, torch.Tensor.split,
+                                                "chunk", "split",
+                                                *_aten("chunk.default", "split.Tensor", "split_with_sizes.default")])
+
+
+def _spelled(node: fx.Node, spellings: frozenset) -> bool:
+    try:
+        return node.op in ("call_function", "call_method") and node.target in spellings
+    except TypeError:  # unhashable target
+        return False
+
+
+def unbound_dim(node: fx.Node) -> Any:
+    """The dim ``x.unbind(dim)`` / ``torch.unbind(x, dim)`` unbinds (as written), None for any other node."""
+    if not _spelled(node, UNBIND_SPELLINGS):
+        return None
+    return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
 
 
 def is_split_piece(node: fx.Node) -> bool:
@@ -425,12 +441,7 @@ def is_split_piece(node: fx.Node) -> bool:
     pure views, as a canonical primitive is pure arithmetic."""
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         node = node.args[0]
-    if node.op not in ("call_function", "call_method"):
-        return False
-    try:
-        return node.target in SPLIT_SPELLINGS
-    except TypeError:  # unhashable target
-        return False
+    return _spelled(node, SPLIT_SPELLINGS)
 
 
 def mutates(node: fx.Node) -> bool:
@@ -565,6 +576,13 @@ def same_dim(a, b) -> bool:
 def same_shape(a, b) -> bool:
     """Equal shapes, symbolic dims included, without adding guards to a traced graph."""
     return a is not None and b is not None and len(a) == len(b) and all(same_dim(x, y) for x, y in zip(a, b))
+
+
+def broadcasts_to(a, b) -> bool:
+    """Shape ``a`` broadcasts to shape ``b`` without widening it: each dim of ``a``, aligned from the
+    last, is 1 or ``b``'s (symbolic dims included, without adding guards)."""
+    return a is not None and b is not None and len(a) <= len(b) and \
+        all(same_dim(d, 1) or same_dim(d, e) for d, e in zip(reversed(tuple(a)), reversed(tuple(b))))
 
 
 def last_dim(node) -> Any:

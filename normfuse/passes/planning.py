@@ -33,8 +33,8 @@ from normfuse.passes.analysis import Analysis, SiteAnalysis
 from normfuse.passes.canonical import canonical, is_split_piece, mutates, node_dtype, node_shape, real_users, same_shape
 from normfuse.passes.classify import stream_operand
 from normfuse.passes.graph import GraphIndex
-from normfuse.passes.order import STEPS
-from normfuse.passes.parts import folded_nodes
+from normfuse.passes.order import STEPS, taken_steps
+from normfuse.passes.parts import folded_nodes, taken_parts
 from normfuse.passes.step import PlanContext
 from normfuse.vocabulary import KERNEL_DTYPES, LOW_PRECISION, Placement
 
@@ -83,7 +83,7 @@ class Plan:
     @property
     def exclusive(self) -> bool:
         """A part it takes changes y: no second norm shares the call, no linear recomputes y."""
-        return any(step.exclusive for step in STEPS if step.name in self.taken)
+        return any(step.exclusive for step, _ in taken_steps(self.taken))
 
 
 @dataclass(frozen=True)
@@ -207,9 +207,8 @@ def _candidates(analysis: Analysis, p: Plan) -> list[fx.Node]:
         nodes += [lead.in_add.node, *lead.in_add.chain]
     if p.output_add is not None:
         nodes.append(p.output_add)
-    for step in STEPS:
-        if step.name in p.taken:
-            nodes += step.spans(p.taken[step.name])
+    for step, found in taken_steps(p.taken):
+        nodes += step.spans(found)
     return nodes
 
 
@@ -223,10 +222,7 @@ def _place(analysis: Analysis, p: Plan, late: dict[fx.Node, int]) -> tuple[Inser
     candidates = _candidates(analysis, p)
     first = min(candidates, key=index.order.__getitem__)
     lead = analysis.sites[p.lead].match
-    extra = ()
-    for step in STEPS:
-        if step.name in p.taken:
-            extra += step.reads(p.taken[step.name])
+    extra = [t for step, found in taken_steps(p.taken) for t in step.reads(found)]
     moves: list[fx.Node] = []
     operands = [t for t in (p.x, p.residual, lead.weight, lead.bias, *extra) if isinstance(t, fx.Node)]
     for operand in operands:
@@ -258,10 +254,10 @@ def _last_place(analysis: Analysis, p: Plan, candidates: list[fx.Node], operands
     index = analysis.index
     inside = set(candidates) | set(folded_nodes(p.taken))
     y = analysis.sites[p.lead].match.output
-    for step in STEPS:
-        if step.name in p.taken:
-            inside |= set(step.nodes(p.taken[step.name]))
-            y = step.y_output(p.taken[step.name], y) if hasattr(step, "y_output") else y
+    for step, found in taken_steps(p.taken):
+        inside |= set(step.nodes(found))
+    for part, found in taken_parts(p.taken):  # the node the call's y replaces, as the parts give it
+        y = part.y_output(found, y)
     replaced = {y, sum_node(analysis, p)}
     lead = analysis.sites[p.lead]
     chain = set(lead.in_add.chain) if p.op == "add_norm" and lead.in_add is not None else set()
@@ -460,8 +456,8 @@ def plan(analysis: Analysis, config, as_op: bool = False, excluded: Callable[[in
         add_reason = _add_reason(site, chosen, claimed, reserved, config)
         chosen.claims = tuple(n for n in (site.in_add.node if chosen.op == "add_norm" and site.in_add is not None
                                           else None, chosen.output_add, *folded_nodes(chosen.taken),
-                                          *(n for step in STEPS if step.name in chosen.taken
-                                            for n in step.nodes(chosen.taken[step.name]))) if n is not None)
+                                          *(n for step, found in taken_steps(chosen.taken)
+                                            for n in step.nodes(found))) if n is not None)
         claimed.update(chosen.claims)  # an add folded into one kernel is not folded into another
         if config.recompute_norm_output and not as_op and not chosen.exclusive:
             chosen.recompute = _linear_readers(analysis, chosen)

@@ -26,7 +26,7 @@ from normfuse.kernels.add_norm import add_norm, fused_add_norm, norm_add
 from normfuse.kernels.qk_rope import qk_norm_rope
 from normfuse.passes.find import live_dropout_p
 from normfuse.passes.fusions.add_norm import output_names
-from normfuse.passes.order import STEPS
+from normfuse.passes.order import STEPS, taken_steps
 from normfuse.passes.parts import folded_nodes
 
 __all__ = ["CallRecord", "record_call", "records_of", "attach_records", "fused_op_name", "is_fused_call", "runnable_target", "output_names",
@@ -115,9 +115,8 @@ def record_call(analysis: Any, p: Any, call: fx.Node, reads: set[fx.Node],
     m = lead.match
     folded = folded_nodes(p.taken)
     nodes = list(m.nodes)
-    for step in STEPS:
-        if step.name in p.taken:
-            nodes += step.nodes(p.taken[step.name])
+    for step, found in taken_steps(p.taken):
+        nodes += step.nodes(found)
     if p.op == "add_norm":
         add = lead.in_add
         nodes += [add.node, *add.chain, *_operand_prep(index, add.node, set(add.operands) | reads)]

@@ -8,7 +8,7 @@ and both answer the same stage hooks, declared here:
 ========  ======================================  ===================================================
 stage     hook                                    what the step says
 ========  ======================================  ===================================================
-find      ``find(index, match)``                  what it recognizes at a norm (a frozen match), or None
+find      ``find(index, match, in_add)``          what it recognizes at a norm (a frozen match), or None
 plan      ``offer(ctx, site, found, plan)``       whether the planned call takes it (and what that changes)
 plan      ``reads`` / ``spans``                   its operands / nodes that decide where the call starts
 plan      ``may_drop`` / ``drop``                 whether the call goes without it when an operand is late
@@ -82,8 +82,9 @@ class Step:
     joins_gated_branch: bool = False  # a call that reads a gated residual branch (x * x_gate) may take it too
 
     # ---------------------------------------------------------------- find
-    def find(self, index: GraphIndex, match) -> Any | None:
-        """What the step recognizes at the norm ``match`` (a frozen object), or None."""
+    def find(self, index: GraphIndex, match, in_add=None) -> Any | None:
+        """What the step recognizes at the norm ``match`` (a frozen object), or None; ``in_add``: the
+        add the norm reads (find.find_input_add's, found once by the analysis), or None."""
         return None
 
     # ---------------------------------------------------------------- plan

@@ -27,7 +27,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from normfuse.passes.canonical import TUPLE_SPELLINGS, canonical, node_dtype, node_shape
+from normfuse.passes.canonical import TUPLE_SPELLINGS, canonical, node_dtype, node_shape, unbound_dim
 from normfuse.passes.find import live_dropout_p
 from normfuse.passes.fusions import fusion_of
 from normfuse.passes.order import STEPS
@@ -236,9 +236,7 @@ def _eval_getitem(node: fx.Node, load) -> Any:
 
 def _unbinds_last(node: fx.Node) -> bool:
     """``x.unbind(-1)`` / ``torch.unbind(x, -1)`` over the last dim (a tuple of its slices)."""
-    if node.op not in ("call_method", "call_function") or getattr(node.target, "__name__", node.target) != "unbind":
-        return False
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    dim = unbound_dim(node)
     return isinstance(dim, int) and _touches_last(node.args[0], dim)
 
 

@@ -45,7 +45,7 @@ import torch.fx as fx
 from normfuse.kernels.qk_rope import qk_norm_rope
 from normfuse.kernels.specs import OP_OUTPUTS
 from normfuse.passes.canonical import (canonical, is_exact_upcast, node_dtype, node_shape, real_users, same_dim,
-                                       same_shape, tensor_meta)
+                                       same_shape, tensor_meta, unbound_dim)
 from normfuse.passes.graph import copy_meta
 from normfuse.passes.fusions.base import Fusion
 from normfuse.passes.step import BuiltCall, PlanContext
@@ -206,17 +206,10 @@ def _rotate_pairs(index, r: fx.Node, width: int):
         return None
     a, c = muls[0]
     x1, x2 = halves[0], halves[1]
-    neg = _single_user(x2)
-    if neg is None or index.prim(neg) != "neg" or index.canon(neg)["input"] is not x2:
+    rotated = _stacked_pairs(index, x1, x2, r)
+    if rotated is None:
         return None
-    stack = _single_user(neg)
-    cs = index.canon(stack) if stack is not None else None
-    if cs is None or cs.prim != "stack" or list(cs["tensors"]) != [neg, x1] \
-            or not _last(cs["dim"], len(node_shape(stack) or ())):
-        return None
-    flat = _single_user(stack)
-    if flat is None or index.prim(flat) not in ("flatten", "view") or not same_shape(node_shape(flat), node_shape(r)):
-        return None
+    neg, stack, flat = rotated
     summed = _sum_with_rotated(index, a, flat)
     if summed is None:
         return None
@@ -224,6 +217,23 @@ def _rotate_pairs(index, r: fx.Node, width: int):
     if len(users) != 3 or _readers(x1) != [stack] or _readers(b) != [o]:
         return "the normalized q/k is read outside its RoPE"
     return o, c, s, [a, x1, x2, neg, stack, b, o, flat]  # a and b at _rotate_half's positions
+
+
+def _stacked_pairs(index, first: fx.Node, second: fx.Node, like: fx.Node):
+    """GPT-J's rotation of two interleaved halves, ``stack((-second, first), -1).flatten(-2)`` with
+    ``like``'s shape, each step read once by the next: (neg, stack, flat), or None."""
+    neg = _single_user(second)
+    if neg is None or index.prim(neg) != "neg" or index.canon(neg)["input"] is not second:
+        return None
+    stack = _single_user(neg)
+    cs = index.canon(stack) if stack is not None else None
+    if cs is None or cs.prim != "stack" or list(cs["tensors"]) != [neg, first] \
+            or not _last(cs["dim"], len(node_shape(stack) or ())):
+        return None
+    flat = _single_user(stack)
+    if flat is None or index.prim(flat) not in ("flatten", "view") or not same_shape(node_shape(flat), node_shape(like)):
+        return None
+    return neg, stack, flat
 
 
 def _swaps_heads(c) -> bool:
@@ -237,30 +247,21 @@ def _unbound_pairs(index, x: fx.Node, width: int):
         x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
         x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
 
-    GPT-J's pair rotation: (the reshape, the x_rotated node, the nodes), or None."""
+    GPT-J's pair rotation: (the x_rotated node, the nodes from the reshape on), or None."""
     pairs = next((u for u in _readers(x) if index.prim(u) == "view"
                   and tuple(node_shape(u) or ())[-2:] == (width // 2, 2)), None)
     unbind = _single_user(pairs) if pairs is not None else None
-    if unbind is None or unbind.op not in ("call_method", "call_function") \
-            or getattr(unbind.target, "__name__", unbind.target) != "unbind" \
-            or unbind.args[1:] not in ((-1,), (len(node_shape(pairs)) - 1,)) and unbind.kwargs.get("dim") != -1:
+    if unbind is None or not _last(unbound_dim(unbind), len(node_shape(pairs))):
         return None
     items = {u.args[1]: u for u in unbind.users if u.target is operator.getitem}
     if set(items) != {0, 1} or len(unbind.users) != 2:
         return None
     real, imag = items[0], items[1]
-    neg = _single_user(imag)
-    if neg is None or index.prim(neg) != "neg" or _readers(real) != [_single_user(neg)]:
+    rotated = _stacked_pairs(index, real, imag, x)
+    if rotated is None or _readers(real) != [rotated[1]]:
         return None
-    stack = _single_user(neg)
-    cs = index.canon(stack)
-    if cs is None or cs.prim != "stack" or list(cs["tensors"]) != [neg, real] \
-            or not _last(cs["dim"], len(node_shape(stack) or ())):
-        return None
-    flat = _single_user(stack)
-    if flat is None or index.prim(flat) not in ("flatten", "view") or not same_shape(node_shape(flat), node_shape(x)):
-        return None
-    return pairs, flat, [pairs, unbind, real, imag, neg, stack, flat]
+    neg, stack, flat = rotated
+    return flat, [pairs, unbind, real, imag, neg, stack, flat]
 
 
 def _rotate_unbound_pairs(index, r: fx.Node, x: fx.Node, width: int):
@@ -270,7 +271,7 @@ def _rotate_unbound_pairs(index, r: fx.Node, x: fx.Node, width: int):
     found = _unbound_pairs(index, x, width)
     if found is None:
         return None
-    _, flat, nodes = found
+    flat, nodes = found
     cast = _single_user(flat)
     muls = [(u, _other(index, u, r)) for u in _readers(r) if _other(index, u, r) is not None]
     if cast is None or index.prim(cast) != "cast" or node_dtype(cast) != node_dtype(r) or len(muls) != 1 \
@@ -475,8 +476,8 @@ def _find_rope(index, m, steps: list) -> RopeMatch | None:
                     found = "the normalized q/k is read outside its RoPE"
     if found is None and upcast is not None:  # diffusers: x.float() * cos + x_rotated(x).float() * sin
         found, layout = _rotate_unbound_pairs(index, value, heads.value, D), "gptj"
-        pairs = _unbound_pairs(index, heads.value, D) if found is not None else None
-        leak = leak and not (pairs is not None and set(_readers(heads.value)) == {upcast, pairs[0]})
+        pairs = found[3][1] if found is not None else None  # the reshape to pairs: read by the RoPE
+        leak = leak and not (pairs is not None and set(_readers(heads.value)) == {upcast, pairs})
     if found is None:
         return None
     if isinstance(found, str) or (upcast is not None and leak):
@@ -587,7 +588,7 @@ class _QkNormRope(Fusion):
     roles = {"cos": "c", "sin": "sn"}
     operand_name = "the k norm's operands"
 
-    def find(self, index, match) -> RopeMatch | None:
+    def find(self, index, match, in_add=None) -> RopeMatch | None:
         return find_rope(index, match)
 
     def offer(self, ctx: PlanContext, site, found: RopeMatch | None, plan):

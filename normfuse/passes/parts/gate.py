@@ -125,7 +125,7 @@ class _Gate(FusionPart):
     name = "gate"
     roles = {"gate": "g"}
 
-    def find(self, index: GraphIndex, match) -> GateMatch | None:
+    def find(self, index: GraphIndex, match, in_add=None) -> GateMatch | None:
         return find_gate(index, match)
 
     def offer(self, ctx, site, found: GateMatch | None, plan) -> tuple[GateMatch | None, str | None]:

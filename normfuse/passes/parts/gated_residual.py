@@ -11,7 +11,7 @@ graph computed, which the call reads as ``x_gate``. Eagerly the product is one m
 branch; the call reads the branch and the x_gate and forms ``s = residual + branch * x_gate`` itself,
 the product rounded as eager's (``normfuse.kernels.reference.gated_branch``).
 
-``find_gated_branch(index, match)`` reads the add the norm normalizes; ``GATED_RESIDUAL`` is the
+``find_gated_branch(index, in_add)`` reads the add the norm normalizes; ``GATED_RESIDUAL`` is the
 part: an add_norm call whose x is that product takes it.
 """
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from normfuse.passes.canonical import node_dtype, node_shape, real_users
-from normfuse.passes.find import find_input_add, upcasts
+from normfuse.passes.canonical import broadcasts_to, node_dtype, node_shape, real_users, same_shape
+from normfuse.passes.find import upcasts
 from normfuse.passes.graph import GraphIndex
 from normfuse.passes.parts.base import CallPiece, FusionPart
 from normfuse.vocabulary import KERNEL_DTYPES
@@ -57,16 +57,14 @@ def _gate_and_branch(product: fx.Node, c) -> tuple[fx.Node, fx.Node] | None:
         return None
     for x_gate, branch in ((a, b), (b, a)):
         g, x = node_shape(x_gate), node_shape(branch)
-        if tuple(x) == tuple(shapes[2]) and len(g) <= len(x) and \
-                all(d == 1 or d == e for d, e in zip(reversed(g), reversed(x))):
+        if same_shape(x, shapes[2]) and broadcasts_to(g, x):
             return x_gate, branch
     return None
 
 
-def find_gated_branch(index: GraphIndex, match) -> GatedBranch | None:
-    """The gated operand of the add the norm normalizes, or None."""
-    found_add = find_input_add(index, match)  # the add the norm reads, as the analysis finds it
-    add = found_add.node if found_add is not None and found_add.reason is None else None
+def find_gated_branch(index: GraphIndex, in_add) -> GatedBranch | None:
+    """The gated operand of the add the norm normalizes (``in_add``: find.find_input_add's), or None."""
+    add = in_add.node if in_add is not None and in_add.reason is None else None
     c = index.canon(add) if add is not None else None
     if c is None or c.prim != "add" or c["alpha"] != 1:
         return None
@@ -92,8 +90,8 @@ class _GatedResidual(FusionPart):
     roles = {"x_gate": "xg"}
     operand_name = "the gated branch's factor (x_gate)"
 
-    def find(self, index: GraphIndex, match) -> GatedBranch | None:
-        return find_gated_branch(index, match)
+    def find(self, index: GraphIndex, match, in_add=None) -> GatedBranch | None:
+        return find_gated_branch(index, in_add)
 
     def offer(self, ctx, site, found: GatedBranch | None, plan) -> tuple[GatedBranch | None, str | None]:
         if found is None:

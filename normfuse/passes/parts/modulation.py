@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from normfuse.kernels.specs import Modulation
-from normfuse.passes.canonical import is_exact_upcast, node_dtype, node_shape, real_users
+from normfuse.passes.canonical import broadcasts_to, is_exact_upcast, node_dtype, node_shape, real_users, same_dim
 from normfuse.passes.graph import GraphIndex
 from normfuse.passes.parts.base import CallPiece, FusionPart
 from normfuse.vocabulary import KERNEL_DTYPES
@@ -78,12 +78,10 @@ def _broadcasts_to(operand: Any, y: fx.Node, smaller: bool) -> bool:
     """``operand`` is a tensor of at least one dim that broadcasts to y's shape without widening y
     (and, with ``smaller``, has fewer elements: a stream of y's size is another value's add)."""
     a, b = node_shape(operand) if isinstance(operand, fx.Node) else None, node_shape(y)
-    if not a or b is None or len(a) > len(b) or node_dtype(operand) not in KERNEL_DTYPES:
-        return False
-    if any(not (d == 1 or d == e) for d, e in zip(reversed(a), reversed(b))):
+    if not a or not broadcasts_to(a, b) or node_dtype(operand) not in KERNEL_DTYPES:
         return False
     padded = (1,) * (len(b) - len(a)) + tuple(a)
-    return not smaller or any(d == 1 and e != 1 for d, e in zip(padded, b))
+    return not smaller or any(same_dim(d, 1) and not same_dim(e, 1) for d, e in zip(padded, b))
 
 
 def _other(c, value: fx.Node, names: tuple[str, str]) -> Any:
@@ -167,7 +165,7 @@ class _Modulation(FusionPart):
     operand_name = "the modulation's scale and shift"
     joins_gated_branch = True  # the adaLN block tail: gated branch, add, norm, modulation
 
-    def find(self, index: GraphIndex, match) -> ModulationMatch | None:
+    def find(self, index: GraphIndex, match, in_add=None) -> ModulationMatch | None:
         return find_modulation(index, match)
 
     def offer(self, ctx, site, found: ModulationMatch | None, plan) -> tuple[ModulationMatch | None, str | None]:

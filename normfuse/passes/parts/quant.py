@@ -533,7 +533,7 @@ class _Quant(FusionPart):
     roles = {"quant_scale": "qs"}
     operand_name = "the static scale"
 
-    def find(self, index: GraphIndex, match) -> QuantMatch | None:
+    def find(self, index: GraphIndex, match, in_add=None) -> QuantMatch | None:
         return find_quant(index, match.output)
 
     def offer(self, ctx, site, found: QuantMatch | None, plan) -> tuple[QuantMatch | None, str | None]:
