@@ -159,7 +159,8 @@ def test_fuse_rope_false_leaves_the_rope():
 
 class _Attention(nn.Module):
     """q/k RMSNorm per head, then a RoPE: ``"neox"`` as HF writes it, ``"pairs"`` the interleaved
-    form (not recognized); ``leak`` also returns the normalized q."""
+    form written with ``select`` (not read), ``"strided"`` Wan's stores, ``"none"`` no RoPE; ``leak``
+    also returns the normalized q."""
 
     def __init__(self, rope="neox", leak=False, heads=2, dim=8, norm=nn.RMSNorm, q_scale=None):
         super().__init__()
@@ -173,6 +174,14 @@ class _Attention(nn.Module):
         if self.rope == "neox":
             x1, x2 = x[..., : self.dim // 2], x[..., self.dim // 2:]
             return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+        if self.rope == "strided":  # Wan: the pairs' rotations stored into a new tensor, every other column
+            x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+            out = torch.empty_like(x)
+            out[..., 0::2] = x1 * cos[..., 0::2] - x2 * sin[..., 1::2]
+            out[..., 1::2] = x1 * sin[..., 1::2] + x2 * cos[..., 0::2]
+            return out
+        if self.rope == "none":  # no rotation: the attention reads the normalized q and k
+            return x
         pairs = x.unflatten(-1, (-1, 2))
         rot = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
         return x * cos + rot * sin
@@ -239,7 +248,46 @@ def test_toy_rope_recognized_or_left(rope, leak, why):
         assert k.op == "qk_norm_rope" and k.fused_rope and k.call != q.call
     else:  # interleaved pairs are not HF's rotate_half: the norms fused alone, the RoPE left as it was
         assert q.op == k.op == "norm" and q.rope is None and k.rope is None, rep
+        assert q.rope_reason.startswith("a RoPE follows this q/k norm in another layout"), rep
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rope,why", [
+    ("strided", "a RoPE follows this q/k norm written into a tensor through indexed stores"),
+    ("none", None),
+])
+def test_a_rope_in_a_form_not_read_is_kept_with_the_reason(rope, why):
+    """Any rotation after a q/k norm (a sum of two products of the normalized value, one by a table,
+    before the attention reads it) that the call does not read keeps the reason; a q/k norm the
+    attention reads directly has none."""
+    ref, out, rep = _optimized_toy(_Attention(rope))
+    assert [s.op for s in rep.sites] == ["norm", "norm"] and not any(s.fused_rope for s in rep.sites), rep
+    for s in rep.sites:
+        assert (s.rope_reason or "").startswith(why) if why else s.rope_reason is None, rep
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name,overrides,norms", [
+    ("cohere", {"use_qk_norm": True}, 4),           # a LayerNorm per head, weight (heads, head_dim)
+    ("stablelm", {"qk_layernorm": True}, 12),       # one LayerNorm module per head, split and concatenated
+    ("esmc", {"num_key_value_heads": 4}, 4),        # a LayerNorm over all heads, cast, then the view to heads
+])
+def test_layer_norm_q_k_norms_say_why_their_rope_stays(name, overrides, norms):
+    """qk_norm_rope computes an RMSNorm: LayerNorm q/k norms (Cohere, StableLM, ESM-C, as Phi and
+    Persimmon) are fused alone and each says why its RoPE stays, whatever the RoPE's form."""
+    torch._dynamo.reset()
+    model = hf_model(name, **overrides)
+    inputs = example_inputs(model)
+    with torch.no_grad():
+        ref = model(**inputs)[0]
+        normfuse.optimize(model)
+        out = model(**inputs)[0]
+    rep = normfuse.report(model)
+    qk = [s for s in rep.sites if ".self_attn." in s.fqn]
+    assert len(qk) == norms and all(s.fused and s.op == "norm" for s in qk), rep
+    assert {s.rope_reason for s in qk} == {"qk_norm_rope computes an RMSNorm; this q/k norm is a layer_norm"}, rep
+    # Cohere's written-out LayerNorm reduces its rows in another order than the call (tests/zoo/expected.py)
+    torch.testing.assert_close(out, ref, **({} if name == "cohere" else dict(rtol=0, atol=0)))
 
 
 @pytest.mark.parametrize("options,why", [

@@ -369,7 +369,8 @@ def measure(name: str) -> dict[str, Any]:
     "within" (not all equal, all within the tolerance table against an fp64 copy) or "FAILS";
     passes: ``(before, after)``, ``elementwise_passes`` summed over the graphs dynamo captures,
     before the pass (an untouched capture) and after it (the optimized model's rewritten graphs);
-    unfused / add_reasons: the report's reasons for norms left and adds left outside their call."""
+    unfused / add_reasons: the report's reasons for norms left and adds left outside their call;
+    rope_refused: the norms followed by a RoPE their call does not take (each with the reason)."""
     import normfuse
     from normfuse.capture import record_graphs
 
@@ -398,6 +399,7 @@ def measure(name: str) -> dict[str, Any]:
     c = report.counts()
     return {"norms": c["sites"], "fused": c["fused"], "fused_with_add": c["fused_with_add"],
             "input_is_add": c["input_is_add"], "rope": c["rope"], "fused_rope": c["fused_rope"],
+            "rope_refused": sum(bool(s.rope_reason) for s in report.sites),
             "modulation": (c["modulated"], c["fused_modulation"]),
             "gated": (c["gated_residual"], c["fused_gated_residual"]),
             "equal": torch.equal(out_eager, out_opt), "grads": grads,

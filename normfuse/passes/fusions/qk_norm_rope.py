@@ -44,8 +44,8 @@ import torch.fx as fx
 
 from normfuse.kernels.qk_rope import qk_norm_rope
 from normfuse.kernels.specs import OP_OUTPUTS
-from normfuse.passes.canonical import (canonical, is_exact_upcast, node_dtype, node_shape, real_users, same_dim,
-                                       same_shape, tensor_meta, unbound_dim)
+from normfuse.passes.canonical import (canonical, is_exact_upcast, is_split_piece, node_dtype, node_shape, real_users,
+                                       same_dim, same_shape, tensor_meta, unbound_dim)
 from normfuse.passes.graph import copy_meta
 from normfuse.passes.fusions.base import Fusion
 from normfuse.passes.step import BuiltCall, PlanContext
@@ -367,9 +367,70 @@ def find_rope(index, m) -> RopeMatch | None:
     # (the matcher gives only a LayerNorm a bias)
     refusal = (f"qk_norm_rope computes an RMSNorm; this q/k norm is a {m.kind}" if m.kind != "rms_norm" else
                steps[0] if steps else None)
-    if found is None or found.reason is not None or refusal is None:
+    if found is None:  # none of the forms read: is there a rotation all the same?
+        form = _rotation_after(index, m.output)
+        if form is None:
+            return None
+        return RopeMatch(reason=refusal or f"a RoPE follows this q/k norm {form}; {_FORMS_READ}")
+    if found.reason is not None or refusal is None:
         return found
     return RopeMatch(reason=refusal)
+
+
+_FORMS_READ = ("qk_norm_rope reads HF's rotate_half, interleaved pairs (GPT-J's, diffusers' unbind/stack) and "
+               "the complex product, on (batch, seq, heads, head_dim) rows that only the RoPE reads")
+# what a rotation may pass through after the norm: same values moved, cast, combined elementwise
+_ROTATION_PATH = frozenset(["view", "permute", "transpose", "flatten", "unsqueeze", "squeeze", "expand", "cast",
+                            "slice", "cat", "stack", "neg", "mul", "add", "sub", "addcmul", "view_as_complex",
+                            "view_as_real"])
+
+
+def _rotation_after(index, value: fx.Node, depth: int = 12) -> str | None:
+    """Whether the values of ``value`` are rotated before anything else reads them (a matmul, the
+    attention): a sum or difference of two of its products, one by a tensor computed elsewhere (a
+    table), as every RoPE writes ``x * cos ± rotated(x) * sin``, or a complex product. Returns
+    how the form differs from those read (for the reason), or None when no rotation follows."""
+    reached, frontier, extra = {value}, [value], []
+    for _ in range(depth):
+        frontier = [u for n in frontier for u in n.users if u not in reached and (
+            index.prim(u) in _ROTATION_PATH or is_split_piece(u) or _indexes(u))]
+        reached.update(frontier)
+    for n in reached:
+        c = index.canon(n)
+        if c is None:
+            continue
+        if c.prim == "cat" and any(isinstance(t, fx.Node) and t not in reached for t in c["tensors"]):
+            extra.append("over rows concatenated with other tokens' before it")
+        if c.prim == "slice" and not _last(c["dim"], len(node_shape(n) or ())):
+            extra.append("on a slice of the tokens")
+        if any(u.op == "call_function" and u.target is operator.setitem for u in n.users):
+            extra.append("written into a tensor through indexed stores (out[..., 0::2] = ..., q[:, :, n:] = ...)")
+    for n in reached:
+        c = index.canon(n)
+        if c is None:
+            continue
+        if c.prim == "mul" and any(index.prim(a) == "view_as_complex" and a in reached for a in (c["input"], c["other"])):
+            break
+        if c.prim in ("add", "sub") and c["input"] in reached and c["other"] in reached and any(
+                index.prim(a) == "mul" and _by_table(index, a, reached) for a in (c["input"], c["other"])):
+            break
+    else:
+        return None
+    shape = node_shape(n)
+    if shape is not None and len(shape) == 3:
+        extra.append("on the (batch, seq, heads * head_dim) row, before any view to heads")
+    return ", ".join(sorted(set(extra))) or "in another layout or order of steps"
+
+
+def _indexes(node: fx.Node) -> bool:
+    """``x[...]``: a select, a strided slice, a piece of a split (values moved, not computed)."""
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def _by_table(index, product: fx.Node, reached: set) -> bool:
+    """``product`` multiplies a reached value by a tensor from outside the reached values."""
+    c = index.canon(product)
+    return any(isinstance(a, fx.Node) and a not in reached for a in (c["input"], c["other"]))
 
 
 def _scaled(index, value: fx.Node) -> tuple[fx.Node, object] | tuple[None, None]:
