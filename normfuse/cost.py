@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from normfuse.kernels.specs import stores_mean
 from normfuse.passes.analysis import SiteAnalysis
 from normfuse.passes.canonical import node_dtype, node_shape, real_users, tensor_meta
 from normfuse.passes.find import identity_dropout
@@ -232,7 +233,7 @@ def site_bytes(index, site: SiteAnalysis, plan: Plan | None, residual_dtype: tor
     n_cols = m.hidden_size or 1
     x_bytes = _bytes(m.input)
     rows = numel(m.input) // n_cols
-    stats = (2 if m.kind == "layer_norm" else 1) * 4 * rows
+    stats = (2 if stores_mean(m.kind) else 1) * 4 * rows
     params = sum(_bytes(p) for p in (m.weight, m.bias) if isinstance(p, fx.Node))
     y_bytes = _bytes(m.output)
     fused = Traffic(fwd_kernels=1, bwd_kernels=1)

@@ -14,8 +14,9 @@ __all__ = ["KINDS", "TORCH_NORMS", "Placement", "PLACEMENTS", "PRE_FAMILY", "POS
            "GRAPH_META", "QUANT_DTYPES", "QUANT_SCALE_FORMS",
            "QUANT_APPLY", "QUANT_SCALE_OUT", "GATE_POSITIONS", "GATE_ACTIVATIONS", "COPY_FILE"]
 
-# what a norm computes
-KINDS = ("layer_norm", "rms_norm")
+# what a norm computes; l2_norm: F.normalize(x, dim=-1, eps) * sqrt(N), an RMSNorm whose eps clamps the
+# row's L2 norm (x / max(||x||_2, eps) * sqrt(N)) instead of being added to the mean square
+KINDS = ("layer_norm", "rms_norm", "l2_norm")
 # torch's own norm modules (a norm call made by one is reported as the "module" form)
 TORCH_NORMS = (torch.nn.LayerNorm, torch.nn.RMSNorm)
 

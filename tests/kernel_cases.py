@@ -63,6 +63,11 @@ def make_inputs(case: Case, seed: int = 0, requires_grad: bool = True, device: s
     if case.wdtype is not None:
         w = randn(case.n, dtype=case.wdtype, std=0.2, mean=0.0 if case.offset else 1.0)
     b = randn(case.n, dtype=case.wdtype or case.dtype, std=0.2) if case.bias else None
+    if case.kind == "l2_norm" and case.rows > 1 and case.dtype != FP16:  # (fp16 would hold it as subnormals)
+        with torch.no_grad():  # a row whose L2 norm is below eps: F.normalize clamps it
+            for t in (x, r):
+                if t is not None:
+                    t[0] *= 1e-7
     return x, r, w, b
 
 
@@ -84,14 +89,18 @@ def eager_norm(u, w, b, case: Case):
     n_cols = u.shape[-1]
     params = {t.dtype for t in (w, b) if t is not None}
     eager_mixes = params <= {u.dtype} or (params == {FP32} and w is not None)   # what F.layer_norm accepts
-    if not case.offset and not case.round_first and eager_mixes and not (case.kind == "rms_norm" and b is not None):
+    if not case.offset and not case.round_first and eager_mixes and case.kind != "l2_norm" \
+            and not (case.kind == "rms_norm" and b is not None):
         if case.kind == "layer_norm":
             return F.layer_norm(u, (n_cols,), w, b, 1e-5)
         return F.rms_norm(u, (n_cols,), w, 1e-5)
     h = u.float()
-    if case.kind == "layer_norm":
-        h = h - h.mean(-1, keepdim=True)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+    if case.kind == "l2_norm":                      # x-transformers' RMSNorm, upcast
+        h = F.normalize(h, dim=-1, eps=1e-5) * n_cols ** 0.5
+    else:
+        if case.kind == "layer_norm":
+            h = h - h.mean(-1, keepdim=True)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
     if case.round_first:                            # HF Llama: weight * h.to(input_dtype)
         h = h.to(case.dtype)
         if w is not None and case.offset:           # (offset + weight) * h.to(input_dtype), w' in fp32
@@ -147,7 +156,10 @@ def rule64(case: Case, x, r, w, b, rounded: bool = False):
     def norm(u, in_dtype):
         cols = u.shape[-1]
         centred = u - u.sum(-1, keepdim=True) / cols if case.kind == "layer_norm" else u
-        n = centred / torch.sqrt((centred * centred).sum(-1, keepdim=True) / cols + 1e-5)
+        if case.kind == "l2_norm":                  # eps clamps the row's L2 norm
+            n = u / torch.sqrt((u * u).sum(-1, keepdim=True)).clamp_min(1e-5) * cols ** 0.5
+        else:
+            n = centred / torch.sqrt((centred * centred).sum(-1, keepdim=True) / cols + 1e-5)
         if case.round_first:                        # round(norm_round_dtype, n) * w', in promote(n, w)
             n = rnd(n, case.dtype)
             out_dtype = case.dtype if w is None else torch.promote_types(case.dtype, w.dtype)

@@ -84,7 +84,18 @@ EDGE_CASES = [
     Case(kind="layer_norm", n=768, rows=3, dtype=BF16, rdtype=FP32, wdtype=BF16, op="norm_add", round_first=True),
 ]
 
-REF_CASES = [*size_cases(), *mode_cases(), *OTHER_WEIGHT_DTYPE_CASES, *EDGE_CASES]
+# F.normalize(s, dim=-1) * sqrt(N) (x-transformers' RMSNorm): eps clamps the L2 norm; row 0 of each
+# bf16/fp32 case is below eps (kernel_cases.make_inputs), so the clamp and its zero gradient are taken
+L2_CASES = [
+    *(Case(kind="l2_norm", n=n, rows=4, dtype=dtype, wdtype=dtype) for n in (96, 1000) for dtype in (BF16, FP16, FP32)),
+    Case(kind="l2_norm", n=1000, rows=4, dtype=BF16, wdtype=FP32, round_first=True),
+    Case(kind="l2_norm", n=1000, rows=4, dtype=FP32, wdtype=None, residual=False),
+    Case(kind="l2_norm", n=768, rows=4, dtype=BF16, wdtype=BF16, op="norm_add"),
+    Case(kind="l2_norm", n=123, rows=101, dtype=BF16, wdtype=FP32),     # several rows per program
+    Case(kind="l2_norm", n=20000, rows=5, dtype=FP32, wdtype=FP32),     # looped kernels
+]
+
+REF_CASES = [*size_cases(), *mode_cases(), *OTHER_WEIGHT_DTYPE_CASES, *EDGE_CASES, *L2_CASES]
 
 
 @pytest.mark.parametrize("case", REF_CASES, ids=str)

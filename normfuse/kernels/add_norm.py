@@ -95,6 +95,9 @@ def fused_add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weigh
     sum_dtype, out_dtype = add_norm_dtypes(x, residual, weight, sum_dtype, norm_round_dtype, out_dtype, x1, x_gate)
     has_sum = has_sum_of(residual, x1, rowscale, dropout_p)
     if gate is not None or norm_group is not None:
+        if kind == "l2_norm":
+            raise InvalidOptionError("kind='l2_norm' takes no gate and no norm_group yet (F.normalize over the "
+                                     "whole row); apply the gate separately, or use rms_norm for grouped statistics.")
         if gate is not None:
             Gate(gate, gate_position, gate_activation, gate_out_dtype).check(x)
         if norm_group is not None:
@@ -184,7 +187,8 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
     """Fused ``s = x + residual_scale * residual; y = norm(s)``: returns (y, s), or (y, y1, s)
     with weight1, or (q, scale, y or None, s) with quant (normfuse.kernels.specs.api_outputs).
 
-    kind: "rms_norm" or "layer_norm", over the last dim N. x, residual: (..., N) of
+    kind: "rms_norm", "layer_norm" or "l2_norm" (``F.normalize(s, dim=-1, eps=eps) * sqrt(N)``: eps
+    clamps the row's L2 norm), over the last dim N. x, residual: (..., N) of
     equal shape, fp32/fp16/bf16; weight, bias: (N,), fp32/fp16/bf16 (any, whatever x's dtype:
     they are used in fp32; flash-attn's layer_norm_fn takes the same).
     weight_offset: w' = weight + offset in fp32 (Gemma: 1.0). residual_scale: the

@@ -49,7 +49,7 @@ from normfuse.kernels.library import implement, implement_autograd, implement_fa
 from normfuse.kernels.specs import GRADIENT_OF, OP_OUTPUTS, SUPPORTED_TEXT as _SUPPORTED_TEXT, call_of, op_gradients
 from normfuse.kernels.specs import (AddNormCall, BackwardCall, DropoutMask, KeepMaskCall, Norm, NormAddCall, Rows,
                                     Store)
-from normfuse.kernels.specs import check_operand, dtypes_on as _dtypes_on
+from normfuse.kernels.specs import check_operand, dtypes_on as _dtypes_on, stores_mean
 from normfuse.kernels import triton as triton_backend
 from normfuse.kernels.reference import KINDS, acc_dtype, channel_split, quant_scale_shape, sum_like
 
@@ -272,7 +272,7 @@ def _op_outputs(outputs, empty_dtypes, like: Tensor, inputs, sum_index: Optional
 def _stats_fake(x: Tensor, kind: str, norm_in_dtype: torch.dtype, norm_group: Optional[int] = None):
     acc = acc_dtype(norm_in_dtype)
     rows = math.prod(x.shape[:-1]) * (x.shape[-1] // norm_group if norm_group else 1)
-    return x.new_empty((rows,) if kind == "layer_norm" else (0,), dtype=acc), x.new_empty((rows,), dtype=acc)
+    return x.new_empty((rows,) if stores_mean(kind) else (0,), dtype=acc), x.new_empty((rows,), dtype=acc)
 
 
 def _call_tensors(call: AddNormCall) -> tuple:

@@ -11,6 +11,7 @@ Add-then-norm (pre-norm and post-norm blocks), normalizing over the last dim N::
     u  = float32(s)                                            # statistics always accumulate in fp32
     n  = (u - mean(u)) * rsqrt(var(u) + eps)                   # layer_norm
        = u * rsqrt(mean(u^2) + eps)                            # rms_norm
+       = u / max(||u||_2, eps) * sqrt(N)                       # l2_norm (F.normalize(u, dim=-1, eps=eps) * sqrt(N))
     w' = float(weight) + weight_offset                         # 1 when there is no weight
     y  = round(out_dtype, n * w' + float(bias))                          # norm_round_dtype None: "multiply then round"
     y  = round(out_dtype, float(round(norm_round_dtype, n)) * w' + float(bias))   # "round then multiply"
@@ -126,6 +127,7 @@ function above, it is used: default modes then equal ``F.layer_norm`` /
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -356,6 +358,12 @@ def _normalize(u: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], kind
         rstd = torch.rsqrt(var + eps)
         n = (uf - mean) * rstd
         mean = mean.reshape(-1)
+    elif kind == "l2_norm":  # F.normalize's steps: the norm, its clamp, the quotient, then the scale
+        norm = uf.norm(2, -1, keepdim=True)
+        denom = norm.clamp_min(eps)
+        n = uf / denom * math.sqrt(n_cols)
+        rstd = math.sqrt(n_cols) / denom
+        mean = torch.where(norm >= eps, norm, 0.0).reshape(-1)  # 0: eps clamps the norm (specs.stores_mean)
     else:
         rstd = torch.rsqrt(uf.square().mean(-1, keepdim=True) + eps)
         n = uf * rstd
@@ -599,6 +607,8 @@ def _norm_grads(dn: Tensor, inp: Tensor, mean: Tensor, rstd: Tensor, weight: Opt
             w1 = _effective_weight(weight1, weight_offset, acc)
             g = g + (dn1.to(acc) * w1.to(acc) if w1 is not None else dn1.to(acc))
         c1 = (g * xhat).mean(-1, keepdim=True)
+        if kind == "l2_norm":  # rstd = sqrt(N) / ||u||: the rms_norm formula; none through a clamped norm
+            c1 = c1 * (mean.to(acc).reshape(stat_shape) > 0)
         if kind == "layer_norm":
             du = (g - g.mean(-1, keepdim=True) - xhat * c1) * rstd
         else:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from normfuse.kernels.declarations import DECLARATIONS
-from normfuse.kernels.specs import OP_OUTPUTS, bind
+from normfuse.kernels.specs import OP_OUTPUTS, bind, stores_mean
 
 __all__ = ["register", "refusal", "ShardedNormDimError"]
 
@@ -88,8 +88,8 @@ def _strategies(spec: Any, op: str, arg: str, layout) -> list:
 
 # How each op argument is placed, by name (declarations.py names them): "act" takes the activation's
 # placement (a row shard of x is the same rows of it: rowscale is x.shape[:-1]), "rep" is replicated,
-# "stats" takes the statistics' (their rows), "stats_ln" only for layer_norm (mean is empty for
-# rms_norm); any other argument is not a tensor. A modulation's scale and shift and a branch's gate
+# "stats" takes the statistics' (their rows), "stats_ln" only where the norm stores a first statistic
+# (specs.stores_mean: empty for rms_norm); any other argument is not a tensor. A modulation's scale and shift and a branch's gate
 # (one value per sample, or per token) are replicated, and then only the replicated strategy is offered.
 _ARG_PLACEMENTS = {
     "x": "act", "residual": "act", "x1": "act", "rowscale": "act", "gate": "act",
@@ -100,21 +100,21 @@ _ARG_PLACEMENTS = {
 }
 
 
-def _place(kind: str, act, stats, layer_norm: bool, value):
+def _place(kind: str, act, stats, has_mean: bool, value):
     from torch.distributed.tensor import Replicate
     if value is None or kind is None:
         return None
     if kind == "act":
         return act
-    if kind == "stats" or (kind == "stats_ln" and layer_norm):
+    if kind == "stats" or (kind == "stats_ln" and has_mean):
         return stats
     return Replicate()
 
 
-def _inputs(op: str, args: tuple, act, stats, layer_norm: bool) -> list:
+def _inputs(op: str, args: tuple, act, stats, has_mean: bool) -> list:
     """The placement of each argument passed (trailing ones may be omitted)."""
     names = DECLARATIONS[op].arg_names[:len(args)]
-    return [_place(_ARG_PLACEMENTS.get(name), act, stats, layer_norm, value) for name, value in zip(names, args)]
+    return [_place(_ARG_PLACEMENTS.get(name), act, stats, has_mean, value) for name, value in zip(names, args)]
 
 
 def _strategies_of(a: dict, op: str, layout) -> list:
@@ -134,21 +134,21 @@ def _forward_rule(op: str):
     def rule(*args):
         from torch.distributed.tensor import Replicate
         a = bind(op, args)
-        layer_norm = a["kind"] == "layer_norm"
+        has_mean = stores_mean(a["kind"])
         has_sum = (a["residual"] is not None or a.get("x1") is not None or a.get("rowscale") is not None
                    or a.get("dropout_p", 0.0) > 0)
         store_extra = bool(a.get("store_sum", a.get("store_norm"))) and (has_sum or op == "norm_add_fwd")
 
         def layout(act, stats):
             placed = {"y": act, "s": act if store_extra else Replicate(), "out": act,
-                      "mean": stats if layer_norm else Replicate(), "rstd": stats,
+                      "mean": stats if has_mean else Replicate(), "rstd": stats,
                       "y1": Replicate() if a.get("weight1") is None else act, "q": act,
                       # a static scale is replicated (the scale output then empty)
                       "scale": Replicate() if a.get("quant_scale") is not None else act}
             if op == "norm_add_fwd":
                 placed["y"] = act if store_extra else Replicate()
             outs = [placed[name] for name in OP_OUTPUTS[op]]
-            return outs, _inputs(op, args, act, stats, layer_norm)
+            return outs, _inputs(op, args, act, stats, has_mean)
         return _strategies_of(a, op, layout)
     return rule
 
@@ -157,7 +157,7 @@ def _backward_rule(*args):
     from torch.distributed.tensor import Partial, Replicate
     op = "add_norm_bwd"
     a = bind(op, args)
-    layer_norm = a["kind"] == "layer_norm"
+    has_mean = stores_mean(a["kind"])
 
     def layout(act, stats):
         grad = Partial() if act != Replicate() else Replicate()
@@ -174,7 +174,7 @@ def _backward_rule(*args):
                   "dmod_scale": when(a["mod_scale"] is not None, grad),
                   "dmod_shift": when(a["mod_shift"] is not None, grad),
                   "dx_gate": when(a["x_gate"] is not None, grad)}
-        return [placed[name] for name in OP_OUTPUTS[op]], _inputs(op, args, act, stats, layer_norm)
+        return [placed[name] for name in OP_OUTPUTS[op]], _inputs(op, args, act, stats, has_mean)
     # offered only the input's own sharding: the statistics hold exactly its rows
     return _strategies_of(a, op, layout)
 

@@ -48,7 +48,7 @@ from normfuse.vocabulary import (GATE_ACTIVATIONS, GATE_POSITIONS, QUANT_APPLY, 
 __all__ = ["OP_OUTPUTS", "NORM_ADD_OUTPUTS", "GRADIENT_OF", "api_outputs", "api_index", "op_arguments",
            "op_defaults", "op_output_index", "bind", "call_of", "op_gradients", "Gate", "Fp8Quant", "Dropout", "SPECS",
            "Rows", "Norm", "Rounding", "Store", "SecondNorm", "DropoutMask", "Grads", "Saved", "GradDtypes", "Linears",
-           "QkRows", "Rope", "QkNorm",
+           "QkRows", "Rope", "QkNorm", "stores_mean",
            "Modulation", "XGate", "QkRounding", "AddNormCall", "NormAddCall", "BackwardCall", "KeepMaskCall",
            "NormLinearsCall", "QkNormRopeCall", "QkNormRopeBackwardCall"]
 
@@ -404,14 +404,21 @@ class Rows:
 
 @_group
 class Norm:
-    """The norm: kind ("rms_norm" / "layer_norm"), its parameters (w' = weight + weight_offset), eps, and
-    group (statistics per group of that many columns; None: the whole row)."""
+    """The norm: kind ("rms_norm" / "layer_norm" / "l2_norm"), its parameters (w' = weight + weight_offset),
+    eps, and group (statistics per group of that many columns; None: the whole row)."""
     kind: str = "rms_norm"
     weight: Optional[Tensor] = None
     bias: Optional[Tensor] = None
     eps: float = 0.0
     weight_offset: float = 0.0
     group: Optional[int] = None
+
+
+def stores_mean(kind: str) -> bool:
+    """Whether a norm keeps a first statistic per row beside rstd: layer_norm its row mean, l2_norm its
+    row's L2 norm where that is at least eps and 0 where eps clamps it (no gradient flows through a
+    clamped norm); rms_norm none (an empty tensor)."""
+    return kind != "rms_norm"
 
 
 @_group

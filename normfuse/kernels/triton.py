@@ -22,7 +22,7 @@ from torch import Tensor
 from normfuse.kernels import reference
 from normfuse.kernels.reference import channel_split, quant_scale_shape, sum_like
 from normfuse.kernels.declarations import DECLARATIONS
-from normfuse.kernels.specs import AddNormCall, BackwardCall, Fp8Quant, NormAddCall
+from normfuse.kernels.specs import AddNormCall, BackwardCall, Fp8Quant, NormAddCall, stores_mean
 from normfuse.vocabulary import QUANT_APPLY, QUANT_SCALE_FORMS
 
 
@@ -200,6 +200,17 @@ if triton is not None:
     def _group_sum(v, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
         """The sum over each group of GROUP columns, repeated over its columns."""
         return _per_column(tl.sum(tl.reshape(v, (BLOCK_N // GROUP, GROUP)), axis=1), GROUP, BLOCK_N)
+
+    @triton.jit
+    def _rms_rstd(sum_sq, N, eps, MEAN, stat, stat_ok, L2: tl.constexpr):
+        """rstd of a row without its mean from its sum of squares: rsqrt(mean(u^2) + eps), or with L2
+        (F.normalize's rule) sqrt(N) / max(||u||_2, eps), the norm stored where eps does not clamp it
+        (0 where it does: the backward takes no gradient through the clamp)."""
+        if L2:
+            norm = tl.sqrt(sum_sq)
+            tl.store(MEAN + stat, tl.where(norm >= eps, norm, 0.0), mask=stat_ok)
+            return tl.sqrt(N.to(tl.float32)) / tl.maximum(norm, eps)
+        return tl.rsqrt(sum_sq / N + eps)
 
     @triton.jit
     def _group_stats(u, mask, row_ok, start, N, eps, MEAN, RSTD, stat_off, IS_RMS: tl.constexpr,
@@ -383,7 +394,7 @@ if triton is not None:
         n_rows, N, eps, weight_offset, residual_scale, rows_per_program, DROPOUT, QUANT,
         DTYPES: tl.constexpr, IS_RMS: tl.constexpr, ROUND_FIRST: tl.constexpr, ADD_AFTER_NORM: tl.constexpr,
         SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, GATE_OPTS: tl.constexpr,
-        NORM_GROUP: tl.constexpr, QUANT_OPTS: tl.constexpr, BLOCK_N: tl.constexpr,
+        NORM_GROUP: tl.constexpr, QUANT_OPTS: tl.constexpr, BLOCK_N: tl.constexpr, L2: tl.constexpr = False,
     ):
         """A row fits one block: one read of each input and one write of each output per row."""
         HAS_W1: tl.constexpr = W1 is not None
@@ -417,13 +428,12 @@ if triton is not None:
             else:
                 if IS_RMS:
                     mean = 0.0
-                    var = tl.sum(u * u, axis=0) / N
+                    rstd = _rms_rstd(tl.sum(u * u, axis=0), N, eps, MEAN, row, row < n_rows, L2)
                 else:
                     mean = tl.sum(u, axis=0) / N
                     d = tl.where(mask, u - mean, 0.0)
-                    var = tl.sum(d * d, axis=0) / N
                     tl.store(MEAN + row, mean, mask=row < n_rows)
-                rstd = tl.rsqrt(var + eps)
+                    rstd = tl.rsqrt(tl.sum(d * d, axis=0) / N + eps)
                 tl.store(RSTD + row, rstd, mask=row < n_rows)
             if PARAMS_AFTER_STATS:
                 w, b = _load_params(W, B, cols, cols < N, weight_offset, W is not None, B is not None)
@@ -448,7 +458,7 @@ if triton is not None:
     def _looped_stats(X, R, X1, RS, S, Z, MEAN, RSTD, row, row_ok, cols0, zero, N, eps, residual_scale, DROPOUT,
                       DTYPES: tl.constexpr, IS_RMS: tl.constexpr, ADD_AFTER_NORM: tl.constexpr,
                       SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, GATE_OPTS: tl.constexpr,
-                      NORM_GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+                      NORM_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, L2: tl.constexpr):
         """Pass 1 of a wide row: s stored block by block, the row's stats accumulated (Chan's parallel
         mean/M2 update for layer_norm) and stored; returns (mean, rstd) (statistics per group: none
         here, a group lies within a block and takes its statistics in pass 2)."""
@@ -480,10 +490,12 @@ if triton is not None:
                 count = total
         rstd = zero
         if NORM_GROUP == 0:
-            rstd = tl.rsqrt(m2 / N + eps)
-            tl.store(RSTD + row, rstd, mask=row_ok)
-            if not IS_RMS:
+            if IS_RMS:  # m2: the sum of squares
+                rstd = _rms_rstd(m2, N, eps, MEAN, row, row_ok, L2)
+            else:
+                rstd = tl.rsqrt(m2 / N + eps)
                 tl.store(MEAN + row, mean, mask=row_ok)
+            tl.store(RSTD + row, rstd, mask=row_ok)
         return mean, rstd
 
     @triton.jit
@@ -559,7 +571,7 @@ if triton is not None:
         n_rows, N, eps, weight_offset, residual_scale, rows_per_program, DROPOUT, QUANT,
         DTYPES: tl.constexpr, IS_RMS: tl.constexpr, ROUND_FIRST: tl.constexpr, ADD_AFTER_NORM: tl.constexpr,
         SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, GATE_OPTS: tl.constexpr,
-        NORM_GROUP: tl.constexpr, QUANT_OPTS: tl.constexpr, BLOCK_N: tl.constexpr,
+        NORM_GROUP: tl.constexpr, QUANT_OPTS: tl.constexpr, BLOCK_N: tl.constexpr, L2: tl.constexpr = False,
     ):
         """Rows wider than one block: pass 1 accumulates the stats block by block, pass 2 re-reads the
         row and writes; a dynamic quantization scale per row takes a third pass."""
@@ -571,7 +583,7 @@ if triton is not None:
             row = row.to(tl.int64)
             mean, rstd = _looped_stats(X, R, X1, RS, S, Z, MEAN, RSTD, row, row_ok, cols0, zero, N, eps,
                                        residual_scale, DROPOUT, DTYPES, IS_RMS, ADD_AFTER_NORM, SCALE_RESIDUAL,
-                                       ROUND_SUM_FIRST, GATE_OPTS, NORM_GROUP, BLOCK_N)
+                                       ROUND_SUM_FIRST, GATE_OPTS, NORM_GROUP, BLOCK_N, L2)
             amax_bits = _looped_write(X, R, W, B, Y, S, MEAN, RSTD, X1, RS, W1, B1, Y1, Z, Q, QS, SC, row, row_ok,
                                       cols0, mean, rstd, N, eps, weight_offset, residual_scale, DROPOUT, QUANT,
                                       DTYPES, IS_RMS, ROUND_FIRST, ADD_AFTER_NORM, SCALE_RESIDUAL, ROUND_SUM_FIRST,
@@ -637,6 +649,14 @@ if triton is not None:
         return cols, mask, xhat, dy, dn, g, dn1, u, a, da, dz
 
     @triton.jit
+    def _through_clamp(c1, MEAN, row, row_ok, L2: tl.constexpr):
+        """mean(g * x_hat), the gradient through the row's norm: none where eps clamps an L2 norm (its
+        stored norm is 0 there; rstd = sqrt(N) / ||u|| makes the rest rms_norm's formula)."""
+        if L2:
+            c1 = tl.where(tl.load(MEAN + row, mask=row_ok, other=0.0) > 0.0, c1, 0.0)
+        return c1
+
+    @triton.jit
     def _group_stats_of(RSTD, MEAN, row, cols, mask, N, IS_RMS: tl.constexpr, NORM_GROUP: tl.constexpr):
         """The saved mean and rstd of each column's group (flat per (row, group))."""
         stat = row * (N // NORM_GROUP) + cols // NORM_GROUP
@@ -684,7 +704,7 @@ if triton is not None:
         DW_PART, DB_PART, DW1_PART, DB1_PART,
         n_rows, N, weight_offset, residual_scale, rows_per_program, DROPOUT,
         IS_RMS: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, GATE_OPTS: tl.constexpr, NORM_GROUP: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        BLOCK_N: tl.constexpr, L2: tl.constexpr = False,
     ):
         """Each program takes a contiguous chunk of rows and writes fp32 dw/db (dw1/db1) partials
         to row `pid` of [programs, N] buffers, summed on the host."""
@@ -714,7 +734,7 @@ if triton is not None:
                 c1 = _group_sum(g * xhat, NORM_GROUP, BLOCK_N) / NORM_GROUP
                 c2 = 0.0 if IS_RMS else _group_sum(g, NORM_GROUP, BLOCK_N) / NORM_GROUP
             else:
-                c1 = tl.sum(g * xhat, axis=0) / N
+                c1 = _through_clamp(tl.sum(g * xhat, axis=0) / N, MEAN, row, row_ok, L2)
                 c2 = 0.0 if IS_RMS else tl.sum(g, axis=0) / N
             _store_input_grads(DE, DX, DRES, DX1, DZ, RS, row, row_ok, cols, mask, N, xhat, dy, g, c1, c2, rstd,
                                residual_scale, DROPOUT, u, a, da, dz, IS_RMS, ADD_AFTER_NORM, GATE_OPTS)
@@ -747,7 +767,7 @@ if triton is not None:
         DW_PART, DB_PART, DW1_PART, DB1_PART,
         n_rows, N, weight_offset, residual_scale, rows_per_program, DROPOUT,
         IS_RMS: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, GATE_OPTS: tl.constexpr, NORM_GROUP: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        BLOCK_N: tl.constexpr, L2: tl.constexpr = False,
     ):
         """Rows wider than one block: pass 1 reduces mean(g * x_hat) and mean(g), pass 2
         writes the input grads and adds into this program's own partial row (zeroed
@@ -773,7 +793,7 @@ if triton is not None:
                         weight_offset, IS_RMS, ADD_AFTER_NORM, GATE_OPTS, NORM_GROUP)
                     c1 += tl.sum(g * xhat, axis=0)
                     c2 += tl.sum(g, axis=0)
-                c1 = c1 / N
+                c1 = _through_clamp(c1 / N, MEAN, row, row_ok, L2)
                 c2 = c2 / N
             for start in range(0, N, BLOCK_N):
                 cols, mask, xhat, dy, dn, g, dn1, u, a, da, dz = _block_grads(
@@ -928,7 +948,7 @@ def _launch_fwd(call, y: Optional[Tensor], s: Optional[Tensor], y1: Optional[Ten
     x2, r2, x12, z2 = (_rows_2d(t, n_cols) for t in (x, rows.residual, rows.x1, None if gate is None else gate.z))
     n_rows = x2.shape[0]
     stat_rows = n_rows * (n_cols // norm_group if norm_group else 1)
-    mean = x.new_empty((stat_rows,) if norm.kind == "layer_norm" else (0,), dtype=torch.float32)
+    mean = x.new_empty((stat_rows,) if stores_mean(norm.kind) else (0,), dtype=torch.float32)
     rstd = x.new_empty((stat_rows,), dtype=torch.float32)
     if n_rows == 0:
         return mean, rstd
@@ -948,7 +968,7 @@ def _launch_fwd(call, y: Optional[Tensor], s: Optional[Tensor], y1: Optional[Ten
     gate_out = gate.out_dtype if gate is not None and gate.position == "after" else None
     kernel[(triton.cdiv(n_rows, rows_per_program),)](
         (x2, x2.stride(0)), _residual_operand(r2), _param(norm.weight), _param(norm.bias), _row_operand(y),
-        _row_operand(s), mean if norm.kind == "layer_norm" else rstd, rstd,   # rms_norm: MEAN never written
+        _row_operand(s), mean if stores_mean(norm.kind) else rstd, rstd,   # rms_norm: MEAN never written
         _row_operand(x12), None if rows.rowscale is None else rows.rowscale.reshape(-1).contiguous(),
         None if second is None else _param(second.weight), None if second is None else _param(second.bias),
         _row_operand(y1), _row_operand(z2),
@@ -957,8 +977,8 @@ def _launch_fwd(call, y: Optional[Tensor], s: Optional[Tensor], y1: Optional[Ten
         **_quant_launch_args(spec, **(quant or {})),
         DTYPES=(TL_DTYPES[sum_dtype], TL_DTYPES[rounding.norm_round_dtype or out_dtype], TL_DTYPES[out_dtype],
                 TL_DTYPES[branch_dtype]),
-        IS_RMS=norm.kind == "rms_norm", ROUND_FIRST=rounding.norm_round_dtype is not None,
-        ADD_AFTER_NORM=add_after_norm, SCALE_RESIDUAL=rows.residual_scale != 1.0,
+        IS_RMS=norm.kind != "layer_norm", L2=norm.kind == "l2_norm",
+        ROUND_FIRST=rounding.norm_round_dtype is not None, ADD_AFTER_NORM=add_after_norm, SCALE_RESIDUAL=rows.residual_scale != 1.0,
         ROUND_SUM_FIRST=rounding.round_sum_first,
         GATE_OPTS=(gate is not None and gate.position == "after", gate is None or gate.activation == "silu",
                    TL_DTYPES[gate_out or out_dtype]),
@@ -1098,13 +1118,13 @@ def add_norm_bwd(call: BackwardCall):
         kernel = _add_norm_bwd_looped_kernel if looped else _add_norm_bwd_kernel
         kernel[(programs,)](
             _row_operand(dy2), _row_operand(de2), _row_operand(inp2), _row_operand(dy12), _row_operand(z2),
-            saved.mean if norm.kind == "layer_norm" else saved.rstd, saved.rstd,   # rms_norm: MEAN never read
+            saved.mean if stores_mean(norm.kind) else saved.rstd, saved.rstd,   # rms_norm: MEAN never read
             _param(weight), _param(norm.bias),
             _param(call.second.weight) if has_y1 else None,
             None if call.rowscale is None else call.rowscale.reshape(-1).contiguous(),
             out_rows(dx), out_rows(dres), out_rows(dx1), out_rows(dz), dw_part, db_part, dw1_part, db1_part,
             n_rows, n_cols, norm.weight_offset, call.residual_scale, rows_per_program, _dropout_args(call.dropout),
-            IS_RMS=norm.kind == "rms_norm", ADD_AFTER_NORM=call.add_after_norm,
+            IS_RMS=norm.kind != "layer_norm", L2=norm.kind == "l2_norm", ADD_AFTER_NORM=call.add_after_norm,
             GATE_OPTS=(gate is not None and gate.position == "after", gate is None or gate.activation == "silu"),
             NORM_GROUP=norm.group or 0, BLOCK_N=block, num_warps=num_warps)
     # the [programs, N] fp32 partials are summed in fp32, rounded once to the parameter's dtype
@@ -1289,6 +1309,7 @@ def strided_fwd_ok(call: AddNormCall) -> Optional[int]:
     x, residual = call.rows.x, call.rows.residual
     if call.rows.x1 is not None or call.rows.rowscale is not None or call.second is not None \
             or call.dropout is not None and call.dropout.p > 0 or call.gate is not None or call.norm.group \
+            or call.norm.kind == "l2_norm" \
             or triton is None or triton.next_power_of_2(x.shape[-1]) > _STRIDED_TILE \
             or residual is not None and residual.shape != x.shape:
         return None

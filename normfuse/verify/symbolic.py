@@ -180,7 +180,14 @@ def _var(row: list, unbiased: bool) -> list:
     return [sympy.Add(*[(v - m) ** 2 for v in row]) / (len(row) - (1 if unbiased else 0))]
 
 
-def _norm(kind: str, s: list, weight, bias, eps_expr, offset=0) -> list:
+def _l2_normalized(row: list, eps_expr) -> list:
+    """F.normalize(row, dim=-1, eps): row / max(||row||_2, eps)."""
+    row = _whole(row)
+    denom = _max(sympy.sqrt(sympy.Add(*[v ** 2 for v in row])), eps_expr)
+    return [v / denom for v in row]
+
+
+def _norm(kind: str, s: list, weight, bias, eps_expr, offset=0, hidden: int | None = None) -> list:
     if kind == "layer_norm":
         m = _mean(s)[0]
         rho = (_var(s, False)[0] + eps_expr) ** sympy.Rational(-1, 2)
@@ -188,6 +195,10 @@ def _norm(kind: str, s: list, weight, bias, eps_expr, offset=0) -> list:
     elif kind == "rms_norm":
         rho = (sympy.Add(*[v ** 2 for v in s]) / len(s) + eps_expr) ** sympy.Rational(-1, 2)
         n = [v * rho for v in s]
+    elif kind == "l2_norm":  # the unit row times sqrt(N) of the real row (the constant the graph multiplies by)
+        if not isinstance(hidden, int):
+            raise _Unsupported("an l2_norm of a row whose length is not known")
+        n = [v * sympy.Rational(hidden ** 0.5) for v in _l2_normalized(s, eps_expr)]
     else:
         raise _Unsupported(f"no formula for norm kind {kind!r}")
     if weight is not None:
@@ -308,6 +319,8 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym, heads: _HeadRows
         return [_max(*_whole(val(c["input"])))]
     if p == "clamp":
         return _clamp(val(c["input"]), _bound(c["min"], val), _bound(c["max"], val), eps, eps_sym)
+    if p == "normalize":  # p = 2 over the last dim (the matcher took no other)
+        return _l2_normalized(val(c["input"]), _const(c["eps"], eps, eps_sym))
     if p in ("layer_norm", "rms_norm"):
         weight = val(c["weight"]) if c["weight"] is not None else None
         bias = val(c["bias"]) if p == "layer_norm" and c["bias"] is not None else None
@@ -563,7 +576,7 @@ def _fused(pair: SitePair, rows: dict[str, Any], eps_sym, eps: float | None) -> 
     e = _const(float(kw["eps"]), eps, eps_sym)
 
     def normalize(value, weight=w, bias=b):  # the call's norm of a row (a second norm: its own parameters)
-        return _norm(kind, value, weight, bias, e, offset)
+        return _norm(kind, value, weight, bias, e, offset, pair.site.hidden_size)
 
     return fusion.formula(kw, rows, normalize, _ROW_OPS)
 
