@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import normfuse
 from normfuse.passes.blocks import block_lists
@@ -135,3 +136,77 @@ def test_x_transformers_layer_norm_weight_folded_and_proved():
     optimized = normfuse.optimize(copy.deepcopy(model))
     optimized(ids)
     assert all(s.fused and s.weight_offset == 1.0 for s in normfuse.report(optimized).sites)
+
+
+# --------------------------------------------------------------------------- F.normalize norms
+
+@pytest.mark.parametrize("variant", ["use_rmsnorm", "use_scalenorm", "use_simple_rmsnorm"])
+def test_x_transformers_normalize_norms_are_fused_and_proved(variant):
+    """x-transformers' RMSNorm, ScaleNorm and SimpleRMSNorm are ``F.normalize(x, dim=-1) * dim ** 0.5``
+    (times g): the l2_norm call (eps clamps the row's L2 norm) with the residual add, outputs equal
+    to eager, gradients within the rule, every site proved."""
+    model = _x_transformer(**{variant: True})
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    result = normfuse.check(model, ids)
+    assert result.ok, result
+    assert [s.symbolic.status for s in result.sites] == ["proved"] * 5, result
+    optimized = normfuse.optimize(copy.deepcopy(model))
+    with torch.no_grad():
+        assert torch.equal(optimized(ids), model(ids))
+    sites = normfuse.report(optimized).sites
+    assert len(sites) == 5 and all(s.kind == "l2_norm" and s.fused and s.fused_add for s in sites), sites
+
+
+def _as_rms_norm(gm):
+    """The first l2_norm call turned into an rms_norm one: eps added to the mean square instead of
+    clamping the L2 norm (the fault a rewrite reading F.normalize as a plain RMSNorm makes)."""
+    from normfuse.verify.sites import fused_calls
+
+    call = next(n for n in fused_calls(gm.graph) if n.kwargs.get("kind") == "l2_norm")
+    call.kwargs = {**call.kwargs, "kind": "rms_norm"}
+    gm.recompile()
+
+
+def test_normalize_read_as_a_plain_rms_norm_is_refuted_at_its_site():
+    from helpers import optimized_with_fault
+
+    model = _x_transformer(use_rmsnorm=True)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    res = normfuse.check(model, ids, optimized=optimized_with_fault(model, _as_rms_norm), backward=False)
+    refuted = [s.id for s in res.sites if s.symbolic.status == "refuted"]
+    assert not res.ok and refuted == [res.sites[0].id], [(s.id, s.symbolic) for s in res.sites]
+
+
+@pytest.mark.parametrize("variant", ["use_dynamic_tanh", "use_derf"])
+def test_elementwise_norm_replacements_are_listed_not_fused(variant):
+    """DynamicTanh (``tanh(alpha * x) * w + b``) and Derf (``erf(alpha * x + s) * w + b``) replace
+    the norm in some models: no row statistic, so no site; the report lists them with the reason,
+    and the model runs as it was."""
+    model = _x_transformer(**{variant: True})
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    optimized = normfuse.optimize(copy.deepcopy(model))
+    with torch.no_grad():
+        assert torch.equal(optimized(ids), model(ids))
+    rep = normfuse.report(optimized)
+    assert not rep.sites, rep
+    [note] = [n for n in rep.notes if "elementwise norm replacement" in n]
+    assert note.startswith("5 elementwise norm replacement(s)") and "attn_layers.final_norm" in note, note
+    assert "one elementwise pass, which Inductor fuses" in note, note
+
+
+def test_a_tanh_gelu_is_not_an_elementwise_norm():
+    """GELU's tanh approximation multiplies by constants, not by a learned scalar and a weight."""
+    class _Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+
+        def forward(self, x, r):
+            return self.fc(F.gelu(self.norm(x + r), approximate="tanh"))
+
+    model = _Mlp().eval()
+    x, r = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+    normfuse.optimize(model)
+    model(x, r)
+    rep = normfuse.report(model)
+    assert not any("elementwise norm" in n for n in rep.notes) and rep.sites[0].fused_add, rep

@@ -24,7 +24,8 @@ import torch.fx as fx
 
 from normfuse.passes.canonical import canonicalize
 from normfuse.passes.classify import Found, classify, sum_continues
-from normfuse.passes.find import AddMatch, NormMatch, find_input_add, find_norms, find_output_add
+from normfuse.passes.find import (AddMatch, NormMatch, find_elementwise_norms, find_input_add, find_norms,
+                                  find_output_add)
 from normfuse.passes.graph import GraphIndex
 from normfuse.passes.order import STEPS
 from normfuse.vocabulary import Placement
@@ -62,6 +63,7 @@ class Analysis:
 
     index: GraphIndex
     sites: tuple[SiteAnalysis, ...]
+    elementwise_norms: tuple[fx.Node, ...] = ()  # DynamicTanh / Derf: listed in the report, not sites
 
 
 def analyze(graph: fx.Graph, stage: Callable[[str], None] = lambda name: None) -> Analysis:
@@ -79,8 +81,9 @@ def analyze(graph: fx.Graph, stage: Callable[[str], None] = lambda name: None) -
     sites = tuple(SiteAnalysis(number, f.match, f.in_add, f.output_add, tuple(f.output_chain), placement, group,
                                sum_continues(f), _parts_found(index, f))
                   for number, (f, placement, group) in enumerate(zip(found, placements, groups)))
+    elementwise = tuple(find_elementwise_norms(index))
     index.freeze()
-    return Analysis(index, sites)
+    return Analysis(index, sites, elementwise)
 
 
 def _parts_found(index: GraphIndex, f: Found) -> Mapping[str, Any]:

@@ -86,6 +86,8 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "squeeze": ("input", "dim"),
     # ... and activations (passes/parts/)
     "silu": ("input",),
+    "tanh": ("input",),  # ... and the elementwise norm replacements (DynamicTanh, Derf): listed, not sites
+    "erf": ("input",),
     "sigmoid": ("input",),
     # ... and adaLN's fused multiply-add: input + value * tensor1 * tensor2
     "addcmul": ("input", "tensor1", "tensor2", "value"),
@@ -145,6 +147,8 @@ SPELLINGS: dict[str, list[Any]] = {
     "index": [*_aten("index.Tensor")],  # the getitem spelling: canonical() reads its index
     "squeeze": [torch.squeeze, "squeeze", *_aten("squeeze.dim", "squeeze.dims", "squeeze.default")],
     "silu": [F.silu, "silu", *_aten("silu.default")],
+    "tanh": [torch.tanh, F.tanh, "tanh", *_aten("tanh.default")],
+    "erf": [torch.erf, torch.special.erf, "erf", *_aten("erf.default")],
     "sigmoid": [torch.sigmoid, F.sigmoid, "sigmoid", *_aten("sigmoid.default")],
     "addcmul": [torch.addcmul, "addcmul", *_aten("addcmul.default")],
 }

@@ -26,7 +26,7 @@ from normfuse.passes.canonical import (Canon, canonical, dim_value, is_exact_upc
 from normfuse.passes.graph import GraphIndex
 from normfuse.vocabulary import KERNEL_DTYPES, LOW_PRECISION, TORCH_NORMS
 
-__all__ = ["NormMatch", "AddMatch", "find_norms", "const_value", "upcasts", "strip_upcasts", "find_input_add",
+__all__ = ["NormMatch", "AddMatch", "find_norms", "find_elementwise_norms", "const_value", "upcasts", "strip_upcasts", "find_input_add",
            "find_output_add", "as_add", "live_dropout_p", "autocast_upcast"]
 
 F32 = torch.float32
@@ -34,7 +34,7 @@ F32 = torch.float32
 
 @dataclass(frozen=True)
 class NormMatch:
-    kind: str                        # "layer_norm" | "rms_norm"
+    kind: str                        # "layer_norm" | "rms_norm" | "l2_norm" (F.normalize's eps rule)
     form: str
     input: fx.Node                   # the value normalized (before exact upcasts)
     output: fx.Node                  # the last node of the norm (what its users read)
@@ -452,9 +452,10 @@ def _match_var_layer_norm(index: GraphIndex, var: fx.Node, c: Canon, claimed: se
 
 
 def _match_normalize(index: GraphIndex, node: fx.Node, c: Canon) -> NormMatch | None:
-    """``F.normalize(x, dim=-1)`` (p = 2), then ``* sqrt(d)`` (and a weight): an RMSNorm whose eps is
-    a clamp of the row's L2 norm, ``x / max(||x||_2, eps) * sqrt(d)`` (x-transformers' RMSNorm,
-    ScaleNorm, SimpleRMSNorm). Found so that the report lists it; not fused (the reason says why)."""
+    """``F.normalize(x, dim=-1) * sqrt(d)`` (p = 2), then a weight: an RMSNorm whose eps clamps the
+    row's L2 norm, ``x / max(||x||_2, eps) * sqrt(d)`` (x-transformers' RMSNorm, ScaleNorm,
+    SimpleRMSNorm): the ``l2_norm`` kind, computed in fp32 (x upcast or fp32); the weight and the
+    casts after it are read as after any norm call."""
     x = c["input"]
     shape = node_shape(x)
     if shape is None or const_value(c["p"]) != 2.0 or _reduced_dim(c["dim"], len(shape)) != len(shape) - 1:
@@ -468,12 +469,19 @@ def _match_normalize(index: GraphIndex, node: fx.Node, c: Canon) -> NormMatch | 
     k = None if cs is None or cs.prim != "mul" else const_value(_other(cs, node))
     if not isinstance(n, int) or k is None or abs(k - n ** 0.5) > 1e-6 * n ** 0.5:
         return None
-    clamp = f"{eps:g}" if eps is not None else "eps"  # eps may be a graph input (a symbolic float)
-    return NormMatch(kind="rms_norm", form="normalize", input=strip_upcasts(index, x), output=node,
-                     nodes=(node,), eps=eps or 0.0, hidden_size=last_dim(x), anchor=node, reason=(
-                         f"F.normalize clamps the row's L2 norm (x / max(||x||_2, {clamp})); the kernels add eps to "
-                         "the mean square (x * rsqrt(mean(x^2) + eps)), a different function on rows whose norm is "
-                         "about eps or below, and F.normalize rounds the norm and the quotient in the input's dtype"))
+    m = NormMatch(kind="l2_norm", form="normalize", input=strip_upcasts(index, x), output=scale,
+                  nodes=(*([x] if x is not strip_upcasts(index, x) else []), node, scale), eps=eps or 0.0,
+                  hidden_size=n, anchor=node, out_dtype=node_dtype(scale))
+    if eps is None:  # a graph input (a symbolic float)
+        return replace(m, reason="F.normalize's eps is not a number known when the graph is captured")
+    if node_dtype(x) in LOW_PRECISION:
+        return replace(m, reason=(
+            f"F.normalize computes the row's L2 norm in {node_dtype(x)} (no upcast before it): the graph rounds "
+            "the norm and the quotient there; the kernels accumulate in fp32"))
+    if k != n ** 0.5:
+        return replace(m, reason=f"the unit row is scaled by {k!r}, not by sqrt({n}) = {n ** 0.5!r}, the l2_norm "
+                                 "kind's scale")
+    return _with_tail(index, m, call=True)
 
 
 # --------------------------------------------------------------------------- the tail
@@ -644,6 +652,35 @@ def find_norms(index: GraphIndex) -> list[NormMatch]:
         index.norm_outputs.add(m.output)
     found.sort(key=lambda m: index.order[m.output])
     return found
+
+
+def find_elementwise_norms(index: GraphIndex) -> list[fx.Node]:
+    """The elementwise replacements of a norm: DynamicTanh (``tanh(alpha * x) * w + b``, "Transformers
+    without Normalization") and Derf (``erf(alpha * x + s) * w + b``), a learned scalar ``alpha`` and a
+    vector weight. Not
+    sites: with no row statistic the add before one and the function itself are one elementwise
+    pass, which Inductor fuses; the report lists them (``elementwise_norm_note``)."""
+    found = []
+    for node in index.graph.nodes:
+        c = index.canon(node)
+        if c is None or c.prim not in ("tanh", "erf"):
+            continue
+        scaled = index.canon(c["input"])
+        if scaled is not None and scaled.prim == "add" and any(_is_scalar(o) for o in (scaled["input"], scaled["other"])):
+            scaled = index.canon(_other(scaled, next(o for o in (scaled["input"], scaled["other"]) if _is_scalar(o))))
+        weighted = _single_user(node)
+        cw = index.canon(weighted) if weighted is not None else None
+        if scaled is None or scaled.prim != "mul" or cw is None or cw.prim != "mul":
+            continue
+        n = last_dim(node)
+        if any(_is_scalar(o) for o in (scaled["input"], scaled["other"])) and _vector_of(_other(cw, node), n):
+            found.append(node)
+    return found
+
+
+def _is_scalar(value: Any) -> bool:
+    shape = node_shape(value) if isinstance(value, fx.Node) else None
+    return shape is not None and all(d == 1 for d in shape)
 
 
 # --------------------------------------------------------------------------- adds next to a norm

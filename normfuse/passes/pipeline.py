@@ -39,7 +39,7 @@ from normfuse.passes.analysis import Analysis, analyze
 from normfuse.passes.dtensor_graph import hoist_from_local
 from normfuse.passes.graph import copy_graph
 from normfuse.passes.planning import Planning, plan
-from normfuse.passes.provenance import site_record, site_records
+from normfuse.passes.provenance import elementwise_norm_note, site_record, site_records
 from normfuse.passes.record import attach_records, is_fused_call
 from normfuse.passes.rewrite import apply_plans
 from normfuse.reporting import FusionReport, Region, Site
@@ -257,6 +257,9 @@ class NormFusionPass(CustomGraphPass):
         if fused_calls:
             report.notes.append(f"graph already optimized ({fused_calls} fused op calls): left as is")
         found = analyze(graph, self._stage)
+        note = elementwise_norm_note(found)
+        if note is not None:
+            report.notes.append(note)
         self._stage("plan")
         config = self.config
         excluded = (lambda n: not config.filter_fn(site_record(found, found.sites[n]))) \

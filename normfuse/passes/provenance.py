@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from normfuse.passes.analysis import Analysis, SiteAnalysis
     from normfuse.passes.planning import Planning
 
-__all__ = ["module_info", "module_class", "source_of", "site_record", "site_records"]
+__all__ = ["module_info", "module_class", "source_of", "site_record", "site_records", "elementwise_norm_note"]
 
 _FQN_PREFIX = re.compile(r"^L\[[^\]]*\](\[[^\]]*\])*\.?")
 
@@ -131,3 +131,15 @@ def site_records(analysis: Analysis, planning: Planning | None = None, applied: 
         if decision.plan is None:
             site.reason = decision.reason or "not rewritten"
     return sites
+
+
+def elementwise_norm_note(analysis: Analysis) -> str | None:
+    """The report's line on a graph's DynamicTanh / Derf (find.find_elementwise_norms), or None."""
+    nodes = analysis.elementwise_norms
+    if not nodes:
+        return None
+    where = sorted({module_info(n)[0] or n.name for n in nodes})
+    shown = ", ".join(where[:4]) + (f" and {len(where) - 4} more" if len(where) > 4 else "")
+    return (f"{len(nodes)} elementwise norm replacement(s) (DynamicTanh / Derf: tanh or erf of alpha * x, times w, "
+            f"plus b) at {shown}: not norm sites; with no row statistic, the add before one and the function are "
+            "one elementwise pass, which Inductor fuses (backend='normfuse_inductor'): a row kernel saves nothing")

@@ -50,8 +50,8 @@ NN_DECODER_MHA_PATH = (
     'he captured graph the composite one'
 )
 
-XT_NORMALIZE = ("x-transformers' RMSNorm / ScaleNorm / SimpleRMSNorm are F.normalize(x, dim=-1) * sqrt(d) * g: found, "
-                "not fused (F.normalize clamps the L2 norm at eps; the kernels add eps to the mean square)")
+XT_NORMALIZE = ("x-transformers' RMSNorm / ScaleNorm / SimpleRMSNorm are F.normalize(x, dim=-1) * sqrt(d) * g: "
+                "the l2_norm call (eps clamps the row's L2 norm)")
 
 HYPER_CONNECTIONS = (
     "hyper-connections: each block's norm reads a weighted sum of 4 residual streams ((pre * streams).sum(dim=2)), "
@@ -487,13 +487,13 @@ EXPECTED = {
         eager_norms=4, eager_input_is_add=4, check="ok", checked_sites=4, bitwise=True),
     "xt:sandwich": dict(norms=9, fused=9, fused_with_add=5, input_is_add=5, placements={"pre": 5, "sandwich": 4},
         eager_norms=9, eager_input_is_add=5, check="ok", checked_sites=9, bitwise=True),
-    "xt:rmsnorm": dict(norms=5, fused=0, fused_with_add=0, input_is_add=5, placements={"pre": 5},
-        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=0, bitwise=True, note=XT_NORMALIZE),
-    "xt:scalenorm": dict(norms=5, fused=0, fused_with_add=0, input_is_add=5, placements={"pre": 5},
-        eager_norms=0, eager_input_is_add=0, check="ok", checked_sites=0, bitwise=True,
+    "xt:rmsnorm": dict(norms=5, fused=5, fused_with_add=5, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True, note=XT_NORMALIZE),
+    "xt:scalenorm": dict(norms=5, fused=5, fused_with_add=5, input_is_add=5, placements={"pre": 5},
+        eager_norms=0, eager_input_is_add=0, check="ok", checked_sites=5, bitwise=True,
         note=XT_NORMALIZE + "; the eager count does not take the class name ScaleNorm for a norm"),
-    "xt:simple_rmsnorm": dict(norms=5, fused=0, fused_with_add=0, input_is_add=5, placements={"pre": 5},
-        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=0, bitwise=True, note=XT_NORMALIZE),
+    "xt:simple_rmsnorm": dict(norms=5, fused=5, fused_with_add=5, input_is_add=5, placements={"pre": 5},
+        eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True, note=XT_NORMALIZE),
     "xt:scale_residual": dict(norms=5, fused=5, fused_with_add=5, input_is_add=5, placements={"pre": 5},
         eager_norms=5, eager_input_is_add=5, check="ok", checked_sites=5, bitwise=True),
     "xt:gate_residual": dict(norms=5, fused=5, fused_with_add=1, input_is_add=1, placements={"pre": 1, "standalone": 4},
