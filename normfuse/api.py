@@ -71,6 +71,10 @@ def optimize(model: nn.Module, config: FuseConfig | None = None, **options: Any)
     log = RunLog()
     object.__setattr__(model, LOG_ATTR, log)
     log.notes += prepare(model, cfg).notes
+    if cfg.cross_block:
+        from normfuse.passes.cross_block import checkpointed_sharded_blocks
+        for block in checkpointed_sharded_blocks(model):  # (their docstring says why)
+            block.compile(backend=FusingBackend(cfg, log, model)())
     model.forward = ModelForward(model, model.forward, FusingBackend(cfg, log, model), log.warn)
     return model
 

@@ -255,12 +255,12 @@ def test_titan_layout_under_fsdp2_every_norm_fused(name, titan_results, titan_re
 # --------------------------------------------------------------------------- a checkpoint flag
 
 # The loops that checkpoint when a flag of the model says so (tests/loops.py), under FSDP2 per
-# block + root, then optimize, with the flag off: whether the loop checkpoints is read at each
-# forward, so every add is fused as in a plain loop. (With the flag on, torch.utils.checkpoint
-# runs its block with dynamo disabled once FSDP2's hooks have broken the owner's graph: the
-# blocks run eagerly and the report lists them as not captured; torchtitan's checkpoint_wrapper
-# per block is the form that compiles, tested above.)
-FLAG_CASES = [(loop, False) for loop in ("if_else", "conditional_expression", "helper_method")]
+# block + root, then optimize. Flag off: whether the loop checkpoints is read at each forward, so
+# every add is fused as in a plain loop. Flag on: torch.utils.checkpoint runs its block with dynamo
+# disabled once FSDP2's hooks have broken the owner's graph, so optimize compiles each such block
+# on its own (cross_block.checkpointed_sharded_blocks): every norm fused, each block's first norm
+# without the add its checkpoint keeps the sum of.
+FLAG_CASES = [(loop, flag) for loop in ("if_else", "conditional_expression", "helper_method") for flag in (False, True)]
 
 
 def flagged_model(loop, checkpointing, dtype=torch.float32):
@@ -306,9 +306,13 @@ def test_fsdp2_with_a_checkpoint_flag_fuses_as_the_flag_says(loop, flag, flagged
         sites = {s[0]: s for s in res["sites"]}  # per module (a checkpoint's recompute may run a graph of its own)
         assert sorted(sites) == sorted(norms) and all(s[1] for s in sites.values()), res["text"]
         with_add = sorted(fqn for fqn, s in sites.items() if s[2])
-        assert with_add == sorted(norms[1:]), res["text"]  # every add-fed norm with its add, as in a plain loop
         [note] = [n for n in res["notes"] if n.startswith("cross-block")]
-        assert "checkpointed blocks" not in note and "(does not hold now)" in note, note
+        if flag:  # each checkpoint keeps its block's input, the sum: a block's first norm takes it alone
+            assert with_add == sorted(n for n in norms if not n.endswith("norm1")), res["text"]
+            assert "(holds now)" in note, note
+        else:  # every add-fed norm with its add, as in a plain loop
+            assert with_add == sorted(norms[1:]), res["text"]
+            assert "checkpointed blocks" not in note and "(does not hold now)" in note, note
         for step, grads in enumerate(res["grads"]):
             for name, grad in grads.items():
                 ok, err, base, bound = within_tolerance(grad, eager[step][name], exact[step][name], torch.float32)

@@ -50,9 +50,9 @@ Models pickled by normfuse 0.1.0 name some of these objects under normfuse.passe
 which re-exports them.
 """
 
-from normfuse.passes.cross_block.install import (StreamRewrite, crosses_checkpoints, rewrite_streams,
-                                                 rewritten_streams, undo_streams)
+from normfuse.passes.cross_block.install import (StreamRewrite, checkpointed_sharded_blocks, crosses_checkpoints,
+                                                 rewrite_streams, rewritten_streams, undo_streams)
 from normfuse.passes.cross_block.runtime import ResidualPair
 
-__all__ = ["ResidualPair", "StreamRewrite", "crosses_checkpoints", "rewrite_streams", "rewritten_streams",
-           "undo_streams"]
+__all__ = ["ResidualPair", "StreamRewrite", "checkpointed_sharded_blocks", "crosses_checkpoints", "rewrite_streams",
+           "rewritten_streams", "undo_streams"]

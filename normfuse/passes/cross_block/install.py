@@ -23,7 +23,8 @@ from normfuse.passes.cross_block.runtime import (_ELEMENT, _KEY, _MARK, _RECOMPU
 from normfuse.passes.cross_block.source import NotFit, _analyze_owner, _new_forward
 from normfuse.passes.blocks import block_lists, blocks_of
 
-__all__ = ["StreamRewrite", "crosses_checkpoints", "rewrite_streams", "rewritten_streams", "undo_streams"]
+__all__ = ["StreamRewrite", "checkpointed_sharded_blocks", "crosses_checkpoints", "rewrite_streams",
+           "rewritten_streams", "undo_streams"]
 
 
 @dataclass
@@ -209,6 +210,19 @@ def _describe(result: StreamRewrite, stream: _Stream, elements: list, owner: nn.
 def rewritten_streams(model: nn.Module) -> list[str]:
     """The owners of ``model``'s rewritten streams, by module path."""
     return [fqn for fqn, module in model.named_modules() if _marked_streams(module)]
+
+
+def checkpointed_sharded_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks of ``model``'s rewritten streams that FSDP2 shards and the owner's loop may run
+    through ``torch.utils.checkpoint``. FSDP2's hooks break the owner's graph before each block,
+    and the checkpoint then runs its block with dynamo disabled: such a block is captured only
+    when it is compiled on its own (as torchtitan compiles each block)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a build without torch.distributed
+        return []
+    return [block for owner in model.modules() for attr, stream in _marked_streams(owner).items()
+            if stream.checkpointed for block in blocks_of(owner.get_submodule(attr)) if isinstance(block, FSDPModule)]
 
 
 def crosses_checkpoints(model: nn.Module) -> bool:
