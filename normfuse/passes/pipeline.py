@@ -41,6 +41,7 @@ from normfuse.passes.graph import copy_graph
 from normfuse.passes.planning import Planning, plan
 from normfuse.passes.provenance import elementwise_norm_note, site_record, site_records
 from normfuse.passes.record import attach_records, is_fused_call
+from normfuse.passes.rope_over_cat import split_rope_over_cat
 from normfuse.passes.rewrite import apply_plans
 from normfuse.reporting import FusionReport, Region, Site
 
@@ -257,6 +258,8 @@ class NormFusionPass(CustomGraphPass):
         if fused_calls:
             report.notes.append(f"graph already optimized ({fused_calls} fused op calls): left as is")
         found = analyze(graph, self._stage)
+        if self.config.fuse_rope and split_rope_over_cat(graph, {s.match.output for s in found.sites}):
+            found = analyze(graph, self._stage)  # each piece's norm now reads its own RoPE
         note = elementwise_norm_note(found)
         if note is not None:
             report.notes.append(note)

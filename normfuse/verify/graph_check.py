@@ -19,7 +19,7 @@ import torch.fx as fx
 from normfuse.reporting import FusionReport, Site
 from normfuse.verify.numeric import OutputCheck, SiteNumeric, check_site, compare, failed_output, flatten, run_graph
 from normfuse.verify.result import CheckResult, SiteCheck
-from normfuse.verify.sites import pair_sites
+from normfuse.verify.sites import as_the_pass_read, pair_sites
 from normfuse.verify.symbolic import SymbolicResult, prove_site
 
 __all__ = ["check_sites", "check_graph_sites", "compare_all", "result_of", "unpaired_graphs",
@@ -119,9 +119,11 @@ def check_graph_sites(original: fx.GraphModule, inputs: list[Any], rewritten: fx
                                     SymbolicResult("unsupported", detail="not attempted: " + why),
                                     graph=s.graph, number=s.number))
         return checks, env
-    for pair in pair_sites(original, rewritten, sites):
+    paired = as_the_pass_read(original, rewritten)
+    paired_env = env if paired is original else run_graph(paired, inputs)[1]
+    for pair in pair_sites(paired, rewritten, sites):
         s = pair.site
-        numeric = check_site(original, pair, env) if not (s.converted or s.residual_dtype) else SiteNumeric.not_compared(
+        numeric = check_site(paired, pair, paired_env) if not (s.converted or s.residual_dtype) else SiteNumeric.not_compared(
             "converted from Post-Norm to Pre-Norm: no original subgraph to compare with" if s.converted
             else f"residual stream kept in {s.residual_dtype}: the sum differs from the original's")
         symbolic = prove_site(pair)

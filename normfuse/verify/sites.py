@@ -30,7 +30,7 @@ from normfuse.passes.record import (ARG_ROLES, OPTION_ROLES, CallRecord, boundar
                                     records_of)
 from normfuse.reporting import Site
 
-__all__ = ["SitePair", "pair_sites", "fused_calls", "site_order"]
+__all__ = ["SitePair", "pair_sites", "as_the_pass_read", "fused_calls", "site_order"]
 
 
 @dataclass
@@ -80,6 +80,24 @@ def pair_sites(original: fx.GraphModule, rewritten: fx.GraphModule, sites: list[
 
     pairs = [_pair(record, calls.get(record.call), by_number, by_name, original_of) for record in records]
     return [pair for pair in pairs if pair is not None]
+
+
+def as_the_pass_read(original: fx.GraphModule, rewritten: fx.GraphModule) -> fx.GraphModule:
+    """The original graph whose nodes the rewritten graph's records name: ``original``, or a copy
+    of it with each RoPE over a cat of norm outputs split as the pass split it
+    (``passes/rope_over_cat.py``: the same steps on the same graph give the same node names)."""
+    names = {n.name for n in original.graph.nodes}
+    if not any(name not in names for record in records_of(rewritten) or () for name in record.nodes):
+        return original
+    from normfuse.passes.analysis import analyze
+    from normfuse.passes.dtensor_graph import hoist_from_local
+    from normfuse.passes.graph import copy_graph_module
+    from normfuse.passes.rope_over_cat import split_rope_over_cat
+
+    split = copy_graph_module(original)
+    hoist_from_local(split.graph)
+    split_rope_over_cat(split.graph, {s.match.output for s in analyze(split.graph).sites})
+    return split
 
 
 def _pair(record: CallRecord, call: fx.Node | None, by_number: dict[int, Site], by_name: dict[str, fx.Node],

@@ -546,7 +546,8 @@ def _source(node: fx.Node, inside: set, transposes: bool = False) -> fx.Node:
     cast is the numeric check's business)."""
     while node not in inside:
         c = canonical(node)
-        if c is None or c.prim not in ("cast", "dropout", "view", "transpose", "unsqueeze") \
+        # (a slice of positions keeps each row: a RoPE split over a cat reads its table's rows so)
+        if c is None or c.prim not in ("cast", "dropout", "view", "transpose", "unsqueeze", "slice") \
                 or not isinstance(c["input"], fx.Node):
             return node
         if c.prim == "unsqueeze" and _touches_last(node, *(c["dim"] if isinstance(c["dim"], (list, tuple))
@@ -559,6 +560,8 @@ def _source(node: fx.Node, inside: set, transposes: bool = False) -> fx.Node:
             return node
         if c.prim == "view" and (node_shape(node) or (None,))[-1:] != (node_shape(c["input"]) or (None,))[-1:]:
             return node  # a view that changes the row is not the same row
+        if c.prim == "slice" and _touches_last(node, *c["dim"]):
+            return node  # columns taken: another row
         node = c["input"]
     return node
 
