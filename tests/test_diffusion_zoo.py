@@ -52,10 +52,16 @@ EXPECTED = {
                           modulation=(5, 5), gated=(2, 2), equal=True, grads="within", passes=(58, 38)),
     "hunyuan_video": dict(norms=14, fused=14, fused_with_add=4, input_is_add=4, rope=2, fused_rope=2, rope_refused=2,
                           modulation=(6, 6), gated=(4, 4), equal=True, grads="within", passes=(73, 31)),
+    "hunyuan_video_i2v": dict(norms=14, fused=14, fused_with_add=3, input_is_add=3, rope=2, fused_rope=2,
+                              rope_refused=2, modulation=(6, 3), gated=(3, 3), equal=True, grads="within",
+                              passes=(84, 50)),
     "sana":          dict(norms=6, fused=6, fused_with_add=4, input_is_add=4, rope=0, fused_rope=0, rope_refused=0,
                           modulation=(5, 5), gated=(2, 2), equal=True, grads="within", passes=(47, 27)),
     "qwen_image":    dict(norms=18, fused=18, fused_with_add=7, input_is_add=7, rope=0, fused_rope=0, rope_refused=8,
                           modulation=(9, 9), gated=(7, 7), equal=True, grads="within", passes=(79, 32)),
+    "qwen_image_edit": dict(norms=18, fused=18, fused_with_add=7, input_is_add=7, rope=0, fused_rope=0,
+                            rope_refused=8, modulation=(9, 9), gated=(7, 7), equal=True, grads="within",
+                            passes=(106, 51)),
     "z_image":       dict(norms=26, fused=26, fused_with_add=7, input_is_add=6, rope=8, fused_rope=8, rope_refused=0,
                           modulation=(13, 13), gated=(5, 0), equal=True, grads="within", passes=(109, 33)),
 }
@@ -72,6 +78,10 @@ NOT_TAKEN = {
                        "a RoPE follows this q/k norm <how>; qk_norm_rope reads ..."),
     "qwen-image RoPE": ("complex RoPE after the q/k norms",
                         "the complex RoPE is not the pair rotation in fp32 of q upcast from torch.float32 ..."),
+    "modulation per segment of tokens": ("HunyuanVideo I2V's token_replace: y[:, :F] and y[:, F:] modulated "
+                                         "with their own scale and shift, then concatenated",
+                                         "the norm's output is modulated per segment of tokens (2 slices ...): the "
+                                         "call modulates every row with one"),
     "two modulations of one norm": ("SD3.5's AdaLayerNormZeroX modulates one norm's output twice",
                                     "the norm's output is modulated 2 times (SD3.5's AdaLayerNormZeroX): ..."),
     "gate with a second branch": ("SD3.5's dual attention adds two branches",

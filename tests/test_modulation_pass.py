@@ -207,6 +207,34 @@ def test_a_norm_modulated_twice_is_fused_without_the_modulations_with_the_reason
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+class PerSegment(nn.Module):
+    """HunyuanVideo I2V's token_replace: the first frame's tokens modulated with their own scale and
+    shift, the others with the block's, then concatenated."""
+
+    def __init__(self, first=3):
+        super().__init__()
+        self.norm, self.first = nn.LayerNorm(C, elementwise_affine=False), first
+
+    def forward(self, h, scale):
+        n = self.norm(h)
+        zero = n[:, :self.first] * (1 + scale[:, None]) + scale[:, None]
+        rest = n[:, self.first:] * (2 + scale[:, None]) - scale[:, None]
+        return torch.cat([zero, rest], dim=1)
+
+
+def test_a_norm_modulated_per_segment_of_tokens_is_fused_without_them_with_the_reason():
+    model = PerSegment()
+    h, emb = _inputs(torch.float32)
+    with torch.no_grad():
+        want = model(h, emb)
+        opt = normfuse.optimize(model)
+        got = opt(h, emb)
+    site = normfuse.report(opt).sites[0]
+    assert site.fused and site.modulation and not site.fused_modulation, site
+    assert site.modulation_reason.startswith("the norm's output is modulated per segment of tokens (2 slices"), site
+    assert torch.equal(got, want)
+
+
 class ScaleFromTheSum(nn.Module):
     """A factor computed from the sum the call makes: the call cannot read it before it computes it."""
 

@@ -151,14 +151,17 @@ def _ltx():
                        num_frames=frames, height=h, width=w, return_dict=False)
 
 
-def _hunyuan_video():
+def _hunyuan_video(token_replace: bool = False):
+    """HunyuanVideo; ``token_replace``: its image-to-video variant, whose first frame's tokens take a
+    modulation and gates of their own (per segment of the tokens)."""
     model = _make("HunyuanVideoTransformer3DModel", in_channels=4, out_channels=4, num_attention_heads=2,
                   attention_head_dim=10, num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=1,
-                  patch_size_t=1, guidance_embeds=True, text_embed_dim=16, pooled_projection_dim=8,
-                  rope_axes_dim=(2, 4, 4), image_condition_type=None)
-    return model, dict(hidden_states=_randn(1, 4, 1, 4, 4), timestep=torch.tensor([500.0]),
+                  patch_size_t=1, guidance_embeds=not token_replace, text_embed_dim=16, pooled_projection_dim=8,
+                  rope_axes_dim=(2, 4, 4), image_condition_type="token_replace" if token_replace else None)
+    frames, guidance = (2, {}) if token_replace else (1, dict(guidance=torch.tensor([3500.0])))
+    return model, dict(hidden_states=_randn(1, 4, frames, 4, 4), timestep=torch.tensor([500.0]),
                        encoder_hidden_states=_randn(1, 6, 16, seed=2), encoder_attention_mask=torch.ones(1, 6),
-                       pooled_projections=_randn(1, 8, seed=3), guidance=torch.tensor([3500.0]), return_dict=False)
+                       pooled_projections=_randn(1, 8, seed=3), return_dict=False, **guidance)
 
 
 def _sana():
@@ -169,14 +172,18 @@ def _sana():
                        timestep=torch.tensor([3, 500]), return_dict=False)
 
 
-def _qwen_image():
+def _qwen_image(zero_cond_t: bool = False):
+    """Qwen-Image; ``zero_cond_t``: its edit variant, a condition image's tokens appended, each token's
+    scale, shift and gate selected from two sets by ``torch.where`` (per token)."""
     model = _make("QwenImageTransformer2DModel", patch_size=2, in_channels=16, out_channels=4, num_layers=2,
                   attention_head_dim=16, num_attention_heads=4, joint_attention_dim=16, guidance_embeds=False,
-                  axes_dims_rope=(8, 4, 4))
+                  axes_dims_rope=(8, 4, 4), zero_cond_t=zero_cond_t)
     h = w = 4
-    return model, dict(hidden_states=_randn(1, h * w, 16), encoder_hidden_states=_randn(1, 8, 16, seed=2),
+    images = 2 if zero_cond_t else 1
+    shapes = [[(1, h, w)] * images] if zero_cond_t else [(1, h, w)]
+    return model, dict(hidden_states=_randn(1, images * h * w, 16), encoder_hidden_states=_randn(1, 8, 16, seed=2),
                        encoder_hidden_states_mask=torch.ones(1, 8, dtype=torch.long), timestep=torch.tensor([1.0]),
-                       img_shapes=[(1, h, w)], return_dict=False)
+                       img_shapes=shapes, return_dict=False)
 
 
 def _z_image():
@@ -201,8 +208,11 @@ DIFFUSION: dict[str, DiffusionModel] = {m.name: m for m in [
     DiffusionModel("cogvideox15", "CogVideoXTransformer3DModel", "CogVideoX", lambda: _cogvideox(rope=True)),
     DiffusionModel("ltx_video", "LTXVideoTransformer3DModel", "LTX-Video", _ltx),
     DiffusionModel("hunyuan_video", "HunyuanVideoTransformer3DModel", "HunyuanVideo", _hunyuan_video),
+    DiffusionModel("hunyuan_video_i2v", "HunyuanVideoTransformer3DModel", "HunyuanVideo",
+                   lambda: _hunyuan_video(token_replace=True)),
     DiffusionModel("sana", "SanaTransformer2DModel", "Sana", _sana),
     DiffusionModel("qwen_image", "QwenImageTransformer2DModel", "Qwen-Image", _qwen_image),
+    DiffusionModel("qwen_image_edit", "QwenImageTransformer2DModel", "Qwen-Image", lambda: _qwen_image(zero_cond_t=True)),
     DiffusionModel("z_image", "ZImageTransformer2DModel", "Z-Image", _z_image),
 ]}
 

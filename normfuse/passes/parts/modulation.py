@@ -124,6 +124,16 @@ def _steps(index: GraphIndex, y: fx.Node, first: fx.Node | None) -> tuple[Any, A
     return None, None, False, []
 
 
+def _token_slice(index: GraphIndex, node: fx.Node) -> bool:
+    """``y[:, a:b]``: a slice of y along a dim before the last (a segment of the tokens)."""
+    c = index.canon(node)
+    if c is None or c.prim != "slice":
+        return False
+    ndim = len(node_shape(node) or ())
+    dims = c["dim"] if isinstance(c["dim"], (list, tuple)) else [c["dim"]]
+    return ndim > 0 and all(isinstance(d, int) and d % ndim != ndim - 1 for d in dims)
+
+
 def find_modulation(index: GraphIndex, match) -> ModulationMatch | None:
     """The modulation of a matched norm's output (see the module docstring), or None: each step
     rounds to the dtype eager's type promotion gives it, so the call rounds where eager does."""
@@ -134,6 +144,16 @@ def find_modulation(index: GraphIndex, match) -> ModulationMatch | None:
         y = reader
         casts.append(reader)
     readers = real_users(y)
+    segments = [r for r in readers if _token_slice(index, r)]
+    if len(readers) > 1 and len(segments) == len(readers):  # HunyuanVideo's token_replace: y[:, :F], y[:, F:]
+        found = [st for st in (_steps(index, r, _only_reader(r)) for r in segments) if st[3]]
+        if len(found) != len(segments):
+            return None
+        scale, shift, fused, nodes = found[0]
+        return ModulationMatch(scale, shift, node_dtype(nodes[-1]), fused, node_dtype(nodes[-1]), tuple(nodes),
+                               times=len(found), reason=f"the norm's output is modulated per segment of tokens "
+                               f"({len(found)} slices along the positions, each with its own scale and shift: "
+                               "HunyuanVideo's token_replace): the call modulates every row with one")
     if len(readers) > 1:  # several modulations of one y: one output of the call is one of them
         found = [st for st in (_steps(index, y, r) for r in readers) if st[3]]
         if len(found) < 2 or len(found) != len(readers):
