@@ -276,3 +276,57 @@ def test_gated_branch_bad_arguments(kwargs, error, words):
     x = torch.randn(B, S, N)
     with pytest.raises(error, match=words):
         add_norm(x, x, None, None, kind="layer_norm", eps=1e-6, **kwargs)
+
+
+# ---- the modulation as the kernels' epilogue (Triton) ---------------------------------------------
+
+@pytest.mark.parametrize("per_token", (False, True), ids=("per_sample", "per_token"))
+@pytest.mark.parametrize("dtype", (FP32, BF16, FP16), ids=("fp32", "bf16", "fp16"))
+@pytest.mark.parametrize("form", FORMS)
+def test_the_kernels_modulate_in_their_epilogue(form, dtype, per_token, triton_cpu, monkeypatch):
+    """Without a gated branch the Triton kernels modulate y as they store it (no pass around them):
+    within the rule against the block in fp64, and bf16 bit-equal to the block."""
+    from normfuse.kernels import triton as kernels
+
+    around = kernels._around_kernels
+    monkeypatch.setattr(kernels, "_around_kernels",
+                        lambda call: around(call) and pytest.fail("the modulation ran around the kernels"))
+    t = _tensors(dtype, per_token, scale_dtype=FP32 if form == "wan" else None, seed=1)
+    got, want = ours(form, t, "rms_norm"), eager(form, t, "rms_norm")
+    if dtype == BF16:
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    exact = eager(form, {k: v.double() for k, v in t.items()}, "rms_norm")
+    for a, b, e in zip(got, want, exact):
+        assert a.dtype == b.dtype
+        ok, err, err_base, bound = within_tolerance(a, b, e, dtype=a.dtype)
+        assert ok, f"error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"
+
+
+def test_the_kernels_read_chunks_of_the_embedding_in_place(triton_cpu):
+    """scale and shift as DiT takes them, ``emb.chunk(6, dim=-1)`` pieces viewed per sample: the kernels
+    read them through their strides (no copy), per token as well, and a looped (wide) row too."""
+    from normfuse.kernels.triton import broadcast_operand
+
+    gen = torch.Generator().manual_seed(2)
+    for n in (N, 20000):
+        x, r = (torch.randn(B, S, n, generator=gen).to(BF16) for _ in range(2))
+        emb = torch.randn(B, 6 * n, generator=gen).to(BF16)
+        shift, scale = (c[:, None] for c in emb.chunk(6, dim=-1)[:2])
+        assert broadcast_operand(scale, x)[1:] == (6 * n, S, 0)  # (outer stride, period, inner stride)
+        got = add_norm(x, r, None, None, kind="layer_norm", eps=1e-6, modulation=Modulation(1 + scale, shift))[0]
+        n_ = F.layer_norm(x + r, (n,), None, None, 1e-6)
+        assert torch.equal(got, n_ * (1 + scale) + shift)
+
+
+@pytest.mark.parametrize("form", ("dit", "addcmul", "wan", "scale_only", "shift_only"))
+def test_gradients_through_the_kernels_epilogue(form, triton_cpu):
+    t = _tensors(BF16, True, scale_dtype=FP32 if form == "wan" else None, seed=3)
+    gen = torch.Generator().manual_seed(9)
+    cot = [torch.randn(B, S, N, generator=gen, dtype=FP64) for _ in range(2)]
+    names = ["x", "r", "w"] + (["scale"] if form != "shift_only" else []) + (["shift"] if form != "scale_only" else [])
+    got = _grads(lambda a: ours(form, a, "rms_norm"), t, names, cot)
+    base = _grads(lambda a: eager(form, a, "rms_norm"), t, names, cot)
+    exact = _grads(lambda a: eager(form, a, "rms_norm"), {k: v.double() for k, v in t.items()}, names, cot)
+    for name in names:
+        ok, err, err_base, bound = within_tolerance(got[name], base[name], exact[name], dtype=got[name].dtype)
+        assert ok, f"d{name}: error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"

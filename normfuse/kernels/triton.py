@@ -139,9 +139,11 @@ if triton is not None:
                              HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
                              ROUND_FIRST: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
                              STORE_Y: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, SCALE_RESIDUAL: tl.constexpr,
-                             gate=1.0, GATE_AFTER: tl.constexpr = False, GATE_OUT_DTYPE: tl.constexpr = None):
+                             gate=1.0, GATE_AFTER: tl.constexpr = False, GATE_OUT_DTYPE: tl.constexpr = None,
+                             row=0, MOD=None, MOD_OPTS: tl.constexpr = None):
         """y = round(OUT_DTYPE, n * w' + b) (n rounded first when ROUND_FIRST), times act(z) and rounded
-        to GATE_OUT_DTYPE after a gate (GATE_AFTER: ``gate`` holds act(z)); then the post-add.
+        to GATE_OUT_DTYPE after a gate (GATE_AFTER: ``gate`` holds act(z)), or modulated (MOD: the scale
+        and shift operands, _modulate); then the post-add.
         Returns n (for the second norm output) and y (for the quantization epilogue)."""
         if IS_RMS:
             n = u * rstd
@@ -157,6 +159,8 @@ if triton is not None:
         y = _round(y, OUT_DTYPE)
         if GATE_AFTER:
             y = _round(y.to(tl.float32) * gate, GATE_OUT_DTYPE)
+        if MOD is not None:
+            y = _modulate(y, MOD[0], MOD[1], row, cols, mask, MOD_OPTS)
         if STORE_Y:
             tl.store(Y + y_off + cols, y, mask=mask)
         if ADD_AFTER_NORM:
@@ -165,6 +169,30 @@ if triton is not None:
                 r = _round(r.to(tl.float32) * residual_scale, R.dtype.element_ty)
             tl.store(S + s_off + cols, _round(r.to(tl.float32) + y.to(tl.float32), S.dtype.element_ty), mask=mask)
         return n, y
+
+    @triton.jit
+    def _broadcast_row(OP, row):
+        """The offset of the row of a broadcast operand that x's row ``row`` reads: OP is (pointer,
+        outer stride, period, inner stride), row = outer * period + inner over x's leading dims."""
+        return (row // OP[2]) * OP[1] + (row % OP[2]) * OP[3]
+
+    @triton.jit
+    def _modulate(y, MS, MH, row, cols, mask, MOD_OPTS: tl.constexpr):
+        """m = y * scale + shift (adaLN), rounded to MOD_OPTS[1] after the product and after the sum
+        (once, as a fused multiply-add, with MOD_OPTS[0]), then to MOD_OPTS[2]; scale and shift read
+        through their strides (per sample, per token or per column)."""
+        m = y.to(tl.float32)
+        if MS[0] is not None and MH[0] is not None and MOD_OPTS[0]:
+            scale = tl.load(MS[0] + _broadcast_row(MS, row) + cols, mask=mask, other=0.0).to(tl.float32)
+            shift = tl.load(MH[0] + _broadcast_row(MH, row) + cols, mask=mask, other=0.0).to(tl.float32)
+            m = tl.fma(m, scale, shift)
+        else:
+            if MS[0] is not None:
+                scale = tl.load(MS[0] + _broadcast_row(MS, row) + cols, mask=mask, other=0.0).to(tl.float32)
+                m = _round(m * scale, MOD_OPTS[1]).to(tl.float32)
+            if MH[0] is not None:
+                m = m + tl.load(MH[0] + _broadcast_row(MH, row) + cols, mask=mask, other=0.0).to(tl.float32)
+        return _round(_round(m, MOD_OPTS[1]), MOD_OPTS[2])
 
     @triton.jit
     def _store_second_norm(n, w1, b1, Y1, y1_off, cols, mask, HAS_B1: tl.constexpr, OUT_DTYPE: tl.constexpr):
@@ -395,6 +423,7 @@ if triton is not None:
         DTYPES: tl.constexpr, IS_RMS: tl.constexpr, ROUND_FIRST: tl.constexpr, ADD_AFTER_NORM: tl.constexpr,
         SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, GATE_OPTS: tl.constexpr,
         NORM_GROUP: tl.constexpr, QUANT_OPTS: tl.constexpr, BLOCK_N: tl.constexpr, L2: tl.constexpr = False,
+        MOD=None, MOD_OPTS: tl.constexpr = None,
     ):
         """A row fits one block: one read of each input and one write of each output per row."""
         HAS_W1: tl.constexpr = W1 is not None
@@ -441,7 +470,7 @@ if triton is not None:
                                         _residual_row(R, row),
                                         cols, mask, residual_scale, W is not None, B is not None, IS_RMS, ROUND_FIRST,
                                         DTYPES[1], DTYPES[2], Y[0] is not None, ADD_AFTER_NORM, SCALE_RESIDUAL,
-                                        gate, HAS_GATE and GATE_OPTS[0], GATE_OPTS[2])
+                                        gate, HAS_GATE and GATE_OPTS[0], GATE_OPTS[2], row, MOD, MOD_OPTS)
             if QUANT_ON:
                 if SC is not None or QUANT_OPTS[1] > 0:
                     _row_quantize(y, mask, row_ok, 0, cols, N, Q, QS, SC, row, QUANT, QUANT_OPTS, BLOCK_N)
@@ -503,7 +532,8 @@ if triton is not None:
                       rstd, N, eps, weight_offset, residual_scale, DROPOUT, QUANT, DTYPES: tl.constexpr,
                       IS_RMS: tl.constexpr, ROUND_FIRST: tl.constexpr, ADD_AFTER_NORM: tl.constexpr,
                       SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, GATE_OPTS: tl.constexpr,
-                      NORM_GROUP: tl.constexpr, QUANT_OPTS: tl.constexpr, BLOCK_N: tl.constexpr):
+                      NORM_GROUP: tl.constexpr, QUANT_OPTS: tl.constexpr, BLOCK_N: tl.constexpr, MOD,
+                      MOD_OPTS: tl.constexpr):
         """Pass 2 of a wide row: re-reads the row (the dropout mask regenerated, not stored) and writes y,
         out, y1 and q (a static scale or one per group); returns the bits of the row's amax of y."""
         HAS_GATE: tl.constexpr = Z[0] is not None
@@ -526,7 +556,8 @@ if triton is not None:
                                         _residual_row(R, row), cols, mask, residual_scale, W is not None,
                                         B is not None, IS_RMS,
                                         ROUND_FIRST, DTYPES[1], DTYPES[2], Y[0] is not None, ADD_AFTER_NORM,
-                                        SCALE_RESIDUAL, gate, HAS_GATE and GATE_OPTS[0], GATE_OPTS[2])
+                                        SCALE_RESIDUAL, gate, HAS_GATE and GATE_OPTS[0], GATE_OPTS[2], row, MOD,
+                                        MOD_OPTS)
             if W1 is not None:
                 w1, b1 = _load_params(W1, B1, cols, mask, weight_offset, True, B1 is not None)
                 _store_second_norm(n, w1, b1, Y1[0], row * Y1[1], cols, mask, B1 is not None, DTYPES[2])
@@ -572,6 +603,7 @@ if triton is not None:
         DTYPES: tl.constexpr, IS_RMS: tl.constexpr, ROUND_FIRST: tl.constexpr, ADD_AFTER_NORM: tl.constexpr,
         SCALE_RESIDUAL: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, GATE_OPTS: tl.constexpr,
         NORM_GROUP: tl.constexpr, QUANT_OPTS: tl.constexpr, BLOCK_N: tl.constexpr, L2: tl.constexpr = False,
+        MOD=None, MOD_OPTS: tl.constexpr = None,
     ):
         """Rows wider than one block: pass 1 accumulates the stats block by block, pass 2 re-reads the
         row and writes; a dynamic quantization scale per row takes a third pass."""
@@ -587,7 +619,7 @@ if triton is not None:
             amax_bits = _looped_write(X, R, W, B, Y, S, MEAN, RSTD, X1, RS, W1, B1, Y1, Z, Q, QS, SC, row, row_ok,
                                       cols0, mean, rstd, N, eps, weight_offset, residual_scale, DROPOUT, QUANT,
                                       DTYPES, IS_RMS, ROUND_FIRST, ADD_AFTER_NORM, SCALE_RESIDUAL, ROUND_SUM_FIRST,
-                                      GATE_OPTS, NORM_GROUP, QUANT_OPTS, BLOCK_N)
+                                      GATE_OPTS, NORM_GROUP, QUANT_OPTS, BLOCK_N, MOD, MOD_OPTS)
             if Q[0] is not None and SC is None and QUANT_OPTS[1] == 0:
                 _looped_quantize_row(X, R, W, B, S, X1, RS, Q, QS, row, row_ok, cols0, mean, rstd, amax_bits, N,
                                      weight_offset, residual_scale, DROPOUT, QUANT, DTYPES, IS_RMS, ROUND_FIRST,
@@ -912,6 +944,43 @@ def _row_operand(t: Optional[Tensor]) -> tuple:
     return _NO_ROWS if t is None else (t, t.stride(0))
 
 
+_NO_BROADCAST = (None, 0, 1, 0)  # an absent broadcast operand
+
+
+def broadcast_operand(t: Optional[Tensor], x: Tensor) -> Optional[tuple]:
+    """``t`` (broadcastable to x: per sample (B, 1, N), per token (B, S, N), per column (N,)) as the
+    kernels read it without a copy: (t, outer stride, period, inner stride), x's row r reading t's
+    row at (r // period) * outer + (r % period) * inner, columns contiguous; None when x's leading
+    dims do not collapse into two such strides (then the modulation runs around the kernels)."""
+    if t is None:
+        return _NO_BROADCAST
+    view = t.expand(x.shape)
+    if x.shape[-1] > 1 and view.stride(-1) != 1:
+        return None
+    dims: list[list[int]] = []  # (size, stride) of x's leading dims, merged where they are one stride apart
+    for size, stride in zip(x.shape[:-1], view.stride()[:-1]):
+        if dims and dims[-1][1] == stride * size:
+            dims[-1] = [dims[-1][0] * size, stride]
+        elif size != 1:
+            dims.append([size, stride])
+    if len(dims) > 2:
+        return None
+    outer, inner = ([[1, 0]] * (2 - len(dims)) + dims)
+    return view, outer[1], max(inner[0], 1), inner[1]
+
+
+def _modulation_launch_args(call, y_dtype: torch.dtype) -> dict:
+    """MOD and MOD_OPTS of the forward kernels: the modulation's scale and shift read through their
+    strides, whether it is fused (addcmul) and the dtypes it rounds to; {} without a modulation."""
+    mod = getattr(call, "modulation", None)
+    if mod is None:
+        return {}
+    x = call.rows.x
+    dtype, out_dtype = reference.modulation_dtypes(y_dtype, mod)
+    return dict(MOD=(broadcast_operand(mod.scale, x), broadcast_operand(mod.shift, x)),
+                MOD_OPTS=(bool(mod.fused), TL_DTYPES[dtype], TL_DTYPES[out_dtype]))
+
+
 def _quant_launch_args(spec: Optional[Fp8Quant], q: Optional[Tensor] = None, scale: Optional[Tensor] = None) -> dict:
     """The quantization epilogue's kernel arguments (all off without ``spec``): q (the (M, N) uint8 view of
     the fp8 output) and scale (the (M, 1 or N // G) fp32 output, None for a static scale)."""
@@ -974,7 +1043,7 @@ def _launch_fwd(call, y: Optional[Tensor], s: Optional[Tensor], y1: Optional[Ten
         _row_operand(y1), _row_operand(z2),
         n_rows=n_rows, N=n_cols, eps=norm.eps, weight_offset=norm.weight_offset,
         residual_scale=rows.residual_scale, rows_per_program=rows_per_program, DROPOUT=_dropout_args(dropout),
-        **_quant_launch_args(spec, **(quant or {})),
+        **_quant_launch_args(spec, **(quant or {})), **_modulation_launch_args(call, out_dtype),
         DTYPES=(TL_DTYPES[sum_dtype], TL_DTYPES[rounding.norm_round_dtype or out_dtype], TL_DTYPES[out_dtype],
                 TL_DTYPES[branch_dtype]),
         IS_RMS=norm.kind != "layer_norm", L2=norm.kind == "l2_norm",
@@ -990,33 +1059,50 @@ def _rows_of(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.view(-1, t.shape[-1])
 
 
-# The gated residual branch (x * x_gate) and the adaLN modulation (y * scale + shift) are not in the
-# kernels yet: they run as the reference's torch ops around them (forward and backward), and the add
-# and the norm stay one kernel. Same numbers as the reference: the branch is rounded once before the
-# add, the modulation reads the rounded y; the gradient into the branch stays fp32 until the gate's.
+# The adaLN modulation (y * scale + shift) is the forward kernels' epilogue: scale and shift read
+# through their strides (broadcast_operand), y modulated as it is stored. The gated residual branch
+# (x * x_gate), and a modulation whose operands do not collapse into two strides, run as the
+# reference's torch ops around the kernels; the backward of both runs so (reference.modulation_grads
+# recomputes y from the saved statistics). Same numbers as the reference: the branch is rounded
+# once before the add, the modulation reads the rounded y; the gradient into the branch stays fp32
+# until the gate's.
+
+def _modulation_in_kernels(call: AddNormCall) -> bool:
+    """Whether the kernels can read the modulation's scale and shift in place and round as it does."""
+    mod, x = call.modulation, call.rows.x
+    return broadcast_operand(mod.scale, x) is not None and broadcast_operand(mod.shift, x) is not None \
+        and all(d in TL_DTYPES for d in reference.modulation_dtypes(call.rounding.out_dtype, mod))
+
 
 def _around_kernels(call: AddNormCall) -> bool:
-    return call.rows.x_gate is not None or call.modulation is not None
+    """The gated branch, or a modulation the kernels cannot take."""
+    return call.rows.x_gate is not None or call.modulation is not None and not _modulation_in_kernels(call)
 
 
 def _kernel_part(call: AddNormCall) -> AddNormCall:
-    """The call the kernels take: the gated branch as its x, no modulation."""
+    """The call the kernels take: the gated branch as its x; the modulation when they can take it."""
     rows = dataclasses.replace(call.rows, x=reference.gated_branch(call.rows.x, call.rows.x_gate), x_gate=None)
-    return dataclasses.replace(call, rows=rows, modulation=None)
+    kept = call.modulation is not None and _modulation_in_kernels(call)
+    return dataclasses.replace(call, rows=rows, modulation=call.modulation if kept else None)
 
 
 def add_norm_fwd(call: AddNormCall):
     """(y, s, mean, rstd, y1) of add_norm_fwd; s None unless call.store.sum (ops.py clears it when there is
     no sum), y1 None without a second norm."""
     if _around_kernels(call):
-        y, s, mean, rstd, y1 = add_norm_fwd(_kernel_part(call))
-        return (y if call.modulation is None else reference.modulate(y, call.modulation)), s, mean, rstd, y1
+        part = _kernel_part(call)
+        y, s, mean, rstd, y1 = add_norm_fwd(part)
+        if call.modulation is not None and part.modulation is None:
+            y = reference.modulate(y, call.modulation)
+        return y, s, mean, rstd, y1
     x, rounding, gate = call.rows.x, call.rounding, call.gate
     j = strided_fwd_ok(call)
     if j is not None:  # a channel norm: x or the residual stored channels-first
         return _add_norm_fwd_strided(call, j)
     out_dtype = rounding.out_dtype
     gated_after = gate is not None and gate.position == "after"
+    if call.modulation is not None:  # y is stored modulated (the kernels' epilogue)
+        out_dtype = reference.modulation_dtypes(out_dtype, call.modulation)[1]
     y = x.new_empty(x.shape, dtype=(gate.out_dtype or out_dtype) if gated_after else out_dtype)
     s = x.new_empty(x.shape, dtype=rounding.sum_dtype) if call.store.sum else None
     y1 = x.new_empty(x.shape, dtype=out_dtype) if call.second is not None else None
@@ -1309,7 +1395,7 @@ def strided_fwd_ok(call: AddNormCall) -> Optional[int]:
     x, residual = call.rows.x, call.rows.residual
     if call.rows.x1 is not None or call.rows.rowscale is not None or call.second is not None \
             or call.dropout is not None and call.dropout.p > 0 or call.gate is not None or call.norm.group \
-            or call.norm.kind == "l2_norm" \
+            or call.norm.kind == "l2_norm" or call.modulation is not None \
             or triton is None or triton.next_power_of_2(x.shape[-1]) > _STRIDED_TILE \
             or residual is not None and residual.shape != x.shape:
         return None

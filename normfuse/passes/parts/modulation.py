@@ -235,12 +235,12 @@ class _Modulation(FusionPart):
         return found.nodes
 
     def fused_bytes(self, found: ModulationMatch, y_bytes: int, size) -> tuple[int, int]:
-        """Until the kernels take the modulation it runs as torch ops around them (kernels/triton.py):
-        forward, the norm's y written and read once more, scale and shift read; backward, the
-        norm's input read again to rebuild y, the gradient into y written and read, the gradients
-        of scale and shift written."""
+        """Forward: the kernels' epilogue reads scale and shift (y is stored modulated,
+        kernels/triton.py). Backward (torch ops around the kernels' backward): the norm's input
+        read again to rebuild y, the gradient into y written and read, the gradients of scale and
+        shift written."""
         operands = sum(size.bytes(t) for t in (found.scale, found.shift) if isinstance(t, fx.Node))
-        return 2 * y_bytes + operands, 3 * y_bytes + 2 * operands
+        return operands, 3 * y_bytes + 2 * operands
 
     # ---------------------------------------------------------------- checker
     def uses(self, options: dict) -> bool:
