@@ -330,3 +330,23 @@ def test_gradients_through_the_kernels_epilogue(form, triton_cpu):
     for name in names:
         ok, err, err_base, bound = within_tolerance(got[name], base[name], exact[name], dtype=got[name].dtype)
         assert ok, f"d{name}: error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"
+
+
+def test_the_kernels_take_the_gated_branch_and_the_modulation(triton_cpu, monkeypatch):
+    """DiT's block tail with its gate, scale and shift as ``emb.chunk(6)`` pieces: the kernels read the
+    gate as their prologue and modulate as their epilogue, nothing runs around them; bf16 bit-equal
+    to the block, a wide (looped) row too."""
+    from normfuse.kernels import triton as kernels
+
+    around = kernels._around_kernels
+    monkeypatch.setattr(kernels, "_around_kernels",
+                        lambda call: around(call) and pytest.fail("the branch or the modulation ran around the kernels"))
+    gen = torch.Generator().manual_seed(4)
+    for n in (N, 20000):
+        x, r = (torch.randn(B, S, n, generator=gen).to(BF16) for _ in range(2))
+        shift, scale, gate = (c[:, None] for c in torch.randn(B, 6 * n, generator=gen).to(BF16).chunk(6, dim=-1)[:3])
+        y, s = add_norm(x, r, None, None, kind="layer_norm", eps=1e-6, x_gate=gate,
+                        modulation=Modulation(1 + scale, shift))
+        want_s = r + gate * x
+        assert torch.equal(s, want_s)
+        assert torch.equal(y, F.layer_norm(want_s, (n,), None, None, 1e-6) * (1 + scale) + shift)

@@ -96,11 +96,16 @@ if triton is not None:
     def _load_norm_input(X, R, X1, RS, row, row_ok, x_off, r_off, x1_off, cols, mask, N, residual_scale, seed,
                          dropout_p, dropout_scale, HAS_RESIDUAL: tl.constexpr, SCALE_RESIDUAL: tl.constexpr,
                          SUM_DTYPE: tl.constexpr, ROUND_SUM_FIRST: tl.constexpr, HAS_X1: tl.constexpr,
-                         HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BRANCH_DTYPE: tl.constexpr):
+                         HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BRANCH_DTYPE: tl.constexpr,
+                         XG=None):
         """(s, u): s = round(SUM_DTYPE, float(b) + float(round(r.dtype, scale * r))) with b the branch
-        (x after dropout and rowscale, plus x1: each step rounded when ROUND_SUM_FIRST), and the
-        norm input u in fp32: s, or the sum before any rounding (ROUND_SUM_FIRST off)."""
+        (x times its gate XG, rounded to BRANCH_DTYPE; x after dropout and rowscale, plus x1: each step
+        rounded when ROUND_SUM_FIRST), and the norm input u in fp32: s, or the sum before any
+        rounding (ROUND_SUM_FIRST off)."""
         u = tl.load(X + x_off + cols, mask=mask, other=0.0).to(tl.float32)
+        if XG is not None:  # the gated residual branch: x * gate (per sample, per token or per column)
+            gate = tl.load(XG[0] + _broadcast_row(XG, row) + cols, mask=mask, other=0.0).to(tl.float32)
+            u = _round(u * gate, BRANCH_DTYPE).to(tl.float32)
         if HAS_DROPOUT:
             u = _keep_scale(u, row, cols, N, seed, dropout_p, dropout_scale)
             if ROUND_SUM_FIRST:
@@ -390,7 +395,7 @@ if triton is not None:
                                 cols, mask,
                                 N, residual_scale, DROPOUT[0], DROPOUT[1], DROPOUT[2], ADD_RESIDUAL, SCALE_RESIDUAL,
                                 DTYPES[0], ROUND_SUM_FIRST, X1[0] is not None, RS is not None,
-                                DROPOUT[0] is not None, DTYPES[3])
+                                DROPOUT[0] is not None, DTYPES[3], X[2])
 
     @triton.jit
     def _row_input_again(X, R, X1, RS, S, row, row_ok, cols, mask, N, residual_scale, DROPOUT,
@@ -969,6 +974,11 @@ def broadcast_operand(t: Optional[Tensor], x: Tensor) -> Optional[tuple]:
     return view, outer[1], max(inner[0], 1), inner[1]
 
 
+def _x_gate_operand(rows) -> Optional[tuple]:
+    """The gated branch's gate as the forward kernels read it (broadcast_operand), None without one."""
+    return None if rows.x_gate is None else broadcast_operand(rows.x_gate, rows.x)
+
+
 def _modulation_launch_args(call, y_dtype: torch.dtype) -> dict:
     """MOD and MOD_OPTS of the forward kernels: the modulation's scale and shift read through their
     strides, whether it is fused (addcmul) and the dtypes it rounds to; {} without a modulation."""
@@ -1034,9 +1044,12 @@ def _launch_fwd(call, y: Optional[Tensor], s: Optional[Tensor], y1: Optional[Ten
     out_dtype = rounding.out_dtype
     sum_dtype = x.dtype if add_after_norm else rounding.sum_dtype  # norm_add: x's rows are the norm input
     branch_dtype = x.dtype if rows.x1 is None else torch.promote_types(x.dtype, rows.x1.dtype)
+    if rows.x_gate is not None:  # the branch is x * x_gate, rounded once
+        branch_dtype = torch.promote_types(x.dtype, rows.x_gate.dtype)
     gate_out = gate.out_dtype if gate is not None and gate.position == "after" else None
     kernel[(triton.cdiv(n_rows, rows_per_program),)](
-        (x2, x2.stride(0)), _residual_operand(r2), _param(norm.weight), _param(norm.bias), _row_operand(y),
+        (x2, x2.stride(0), _x_gate_operand(rows)), _residual_operand(r2), _param(norm.weight), _param(norm.bias),
+        _row_operand(y),
         _row_operand(s), mean if stores_mean(norm.kind) else rstd, rstd,   # rms_norm: MEAN never written
         _row_operand(x12), None if rows.rowscale is None else rows.rowscale.reshape(-1).contiguous(),
         None if second is None else _param(second.weight), None if second is None else _param(second.bias),
@@ -1059,13 +1072,12 @@ def _rows_of(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.view(-1, t.shape[-1])
 
 
-# The adaLN modulation (y * scale + shift) is the forward kernels' epilogue: scale and shift read
-# through their strides (broadcast_operand), y modulated as it is stored. The gated residual branch
-# (x * x_gate), and a modulation whose operands do not collapse into two strides, run as the
-# reference's torch ops around the kernels; the backward of both runs so (reference.modulation_grads
-# recomputes y from the saved statistics). Same numbers as the reference: the branch is rounded
-# once before the add, the modulation reads the rounded y; the gradient into the branch stays fp32
-# until the gate's.
+# The gated residual branch (x * x_gate) is the forward kernels' prologue and the adaLN modulation
+# (y * scale + shift) their epilogue: the gate, scale and shift read through their strides
+# (broadcast_operand), the branch rounded once before the add, y modulated as it is stored. Operands
+# whose leading dims do not collapse into two strides run as the reference's torch ops around the
+# kernels, and so does the backward of both (reference.modulation_grads recomputes y from the saved
+# statistics; the gradient into the branch stays fp32 until the gate's). Same numbers as the reference.
 
 def _modulation_in_kernels(call: AddNormCall) -> bool:
     """Whether the kernels can read the modulation's scale and shift in place and round as it does."""
@@ -1074,14 +1086,25 @@ def _modulation_in_kernels(call: AddNormCall) -> bool:
         and all(d in TL_DTYPES for d in reference.modulation_dtypes(call.rounding.out_dtype, mod))
 
 
+def _x_gate_in_kernels(call: AddNormCall) -> bool:
+    """Whether the kernels can read the branch's gate in place and round the product as the reference."""
+    rows = call.rows
+    return broadcast_operand(rows.x_gate, rows.x) is not None \
+        and torch.promote_types(rows.x.dtype, rows.x_gate.dtype) in TL_DTYPES
+
+
 def _around_kernels(call: AddNormCall) -> bool:
-    """The gated branch, or a modulation the kernels cannot take."""
-    return call.rows.x_gate is not None or call.modulation is not None and not _modulation_in_kernels(call)
+    """A gated branch or a modulation the kernels cannot take."""
+    return call.rows.x_gate is not None and not _x_gate_in_kernels(call) \
+        or call.modulation is not None and not _modulation_in_kernels(call)
 
 
 def _kernel_part(call: AddNormCall) -> AddNormCall:
-    """The call the kernels take: the gated branch as its x; the modulation when they can take it."""
-    rows = dataclasses.replace(call.rows, x=reference.gated_branch(call.rows.x, call.rows.x_gate), x_gate=None)
+    """The call the kernels take: the gated branch and the modulation where they can take them, else
+    the branch formed before them (its product as their x) and the modulation left to the caller."""
+    rows = call.rows
+    if rows.x_gate is not None and not _x_gate_in_kernels(call):
+        rows = dataclasses.replace(rows, x=reference.gated_branch(rows.x, rows.x_gate), x_gate=None)
     kept = call.modulation is not None and _modulation_in_kernels(call)
     return dataclasses.replace(call, rows=rows, modulation=call.modulation if kept else None)
 
@@ -1395,7 +1418,7 @@ def strided_fwd_ok(call: AddNormCall) -> Optional[int]:
     x, residual = call.rows.x, call.rows.residual
     if call.rows.x1 is not None or call.rows.rowscale is not None or call.second is not None \
             or call.dropout is not None and call.dropout.p > 0 or call.gate is not None or call.norm.group \
-            or call.norm.kind == "l2_norm" or call.modulation is not None \
+            or call.norm.kind == "l2_norm" or call.modulation is not None or call.rows.x_gate is not None \
             or triton is None or triton.next_power_of_2(x.shape[-1]) > _STRIDED_TILE \
             or residual is not None and residual.shape != x.shape:
         return None

@@ -137,11 +137,11 @@ class _GatedResidual(FusionPart):
         return (found.product, *found.casts)
 
     def fused_bytes(self, found: GatedBranch, y_bytes: int, size) -> tuple[int, int]:
-        """Until the kernels take the x_gate, the product is formed by a torch op before them
-        (kernels/triton.py): written and read once; backward, the gradient into the branch (fp32)
-        written and read, the x_gate's gradient reduced from it."""
+        """Forward: the kernels' prologue reads the gate (x in place of the product the add read).
+        Backward (torch ops around the kernels' backward, kernels/triton.py): the gradient into the
+        branch (fp32) written and read, the x_gate's gradient reduced from it."""
         product, x_gate = size.bytes(found.product), size.bytes(found.x_gate)
-        return 2 * product + x_gate, 4 * size.numel(found.product) * 2 + 2 * product + 2 * x_gate
+        return x_gate, 4 * size.numel(found.product) * 2 + 2 * product + 2 * x_gate
 
     # ---------------------------------------------------------------- checker
     def uses(self, options: dict) -> bool:
