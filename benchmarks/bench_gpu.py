@@ -26,11 +26,18 @@ then ``apply_rotary_pos_emb`` in eager, the same under ``torch.compile``, and Li
 Liger's RoPE where liger_kernel imports; GB/s by the bytes the fused kernel moves (``qk_rope_bytes``),
 with each provider's largest output and gradient difference from HF eager.
 
+Then a diffusion transformer's block tail (``dit``), bf16, batch 1, 4096 and 16384 tokens at Flux-dev's
+hidden size (3072) and Wan 2.1 14B's (5120): ``s = r + gate * x``, ``y = layer_norm(s) * (1 + scale) +
+shift`` with gate, scale and shift chunks of one embedding (per sample), in eager, under
+``torch.compile``, and as one ``add_norm`` call (the gate its prologue, the modulation its epilogue);
+GB/s by the bytes a fused kernel must move (forward: read x, r, write s, y; backward: read dy, ds, x,
+s, write dx, dr).
+
 Results go under ``$OUT`` (default ``benchmarks/results/gpu``). Without CUDA the script
 runs the Triton kernels under Triton's interpreter at a toy size (``--toy``), to prove it
 runs end to end; its numbers then mean nothing.
 
-    python benchmarks/bench_gpu.py [--toy] [--budget-s 420] [--only ops llama_block modes quant gated qk_rope]
+    python benchmarks/bench_gpu.py [--toy] [--budget-s 420] [--only ops llama_block modes quant gated qk_rope dit]
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from normfuse.kernels import qk_norm_rope  # noqa: E402
 from normfuse.kernels.add_norm import add_norm  # noqa: E402
-from normfuse.kernels.specs import Dropout, Fp8Quant, Gate  # noqa: E402
+from normfuse.kernels.specs import Dropout, Fp8Quant, Gate, Modulation  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 MS = [16384, 65536, 4096]           # the targets' shapes first: the time budget may cut the tail
@@ -172,7 +179,7 @@ def _hf_factory(n, dtype, device):
 
 
 UNAVAILABLE: dict[str, str] = {}
-SECTIONS = ("ops", "llama_block", "modes", "quant", "gated", "qk_rope")
+SECTIONS = ("ops", "llama_block", "modes", "quant", "gated", "qk_rope", "dit")
 
 
 # ------------------------------------------------------------------ timing
@@ -600,6 +607,61 @@ def qk_rope(toy: bool) -> list[dict]:
     return rows
 
 
+DIT_MODELS = {"flux-dev": 3072, "wan2.1-14b": 5120}  # hidden sizes
+DIT_TOKENS = [4096, 16384]
+
+
+def dit_chain(toy: bool) -> list[dict]:
+    """The adaLN block tail (module docstring), forward and forward+backward, per model and token count."""
+    device = "cuda" if CUDA else "cpu"
+    shapes = [("toy", 64, 8)] if toy else [(name, c, t) for name, c in DIT_MODELS.items() for t in DIT_TOKENS]
+    compile_backend = "inductor" if CUDA else "aot_eager"
+
+    def eager(x, r, gate, scale, shift):
+        s = r + gate * x
+        return F.layer_norm(s, (s.shape[-1],), None, None, EPS) * (1 + scale) + shift, s
+
+    def fused(x, r, gate, scale, shift):
+        return add_norm(x, r, None, None, kind="layer_norm", eps=EPS, x_gate=gate,
+                        modulation=Modulation(1 + scale, shift))
+
+    rows = []
+    for name, c, t in shapes:
+        g = torch.Generator(device=device).manual_seed(0)
+        x, r = (torch.randn(1, t, c, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+                for _ in range(2))
+        emb = torch.randn(1, 6 * c, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+        shift, scale, gate = (piece[:, None] for piece in emb.chunk(6, dim=-1)[:3])
+        args = (x, r, gate, scale, shift)
+        providers = {"eager": eager, "compile": torch.compile(eager, backend=compile_backend), "normfuse": fused}
+        row = {"model": name, "T": t, "C": c}
+        elem = x.element_size()
+        for provider, fn in providers.items():
+            try:
+                with torch.no_grad():
+                    row[f"{provider}_fwd_ms"], _ = _time_ms(lambda: fn(*args), toy)
+                y, s = fn(*args)
+                dy, ds = torch.randn_like(y), torch.randn_like(s)
+                row[f"{provider}_fwd_bwd_ms"], _ = _time_ms(
+                    lambda: torch.autograd.grad(fn(*args), (x, r, emb), (dy, ds)), toy)
+                row[f"{provider}_fwd_GBps"] = 4 * t * c * elem / (row[f"{provider}_fwd_ms"] * 1e-3) / 1e9
+                row[f"{provider}_fwd_bwd_GBps"] = 10 * t * c * elem / (row[f"{provider}_fwd_bwd_ms"] * 1e-3) / 1e9
+                if provider != "eager":
+                    want, got = eager(*args), fn(*args)
+                    row[f"{provider}_max_diff"] = max((a.float() - b.float()).abs().max().item()
+                                                      for a, b in zip(got, want))
+            except Exception as error:  # noqa: BLE001 - one provider failing must not end the run
+                row[f"{provider}_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+        for peer in ("eager", "compile"):
+            for step in ("fwd", "fwd_bwd"):
+                if f"{peer}_{step}_ms" in row and f"normfuse_{step}_ms" in row:
+                    row[f"{step}_x_vs_{peer}"] = row[f"{peer}_{step}_ms"] / row[f"normfuse_{step}_ms"]
+        rows.append(row)
+        print(f"  dit {name} T={t}: " + ", ".join(
+            f"{k[:-5]} {v:.0f} GB/s" for k, v in row.items() if k.endswith("_GBps")), flush=True)
+    return rows
+
+
 def llama_block(toy: bool) -> list[dict]:
     """One HF llama decoder block (inside LlamaModel, 1 layer) forward+backward."""
     import copy
@@ -697,7 +759,8 @@ def main(argv=None) -> dict:
     quant_rows = quant_modes(args.toy) if runs("quant", 180) else []
     gated_rows = gated_modes(args.toy) if runs("gated", 240) else []
     qk_rows = qk_rope(args.toy) if runs("qk_rope", 300) else []
-    for r in qk_rows:  # % of the copy bandwidth measured above
+    dit_rows = dit_chain(args.toy) if runs("dit", 360) else []
+    for r in qk_rows + dit_rows:  # % of the copy bandwidth measured above
         for key in [k for k in r if k.endswith("_GBps")]:
             r[key[:-5] + "_pct_copy"] = 100 * r[key] / bandwidth
     ours = [r for r in rows if r["provider"] == "normfuse" and "fwd_ms" in r]
@@ -724,6 +787,11 @@ def main(argv=None) -> dict:
         write_csv(out / "gpu_gated.csv", gated_rows)
     if qk_rows:
         write_csv(out / "gpu_qk_rope.csv", qk_rows)
+    if dit_rows:
+        write_csv(out / "gpu_dit.csv", dit_rows)
+    verdict["min_dit_x_vs_peer"] = {step: min((v for r in dit_rows for k, v in r.items()
+                                               if k.startswith(f"{step}_x_vs_")), default=None)
+                                    for step in ("fwd", "fwd_bwd")}
     verdict["min_quant_x_vs_eager"] = min((r["x_vs_eager"] for r in quant_rows if "x_vs_eager" in r), default=None)
     verdict["min_gated_x_vs_eager_hf"] = min((v for r in gated_rows for k, v in r.items()
                                               if k.endswith("_x_vs_eager HF")), default=None)
@@ -734,7 +802,8 @@ def main(argv=None) -> dict:
         step: min((r[f"normfuse_{step}_pct_copy"] for r in qk_rows if f"normfuse_{step}_pct_copy" in r), default=None)
         for step in ("fwd", "fwd_bwd")}
     write_json(out / "gpu.json", {"machine": machine(), "verdict": verdict, "rows": rows, "llama_block": block,
-                                  "modes": mode_rows, "quant": quant_rows, "gated": gated_rows, "qk_rope": qk_rows})
+                                  "modes": mode_rows, "quant": quant_rows, "gated": gated_rows, "qk_rope": qk_rows,
+                                  "dit": dit_rows})
 
     def draw(ax):
         for prov in sorted({r["provider"] for r in rows if r["op"] == "rms" and r["dtype"] == "bfloat16"}):

@@ -51,7 +51,7 @@ from normfuse.kernels import triton as KT
 
 TARGETS = {"cuda90": GPUTarget("cuda", 90, 32), "cuda80": GPUTarget("cuda", 80, 32),
            "gfx942": GPUTarget("hip", "gfx942", 64)}
-NS = [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
+NS = [512, 1024, 2048, 3072, 4096, 5120, 8192, 16384, 32768, 65536]  # 3072, 5120: Flux-dev, Wan 2.1 14B
 DTYPES = {"fp32": (torch.float32, tl.float32), "fp16": (torch.float16, tl.float16),
           "bf16": (torch.bfloat16, tl.bfloat16)}
 FLOAT_ARGS = {"eps", "weight_offset", "residual_scale"}
@@ -143,6 +143,11 @@ OPS = [
     Op("add_rms_norm + fp8 quant, scale per group of 128", False, _quant(QUANT_GROUP=128, HAS_AMAX_MIN=True),
        ("X", "R"), ("S", "Q")),
     Op("add_rms_norm + fp8 quant, static scale", False, _quant(QUANT_STATIC=True), ("X", "R"), ("S", "Q")),
+    # a diffusion transformer's block tail (DiT, Flux, Wan): s = r + gate * x, y = layer_norm(s) * scale + shift
+    Op("add_layer_norm + gated branch + modulation (DiT, Flux, Wan)", False,
+       dict(HAS_RESIDUAL=True, HAS_WEIGHT=False, HAS_BIAS=False, IS_RMS=False, ROUND_FIRST=False, STORE_SUM=True,
+            STORE_Y=True, ADD_AFTER_NORM=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, HAS_XGATE=True,
+            HAS_MOD=True, **NO_MODES), ("X", "R"), ("Y", "S")),
     Op("gated rms_norm (Mamba2: gate before, groups of 256)", False,
        dict(GATED, HAS_GATE=True, GATE_AFTER=False, GATE_SILU=True, NORM_GROUP=256), ("X", "Z"), ("Y",)),
     Op("gated rms_norm (Qwen3-Next: gate after)", False,
@@ -176,6 +181,20 @@ class Leaf:
     divisible: bool = False
 
 
+def _leaves(arg, path: tuple):
+    """(path, Leaf) of every leaf of an argument, tuples nested in tuples included (an operand inside
+    an operand: x's gate in X)."""
+    if not isinstance(arg, tuple):
+        yield path, arg
+        return
+    for j, item in enumerate(arg):
+        yield from _leaves(item, path + (j,))
+
+
+def _types(arg):
+    return tuple(_types(item) for item in arg) if isinstance(arg, tuple) else arg.type
+
+
 def kernel_source(fn, args: dict) -> tuple[ASTSource, list[str]]:
     """The ASTSource of ``fn`` for ``args`` (per parameter: a constexpr value for a constexpr parameter,
     else a Leaf, or a tuple of Leafs for a tuple argument: an operand's (pointer, strides) or a group of
@@ -187,17 +206,14 @@ def kernel_source(fn, args: dict) -> tuple[ASTSource, list[str]]:
             constexprs[name] = args[name]
             continue
         arg = args[name]
-        leaves = arg if isinstance(arg, tuple) else (arg,)
-        for j, leaf in enumerate(leaves):
-            path = (i, j) if isinstance(arg, tuple) else (i,)
+        for path, leaf in _leaves(arg, (i,)):
             if leaf.type == "constexpr":
                 constexprs[path] = leaf.value
                 continue
             names.append(leaf.name)
             if leaf.divisible:
                 attrs[path] = [["tt.divisibility", 16]]
-        types = tuple(leaf.type for leaf in leaves)
-        signature[name] = types if isinstance(arg, tuple) else types[0]
+        signature[name] = _types(arg)
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), names
 
 
@@ -216,6 +232,12 @@ def operand(name: str, tl_dtype, present: bool = True, strides: int = 1, constan
     return (pointer(name, tl_dtype, present),
             *(Leaf("constexpr", value=constant[j]) if j in constant else
               Leaf("i32", f"stride_{name}_{j}", divisible=True) for j in range(1, strides + 1)))
+
+
+def broadcast(name: str, tl_dtype) -> tuple:
+    """A broadcast operand per sample: (pointer, outer stride divisible by 16, period, inner stride 0)."""
+    return (pointer(name, tl_dtype), Leaf("i32", f"stride_{name}", divisible=True), Leaf("i32", f"period_{name}"),
+            Leaf("constexpr", value=0))
 
 
 def scalar(name: str, present: bool = True, type_: str = "fp32") -> Leaf:
@@ -255,6 +277,14 @@ def kernel_args(op: Op, tl_dtype, block: int) -> dict:
     args = {name: operand(name, tl_dtype, on) for name, on in present.items()}
     if not op.backward:  # the residual's rows repeat every ``period`` rows (a broadcast table of positions)
         args["R"] = (*args["R"], Leaf("i32", "period_R") if present["R"] else Leaf("constexpr", value=1))
+        # x's gate (the gated residual branch) and the modulation's scale and shift: (pointer, outer
+        # stride, period, inner stride), per sample (a chunk of one embedding: inner stride 0)
+        args["X"] = (*args["X"], broadcast("XG", tl_dtype) if f.get("HAS_XGATE") else Leaf("constexpr", value=None))
+        has_mod = f.get("HAS_MOD", False)
+        args["MOD"] = (broadcast("MS", tl_dtype), broadcast("MH", tl_dtype)) if has_mod else \
+            Leaf("constexpr", value=None)
+        constexprs["MOD_OPTS"] = (False, tl_dtype, tl_dtype) if has_mod else None
+    constexprs["L2"] = False
     args.update({name: pointer(name, tl_dtype, on) for name, on in vectors.items()})
     args.update(scalars, **constexprs, N=Leaf("i32", "N", divisible=True), weight_offset=scalar("weight_offset"),
                 residual_scale=scalar("residual_scale"),
