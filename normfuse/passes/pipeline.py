@@ -258,7 +258,8 @@ class NormFusionPass(CustomGraphPass):
         if fused_calls:
             report.notes.append(f"graph already optimized ({fused_calls} fused op calls): left as is")
         found = analyze(graph, self._stage)
-        if self.config.fuse_rope and split_rope_over_cat(graph, {s.match.output for s in found.sites}):
+        split = split_rope_over_cat(graph, {s.match.output for s in found.sites}) if self.config.fuse_rope else ()
+        if split:
             found = analyze(graph, self._stage)  # each piece's norm now reads its own RoPE
         note = elementwise_norm_note(found)
         if note is not None:
@@ -276,5 +277,5 @@ class NormFusionPass(CustomGraphPass):
         if self.apply:
             graph.lint()
             gm.graph = graph  # the setter recompiles the module's code
-            attach_records(gm, records)  # what each call replaced, for the checker (record.py)
+            attach_records(gm, records, split)  # what each call replaced, for the checker (record.py)
         return sites

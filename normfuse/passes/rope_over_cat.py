@@ -12,8 +12,9 @@ rotation of each piece with its slice of the tables, concatenated after:
 the same operations on the same elements (the same bits), the cat moved after the rotation
 (one copy either way). ``split_rope_over_cat`` writes it so where every piece is a norm's
 output, so that each norm reads its own RoPE as the q/k fusion (``fusions/qk_norm_rope.py``)
-expects. The checker splits its copy of the original graph the same way before pairing sites
-(``verify/sites.py``), so each site's subgraph is the norm and its piece's RoPE.
+expects. The rewrite records the cats it split (``record.attach_records``); the checker splits
+the same cats of its copy of the original graph before pairing sites (``verify/sites.py``), so
+each site's subgraph is the norm and its piece's RoPE.
 """
 
 from __future__ import annotations
@@ -34,19 +35,20 @@ _STEPS = frozenset(["view", "flatten", "unsqueeze", "cast", "slice", "cat", "sta
 _DEPTH = 12
 
 
-def split_rope_over_cat(graph: fx.Graph, norm_outputs: set) -> int:
-    """Give each piece of a cat of norm outputs its own RoPE (module docstring); returns how many
-    cats were split."""
+def split_rope_over_cat(graph: fx.Graph, norm_outputs: set, only: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """Give each piece of a cat of norm outputs its own RoPE (module docstring); ``only``: the names
+    of the cats to split (the checker replays the pass's splits by name). Returns the names of the
+    cats split."""
     tables: dict[tuple, fx.Node] = {}  # (table, start, end) -> its slice, shared by q's and k's RoPE
-    count = 0
-    for cat in [n for n in graph.nodes if _cat_of(n, norm_outputs) is not None]:
+    split = []
+    for cat in [n for n in graph.nodes if (only is None or n.name in only) and _cat_of(n, norm_outputs) is not None]:
         pieces, dim = _cat_of(cat, norm_outputs)
         region = _rope_region(cat)
         if region is None:
             continue
+        split.append(cat.name)
         _split(graph, cat, pieces, dim, region, tables)
-        count += 1
-    return count
+    return tuple(split)
 
 
 def _cat_of(node: fx.Node, norm_outputs: set) -> tuple[list[fx.Node], int] | None:
