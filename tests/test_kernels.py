@@ -133,3 +133,18 @@ def test_gpu_more_than_2_31_elements():
     y_ref, s_ref = add_norm_ref(x[tail].cpu(), r[tail].cpu(), w.cpu(), kind="rms_norm", eps=1e-6)
     assert torch.equal(s[tail].cpu(), s_ref)
     assert_within_rounding_budget(y[tail].cpu(), y_ref, "y")
+
+
+def test_l2_norm_backward_on_channels_first_rows(triton_cpu):
+    """An l2_norm of x stored channels-first (NCHW permuted): the backward takes the row kernels, whose
+    l2 rule it needs (the channel kernels compute rms/layer norms only)."""
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, 3, 3, generator=g).permute(0, 2, 3, 1).requires_grad_()
+    w = torch.randn(16, generator=g).requires_grad_()
+    y, _ = add_norm(x, None, w, kind="l2_norm", eps=1e-12)
+    ref = F.normalize(x, dim=-1, eps=1e-12) * 16 ** 0.5 * w
+    dy = torch.randn(y.shape, generator=g)
+    got, want = torch.autograd.grad(y, (x, w), dy), torch.autograd.grad(ref, (x, w), dy)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

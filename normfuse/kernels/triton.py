@@ -1492,6 +1492,7 @@ def strided_bwd_ok(call: BackwardCall) -> Optional[int]:
     inp = call.saved.inp
     if _has_y1(call) or call.rowscale is not None or call.dropout is not None and call.dropout.p > 0 \
             or call.gate is not None or call.norm.group or call.add_after_norm or call.dtypes.x1 is not None \
+            or call.norm.kind == "l2_norm" \
             or triton is None or triton.next_power_of_2(inp.shape[-1]) > _STRIDED_TILE_BWD:
         return None
     return channel_split(inp)

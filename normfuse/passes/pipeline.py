@@ -258,7 +258,9 @@ class NormFusionPass(CustomGraphPass):
         if fused_calls:
             report.notes.append(f"graph already optimized ({fused_calls} fused op calls): left as is")
         found = analyze(graph, self._stage)
-        split = split_rope_over_cat(graph, {s.match.output for s in found.sites}) if self.config.fuse_rope else ()
+        # (not in ATen post-grad graphs: no qk_norm_rope call is made there, and the split writes torch-level ops)
+        split = split_rope_over_cat(graph, {s.match.output for s in found.sites}) \
+            if self.config.fuse_rope and not self._as_op else ()
         if split:
             found = analyze(graph, self._stage)  # each piece's norm now reads its own RoPE
         note = elementwise_norm_note(found)
