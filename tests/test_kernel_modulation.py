@@ -280,6 +280,18 @@ def test_gated_branch_bad_arguments(kwargs, error, words):
 
 # ---- the modulation as the kernels' epilogue (Triton) ---------------------------------------------
 
+def _kernels_take_it_all(kernels, monkeypatch):
+    """Fail the test where a gated branch or a modulation runs around the kernels."""
+    part = kernels._kernel_part
+
+    def strict(call):
+        got = part(call)
+        if got is not None:
+            pytest.fail("the gated branch or the modulation ran around the kernels")
+        return got
+    monkeypatch.setattr(kernels, "_kernel_part", strict)
+
+
 @pytest.mark.parametrize("per_token", (False, True), ids=("per_sample", "per_token"))
 @pytest.mark.parametrize("dtype", (FP32, BF16, FP16), ids=("fp32", "bf16", "fp16"))
 @pytest.mark.parametrize("form", FORMS)
@@ -288,9 +300,7 @@ def test_the_kernels_modulate_in_their_epilogue(form, dtype, per_token, triton_c
     within the rule against the block in fp64, and bf16 bit-equal to the block."""
     from normfuse.kernels import triton as kernels
 
-    around = kernels._around_kernels
-    monkeypatch.setattr(kernels, "_around_kernels",
-                        lambda call: around(call) and pytest.fail("the modulation ran around the kernels"))
+    _kernels_take_it_all(kernels, monkeypatch)
     t = _tensors(dtype, per_token, scale_dtype=FP32 if form == "wan" else None, seed=1)
     got, want = ours(form, t, "rms_norm"), eager(form, t, "rms_norm")
     if dtype == BF16:
@@ -302,11 +312,13 @@ def test_the_kernels_modulate_in_their_epilogue(form, dtype, per_token, triton_c
         assert ok, f"error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"
 
 
-def test_the_kernels_read_chunks_of_the_embedding_in_place(triton_cpu):
+def test_the_kernels_read_chunks_of_the_embedding_in_place(triton_cpu, monkeypatch):
     """scale and shift as DiT takes them, ``emb.chunk(6, dim=-1)`` pieces viewed per sample: the kernels
     read them through their strides (no copy), per token as well, and a looped (wide) row too."""
+    from normfuse.kernels import triton as kernels
     from normfuse.kernels.triton import broadcast_operand
 
+    _kernels_take_it_all(kernels, monkeypatch)
     gen = torch.Generator().manual_seed(2)
     for n in (N, 20000):
         x, r = (torch.randn(B, S, n, generator=gen).to(BF16) for _ in range(2))
@@ -338,9 +350,7 @@ def test_the_kernels_take_the_gated_branch_and_the_modulation(triton_cpu, monkey
     to the block, a wide (looped) row too."""
     from normfuse.kernels import triton as kernels
 
-    around = kernels._around_kernels
-    monkeypatch.setattr(kernels, "_around_kernels",
-                        lambda call: around(call) and pytest.fail("the branch or the modulation ran around the kernels"))
+    _kernels_take_it_all(kernels, monkeypatch)
     gen = torch.Generator().manual_seed(4)
     for n in (N, 20000):
         x, r = (torch.randn(B, S, n, generator=gen).to(BF16) for _ in range(2))

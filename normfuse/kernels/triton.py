@@ -1093,27 +1093,25 @@ def _x_gate_in_kernels(call: AddNormCall) -> bool:
         and torch.promote_types(rows.x.dtype, rows.x_gate.dtype) in TL_DTYPES
 
 
-def _around_kernels(call: AddNormCall) -> bool:
-    """A gated branch or a modulation the kernels cannot take."""
-    return call.rows.x_gate is not None and not _x_gate_in_kernels(call) \
-        or call.modulation is not None and not _modulation_in_kernels(call)
-
-
-def _kernel_part(call: AddNormCall) -> AddNormCall:
-    """The call the kernels take: the gated branch and the modulation where they can take them, else
-    the branch formed before them (its product as their x) and the modulation left to the caller."""
-    rows = call.rows
-    if rows.x_gate is not None and not _x_gate_in_kernels(call):
+def _kernel_part(call: AddNormCall) -> Optional[AddNormCall]:
+    """None when the kernels take the whole call; else the call they take: the gated branch formed
+    before them (its product as their x) and the modulation left to the caller, each where the
+    kernels cannot read its operands in place. (Decided once per call: it is on the per-call path.)"""
+    rows, mod = call.rows, call.modulation
+    branch_around = rows.x_gate is not None and not _x_gate_in_kernels(call)
+    mod_around = mod is not None and not _modulation_in_kernels(call)
+    if not (branch_around or mod_around):
+        return None
+    if branch_around:
         rows = dataclasses.replace(rows, x=reference.gated_branch(rows.x, rows.x_gate), x_gate=None)
-    kept = call.modulation is not None and _modulation_in_kernels(call)
-    return dataclasses.replace(call, rows=rows, modulation=call.modulation if kept else None)
+    return dataclasses.replace(call, rows=rows, modulation=None if mod_around else mod)
 
 
 def add_norm_fwd(call: AddNormCall):
     """(y, s, mean, rstd, y1) of add_norm_fwd; s None unless call.store.sum (ops.py clears it when there is
     no sum), y1 None without a second norm."""
-    if _around_kernels(call):
-        part = _kernel_part(call)
+    part = _kernel_part(call)
+    if part is not None:
         y, s, mean, rstd, y1 = add_norm_fwd(part)
         if call.modulation is not None and part.modulation is None:
             y = reference.modulate(y, call.modulation)

@@ -395,7 +395,8 @@ def _rotation_after(index, value: fx.Node, depth: int = 12) -> str | None:
         frontier = [u for n in frontier for u in n.users if u not in reached and (
             index.prim(u) in _ROTATION_PATH or is_split_piece(u) or _indexes(u))]
         reached.update(frontier)
-    for n in reached:
+    reached_in_order = sorted(reached, key=index.order.__getitem__)  # the reason's words the same every run
+    for n in reached_in_order:
         c = index.canon(n)
         if c is None:
             continue
@@ -405,7 +406,7 @@ def _rotation_after(index, value: fx.Node, depth: int = 12) -> str | None:
             extra.append("on a slice of the tokens")
         if any(u.op == "call_function" and u.target is operator.setitem for u in n.users):
             extra.append("written into a tensor through indexed stores (out[..., 0::2] = ..., q[:, :, n:] = ...)")
-    for n in reached:
+    for n in reached_in_order:
         c = index.canon(n)
         if c is None:
             continue
