@@ -57,11 +57,11 @@ EXPECTED = {
                               passes=(84, 50)),
     "sana":          dict(norms=6, fused=6, fused_with_add=4, input_is_add=4, rope=0, fused_rope=0, rope_refused=0,
                           modulation=(5, 5), gated=(2, 2), equal=True, grads="within", passes=(47, 27)),
-    "qwen_image":    dict(norms=18, fused=18, fused_with_add=7, input_is_add=7, rope=0, fused_rope=0, rope_refused=8,
-                          modulation=(9, 9), gated=(7, 7), equal=True, grads="within", passes=(79, 32)),
-    "qwen_image_edit": dict(norms=18, fused=18, fused_with_add=7, input_is_add=7, rope=0, fused_rope=0,
-                            rope_refused=8, modulation=(9, 9), gated=(7, 7), equal=True, grads="within",
-                            passes=(106, 51)),
+    "qwen_image":    dict(norms=18, fused=18, fused_with_add=7, input_is_add=7, rope=8, fused_rope=8, rope_refused=0,
+                          modulation=(9, 9), gated=(7, 7), equal=True, grads="within", passes=(79, 20)),
+    "qwen_image_edit": dict(norms=18, fused=18, fused_with_add=7, input_is_add=7, rope=8, fused_rope=8,
+                            rope_refused=0, modulation=(9, 9), gated=(7, 7), equal=True, grads="within",
+                            passes=(106, 39)),
     "z_image":       dict(norms=26, fused=26, fused_with_add=7, input_is_add=6, rope=8, fused_rope=8, rope_refused=0,
                           modulation=(13, 13), gated=(5, 0), equal=True, grads="within", passes=(109, 33)),
 }
@@ -76,8 +76,6 @@ NOT_TAKEN = {
     "diffusers RoPE": ("CogVideoX/LTX/Wan q/k norms' RoPE (on a slice of the tokens, a norm across heads, strided "
                        "stores) and HunyuanVideo's single-stream RoPE of the image tokens only",
                        "a RoPE follows this q/k norm <how>; qk_norm_rope reads ..."),
-    "qwen-image RoPE": ("complex RoPE after the q/k norms",
-                        "the complex RoPE is not the pair rotation in fp32 of q upcast from torch.float32 ..."),
     "modulation per segment of tokens": ("HunyuanVideo I2V's token_replace: y[:, :F] and y[:, F:] modulated "
                                          "with their own scale and shift, then concatenated",
                                          "the norm's output is modulated per segment of tokens (2 slices ...): the "
@@ -139,10 +137,11 @@ def test_diffusion_bf16(name):
     assert got == {"equal": True, **{k: want[k] for k in keys}}, got
 
 
-@pytest.mark.parametrize("name", ["dit", "z_image"])
+@pytest.mark.parametrize("name", ["dit", "z_image", "qwen_image"])
 def test_check_proves_every_site(name):
     """``normfuse.check``: every rewritten site proved symbolically (Z-Image's complex RoPE reads its
-    table through one ``unsqueeze`` per q and k: the same value, one set of symbols)."""
+    table through one ``unsqueeze`` per q and k: the same value, one set of symbols; Qwen-Image's
+    is 3-d, (S, 1, D / 2), the call reads it with the leading dim broadcasting adds)."""
     import normfuse
     from tests.zoo.diffusion import build
 

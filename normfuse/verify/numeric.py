@@ -490,6 +490,9 @@ def _call_arguments(pair: SitePair, env: dict[fx.Node, Any]) -> tuple[list, dict
         if isinstance(kwargs[role], torch.Tensor) and kwargs[role].is_complex() and isinstance(node, fx.Node) \
                 and node.op == "call_function":  # a part the rewrite took of a complex value (freqs_cis.real)
             kwargs[role] = node.target(kwargs[role], *node.args[1:], **node.kwargs)
+            shape = node_shape(node)  # of the value padded with the leading dims broadcasting adds
+            if shape is not None and len(shape) > kwargs[role].dim():
+                kwargs[role] = kwargs[role].reshape((1,) * (len(shape) - kwargs[role].dim()) + kwargs[role].shape)
     for part in PARTS:
         part.check_arguments(kwargs, args[0])
     if kwargs.get("dropout_p"):

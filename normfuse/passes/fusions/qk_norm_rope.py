@@ -321,10 +321,13 @@ def _complex_rotation(index, r: fx.Node, shape: tuple):
 
 
 def _freqs_cis(f, batch: int, seq: int, half: int) -> bool:
-    """A complex (1 | B, 1 | S, 1, D / 2) table: one rotation per position and pair."""
+    """A complex table that broadcasts as (1 | B, 1 | S, 1, D / 2): one rotation per position and
+    pair. Fewer dims are leading ones, as broadcasting reads them (Qwen-Image's (S, 1, D / 2))."""
     shape, dtype = node_shape(f), node_dtype(f)
-    return shape is not None and len(shape) == 4 and _one_or(shape[0], batch) and _one_or(shape[1], seq) \
-        and shape[2] == 1 and shape[3] == half and dtype == torch.complex64
+    if shape is None or not 2 <= len(shape) <= 4 or dtype != torch.complex64:
+        return False
+    shape = (1,) * (4 - len(shape)) + tuple(shape)
+    return _one_or(shape[0], batch) and _one_or(shape[1], seq) and shape[2] == 1 and shape[3] == half
 
 
 def _one_or(dim, size) -> bool:
@@ -713,9 +716,15 @@ class _QkNormRope(Fusion):
         q = pair.q
         cos, sin = q.cos, q.sin
         if q.complex_table:  # freqs_cis = cos + i sin, one per pair: the kernel reads .real and .imag
-            cos, sin = (graph.call_function(part, (q.cos,)) for part in (torch.real, torch.imag))
+            table = q.cos
+            for _ in range(4 - len(node_shape(q.cos))):  # the leading dims broadcasting adds, as views
+                padded = graph.call_method("unsqueeze", (table, 0))
+                _meta_of(padded, table, lambda t: t.unsqueeze(0))
+                inserted.append(padded)
+                table = padded
+            cos, sin = (graph.call_function(part, (table,)) for part in (torch.real, torch.imag))
             for t, part in ((cos, torch.real), (sin, torch.imag)):
-                _meta_of(t, q.cos, part)
+                _meta_of(t, table, part)
                 inserted.append(t)
                 holds[t] = q.cos  # the checker takes the part the same way (verify/numeric.py)
         options = dict(cos=cos, sin=sin, eps=modes["eps"], weight_offset=modes["weight_offset"],
