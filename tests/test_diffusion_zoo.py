@@ -48,8 +48,8 @@ EXPECTED = {
                           modulation=(9, 9), gated=(7, 7), equal=True, grads="equal", passes=(51, 19)),
     "cogvideox15":   dict(norms=14, fused=14, fused_with_add=7, input_is_add=7, rope=0, fused_rope=0, rope_refused=4,
                           modulation=(9, 9), gated=(7, 7), equal=True, grads="equal", passes=(66, 34)),
-    "ltx_video":     dict(norms=13, fused=13, fused_with_add=4, input_is_add=4, rope=0, fused_rope=0, rope_refused=4,
-                          modulation=(5, 5), gated=(2, 2), equal=True, grads="within", passes=(58, 38)),
+    "ltx_video":     dict(norms=13, fused=13, fused_with_add=4, input_is_add=4, rope=4, fused_rope=4, rope_refused=0,
+                          modulation=(5, 5), gated=(2, 2), equal=True, grads="within", passes=(58, 20)),
     "hunyuan_video": dict(norms=14, fused=14, fused_with_add=4, input_is_add=4, rope=2, fused_rope=2, rope_refused=2,
                           modulation=(6, 6), gated=(4, 4), equal=True, grads="within", passes=(73, 31)),
     "hunyuan_video_i2v": dict(norms=14, fused=14, fused_with_add=3, input_is_add=3, rope=2, fused_rope=2,
@@ -137,11 +137,12 @@ def test_diffusion_bf16(name):
     assert got == {"equal": True, **{k: want[k] for k in keys}}, got
 
 
-@pytest.mark.parametrize("name", ["dit", "z_image", "qwen_image"])
+@pytest.mark.parametrize("name", ["dit", "z_image", "qwen_image", "ltx_video"])
 def test_check_proves_every_site(name):
     """``normfuse.check``: every rewritten site proved symbolically (Z-Image's complex RoPE reads its
     table through one ``unsqueeze`` per q and k: the same value, one set of symbols; Qwen-Image's
-    is 3-d, (S, 1, D / 2), the call reads it with the leading dim broadcasting adds)."""
+    is 3-d, (S, 1, D / 2), the call reads it with the leading dim broadcasting adds; LTX-Video's
+    RoPE rotates the whole (B, S, N) row after a norm over it: one head of N columns)."""
     import normfuse
     from tests.zoo.diffusion import build
 

@@ -211,6 +211,28 @@ def test_equals_torchtitan(path, form, dtype):
         assert_same(path, g, w, f"{form} {name}")
 
 
+@pytest.mark.parametrize("dtype", (BF16, FP32), ids=("bf16", "fp32"))
+@pytest.mark.parametrize("N", (96, 2048))
+def test_equals_ltx_video_row_rope(path, N, dtype):
+    """LTX-Video: nn.RMSNorm over the (B, S, N) row of all heads, then diffusers' interleaved RoPE of the
+    whole row with fp32 (B, S, N) tables (one angle per column, no head repeats it), ``.to(x.dtype)``:
+    one head of N columns, layout "gptj", the tables read as HF's 3-d ones."""
+    diffusers_ltx = pytest.importorskip("diffusers.models.transformers.transformer_ltx")
+    B, S = 2, 3
+    gen = torch.Generator().manual_seed(N)
+    q, k = (torch.randn(B, S, N, generator=gen).to(dtype) for _ in range(2))
+    wq, wk = ((1 + 0.1 * torch.randn(N, generator=gen)).to(dtype) for _ in range(2))
+    angles = torch.rand(B, S, N // 2, generator=gen) * 6.3
+    cos, sin = (t.repeat_interleave(2, dim=-1) for t in (angles.cos(), angles.sin()))  # as LTX's rope tables
+    with torch.no_grad():
+        want = [diffusers_ltx.apply_rotary_emb(titan_norm(x, w), (cos, sin)) for x, w in ((q, wq), (k, wk))]
+        got = qk_norm_rope(q.unflatten(-1, (1, N)), k.unflatten(-1, (1, N)), wq, wk, cos, sin, eps=EPS,
+                           layout="gptj", out_dtype=dtype)
+    for name, g, w in zip(("q", "k"), got, want):
+        assert g.shape == (B, S, 1, N)
+        assert_same(path, g.flatten(2), w, f"LTX {name}")
+
+
 # ---- pitfalls: the options matter ---------------------------------------------------------------
 
 def test_gptj_layout_on_neox_tables_differs(path):

@@ -336,16 +336,20 @@ def _one_or(dim, size) -> bool:
     return same_dim(dim, 1) or same_dim(dim, size)
 
 
-def _table(index, t, transposed: bool, batch: int, seq: int, width: int):
+def _table(index, t, transposed: bool, batch: int, seq: int, width: int, row: bool = False):
     """The cos/sin table the kernel reads for an operand ``t`` of the RoPE's products: HF's (1 | B, S, R)
     before ``unsqueeze(unsqueeze_dim)``, when the unsqueeze adds the heads axis of the layout the
     RoPE reads; ``t`` itself when it is a 4-d (1 | B, 1 | S, 1, R) value (torchtitan's CosSinRoPE
-    slices its cache: the kernel reads any strides) on q untransposed; None otherwise."""
+    slices its cache: the kernel reads any strides) on q untransposed, or a 3-d (1 | B, S, R) one
+    on a RoPE of the (B, S, N) row (``row``); None otherwise."""
     c = index.canon(t)
     shape = node_shape(t)
     if (c is None or c.prim != "unsqueeze") and not transposed and shape is not None and len(shape) == 4 \
             and _one_or(shape[0], batch) and _one_or(shape[1], seq) and shape[2] == 1 and shape[3] == width:
         return t
+    if row and shape is not None and len(shape) == 3 and _one_or(shape[0], batch) and same_dim(shape[1], seq) \
+            and shape[2] == width:
+        return t  # a RoPE on the (B, S, N) row: HF's 3-d table, no heads axis to add
     if c is None or c.prim != "unsqueeze" or not isinstance(c["input"], fx.Node):
         return None
     dim = c["dim"][0] if isinstance(c["dim"], (list, tuple)) else c["dim"]
@@ -478,6 +482,9 @@ def _to_heads(index, m, steps: list) -> _Heads | None:
         chain.append(user)
         user = _single_user(value)
     shape = node_shape(value)
+    if shape is not None and len(shape) == 3 and m.hidden_size == shape[-1]:
+        # LTX-Video: the RoPE rotates the whole (B, S, N) row, its tables one value per column: one head of N
+        return _Heads(value, chain, False, None, (shape[0], shape[1], 1, shape[2]), "head")
     if shape is None or len(shape) != 4:
         return None
     operand, before = None, index.canon(m.input)
@@ -573,7 +580,8 @@ def _rope_match(index, found: tuple, chain: list, passed, value, transposed: boo
     if cast is not None and index.prim(cast) == "cast":  # OLMo 2: q_embed.to(q_type)
         out = cast
         chain.append(cast)
-    cos, sin = (_table(index, t, transposed, B, S, rotary) for t in (c, s))
+    on_row = len(node_shape(value) or ()) == 3  # the RoPE reads the (B, S, N) row
+    cos, sin = (_table(index, t, transposed, B, S, rotary, on_row) for t in (c, s))
     if cos is None or sin is None:
         return RopeMatch(reason="cos/sin are neither HF's (batch, seq, rotary) tables unsqueezed at the heads axis "
                                 "nor (1 | batch, 1 | seq, 1, rotary) tables")
@@ -706,7 +714,7 @@ class _QkNormRope(Fusion):
                 operands.append(None)
                 continue
             x = rewriting.resolve(rope.operand or m.input)
-            if rope.norm_width == "row":  # (B, S, H * D) -> (B, S, H, D): the kernel reads heads
+            if len(node_shape(m.input) or ()) == 3:  # (B, S, H * D) -> (B, S, H, D): the kernel reads heads
                 heads = tuple(rope.heads_shape[2:])  # static; B and S may be symbolic
                 x = graph.call_method("unflatten", (x, -1, heads))
                 _meta_of(x, m.input, lambda t: t.unflatten(-1, heads))
@@ -742,6 +750,11 @@ class _QkNormRope(Fusion):
             copy_meta(out, rope.output)
             inserted.append(out)
             built.stands_for.append((k, rope.output))
+            if len(node_shape(rope.output) or ()) == 3:  # a RoPE of the row: (B, S, 1, N) back to (B, S, N)
+                _meta_of(out, rope.output, lambda t: t.unsqueeze(2))
+                out = graph.call_method("flatten", (out, 2))
+                copy_meta(out, rope.output)
+                inserted.append(out)
             rewriting.replace(rope.output, out)
         if pair.k_norm is not None:
             built.old_nodes += [*pair.k_norm.nodes, *pair.k.nodes]
