@@ -40,10 +40,10 @@ EXPECTED = {
                           modulation=(6, 6), gated=(2, 2), equal=True, grads="within", passes=(53, 18)),
     "flux2":         dict(norms=12, fused=12, fused_with_add=2, input_is_add=2, rope=6, fused_rope=6, rope_refused=0,
                           modulation=(6, 6), gated=(2, 2), equal=True, grads="within", passes=(56, 21)),
-    "wan21":         dict(norms=15, fused=15, fused_with_add=6, input_is_add=6, rope=0, fused_rope=0, rope_refused=4,
-                          modulation=(5, 5), gated=(4, 4), equal=True, grads="within", passes=(64, 44)),
-    "wan22_ti2v":    dict(norms=15, fused=15, fused_with_add=6, input_is_add=6, rope=0, fused_rope=0, rope_refused=4,
-                          modulation=(5, 5), gated=(4, 4), equal=True, grads="within", passes=(72, 52)),
+    "wan21":         dict(norms=15, fused=15, fused_with_add=6, input_is_add=6, rope=4, fused_rope=4, rope_refused=0,
+                          modulation=(5, 5), gated=(4, 4), equal=True, grads="within", passes=(64, 18)),
+    "wan22_ti2v":    dict(norms=15, fused=15, fused_with_add=6, input_is_add=6, rope=4, fused_rope=4, rope_refused=0,
+                          modulation=(5, 5), gated=(4, 4), equal=True, grads="within", passes=(72, 26)),
     "cogvideox":     dict(norms=14, fused=14, fused_with_add=7, input_is_add=7, rope=0, fused_rope=0, rope_refused=0,
                           modulation=(9, 9), gated=(7, 7), equal=True, grads="equal", passes=(51, 19)),
     "cogvideox15":   dict(norms=14, fused=14, fused_with_add=7, input_is_add=7, rope=0, fused_rope=0, rope_refused=4,
@@ -73,9 +73,10 @@ FAST = ["dit", "pixart_sigma", "sd35_medium", "flux", "wan21"]
 # What the pass leaves of each family's block chain today, with the reason the report gives (None: no
 # reason; the report lists nothing about it). For the note of issue 38 and the next round's parts.
 NOT_TAKEN = {
-    "diffusers RoPE": ("CogVideoX/LTX/Wan q/k norms' RoPE (on a slice of the tokens, a norm across heads, strided "
-                       "stores) and HunyuanVideo's single-stream RoPE of the image tokens only",
-                       "a RoPE follows this q/k norm <how>; qk_norm_rope reads ..."),
+    "diffusers RoPE": ("HunyuanVideo's single-stream RoPE of the image tokens only",
+                       "a RoPE follows this q/k norm on a slice of the tokens; qk_norm_rope reads ..."),
+    "LayerNorm q/k norms": ("CogVideoX 1.5's q/k LayerNorms before its RoPE",
+                            "qk_norm_rope computes an RMSNorm; this q/k norm is a layer_norm"),
     "modulation per segment of tokens": ("HunyuanVideo I2V's token_replace: y[:, :F] and y[:, F:] modulated "
                                          "with their own scale and shift, then concatenated",
                                          "the norm's output is modulated per segment of tokens (2 slices ...): the "
@@ -137,12 +138,10 @@ def test_diffusion_bf16(name):
     assert got == {"equal": True, **{k: want[k] for k in keys}}, got
 
 
-@pytest.mark.parametrize("name", ["dit", "z_image", "qwen_image", "ltx_video"])
+@pytest.mark.parametrize("name", ["dit", "z_image"])
 def test_check_proves_every_site(name):
     """``normfuse.check``: every rewritten site proved symbolically (Z-Image's complex RoPE reads its
-    table through one ``unsqueeze`` per q and k: the same value, one set of symbols; Qwen-Image's
-    is 3-d, (S, 1, D / 2), the call reads it with the leading dim broadcasting adds; LTX-Video's
-    RoPE rotates the whole (B, S, N) row after a norm over it: one head of N columns)."""
+    table through one ``unsqueeze`` per q and k: the same value, one set of symbols)."""
     import normfuse
     from tests.zoo.diffusion import build
 
@@ -184,11 +183,15 @@ def test_flux_single_stream_blocks_read_their_add_through_the_split():
         assert site.fused_add and site.fused_gated_residual and site.fused_modulation, site
 
 
-def test_diffusers_rope_after_the_qk_norms_is_fused_and_proved():
-    """Flux's and HunyuanVideo's q/k RMSNorms and their interleaved RoPE (``reshape(..., -1, 2).unbind(-1)``,
-    ``stack([-imag, real], -1).flatten(3)``, ``(x.float() * cos + rotated.float() * sin).to(x.dtype)``):
-    one qk_norm_rope call per attention (GPT-J's pairs), each site proved; cos and sin swapped in the
-    call is refuted at its site."""
+@pytest.mark.parametrize("name,calls", [("flux", 6), ("wan21", 4), ("ltx_video", 4), ("qwen_image", 8)])
+def test_diffusers_rope_after_the_qk_norms_is_fused_and_proved(name, calls):
+    """The diffusers RoPEs after q/k RMSNorms, one qk_norm_rope call per attention (GPT-J's pairs), each
+    site proved; cos and sin swapped in the call is refuted at its site. Flux: the interleaved
+    ``reshape(..., -1, 2).unbind(-1)``, ``stack([-imag, real], -1).flatten(3)``, ``(x.float() * cos +
+    rotated.float() * sin).to(x.dtype)`` (its double-stream blocks' over a cat, rope_over_cat); Wan: the
+    norm over all heads, the pairs' products stored into ``empty_like(x)`` through ``out[..., 0::2]`` /
+    ``out[..., 1::2]`` with half tables; LTX-Video: the interleaved form on the whole (B, S, N) row;
+    Qwen-Image: the complex product with a 3-d freqs_cis."""
     import normfuse
     from helpers import optimized_with_fault
     from normfuse.verify.sites import fused_calls
@@ -199,12 +202,12 @@ def test_diffusers_rope_after_the_qk_norms_is_fused_and_proved():
         call.kwargs = {**call.kwargs, "cos": call.kwargs["sin"], "sin": call.kwargs["cos"]}
         gm.recompile()
 
-    model, kwargs = build("flux")
+    model, kwargs = build(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = normfuse.check(model, **kwargs, backward=False)
         assert res.ok and [s.symbolic.status for s in res.sites] == ["proved"] * len(res.sites), res
-        assert res.report.counts()["fused_rope"] == 6, res.report  # the double-stream blocks' too (rope_over_cat)
+        assert res.report.counts()["fused_rope"] == calls, res.report
         faulty = normfuse.check(model, **kwargs, backward=False, optimized=optimized_with_fault(model, swap_tables))
     assert not faulty.ok
     failing = [s for s in faulty.sites if not s.passed]

@@ -233,6 +233,36 @@ def test_equals_ltx_video_row_rope(path, N, dtype):
         assert_same(path, g.flatten(2), w, f"LTX {name}")
 
 
+def wan_rope(x, cos, sin):
+    """Wan 2.x's RoPE as the model writes it: the pairs' complex product stored interleaved."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+@pytest.mark.parametrize("dtype", (BF16, FP32), ids=("bf16", "fp32"))
+@pytest.mark.parametrize("H", (4, 40))
+def test_equals_wan_stored_rope(path, H, dtype):
+    """Wan: nn.RMSNorm over all heads (H * 128, 5120 at 14B), the view to heads, its RoPE with half
+    tables read in place (every other column of (1, S, 1, D) ones, the model's dtype): norm_width
+    "row", layout "gptj", rotary_dim D."""
+    B, S, D = 1, 3, 128
+    gen = torch.Generator().manual_seed(H)
+    q, k = (torch.randn(B, S, H * D, generator=gen).to(dtype) for _ in range(2))
+    wq, wk = ((1 + 0.1 * torch.randn(H * D, generator=gen)).to(dtype) for _ in range(2))
+    angles = (torch.rand(1, S, 1, D // 2, generator=gen) * 6.3).repeat_interleave(2, dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    with torch.no_grad():
+        want = [wan_rope(titan_norm(x, w).unflatten(2, (H, D)), cos, sin) for x, w in ((q, wq), (k, wk))]
+        got = qk_norm_rope(q.unflatten(2, (H, D)), k.unflatten(2, (H, D)), wq, wk, cos[..., 0::2], sin[..., 1::2],
+                           eps=EPS, norm_width="row", layout="gptj", rotary_dim=D, out_dtype=dtype)
+    for name, g, w in zip(("q", "k"), got, want):
+        assert_same(path, g, w, f"Wan {name}")
+
+
 # ---- pitfalls: the options matter ---------------------------------------------------------------
 
 def test_gptj_layout_on_neox_tables_differs(path):

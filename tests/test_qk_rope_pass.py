@@ -388,6 +388,74 @@ def test_slices_that_are_not_halves_leave_the_norm_alone():
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
+class _WanAttention(nn.Module):
+    """Wan 2.x's self-attention: q/k RMSNorms over all heads, the view to heads, then the RoPE with the
+    complex product written out on the pairs and stored interleaved into ``empty_like(x)``, half
+    tables taken as ``cos[..., 0::2]`` / ``sin[..., 1::2]`` of (1, S, 1, D) ones; ``leak`` also returns
+    the first halves of q's pairs."""
+
+    def __init__(self, heads=2, dim=8, leak=False):
+        super().__init__()
+        self.heads, self.leak = heads, leak
+        self.norm_q, self.norm_k = nn.RMSNorm(heads * dim, eps=1e-6), nn.RMSNorm(heads * dim, eps=1e-6)
+        with torch.no_grad():
+            self.norm_q.weight.uniform_(0.5, 1.5)
+            self.norm_k.weight.uniform_(0.5, 1.5)
+
+    def _rope(self, x, cos, sin):
+        x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+        cos, sin = cos[..., 0::2], sin[..., 1::2]
+        out = torch.empty_like(x)
+        out[..., 0::2] = x1 * cos - x2 * sin
+        out[..., 1::2] = x1 * sin + x2 * cos
+        return out.type_as(x), x1
+
+    def forward(self, q, k, cos, sin):
+        q, x1 = self._rope(self.norm_q(q).unflatten(2, (self.heads, -1)), cos, sin)
+        k, _ = self._rope(self.norm_k(k).unflatten(2, (self.heads, -1)), cos, sin)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2))
+        return (out, x1) if self.leak else out
+
+
+def _wan_inputs(dtype, table_dtype):
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 5, 16, generator=g).to(dtype) for _ in range(2))
+    angles = torch.randn(1, 5, 1, 4, generator=g, dtype=torch.float64).repeat_interleave(2, dim=-1)
+    return q, k, angles.cos().to(table_dtype), angles.sin().to(table_dtype)
+
+
+@pytest.mark.parametrize("dtype,table_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float32)])
+def test_wan_stored_rope_is_fused_and_proved(dtype, table_dtype):
+    torch._dynamo.reset()
+    model, args = _WanAttention().to(dtype), _wan_inputs(dtype, table_dtype)
+    with torch.no_grad():
+        ref = model(*args)
+        res = normfuse.check(model, *args, backward=False)
+        normfuse.optimize(model)
+        out = model(*args)
+    rep = normfuse.report(model)
+    assert [(s.op, s.fused_rope, s.rope) for s in rep.sites] == [("qk_norm_rope", True, "gptj, rotary 8 of 8")] * 2
+    assert res.ok and [s.symbolic.status for s in res.sites] == ["proved"] * 2, res
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("leak,table_dtype,why", [
+    (True, torch.float32, "the normalized q/k is read outside its RoPE"),
+    (False, torch.float64, "RoPE dtypes torch.float64 -> torch.float32 are not ones the kernels take"),
+])
+def test_wan_stored_rope_the_call_cannot_take_keeps_the_reason(leak, table_dtype, why):
+    torch._dynamo.reset()
+    model, args = _WanAttention(leak=leak), _wan_inputs(torch.float32, table_dtype)
+    with torch.no_grad():
+        ref = model(*args)
+        normfuse.optimize(model)
+        out = model(*args)
+    q = normfuse.report(model).sites[0]
+    assert q.op == "norm" and not q.fused_rope and q.rope_reason == why, q
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
 # --------------------------------------------------------------------------- dynamic shapes
 
 @pytest.mark.parametrize("name", ["qwen3", "olmo2", "gemma3_text", "glm4_moe"])

@@ -268,6 +268,10 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym, heads: _HeadRows
 
     if node.op == "call_function" and node.target is operator.getitem:
         return _eval_getitem(node, load)
+    if node.op == "call_function" and node.target is torch.empty_like:
+        return _empty_like(load(node.args[0]))
+    if node.op == "call_function" and node.target is operator.setitem:
+        return _store(node, load(node.args[0]), val(node.args[2]))
     c = canonical(node)
     if c is None and _max_values(node):  # torch.max(x, dim) returns (values, indices): the row's maximum
         return [_max(*val(node.args[0]))], None
@@ -395,16 +399,46 @@ def _split_heads(node: fx.Node, c, row: Any, heads: _HeadRows) -> Any:
     before, after = shape_in[-1], shape_out[-1]
     if isinstance(row, _Groups) and len(shape_in) == len(shape_out) + 1 and after == before * shape_in[-2]:
         return _interleaved(row)
-    if after == 2 and len(shape_out) == len(shape_in) + 1 and shape_out[-2] * 2 == before \
-            and not _structured(row) and not isinstance(row, _Heads):
-        if len(row) % 2:
-            raise _Unsupported(f"{node.name} pairs the columns of a row of {len(row)} symbols")
-        return _Groups(zip(row[0::2], row[1::2]))
+    if after == 2 and len(shape_out) == len(shape_in) + 1 and shape_out[-2] * 2 == before and not _structured(row):
+        if isinstance(row, _Heads):  # each head's pairs (Wan: the norm over all heads, then its RoPE per head)
+            return _Heads(_pairs(node, head) for head in row)
+        return _pairs(node, row)
     if before == after or isinstance(row, _Heads):
         return row
     if after != heads.head_dim or not isinstance(before, int) or before % after or len(row) % heads.per_head:
         raise _Unsupported(f"{node.name} reshapes the row ({before} -> {after} columns) but not into heads")
     return _Heads(row[i:i + heads.per_head] for i in range(0, len(row), heads.per_head))
+
+
+def _pairs(node: fx.Node, row: list) -> "_Groups":
+    if len(row) % 2:
+        raise _Unsupported(f"{node.name} pairs the columns of a row of {len(row)} symbols")
+    return _Groups(zip(row[0::2], row[1::2]))
+
+
+def _empty_like(row: Any) -> Any:
+    """``torch.empty_like(x)``: a row of x's length, each symbol None until a store writes it."""
+    if isinstance(row, _Heads):
+        return _Heads([None] * len(head) for head in row)
+    if _structured(row):
+        raise _Unsupported("an empty tensor shaped like pairs or complex values")
+    return [None] * len(row)
+
+
+def _store(node: fx.Node, out: Any, value: Any) -> None:
+    """``out[..., k::step] = value`` into a row of _empty_like's (in place, as the graph mutates it):
+    every step-th symbol from k, as _slice_row reads the same columns (head by head)."""
+    where = node.args[1]
+    k = where[1] if isinstance(where, tuple) and len(where) == 2 and where[0] is Ellipsis else None
+    if not isinstance(k, slice) or k.stop is not None or not isinstance(k.step, int) \
+            or not isinstance(k.start, int) or not 0 <= k.start < k.step:
+        raise _Unsupported(f"{node.name} stores into other than every step-th column of the last dim")
+    if isinstance(out, _Heads) != isinstance(value, _Heads):
+        raise _Unsupported(f"{node.name} stores a value split into heads otherwise than its target")
+    for row, part in (zip(out, value) if isinstance(out, _Heads) else [(out, value)]):
+        if _structured(part) or len(row) % k.step or len(row[k.start::k.step]) != len(part):
+            raise _Unsupported(f"{node.name} stores {len(part)} symbols into every {k.step}th of {len(row)}")
+        row[k.start::k.step] = part
 
 
 def _flattened(node: fx.Node, c, value: Any) -> Any:
@@ -674,15 +708,15 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
                 rows[role] = None
             elif isinstance(node, fx.Node):
                 source = _source(node, inside, transposes)
-                if source not in leaves:
-                    leaves[source] = _leaf(source, _SYMBOL_PREFIX[role], hidden, pair.layout, heads)
-                rows[role] = _part_read(pair, role, leaves[source])
+                if _same_as(source) not in leaves:
+                    leaves[_same_as(source)] = _leaf(source, _SYMBOL_PREFIX[role], hidden, pair.layout, heads)
+                rows[role] = _part_read(pair, role, leaves[_same_as(source)])
             else:
                 raise _Unsupported(f"the fused call's {role} is a constant {node!r}")
         for i, node in enumerate(pair.inputs):  # values the original reads that the call does not
             source = _source(node, inside, transposes)
-            if source not in leaves and source not in inside:
-                leaves[source] = _leaf(source, f"z{i}_", hidden, pair.layout, heads)
+            if _same_as(source) not in leaves and source not in inside:
+                leaves[_same_as(source)] = _leaf(source, f"z{i}_", hidden, pair.layout, heads)
         values: dict[fx.Node, Any] = {}
 
         def load(n):
@@ -691,8 +725,8 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
             source = _source(n, inside, transposes)
             if source in values:
                 return values[source]
-            if source in leaves:
-                return leaves[source]
+            if _same_as(source) in leaves:
+                return leaves[_same_as(source)]
             raise _Unsupported(f"{n.name} is read by the subgraph but is outside it")
 
         for node in pair.nodes:
@@ -706,6 +740,14 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
     except Exception as error:  # noqa: BLE001 - a proof that cannot be decided is not a check failure
         return SymbolicResult("unsupported", detail=f"the proof could not be decided ({type(error).__name__}: "
                                                     f"{str(error)[:120]})")
+
+
+def _same_as(node: fx.Node) -> Any:
+    """What identifies the value of a leaf: the node, or for an index of one (``freqs_cos[..., 0::2]``,
+    taken once for q and once for k) the indexed value and the index, so both are one set of symbols."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return _same_as(node.args[0]), repr(node.args[1])
+    return node
 
 
 def _flat(value: Any) -> Any:

@@ -241,6 +241,20 @@ def _swaps_heads(c) -> bool:
     return isinstance(c["dim0"], int) and isinstance(c["dim1"], int) and {c["dim0"] % 4, c["dim1"] % 4} == {1, 2}
 
 
+def _pair_halves(index, x: fx.Node, width: int):
+    """``x.reshape(*x.shape[:-1], -1, 2).unbind(-1)``, x's last dim ``width``: (the view to pairs,
+    the unbind, the first and the second of each pair), or None."""
+    pairs = next((u for u in _readers(x) if index.prim(u) == "view"
+                  and same_shape(tuple(node_shape(u) or ())[-2:], (width // 2, 2))), None)
+    unbind = _single_user(pairs) if pairs is not None else None
+    if unbind is None or not _last(unbound_dim(unbind), len(node_shape(pairs))):
+        return None
+    items = {u.args[1]: u for u in unbind.users if u.target is operator.getitem}
+    if set(items) != {0, 1} or len(unbind.users) != 2:
+        return None
+    return pairs, unbind, items[0], items[1]
+
+
 def _unbound_pairs(index, x: fx.Node, width: int):
     """Diffusers' interleaved rotation of ``x`` (Flux, CogVideoX, HunyuanDiT)::
 
@@ -248,15 +262,10 @@ def _unbound_pairs(index, x: fx.Node, width: int):
         x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
 
     GPT-J's pair rotation: (the x_rotated node, the nodes from the reshape on), or None."""
-    pairs = next((u for u in _readers(x) if index.prim(u) == "view"
-                  and tuple(node_shape(u) or ())[-2:] == (width // 2, 2)), None)
-    unbind = _single_user(pairs) if pairs is not None else None
-    if unbind is None or not _last(unbound_dim(unbind), len(node_shape(pairs))):
+    found = _pair_halves(index, x, width)
+    if found is None:
         return None
-    items = {u.args[1]: u for u in unbind.users if u.target is operator.getitem}
-    if set(items) != {0, 1} or len(unbind.users) != 2:
-        return None
-    real, imag = items[0], items[1]
+    pairs, unbind, real, imag = found
     rotated = _stacked_pairs(index, real, imag, x)
     if rotated is None or _readers(real) != [rotated[1]]:
         return None
@@ -284,6 +293,93 @@ def _rotate_unbound_pairs(index, r: fx.Node, x: fx.Node, width: int):
     o, s, b = summed
     pairs, unbind, real, imag, neg, stack, flat = nodes
     return o, c, s, [a, pairs, unbind, real, imag, b, neg, stack, flat, cast, o]  # a and b where _rotate_half has them
+
+
+def _stored_index(node: fx.Node, out: fx.Node) -> int | None:
+    """k of ``out[..., k::2] = v`` (``node`` a setitem into ``out``); None for any other store."""
+    if node.op != "call_function" or node.target is not operator.setitem or node.args[0] is not out:
+        return None
+    where = node.args[1]
+    if not (isinstance(where, tuple) and len(where) == 2 and where[0] is Ellipsis and isinstance(where[1], slice)):
+        return None
+    k = where[1]
+    return k.start if k.start in (0, 1) and k.stop is None and k.step == 2 else None
+
+
+def _products(index, x1: fx.Node, x2: fx.Node, node: fx.Node):
+    """(the product of x1, its table, the product of x2, its table) of ``node = x1 * a ± x2 * b``."""
+    c = index.canon(node)
+    if c is None or c.prim not in ("add", "sub") or c["alpha"] != 1:
+        return None
+    first, second = c["input"], c["other"]
+    if c.prim == "add" and _other(index, first, x2) is not None:
+        first, second = second, first  # x2 * cos + x1 * sin
+    a, b = _other(index, first, x1), _other(index, second, x2)
+    return None if a is None or b is None else (c.prim, first, a, second, b)
+
+
+def _stored_pairs(index, x: fx.Node, width: int):
+    """Wan's rotation of ``x``: the complex product written out on the pairs and stored interleaved::
+
+        x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+        out = torch.empty_like(x)
+        out[..., 0::2] = x1 * cos - x2 * sin
+        out[..., 1::2] = x1 * sin + x2 * cos        (cos, sin: one value per pair)
+
+    GPT-J's pair rotation with half tables; each store rounds to x's dtype. (out's one reader after
+    the stores, cos, sin, the even columns' value, nodes), or None; a str when it is that, but
+    something else reads a step."""
+    found = _pair_halves(index, x, width)
+    outs = [u for u in x.users if u.op == "call_function" and u.target is torch.empty_like and u.args[0] is x]
+    if found is None or len(outs) != 1:
+        return None
+    pairs, unbind, x1, x2 = found
+    out = outs[0]
+    stores = {_stored_index(u, out): u for u in out.users if _stored_index(u, out) is not None}
+    if set(stores) != {0, 1}:
+        return None
+    even, odd = stores[0].args[2], stores[1].args[2]
+    pe = _products(index, x1, x2, even) if isinstance(even, fx.Node) else None
+    po = _products(index, x1, x2, odd) if isinstance(odd, fx.Node) else None
+    if pe is None or po is None or pe[0] != "sub" or po[0] != "add":
+        return None
+    (_, m1, c, m2, s), (_, m3, s2, m4, c2) = pe, po
+    if not (index.same(c, c2) and index.same(s, s2)):
+        return None
+    last = max(stores.values(), key=index.order.__getitem__)
+    after = [u for u in out.users if u not in stores.values()]
+    nodes = [pairs, unbind, x1, x2, m1, m2, m3, m4, even, odd, out, stores[0], stores[1]]
+    if len(after) != 1 or index.order[after[0]] < index.order[last] or set(_readers(x)) != {pairs, out} \
+            or len(x1.users) != 2 or len(x2.users) != 2 or any(len(n.users) != 1 for n in (m1, m2, m3, m4, even, odd)):
+        return "the normalized q/k is read outside its RoPE"
+    return after[0], c, s, even, nodes
+
+
+def _stored_match(index, found, chain: list, heads: _Heads) -> RopeMatch:
+    """The RopeMatch of Wan's rotation (``found``: _stored_pairs'): layout "gptj", half tables,
+    the products and sums in their promotion (rope_dtype), rounded by the store to x's dtype and
+    by a cast after it (``.type_as(x)``) to the call's out_dtype."""
+    B, S, H, D = heads.shape
+    if isinstance(found, str):
+        return RopeMatch(reason=found)
+    reader, c, s, even, nodes = found
+    chain += nodes
+    out = nodes[-3]  # the stored tensor
+    if index.prim(reader) == "cast" and index.canon(reader)["input"] is out:  # .type_as(hidden_states)
+        out = reader
+        chain.append(reader)
+    cos, sin = (_table(index, t, False, B, S, D // 2) for t in (c, s))
+    if cos is None or sin is None:
+        return RopeMatch(reason="cos/sin are not (1 | batch, 1 | seq, 1, head_dim / 2) tables, one value per pair")
+    rope_dtype, out_dtype = node_dtype(even), node_dtype(out)
+    want = torch.promote_types(torch.promote_types(node_dtype(heads.value), node_dtype(cos)), node_dtype(sin))
+    if rope_dtype != want:
+        return RopeMatch(reason=f"the RoPE computes in {rope_dtype}, not in the promotion of q and cos/sin ({want})")
+    if rope_dtype not in KERNEL_DTYPES or out_dtype not in KERNEL_DTYPES:
+        return RopeMatch(reason=f"RoPE dtypes {rope_dtype} -> {out_dtype} are not ones the kernels take")
+    return RopeMatch(nodes=tuple(chain), output=out, cos=cos, sin=sin, layout="gptj", rotary_dim=D, head_dim=D,
+                     heads_shape=(B, S, H, D), operand=heads.operand, norm_width=heads.width, transpose_out=False,
+                     rope_dtype=rope_dtype, out_dtype=out_dtype)
 
 
 def _first_reader(index, node: fx.Node, prim: str):
@@ -546,6 +642,10 @@ def _find_rope(index, m, steps: list) -> RopeMatch | None:
                 chain += [rot, passed]
                 if len(users) != 2:
                     found = "the normalized q/k is read outside its RoPE"
+    if found is None and upcast is None and not transposed:  # Wan: the pairs' products stored interleaved
+        stored = _stored_pairs(index, value, D)
+        if stored is not None:
+            return _stored_match(index, stored, chain, heads)
     if found is None and upcast is not None:  # diffusers: x.float() * cos + x_rotated(x).float() * sin
         found, layout = _rotate_unbound_pairs(index, value, heads.value, D), "gptj"
         pairs = found[3][1] if found is not None else None  # the reshape to pairs: read by the RoPE
