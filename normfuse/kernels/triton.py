@@ -976,7 +976,11 @@ def broadcast_operand(t: Optional[Tensor], x: Tensor) -> Optional[tuple]:
 
 def _x_gate_operand(rows) -> Optional[tuple]:
     """The gated branch's gate as the forward kernels read it (broadcast_operand), None without one."""
-    return None if rows.x_gate is None else broadcast_operand(rows.x_gate, rows.x)
+    if rows.x_gate is None:
+        return None
+    operand = broadcast_operand(rows.x_gate, rows.x)
+    assert operand is not None, "_kernel_part forms the gated branch the kernels cannot read before them"
+    return operand
 
 
 def _modulation_launch_args(call, y_dtype: torch.dtype) -> dict:
