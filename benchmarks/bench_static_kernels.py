@@ -281,7 +281,8 @@ def kernel_args(op: Op, tl_dtype, block: int) -> dict:
         # stride, period, inner stride), per sample (a chunk of one embedding: inner stride 0)
         args["X"] = (*args["X"], broadcast("XG", tl_dtype) if f.get("HAS_XGATE") else Leaf("constexpr", value=None))
         has_mod = f.get("HAS_MOD", False)
-        args["MOD"] = (broadcast("MS", tl_dtype), broadcast("MH", tl_dtype)) if has_mod else \
+        absent = tuple(Leaf("constexpr", value=v) for v in (None, 0, 1, 0))  # no second modulation
+        args["MOD"] = (broadcast("MS", tl_dtype), broadcast("MH", tl_dtype), absent, absent) if has_mod else \
             Leaf("constexpr", value=None)
         constexprs["MOD_OPTS"] = (False, tl_dtype, tl_dtype) if has_mod else None
     constexprs["L2"] = False

@@ -360,3 +360,94 @@ def test_the_kernels_take_the_gated_branch_and_the_modulation(triton_cpu, monkey
         want_s = r + gate * x
         assert torch.equal(s, want_s)
         assert torch.equal(y, F.layer_norm(want_s, (n,), None, None, 1e-6) * (1 + scale) + shift)
+
+
+# ---- two modulations of one norm (SD3.5's AdaLayerNormZeroX): y and y1 -------------------------
+
+def sd35_block(t):
+    """(y, y1, s): one norm without affine, its output modulated twice (attention and the second attention)."""
+    s = t["x"] + t["r"]
+    n = F.layer_norm(s, s.shape[-1:], None, None, 1e-6)
+    return n * (1 + t["scale"]) + t["shift"], n * (1 + t["scale1"]) + t["shift1"], s
+
+
+def sd35_ours(t):
+    mod = Modulation(1 + t["scale"], t["shift"], scale1=1 + t["scale1"], shift1=t["shift1"])
+    return add_norm(t["x"], t["r"], None, None, kind="layer_norm", eps=1e-6, modulation=mod)
+
+
+def _twice(dtype, per_token=False, seed=0, n=N):
+    gen = torch.Generator().manual_seed(seed)
+    x, r = (torch.randn(B, S, n, generator=gen).to(dtype) for _ in range(2))
+    shape = (B, S, n) if per_token else (B, 1, n)
+    return dict(x=x, r=r, **{k: (torch.randn(*shape, generator=gen) * 0.5).to(dtype)
+                             for k in ("scale", "shift", "scale1", "shift1")})
+
+
+@BACKENDS
+@pytest.mark.parametrize("per_token", (False, True), ids=("per_sample", "per_token"))
+@pytest.mark.parametrize("dtype", (FP32, BF16, FP16), ids=("fp32", "bf16", "fp16"))
+def test_two_modulations_of_one_norm(dtype, per_token, backend, request, monkeypatch):
+    """y and y1 of one call: bit-equal to the block on the reference path and in 16 bits on the
+    kernels (which modulate both in their epilogue, nothing around them), within the rule in fp32."""
+    _on(backend, request)
+    if backend == "triton":
+        from normfuse.kernels import triton as kernels
+        _kernels_take_it_all(kernels, monkeypatch)
+    t = _twice(dtype, per_token)
+    got, want = sd35_ours(t), sd35_block(t)
+    exact = sd35_block({k: v.double() for k, v in t.items()})
+    for a, b, e in zip(got, want, exact):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if backend == "reference" or dtype != FP32:
+            assert torch.equal(a, b), (a - b).abs().max()
+        ok, err, err_base, bound = within_tolerance(a, b, e, dtype=a.dtype)
+        assert ok, f"error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"
+
+
+def test_two_modulations_on_a_looped_row(triton_cpu, monkeypatch):
+    from normfuse.kernels import triton as kernels
+
+    _kernels_take_it_all(kernels, monkeypatch)
+    t = _twice(BF16, seed=5, n=20000)
+    assert all(torch.equal(a, b) for a, b in zip(sd35_ours(t), sd35_block(t)))
+
+
+@BACKENDS
+@pytest.mark.parametrize("dtype", (FP32, BF16), ids=("fp32", "bf16"))
+def test_two_modulations_gradients_vs_fp64(dtype, backend, request):
+    _on(backend, request)
+    t = _twice(dtype, per_token=False, seed=3)
+    gen = torch.Generator().manual_seed(9)
+    cot = [torch.randn(B, S, N, generator=gen, dtype=FP64) for _ in range(3)]
+    names = ["x", "r", "scale", "shift", "scale1", "shift1"]
+
+    def grads(fn, values):
+        leaves = {k: v.detach().clone().requires_grad_() for k, v in values.items()}
+        loss = sum((o.double() * c).sum() for o, c in zip(fn(leaves), cot))
+        return dict(zip(names, torch.autograd.grad(loss, [leaves[k] for k in names])))
+    got, base = grads(sd35_ours, t), grads(sd35_block, t)
+    exact = grads(sd35_block, {k: v.double() for k, v in t.items()})
+    for name in names:
+        assert got[name].shape == base[name].shape and got[name].dtype == base[name].dtype, name
+        ok, err, err_base, bound = within_tolerance(got[name], base[name], exact[name], dtype=got[name].dtype)
+        assert ok, f"d{name}: error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"
+
+
+def test_two_modulations_opcheck():
+    t = {k: v.requires_grad_() for k, v in _twice(FP32).items()}
+    args = (t["x"], t["r"], None, None, "layer_norm", 1e-6, 0.0, 1.0, FP32, None, FP32, True, True, None, None,
+            None, None, 0.0, None, None, "before", "silu", None, None, t["scale"], t["shift"], None, False, None,
+            None, t["scale1"], t["shift1"])
+    torch.library.opcheck(torch.ops.normfuse.add_norm_fwd.default, args)
+
+
+@pytest.mark.parametrize("mod,error,words", [
+    (Modulation(torch.ones(B, 1, N), None, scale1=torch.ones(B, 2, N)), ShapeMismatchError, "must broadcast"),
+    (Modulation(torch.ones(B, 1, N), torch.ones(B, 1, N), scale1=torch.ones(B, 1, N)), InvalidOptionError,
+     "takes the steps of the first"),
+])
+def test_two_modulations_bad_arguments(mod, error, words):
+    x = torch.randn(B, S, N)
+    with pytest.raises(error, match=words):
+        add_norm(x, x, None, None, kind="layer_norm", eps=1e-6, modulation=mod)

@@ -182,16 +182,18 @@ def test_fuse_modulation_false_leaves_the_chain():
     assert site.gated_residual_reason == "gated residual branches are not fused (fuse_modulation=False)"
 
 
-class TwoReaders(nn.Module):
-    """The norm's output read twice (SD3.5's two modulations of one norm): the call keeps y."""
+class ReadTwice(nn.Module):
+    """The norm's output modulated by several readers (SD3.5's AdaLayerNormZeroX: two, for its attention
+    and its second attention); ``steps``: per reader, whether it adds a shift."""
 
-    def __init__(self):
+    def __init__(self, steps=(True, True)):
         super().__init__()
-        self.norm = nn.LayerNorm(C, elementwise_affine=False)
+        self.norm, self.steps = nn.LayerNorm(C, elementwise_affine=False), steps
 
     def forward(self, h, scale):
         n = self.norm(h)
-        return n * (1 + scale[:, None]), n * (2 + scale[:, None])
+        return tuple(n * (k + 1 + scale[:, None]) + (k * scale[:, None] if shifted else 0)
+                     for k, shifted in enumerate(self.steps))
 
 
 class PerSegment(nn.Module):
@@ -209,11 +211,37 @@ class PerSegment(nn.Module):
         return torch.cat([zero, rest], dim=1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_modulations_of_one_norm_are_its_call_s_y_and_y1(dtype):
+    """SD3.5's two modulations of one norm's output: one call returns both (y and y1), the same bits,
+    the site proved; the call's second modulation reading the first's shift is refuted at its site."""
+    from normfuse.verify.sites import fused_calls
+
+    model, (h, emb) = ReadTwice(), _inputs(dtype)
+    with torch.no_grad():
+        want = model(h, emb)
+        res = normfuse.check(model, h, emb, backward=False)
+
+        def first_shift_twice(gm):
+            call = next(iter(fused_calls(gm.graph)))
+            call.kwargs = {**call.kwargs, "mod1_shift": call.kwargs["mod_shift"]}
+            gm.recompile()
+        faulty = normfuse.check(model, h, emb, backward=False, optimized=optimized_with_fault(model, first_shift_twice))
+        opt = normfuse.optimize(model)
+        got = opt(h, emb)
+    site = normfuse.report(opt).sites[0]
+    assert site.fused and site.fused_modulation and site.modulation.endswith("2 times"), site
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert res.ok and [s.symbolic.status for s in res.sites] == ["proved"], res
+    assert not faulty.ok and [s.symbolic.status for s in faulty.sites] == ["refuted"], faulty
+
+
 @pytest.mark.parametrize("model,why", [
-    (TwoReaders(), "the norm's output is modulated 2 times"),
+    (ReadTwice((True, True, True)), "the norm's output is modulated 3 times: the call returns two"),
+    (ReadTwice((True, False)), "the norm's output is modulated twice with different steps"),
     (PerSegment(), "the norm's output is modulated per segment of tokens (2 slices"),
 ])
-def test_a_norm_modulated_more_than_once_is_fused_without_the_modulations_with_the_reason(model, why):
+def test_a_norm_modulated_more_than_once_otherwise_is_fused_without_the_modulations_with_the_reason(model, why):
     h, emb = _inputs(torch.float32)
     with torch.no_grad():
         want = model(h, emb)

@@ -73,13 +73,13 @@ def fused_add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weigh
                    quant_amax_min=None, quant_scale_min=None, quant_apply="div", quant_clamp=None,
                    quant_scale_out="scale", return_norm=False, gate=None, gate_position="before",
                    gate_activation="silu", norm_group=None, gate_out_dtype=None, mod_scale=None, mod_shift=None,
-                   mod_dtype=None, mod_fused=False, mod_out_dtype=None, x_gate=None):
+                   mod_dtype=None, mod_fused=False, mod_out_dtype=None, x_gate=None, mod1_scale=None, mod1_shift=None):
     """:func:`add_norm` with every option a flat keyword: what the rewritten graphs call (a
     tensor inside a Gate or Fp8Quant would be invisible to torch.fx) and the one route of
     add_norm to the ops. gate, gate_*: the fields of :class:`Gate`; quant_*: those of
     :class:`Fp8Quant` (quantizes when quant_dtype is set); dropout_p, seed, generator: those of
-    :class:`Dropout`; mod_*: those of :class:`Modulation`. Returns what add_norm returns
-    (normfuse.kernels.specs.api_outputs)."""
+    :class:`Dropout`; mod_*: those of :class:`Modulation` (mod1_scale, mod1_shift: its scale1 and shift1,
+    a second modulation returned as y1). Returns what add_norm returns (normfuse.kernels.specs.api_outputs)."""
     validate(x, residual, weight, bias, kind, eps,
              {"sum_dtype": sum_dtype, "norm_round_dtype": norm_round_dtype, "out_dtype": out_dtype})
     validate_modes(x, x1, rowscale, weight1, bias1)
@@ -110,13 +110,18 @@ def fused_add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weigh
                                      "quantize the gated output separately.")
         norm_group = None if norm_group == x.shape[-1] else norm_group  # one group: the whole row
     modulated = mod_scale is not None or mod_shift is not None
+    twice = mod1_scale is not None or mod1_shift is not None
+    if twice and not modulated:
+        raise InvalidOptionError("a second modulation (mod1_scale, mod1_shift) needs the first (mod_scale, "
+                                 "mod_shift): y1 modulates the same y with the same steps.")
     if modulated:
-        Modulation(mod_scale, mod_shift, mod_dtype, bool(mod_fused), mod_out_dtype).check(x)
-        check_modulation_shapes(x, Modulation(mod_scale, mod_shift))
+        Modulation(mod_scale, mod_shift, mod_dtype, bool(mod_fused), mod_out_dtype, mod1_scale, mod1_shift).check(x)
+        check_modulation_shapes(x, Modulation(mod_scale, mod_shift, scale1=mod1_scale, shift1=mod1_shift))
         if gate is not None or weight1 is not None or quant_dtype is not None:
             raise InvalidOptionError("the modulation epilogue cannot be combined with gate, weight1 or quant_dtype "
                                      "yet; modulate the norm output separately.")
-    modes = tuple(t for t in (x1, rowscale, weight1, bias1, seed, gate, mod_scale, mod_shift, x_gate) if t is not None)
+    modes = tuple(t for t in (x1, rowscale, weight1, bias1, seed, gate, mod_scale, mod_shift, x_gate, mod1_scale,
+                              mod1_shift) if t is not None)
     store_sum = has_sum and (return_sum or _grad_needed(x, residual, weight, bias, *modes))
     if quant_dtype is not None:
         Fp8Quant(quant_dtype, quant_scale, quant_group, quant_scale_form, quant_amax_min, quant_scale_min,
@@ -142,12 +147,12 @@ def fused_add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weigh
     gated = () if gate is None and norm_group is None and not modulated and x_gate is None else (
         gate, gate_position, gate_activation, norm_group, gate_out_dtype)
     if modulated or x_gate is not None:
-        gated += (mod_scale, mod_shift, mod_dtype, bool(mod_fused), mod_out_dtype, x_gate)
+        gated += (mod_scale, mod_shift, mod_dtype, bool(mod_fused), mod_out_dtype, x_gate, mod1_scale, mod1_shift)
     y, s, _, _, y1 = forward(x, residual, weight, bias, kind, float(eps), float(weight_offset),
                              float(residual_scale), sum_dtype, norm_round_dtype, out_dtype, store_sum,
                              bool(round_sum_first), x1, rowscale, weight1, bias1, dropout_p, seed, *gated)
     s = s if has_sum and return_sum else None
-    return (y, s) if weight1 is None else (y, y1, s)
+    return (y, s) if weight1 is None and not twice else (y, y1, s)
 
 
 # The flat keywords add_norm took before the grouped specs: name -> (the add_norm keyword of its
@@ -162,7 +167,7 @@ _FLAT = {
 }
 _FIELDS = {spec: tuple(field.name for field in dataclasses.fields(spec)) for spec in SPECS}
 _PLAIN = frozenset(name for name in inspect.signature(fused_add_norm).parameters
-                   if name not in _FLAT and name != "gate" and not name.startswith("mod_"))
+                   if name not in _FLAT and name != "gate" and not name.startswith(("mod_", "mod1_")))
 
 
 def _one_call_unless_grouped(fn):
@@ -224,7 +229,8 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
     ``hidden_states + gate.unsqueeze(1) * attn_output``), x_gate broadcasting to x (per sample or per
     token); the product rounded as eager's. Differentiable. Not with x1, rowscale, dropout, gate or quant.
     modulation: a :class:`~normfuse.kernels.specs.Modulation` (diffusion transformers' adaLN: y * scale +
-    shift, per sample or per token): y is then the modulated output. Differentiable in scale and
+    shift, per sample or per token): y is then the modulated output; with its scale1 / shift1 the same
+    y modulated a second time is returned as y1 (y, y1, s). Differentiable in scale and
     shift. Not with gate, weight1 or quant.
 
     Deprecated (one release): the flat keywords gate=<tensor>, gate_position, gate_activation,

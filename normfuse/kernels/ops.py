@@ -106,6 +106,8 @@ def check_modulation_shapes(x: Tensor, modulation) -> None:
     """scale and shift broadcast to x's shape without changing it (one value per sample, token or column)."""
     check_broadcast("modulation scale", modulation.scale, x)
     check_broadcast("modulation shift", modulation.shift, x)
+    check_broadcast("second modulation's scale", getattr(modulation, "scale1", None), x)
+    check_broadcast("second modulation's shift", getattr(modulation, "shift1", None), x)
 
 
 def check_broadcast(name: str, t: Optional[Tensor], x: Tensor) -> None:
@@ -280,7 +282,7 @@ def _call_tensors(call: AddNormCall) -> tuple:
     rows, norm, second, gate, quant, mod = call.rows, call.norm, call.second, call.gate, call.quant, call.modulation
     return (rows.x, rows.residual, norm.weight, norm.bias, rows.x1, rows.rowscale, rows.x_gate,
             *((second.weight, second.bias) if second else ()), *((gate.z,) if gate else ()),
-            *((quant.scale,) if quant else ()), *((mod.scale, mod.shift) if mod else ()))
+            *((quant.scale,) if quant else ()), *((mod.scale, mod.shift, mod.scale1, mod.shift1) if mod else ()))
 
 
 def _add_norm_backend(call: AddNormCall):
@@ -340,7 +342,11 @@ def _add_norm_fwd_fake(call: AddNormCall):
     sum_dtype, out_dtype = rounding.sum_dtype, rounding.out_dtype
     stored = call.store.sum and reference.call_has_sum(call)
     s = sum_like(_sum_layout(call), sum_dtype) if stored else _empty(x, sum_dtype)
-    y1 = _empty(x, out_dtype) if second is None else x.new_empty(x.shape, dtype=out_dtype)
+    y1 = _empty(x, out_dtype)
+    if second is not None:
+        y1 = x.new_empty(x.shape, dtype=out_dtype)
+    elif call.modulation is not None and call.modulation.twice:
+        y1 = x.new_empty(x.shape, dtype=y_dtype_of(call))
     mean, rstd = _stats_fake(x, norm.kind, sum_dtype, norm.group)
     return (x.new_empty(x.shape, dtype=y_dtype_of(call)), s, mean, rstd, y1)
 
@@ -436,7 +442,8 @@ def _backward_tensors(call: BackwardCall) -> tuple:
     mod, x_gate = call.modulation, call.x_gate
     return (grads.dy, grads.dextra, saved.inp, saved.mean, saved.rstd, norm.weight, grads.dy1,
             None if call.second is None else call.second.weight, call.rowscale,
-            None if call.gate is None else call.gate.z, norm.bias, *((mod.scale, mod.shift) if mod else ()),
+            None if call.gate is None else call.gate.z, norm.bias,
+            *((mod.scale, mod.shift, mod.scale1, mod.shift1) if mod else ()),
             *((x_gate.gate, x_gate.x) if x_gate else ()))
 
 
@@ -450,7 +457,7 @@ def add_norm_bwd(call: BackwardCall):
     tensors = _backward_tensors(call)
     backend = _backend(inp, _dtypes(*tensors, dtypes.x, dtypes.residual, dtypes.bias, dtypes.bias1, dtypes.x1),
                        call.norm.group)
-    return _op_outputs(backend.add_norm_bwd(call), (None, *(inp.dtype,) * 10), inp, tensors)
+    return _op_outputs(backend.add_norm_bwd(call), (None, *(inp.dtype,) * 12), inp, tensors)
 
 
 @implement_fake("add_norm_bwd")
@@ -472,7 +479,9 @@ def _add_norm_bwd_fake(call: BackwardCall):
             *(like(t is not None, None if t is None else t.shape, None if t is None else t.dtype)
               for t in ((call.modulation.scale, call.modulation.shift) if call.modulation else (None, None))),
             like(call.x_gate is not None, None if call.x_gate is None else call.x_gate.gate.shape,
-                 None if call.x_gate is None else call.x_gate.gate.dtype))
+                 None if call.x_gate is None else call.x_gate.gate.dtype),
+            *(like(t is not None, None if t is None else t.shape, None if t is None else t.dtype)
+              for t in ((call.modulation.scale1, call.modulation.shift1) if call.modulation else (None, None))))
 
 
 # --------------------------------------------------------------------------------------
@@ -487,10 +496,11 @@ def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, add_after_norm, 
     """Shared tail of both autograd formulas: call the backward, map empties to None.
     ``saved``: ctx.saved_tensors, read once (non-reentrant checkpointing allows one unpack).
     ``modes``: add_norm's (dy1, weight1, x1_dtype, rowscale, seed, gate, bias, mod_scale, mod_shift, x_gate,
-    x), or None. Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate, dmod_scale, dmod_shift,
-    dx_gate)."""
+    x, mod1_scale, mod1_shift), or None. Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate,
+    dmod_scale, dmod_shift, dx_gate, dmod1_scale, dmod1_shift)."""
     mean, rstd, weight = saved[-3:]
-    dy1, weight1, x1_dtype, rowscale, seed, gate, bias, mod_scale, mod_shift, x_gate, x = modes or (None,) * 11
+    (dy1, weight1, x1_dtype, rowscale, seed, gate, bias, mod_scale, mod_shift, x_gate, x, mod1_scale,
+     mod1_shift) = modes or (None,) * 13
     dropout_p = ctx.dropout_p if modes else 0.0
     if dy is None:
         dy = inp.new_zeros(inp.shape, dtype=ctx.dy_dtype)
@@ -504,8 +514,8 @@ def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, add_after_norm, 
     gated = gate is not None or getattr(ctx, "norm_group", None) or modulated
     # (the backward op's arguments past seed only when a gate, groups, a modulation or a gated branch need them)
     gate_args = (gate, ctx.gate_position, ctx.gate_activation, ctx.norm_group, bias) if gated else ()
-    mod_args = (mod_scale, mod_shift, x_gate, x) if modulated else ()
-    dx, dres, dw, db, dx1, dw1, db1, dgate, dscale, dshift, dx_gate = backward(
+    mod_args = (mod_scale, mod_shift, x_gate, x, mod1_scale, mod1_shift) if modulated else ()
+    dx, dres, dw, db, dx1, dw1, db1, dgate, dscale, dshift, dx_gate, dscale1, dshift1 = backward(
         dy, dextra, inp, mean, rstd, weight, ctx.kind, ctx.weight_offset, ctx.residual_scale, add_after_norm,
         ctx.x_dtype, None if shared else residual_dtype, ctx.bias_dtype, dy1, None if dy1 is None else weight1,
         None if dy1 is None else ctx.bias1_dtype, x1_dtype, rowscale, dropout_p, seed, *gate_args, *mod_args)
@@ -516,7 +526,8 @@ def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, add_after_norm, 
             _grad_or_none(dw1, dy1 is not None and weight1 is not None),
             _grad_or_none(db1, dy1 is not None and ctx.bias1_dtype is not None),
             _grad_or_none(dgate, gate is not None), _grad_or_none(dscale, mod_scale is not None),
-            _grad_or_none(dshift, mod_shift is not None), _grad_or_none(dx_gate, x_gate is not None))
+            _grad_or_none(dshift, mod_shift is not None), _grad_or_none(dx_gate, x_gate is not None),
+            _grad_or_none(dscale1, mod1_scale is not None), _grad_or_none(dshift1, mod1_shift is not None))
 
 
 def _save_common(ctx, rows: Rows, norm: Norm, dy_dtype):
@@ -556,14 +567,15 @@ def _save_add_norm(ctx, call: AddNormCall, output):
     # a gate "after" and a modulation multiply n * w' + b: their backward needs the bias
     gate_bias = norm.bias if (gate is not None and gate.position == "after") or mod is not None else None
     scale, shift = (mod.scale, mod.shift) if mod is not None else (None, None)
+    scale1, shift1 = (mod.scale1, mod.shift1) if mod is not None else (None, None)  # a second modulation
     # a gated branch's backward needs the gate and x (dx_gate = sum of ds * x)
     gated_x = (rows.x_gate, x) if rows.x_gate is not None else (None, None)
     if ctx.sum_stored and ctx.round_sum_first:
-        ctx.save_for_backward(s, None, None, rowscale, seed, weight1, z, gate_bias, scale, shift, *gated_x, mean,
-                              rstd, norm.weight)
+        ctx.save_for_backward(s, None, None, rowscale, seed, weight1, z, gate_bias, scale, shift, *gated_x, scale1,
+                              shift1, mean, rstd, norm.weight)
     else:
-        ctx.save_for_backward(x, residual, x1, rowscale, seed, weight1, z, gate_bias, scale, shift, *gated_x, mean,
-                              rstd, norm.weight)
+        ctx.save_for_backward(x, residual, x1, rowscale, seed, weight1, z, gate_bias, scale, shift, *gated_x, scale1,
+                              shift1, mean, rstd, norm.weight)
     ctx.sum_dtype = call.rounding.sum_dtype
     ctx.residual_dtype = None if residual is None else residual.dtype
     ctx.x1_dtype = None if x1 is None else x1.dtype
@@ -587,14 +599,16 @@ def _rebuilt_norm_input(ctx, x, residual, x1, rowscale, seed) -> Tensor:
 def _add_norm_grads(ctx, dy, ds, dy1) -> dict:
     """{add_norm_fwd argument: its gradient} (GRADIENT_OF names them)."""
     saved = ctx.saved_tensors
-    inp, residual, x1, rowscale, seed, weight1, gate, gate_bias, mod_scale, mod_shift, x_gate, x = saved[:12]
+    (inp, residual, x1, rowscale, seed, weight1, gate, gate_bias, mod_scale, mod_shift, x_gate, x, mod1_scale,
+     mod1_shift) = saved[:14]
     if not (ctx.sum_stored and ctx.round_sum_first):
         inp = _rebuilt_norm_input(ctx, reference.gated_branch(inp, x_gate), residual, x1, rowscale, seed)
     ds = ds if ctx.sum_stored else None
-    dy1 = dy1 if weight1 is not None else None  # a traced backward may get a tangent of the empty y1
+    # a traced backward may get a tangent of the empty y1
+    dy1 = dy1 if weight1 is not None or mod1_scale is not None or mod1_shift is not None else None
     grads = _norm_backward(ctx, saved, dy, ds, inp, ctx.residual_dtype, add_after_norm=False,
                            modes=(dy1, weight1, ctx.x1_dtype, rowscale, seed, gate, gate_bias, mod_scale,
-                                  mod_shift, x_gate, x))
+                                  mod_shift, x_gate, x, mod1_scale, mod1_shift))
     return {GRADIENT_OF[name]: g for name, g in zip(OP_OUTPUTS["add_norm_bwd"], grads)}
 
 
@@ -615,7 +629,7 @@ def _add_norm_quant_backward(ctx, dy, ds, dmean, drstd, dy1, dq, dscale):
     dy = dy if ctx.y_stored else None  # a traced backward may get a tangent of the empty y
     grads = _add_norm_grads(ctx, dy, ds, dy1)
     # no gate or modulation argument in this op (the epilogue does not combine with them)
-    for name in ("gate", "mod_scale", "mod_shift", "x_gate"):
+    for name in ("gate", "mod_scale", "mod_shift", "x_gate", "mod1_scale", "mod1_shift"):
         del grads[name]
     return op_gradients("add_norm_quant_fwd", grads)
 

@@ -393,12 +393,16 @@ def add_norm_fwd(call: AddNormCall):
     if gate is not None and gate.position == "after":
         acc = acc_dtype(y.dtype)
         y = (y.to(acc) * activation(gate.z.to(acc), gate.activation)).to(gate.out_dtype or rounding.out_dtype)
+    y1 = None
     if call.modulation is not None:
+        if call.modulation.twice:  # y1: the same y modulated a second time
+            y1 = modulate(y, call.modulation.second())
         y = modulate(y, call.modulation)
     # y1 normalizes the same u (same stats) with its own parameters
     second = call.second
-    y1 = None if second is None else normalize(u, second.weight, second.bias, norm.kind, norm.eps, norm.weight_offset,
-                                               rounding.norm_round_dtype, rounding.out_dtype)[0]
+    if second is not None:
+        y1 = normalize(u, second.weight, second.bias, norm.kind, norm.eps, norm.weight_offset,
+                       rounding.norm_round_dtype, rounding.out_dtype)[0]
     return y, (s if call.store.sum and call_has_sum(call) else None), mean, rstd, y1
 
 
@@ -664,21 +668,30 @@ def _norm_output(h, mean, rstd, weight, bias, kind, weight_offset, norm_group) -
     return y0 if bias is None else y0 + bias.to(acc)
 
 
-def modulation_grads(dm: Tensor, call: BackwardCall) -> tuple:
-    """(the gradient into the norm output, dscale, dshift) of m = y * scale + shift (rounding
-    straight-through), dscale and dshift summed over what each broadcasts across."""
+def modulation_grads(dm: Tensor, call: BackwardCall, dm1: Optional[Tensor] = None) -> tuple:
+    """(the gradient into the norm output, dscale, dshift, dscale1, dshift1) of m = y * scale + shift
+    and of the second modulation m1 = y * scale1 + shift1 (``dm1``: its gradient; None when there is
+    none or nothing read it), rounding straight-through, each summed over what it broadcasts across."""
     saved, norm, mod = call.saved, call.norm, call.modulation
     acc = acc_dtype(saved.inp.dtype)
-    dm = dm.to(acc)
-    dscale = dshift = None
-    if mod.shift is not None:
-        dshift = dm.sum_to_size(mod.shift.shape).to(mod.shift.dtype)
-    if mod.scale is None:
-        return dm, dscale, dshift
-    y = _norm_output(saved.inp.to(acc), saved.mean, saved.rstd, norm.weight, norm.bias, norm.kind,
-                     norm.weight_offset, norm.group)
-    dscale = (dm * y).sum_to_size(mod.scale.shape).to(mod.scale.dtype)
-    return dm * mod.scale.to(acc), dscale, dshift
+    y = None
+    if mod.scale is not None:
+        y = _norm_output(saved.inp.to(acc), saved.mean, saved.rstd, norm.weight, norm.bias, norm.kind,
+                         norm.weight_offset, norm.group)
+    dy, dscale, dshift = _modulation_grads(dm.to(acc), y, mod.scale, mod.shift)
+    dscale1 = dshift1 = None
+    if mod.twice and dm1 is not None:
+        dy1, dscale1, dshift1 = _modulation_grads(dm1.to(acc), y, mod.scale1, mod.shift1)
+        dy = dy + dy1
+    return dy, dscale, dshift, dscale1, dshift1
+
+
+def _modulation_grads(dm: Tensor, y: Optional[Tensor], scale: Optional[Tensor], shift: Optional[Tensor]) -> tuple:
+    """(dy, dscale, dshift) of m = y * scale + shift from dm (in the accumulation dtype)."""
+    dshift = None if shift is None else dm.sum_to_size(shift.shape).to(shift.dtype)
+    if scale is None:
+        return dm, None, dshift
+    return dm * scale.to(dm.dtype), (dm * y).sum_to_size(scale.shape).to(scale.dtype), dshift
 
 
 def add_norm_bwd(call: BackwardCall):
@@ -688,14 +701,14 @@ def add_norm_bwd(call: BackwardCall):
     acc = acc_dtype(inp.dtype)
     dextra, add_after_norm = grads.dextra, call.add_after_norm
     dn = grads.dy + dextra if (add_after_norm and dextra is not None) else grads.dy  # gradient into the norm's output
-    dscale = dshift = None
+    dscale = dshift = dscale1 = dshift1 = None
     if call.modulation is not None:
-        dn, dscale, dshift = modulation_grads(dn, call)
+        dn, dscale, dshift, dscale1, dshift1 = modulation_grads(dn, call, grads.dy1)
     dgate = None
     if gate is None and not norm.group:
         weight1 = None if call.second is None else call.second.weight
         du, dw, db, dw1, db1 = _norm_grads(dn, inp, saved.mean, saved.rstd, norm.weight, norm.kind, norm.weight_offset,
-                                           dtypes.bias, grads.dy1, weight1, dtypes.bias1)
+                                           dtypes.bias, None if weight1 is None else grads.dy1, weight1, dtypes.bias1)
     else:
         du, dw, db, dgate = _gated_norm_grads(dn, inp, saved.mean, saved.rstd, norm.weight, norm.bias, norm.kind,
                                               norm.weight_offset, dtypes.bias, None if gate is None else gate.z,
@@ -722,7 +735,7 @@ def add_norm_bwd(call: BackwardCall):
         dx, dx_gate = gated_branch_grads(dx.to(acc), call.x_gate)
     return (dx.to(dtypes.x), dres, None if dw is None else dw.to(norm.weight.dtype),
             None if db is None else db.to(dtypes.bias), dx1, None if dw1 is None else dw1.to(call.second.weight.dtype),
-            None if db1 is None else db1.to(dtypes.bias1), dgate, dscale, dshift, dx_gate)
+            None if db1 is None else db1.to(dtypes.bias1), dgate, dscale, dshift, dx_gate, dscale1, dshift1)
 
 
 def gated_branch_grads(db: Tensor, x_gate: XGate) -> tuple[Tensor, Tensor]:
@@ -746,10 +759,12 @@ def add_norm_bwd_ref(call: BackwardCall):
     regenerated) scale dx. call.dtypes: each input gradient's dtype (None: no such input).
     Gated / grouped norms: call.gate, call.norm.group, and call.norm.bias (a gate "after" multiplies
     n * w' + b); inp is then the norm input before the gate.
-    call.modulation: dy is the gradient of the modulated output (scale and shift as the forward's).
+    call.modulation: dy is the gradient of the modulated output (scale and shift as the forward's);
+    with a second modulation (scale1, shift1), dy1 is the gradient of y1, the second modulated output.
     call.x_gate: the branch was x * gate (the gate and x given): dx and dx_gate from the branch's
     gradient.
-    Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate, dmod_scale, dmod_shift, dx_gate);
+    Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate, dmod_scale, dmod_shift, dx_gate,
+    dmod1_scale, dmod1_shift);
     None for inputs that do not exist.
     """
     return add_norm_bwd(call)

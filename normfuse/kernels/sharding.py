@@ -95,7 +95,7 @@ _ARG_PLACEMENTS = {
     "x": "act", "residual": "act", "x1": "act", "rowscale": "act", "gate": "act",
     "dy": "act", "dextra": "act", "inp": "act", "dy1": "act",
     "weight": "rep", "bias": "rep", "weight1": "rep", "bias1": "rep", "seed": "rep", "quant_scale": "rep",
-    "mod_scale": "rep", "mod_shift": "rep", "x_gate": "rep",
+    "mod_scale": "rep", "mod_shift": "rep", "x_gate": "rep", "mod1_scale": "rep", "mod1_shift": "rep",
     "mean": "stats_ln", "rstd": "stats",
 }
 
@@ -119,7 +119,7 @@ def _inputs(op: str, args: tuple, act, stats, has_mean: bool) -> list:
 
 def _strategies_of(a: dict, op: str, layout) -> list:
     """The strategies of an op call with named arguments ``a``: rows of its activation's shards."""
-    modulated = any(a.get(name) is not None for name in ("mod_scale", "mod_shift", "x_gate"))
+    modulated = any(a.get(name) is not None for name in ("mod_scale", "mod_shift", "x_gate", "mod1_scale", "mod1_shift"))
     for name in ("residual", "x1", "gate"):  # x's shape: its last dim is the normalized one
         if a.get(name) is not None:
             _row_dims(a[name], op, name)
@@ -142,7 +142,8 @@ def _forward_rule(op: str):
         def layout(act, stats):
             placed = {"y": act, "s": act if store_extra else Replicate(), "out": act,
                       "mean": stats if has_mean else Replicate(), "rstd": stats,
-                      "y1": Replicate() if a.get("weight1") is None else act, "q": act,
+                      "y1": act if a.get("weight1") is not None or a.get("mod1_scale") is not None
+                      or a.get("mod1_shift") is not None else Replicate(), "q": act,
                       # a static scale is replicated (the scale output then empty)
                       "scale": Replicate() if a.get("quant_scale") is not None else act}
             if op == "norm_add_fwd":
@@ -173,7 +174,9 @@ def _backward_rule(*args):
                   "dgate": when(a["gate"] is not None, act),
                   "dmod_scale": when(a["mod_scale"] is not None, grad),
                   "dmod_shift": when(a["mod_shift"] is not None, grad),
-                  "dx_gate": when(a["x_gate"] is not None, grad)}
+                  "dx_gate": when(a["x_gate"] is not None, grad),
+                  "dmod1_scale": when(a.get("mod1_scale") is not None, grad),
+                  "dmod1_shift": when(a.get("mod1_shift") is not None, grad)}
         return [placed[name] for name in OP_OUTPUTS[op]], _inputs(op, args, act, stats, has_mean)
     # offered only the input's own sharding: the statistics hold exactly its rows
     return _strategies_of(a, op, layout)

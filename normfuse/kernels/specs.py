@@ -63,7 +63,8 @@ OP_OUTPUTS: dict[str, tuple[str, ...]] = {name: op.outputs for name, op in DECLA
 # add_norm_bwd's outputs -> the forward argument each is the gradient of
 GRADIENT_OF: dict[str, str] = {"dx": "x", "dresidual": "residual", "dweight": "weight", "dbias": "bias",
                                "dx1": "x1", "dweight1": "weight1", "dbias1": "bias1", "dgate": "gate",
-                               "dmod_scale": "mod_scale", "dmod_shift": "mod_shift", "dx_gate": "x_gate"}
+                               "dmod_scale": "mod_scale", "dmod_shift": "mod_shift", "dx_gate": "x_gate",
+                               "dmod1_scale": "mod1_scale", "dmod1_shift": "mod1_shift"}
 
 # what norm_add returns
 NORM_ADD_OUTPUTS: tuple[str, ...] = ("out", "y")
@@ -71,7 +72,7 @@ NORM_ADD_OUTPUTS: tuple[str, ...] = ("out", "y")
 
 def api_outputs(second_norm: bool = False, quantized: bool = False) -> tuple[str, ...]:
     """The names of what ``add_norm`` returns, in order: (y, s); (y, y1, s) with a second norm
-    (weight1); (q, scale, y, s) with the fp8 epilogue (y None unless return_norm, s None without a
+    (weight1) or a second modulation (Modulation.scale1 / shift1); (q, scale, y, s) with the fp8 epilogue (y None unless return_norm, s None without a
     sum or with return_sum=False). The two do not combine."""
     if second_norm and quantized:
         raise InvalidOptionError("add_norm has no output layout for a second norm (weight1) with the fp8 epilogue "
@@ -458,22 +459,39 @@ class Modulation:
     tensor broadcastable to x (per sample (B, 1, N), per token (B, S, N), or (N,)), or None. scale
     is the factor as the graph computed it (``1 + scale`` in DiT, Flux, Wan). Rounded to ``dtype``
     after each op (default: the promoted dtype of y, scale and shift), once with ``fused``
-    (``addcmul``), then to ``out_dtype`` (Wan's ``.type_as(x)``; default: dtype)."""
+    (``addcmul``), then to ``out_dtype`` (Wan's ``.type_as(x)``; default: dtype). ``scale1`` and
+    ``shift1``: a second modulation of the same y with the same modes, returned as y1 (SD3.5's
+    AdaLayerNormZeroX modulates one norm's output twice)."""
     scale: Optional[Tensor] = None
     shift: Optional[Tensor] = None
     dtype: Optional[torch.dtype] = None
     fused: bool = False
     out_dtype: Optional[torch.dtype] = None
+    scale1: Optional[Tensor] = None
+    shift1: Optional[Tensor] = None
 
     ON_WHEN = ("scale", "shift")  # on when either is given
+
+    @property
+    def twice(self) -> bool:
+        """Whether y is modulated a second time (y1)."""
+        return self.scale1 is not None or self.shift1 is not None
+
+    def second(self) -> "Modulation":
+        """The second modulation as one of its own (the same modes)."""
+        return Modulation(self.scale1, self.shift1, self.dtype, self.fused, self.out_dtype)
 
     def check(self, x: Tensor) -> None:
         """The functional API's checks against x (the op's fake checks the shapes only)."""
         if self.scale is None and self.shift is None:
             raise InvalidOptionError("Modulation(scale=None, shift=None) modulates nothing; pass a scale, a shift or "
                                      "both (or modulation=None).")
+        if self.twice and ((self.scale1 is None) != (self.scale is None) or (self.shift1 is None) != (self.shift is None)):
+            raise InvalidOptionError("the second modulation (scale1, shift1) takes the steps of the first: give "
+                                     "scale1 with scale and shift1 with shift, or modulate y1 separately.")
         ok = dtypes_on(x.device)
-        for name, t in (("Modulation scale", self.scale), ("Modulation shift", self.shift)):
+        for name, t in (("Modulation scale", self.scale), ("Modulation shift", self.shift),
+                        ("Modulation scale1", self.scale1), ("Modulation shift1", self.shift1)):
             if t is not None:
                 check_operand(name, t, x)
         for name, dtype in (("dtype", self.dtype), ("out_dtype", self.out_dtype)):
@@ -484,7 +502,8 @@ class Modulation:
     def kernel_args(self) -> dict[str, Any]:
         """The flat keywords of fused_add_norm (and the add_norm_fwd arguments) it stands for."""
         return {"mod_scale": self.scale, "mod_shift": self.shift, "mod_dtype": self.dtype,
-                "mod_fused": bool(self.fused), "mod_out_dtype": self.out_dtype}
+                "mod_fused": bool(self.fused), "mod_out_dtype": self.out_dtype, "mod1_scale": self.scale1,
+                "mod1_shift": self.shift1}
 
 
 @_group

@@ -145,10 +145,11 @@ if triton is not None:
                              ROUND_FIRST: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
                              STORE_Y: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, SCALE_RESIDUAL: tl.constexpr,
                              gate=1.0, GATE_AFTER: tl.constexpr = False, GATE_OUT_DTYPE: tl.constexpr = None,
-                             row=0, MOD=None, MOD_OPTS: tl.constexpr = None):
+                             row=0, MOD=None, MOD_OPTS: tl.constexpr = None, Y1=None, y1_off=0):
         """y = round(OUT_DTYPE, n * w' + b) (n rounded first when ROUND_FIRST), times act(z) and rounded
         to GATE_OUT_DTYPE after a gate (GATE_AFTER: ``gate`` holds act(z)), or modulated (MOD: the scale
-        and shift operands, _modulate); then the post-add.
+        and shift operands, _modulate; its second pair, when given, modulates the same y into Y1); then
+        the post-add.
         Returns n (for the second norm output) and y (for the quantization epilogue)."""
         if IS_RMS:
             n = u * rstd
@@ -165,6 +166,8 @@ if triton is not None:
         if GATE_AFTER:
             y = _round(y.to(tl.float32) * gate, GATE_OUT_DTYPE)
         if MOD is not None:
+            if MOD[2][0] is not None or MOD[3][0] is not None:  # a second modulation of the same y: y1
+                tl.store(Y1 + y1_off + cols, _modulate(y, MOD[2], MOD[3], row, cols, mask, MOD_OPTS), mask=mask)
             y = _modulate(y, MOD[0], MOD[1], row, cols, mask, MOD_OPTS)
         if STORE_Y:
             tl.store(Y + y_off + cols, y, mask=mask)
@@ -475,7 +478,8 @@ if triton is not None:
                                         _residual_row(R, row),
                                         cols, mask, residual_scale, W is not None, B is not None, IS_RMS, ROUND_FIRST,
                                         DTYPES[1], DTYPES[2], Y[0] is not None, ADD_AFTER_NORM, SCALE_RESIDUAL,
-                                        gate, HAS_GATE and GATE_OPTS[0], GATE_OPTS[2], row, MOD, MOD_OPTS)
+                                        gate, HAS_GATE and GATE_OPTS[0], GATE_OPTS[2], row, MOD, MOD_OPTS, Y1[0],
+                                        row * Y1[1])
             if QUANT_ON:
                 if SC is not None or QUANT_OPTS[1] > 0:
                     _row_quantize(y, mask, row_ok, 0, cols, N, Q, QS, SC, row, QUANT, QUANT_OPTS, BLOCK_N)
@@ -562,7 +566,7 @@ if triton is not None:
                                         B is not None, IS_RMS,
                                         ROUND_FIRST, DTYPES[1], DTYPES[2], Y[0] is not None, ADD_AFTER_NORM,
                                         SCALE_RESIDUAL, gate, HAS_GATE and GATE_OPTS[0], GATE_OPTS[2], row, MOD,
-                                        MOD_OPTS)
+                                        MOD_OPTS, Y1[0], row * Y1[1])
             if W1 is not None:
                 w1, b1 = _load_params(W1, B1, cols, mask, weight_offset, True, B1 is not None)
                 _store_second_norm(n, w1, b1, Y1[0], row * Y1[1], cols, mask, B1 is not None, DTYPES[2])
@@ -991,7 +995,7 @@ def _modulation_launch_args(call, y_dtype: torch.dtype) -> dict:
         return {}
     x = call.rows.x
     dtype, out_dtype = reference.modulation_dtypes(y_dtype, mod)
-    return dict(MOD=(broadcast_operand(mod.scale, x), broadcast_operand(mod.shift, x)),
+    return dict(MOD=tuple(broadcast_operand(t, x) for t in (mod.scale, mod.shift, mod.scale1, mod.shift1)),
                 MOD_OPTS=(bool(mod.fused), TL_DTYPES[dtype], TL_DTYPES[out_dtype]))
 
 
@@ -1036,7 +1040,8 @@ def _launch_fwd(call, y: Optional[Tensor], s: Optional[Tensor], y1: Optional[Ten
     if n_rows == 0:
         return mean, rstd
     widest = max(t.element_size() for t in (x, s, rows.x1) if t is not None)
-    block, num_warps, looped = _blocking(n_cols, widest, two_norms=second is not None, quant=spec is not None,
+    block, num_warps, looped = _blocking(n_cols, widest, two_norms=second is not None or y1 is not None,
+                                         quant=spec is not None,
                                          gated=gate is not None or bool(norm_group))
     if looped and spec is not None and (spec.group or 0) > block:
         block = spec.group  # a quantization group lies within one block of the loop
@@ -1086,7 +1091,7 @@ def _rows_of(t: Optional[Tensor]) -> Optional[Tensor]:
 def _modulation_in_kernels(call: AddNormCall) -> bool:
     """Whether the kernels can read the modulation's scale and shift in place and round as it does."""
     mod, x = call.modulation, call.rows.x
-    return broadcast_operand(mod.scale, x) is not None and broadcast_operand(mod.shift, x) is not None \
+    return all(broadcast_operand(t, x) is not None for t in (mod.scale, mod.shift, mod.scale1, mod.shift1)) \
         and all(d in TL_DTYPES for d in reference.modulation_dtypes(call.rounding.out_dtype, mod))
 
 
@@ -1117,8 +1122,10 @@ def add_norm_fwd(call: AddNormCall):
     part = _kernel_part(call)
     if part is not None:
         y, s, mean, rstd, y1 = add_norm_fwd(part)
-        if call.modulation is not None and part.modulation is None:
-            y = reference.modulate(y, call.modulation)
+        mod = call.modulation
+        if mod is not None and part.modulation is None:
+            y1 = reference.modulate(y, mod.second()) if mod.twice else y1
+            y = reference.modulate(y, mod)
         return y, s, mean, rstd, y1
     x, rounding, gate = call.rows.x, call.rounding, call.gate
     j = strided_fwd_ok(call)
@@ -1130,7 +1137,8 @@ def add_norm_fwd(call: AddNormCall):
         out_dtype = reference.modulation_dtypes(out_dtype, call.modulation)[1]
     y = x.new_empty(x.shape, dtype=(gate.out_dtype or out_dtype) if gated_after else out_dtype)
     s = x.new_empty(x.shape, dtype=rounding.sum_dtype) if call.store.sum else None
-    y1 = x.new_empty(x.shape, dtype=out_dtype) if call.second is not None else None
+    twice = call.modulation is not None and call.modulation.twice  # y1: y modulated a second time
+    y1 = x.new_empty(x.shape, dtype=out_dtype) if call.second is not None or twice else None
     mean, rstd = _launch_fwd(call, _rows_of(y), _rows_of(s), _rows_of(y1))
     return y, s, mean, rstd, y1
 
@@ -1182,14 +1190,14 @@ def _add_norm_bwd_around_kernels(call: BackwardCall) -> tuple:
     """add_norm_bwd with the modulation's and the gated branch's gradients taken as the reference
     takes them, around the kernels' backward of the add and the norm."""
     grads, dtypes = call.grads, call.dtypes
-    dscale = dshift = None
+    dscale = dshift = dscale1 = dshift1 = None
     if call.modulation is not None:
-        dn, dscale, dshift = reference.modulation_grads(grads.dy, call)
-        grads = dataclasses.replace(grads, dy=dn)
+        dn, dscale, dshift, dscale1, dshift1 = reference.modulation_grads(grads.dy, call, grads.dy1)
+        grads = dataclasses.replace(grads, dy=dn, dy1=None if call.modulation.twice else grads.dy1)
     if call.x_gate is not None:  # the branch's gradient kept in fp32 for the gate's products
         dtypes = dataclasses.replace(dtypes, x=torch.float32)
     out = list(add_norm_bwd(dataclasses.replace(call, grads=grads, dtypes=dtypes, modulation=None, x_gate=None)))
-    out[8], out[9] = dscale, dshift
+    out[8], out[9], out[11], out[12] = dscale, dshift, dscale1, dshift1
     if call.x_gate is not None:
         dx, out[10] = reference.gated_branch_grads(out[0], call.x_gate)
         out[0] = dx.to(call.dtypes.x)

@@ -244,7 +244,7 @@ def _last_place(analysis: Analysis, p: Plan, candidates: list[fx.Node], operands
     """The latest place an add_norm call can go instead: before the first node outside the site
     that reads a value of it, when every operand is computed before that, none is written in
     place between the site's start and there, and of the site's nodes only the sum, y (as the
-    parts give it) and the pass-through nodes between the add and the norm are read outside it
+    parts give it), the outputs parts add (y1) and the pass-through nodes between the add and the norm are read outside it
     (those move after the call; any other node that stays would read the call's output before
     the call). An adaLN ``1 + scale``, computed from the block's own timestep projection after
     the add the call takes, is why. (that node, the values the call replaces, the nodes that
@@ -258,7 +258,7 @@ def _last_place(analysis: Analysis, p: Plan, candidates: list[fx.Node], operands
         inside |= set(step.nodes(found))
     for part, found in taken_parts(p.taken):  # the node the call's y replaces, as the parts give it
         y = part.y_output(found, y)
-    replaced = {y, sum_node(analysis, p)}
+    replaced = {y, sum_node(analysis, p), *(n for part, found in taken_parts(p.taken) for n in part.added_outputs(found))}
     lead = analysis.sites[p.lead]
     chain = set(lead.in_add.chain) if p.op == "add_norm" and lead.in_add is not None else set()
     read_outside = [n for n in inside if any(u not in inside for u in n.users)]

@@ -28,7 +28,7 @@ def output_names(options: dict, as_op: bool = False) -> tuple[str, ...]:
     functional API's (normfuse.kernels.specs.api_outputs), or (``as_op``) the custom op's."""
     if as_op:
         return OP_OUTPUTS["add_norm_fwd"]
-    return api_outputs(second_norm=options.get("weight1") is not None,
+    return api_outputs(second_norm=any(options.get(name) is not None for name in ("weight1", "mod1_scale", "mod1_shift")),
                        quantized=options.get("quant_dtype") is not None)
 
 

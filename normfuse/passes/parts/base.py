@@ -11,6 +11,7 @@ stage     hook                                    what the part says
 rewrite   ``operands`` / ``call``                 the call's x and residual / its options in the call
 rewrite   ``y_output`` / ``y_read``               the node y replaces / whether the call still returns y
 rewrite   ``returned`` / ``outputs``              y and s made back into the graph's / outputs it adds
+plan      ``added_outputs``                       the original nodes the outputs it adds replace
 checker   ``symbolic_input`` / ``symbolic``       its step on x before the sum / its outputs' formula
 checker   ``uses``                                whether a call computes it
 checker   ``check_arguments``                     its arguments for a numeric run of the call
@@ -77,6 +78,11 @@ class FusionPart(Step):
                 ) -> tuple[list[fx.Node], list[tuple[int, fx.Node]]]:
         """The call's outputs the part adds: (nodes inserted, (output index, original node it replaces))."""
         return [], []
+
+    def added_outputs(self, found) -> tuple[fx.Node, ...]:
+        """The original nodes the outputs it adds replace (what ``outputs`` reroutes), known when the
+        call is planned: read outside the site, they are the call's values, not the site's."""
+        return ()
 
     # ---------------------------------------------------------------- checker
     def uses(self, options: dict) -> bool:

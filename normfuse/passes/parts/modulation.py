@@ -20,6 +20,7 @@ add_norm call (or a plain norm's) whose y nothing else changes takes it.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ import torch.fx as fx
 
 from normfuse.kernels.specs import Modulation
 from normfuse.passes.canonical import broadcasts_to, is_exact_upcast, node_dtype, node_shape, real_users, same_dim
-from normfuse.passes.graph import GraphIndex
+from normfuse.passes.graph import GraphIndex, copy_meta
 from normfuse.passes.parts.base import CallPiece, FusionPart
 from normfuse.vocabulary import KERNEL_DTYPES
 
@@ -48,6 +49,7 @@ class ModulationMatch:
     cast: fx.Node | None = None          # the cast after it
     times: int = 1                       # modulations of the one y (SD3.5's AdaLayerNormZeroX: two)
     reason: str | None = None            # found, but the call cannot take it
+    second: ModulationMatch | None = None  # the second modulation of the same y, the call's y1
 
     @property
     def output(self) -> fx.Node:
@@ -56,11 +58,18 @@ class ModulationMatch:
 
     @property
     def nodes(self) -> tuple[fx.Node, ...]:
-        return self.steps if self.cast is None else (*self.steps, self.cast)
+        mine = self.steps if self.cast is None else (*self.steps, self.cast)
+        return mine if self.second is None else (*mine, *self.second.nodes)
 
-    def spec(self, scale: Any, shift: Any) -> Modulation:
+    @property
+    def operands(self) -> tuple[Any, ...]:
+        """scale and shift, then the second modulation's."""
+        return (self.scale, self.shift) + (() if self.second is None else (self.second.scale, self.second.shift))
+
+    def spec(self, scale: Any, shift: Any, scale1: Any = None, shift1: Any = None) -> Modulation:
         """The kernel-facing argument group with the operands as the call reads them."""
-        return Modulation(scale, shift, self.dtype, self.fused, self.out_dtype if self.out_dtype != self.dtype else None)
+        return Modulation(scale, shift, self.dtype, self.fused, self.out_dtype if self.out_dtype != self.dtype else None,
+                          scale1, shift1)
 
     def without_shift(self) -> ModulationMatch:
         """The product alone, its add left to the graph (not for addcmul)."""
@@ -70,7 +79,7 @@ class ModulationMatch:
         steps = "addcmul" if self.fused else " ".join(
             step for step, on in (("* scale", self.scale is not None), ("+ shift", self.shift is not None)) if on)
         cast = f", then {self.out_dtype}" if self.out_dtype != self.dtype else ""
-        times = f", {self.times} times" if self.times > 1 else ""
+        times = f", {self.times} times" if self.times > 1 else ""  # (the second: the same steps)
         return f"y {steps} in {self.dtype}{cast}{times}".replace("torch.", "")
 
 
@@ -154,15 +163,37 @@ def find_modulation(index: GraphIndex, match) -> ModulationMatch | None:
                                times=len(found), reason=f"the norm's output is modulated per segment of tokens "
                                f"({len(found)} slices along the positions, each with its own scale and shift: "
                                "HunyuanVideo's token_replace): the call modulates every row with one")
-    if len(readers) > 1:  # several modulations of one y: one output of the call is one of them
-        found = [st for st in (_steps(index, y, r) for r in readers) if st[3]]
-        if len(found) < 2 or len(found) != len(readers):
+    if len(readers) > 1:  # several modulations of one y: the call returns two, as y and y1
+        found = [_modulation(index, y, r, []) for r in readers]
+        if any(f is None for f in found) or len(found) < 2:
             return None
-        scale, shift, fused, nodes = found[0]
-        return ModulationMatch(scale, shift, node_dtype(nodes[-1]), fused, node_dtype(nodes[-1]), tuple(nodes),
-                               times=len(found), reason=f"the norm's output is modulated {len(found)} times (SD3.5's "
-                               f"AdaLayerNormZeroX): the call returns one modulated output")
-    scale, shift, fused, nodes = _steps(index, y, _only_reader(y))
+        first, second = found[0], found[1]
+        if len(found) > 2:
+            reason = f"the norm's output is modulated {len(found)} times: the call returns two modulated outputs"
+        elif casts:
+            reason = "the norm's output is cast before its two modulations: the call modulates the norm's y"
+        elif _modes(first) != _modes(second):
+            reason = ("the norm's output is modulated twice with different steps (scale or shift, rounding): the "
+                      "call's second modulation takes the steps of the first")
+        else:
+            return ModulationMatch(*_fields(first), times=2, second=second)
+        return ModulationMatch(*_fields(first), times=len(found), reason=reason)
+    return _modulation(index, y, _only_reader(y), casts)
+
+
+def _modes(m: ModulationMatch) -> tuple:
+    """What two modulations of one y must share to be one call's y and y1."""
+    return m.scale is None, m.shift is None, m.dtype, m.fused, m.out_dtype
+
+
+def _fields(m: ModulationMatch) -> tuple:
+    return m.scale, m.shift, m.dtype, m.fused, m.out_dtype, m.steps, m.cast
+
+
+def _modulation(index: GraphIndex, y: fx.Node, first: fx.Node | None, casts: list) -> ModulationMatch | None:
+    """The modulation that ``first``, a reader of y, starts (after ``casts`` of y that change no
+    value), or None: each step rounds to the dtype eager's type promotion gives it."""
+    scale, shift, fused, nodes = _steps(index, y, first)
     if not nodes:
         return None
     nodes = [*casts, *nodes]
@@ -181,7 +212,7 @@ def find_modulation(index: GraphIndex, match) -> ModulationMatch | None:
 class _Modulation(FusionPart):
     name = "modulation"
     exclusive = True  # y is modulated: no second norm shares the call, no linear recomputes y
-    roles = {"mod_scale": "ms", "mod_shift": "mh"}
+    roles = {"mod_scale": "ms", "mod_shift": "mh", "mod1_scale": "ms1_", "mod1_shift": "mh1_"}
     operand_name = "the modulation's scale and shift"
     joins_gated_branch = True  # the adaLN block tail: gated branch, add, norm, modulation
 
@@ -203,6 +234,9 @@ class _Modulation(FusionPart):
             return None, "the call reads its operands permuted (a channel norm): the modulation reads rows of y"
         if plan.exclusive or site.match.group is not None:
             return None, "a gated or grouped norm: the call does not modulate its output"
+        if found.second is not None and any(m.shift is not None and m.steps[-1] in ctx.reserved
+                                            for m in (found, found.second)):
+            return None, "a shift of the two modulations is the residual stream that the next norm's call adds"
         if found.shift is not None and found.steps[-1] in ctx.reserved:
             # "+ shift" is a residual add another norm reads its sum from (Z-Image's x + g * norm(a)):
             # that norm's call takes the add with its stream; this call takes the product only
@@ -215,16 +249,28 @@ class _Modulation(FusionPart):
         return True  # the call without it: the modulation stays in the graph
 
     def reads(self, found: ModulationMatch) -> tuple[fx.Node, ...]:
-        return tuple(t for t in (found.scale, found.shift) if isinstance(t, fx.Node))
+        return tuple(t for t in found.operands if isinstance(t, fx.Node))
 
     def nodes(self, found: ModulationMatch) -> tuple[fx.Node, ...]:
         return found.nodes
 
     def call(self, found: ModulationMatch, rewriting) -> CallPiece:
-        return CallPiece(found.spec(rewriting.resolve(found.scale), rewriting.resolve(found.shift)).kernel_args())
+        return CallPiece(found.spec(*(rewriting.resolve(t) for t in found.operands)).kernel_args())
 
     def y_output(self, found: ModulationMatch, y: fx.Node) -> fx.Node:
         return found.output
+
+    def added_outputs(self, found: ModulationMatch) -> tuple[fx.Node, ...]:
+        return () if found.second is None else (found.second.output,)
+
+    def outputs(self, found: ModulationMatch, rewriting, call: fx.Node, kernel_shape: tuple, where: dict[str, int]):
+        """The second modulation's output: the call's y1."""
+        if found.second is None:
+            return [], []
+        y1 = rewriting.graph.call_function(operator.getitem, (call, where["y1"]))
+        copy_meta(y1, found.second.output)
+        rewriting.replace(found.second.output, y1)
+        return [y1], [(where["y1"], found.second.output)]
 
     def report(self, record, found: ModulationMatch, fused: bool, reason: str | None) -> None:
         record.modulation = found.describe()
@@ -239,21 +285,25 @@ class _Modulation(FusionPart):
         kernels/triton.py). Backward (torch ops around the kernels' backward): the norm's input
         read again to rebuild y, the gradient into y written and read, the gradients of scale and
         shift written."""
-        operands = sum(size.bytes(t) for t in (found.scale, found.shift) if isinstance(t, fx.Node))
-        return operands, 3 * y_bytes + 2 * operands
+        operands = sum(size.bytes(t) for t in found.operands if isinstance(t, fx.Node))
+        if found.second is None:
+            return operands, 3 * y_bytes + 2 * operands
+        # the second modulation: y1 written; its gradient read and added to y's (written, read once more)
+        return operands + y_bytes, 5 * y_bytes + 2 * operands
 
     # ---------------------------------------------------------------- checker
     def uses(self, options: dict) -> bool:
         return options.get("mod_scale") is not None or options.get("mod_shift") is not None
 
     def symbolic(self, options: dict, rows: dict, s: list, norm, ops) -> dict[str, list]:
-        """y = norm(s) * scale + shift (either may be absent), s as it is."""
-        y = norm(s)
-        if rows.get("mod_scale") is not None:
-            y = ops.elementwise(ops.mul, y, rows["mod_scale"])
-        if rows.get("mod_shift") is not None:
-            y = ops.elementwise(ops.add, y, rows["mod_shift"])
-        return {"y": y, "s": s}
+        """y = norm(s) * scale + shift (either may be absent), y1 the same with scale1 and shift1, s as it is."""
+        n = norm(s)
+
+        def modulated(scale, shift):
+            y = n if scale is None else ops.elementwise(ops.mul, n, scale)
+            return y if shift is None else ops.elementwise(ops.add, y, shift)
+        return {"y": modulated(rows.get("mod_scale"), rows.get("mod_shift")),
+                "y1": modulated(rows.get("mod1_scale"), rows.get("mod1_shift")), "s": s}
 
 
 MODULATION = _Modulation()

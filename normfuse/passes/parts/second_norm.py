@@ -87,6 +87,9 @@ class _SecondNorm(FusionPart):
     def call(self, partner, rewriting) -> CallPiece:
         return CallPiece({"weight1": partner.match.weight, "bias1": partner.match.bias})
 
+    def added_outputs(self, partner) -> tuple[fx.Node, ...]:
+        return (partner.match.output,)
+
     def outputs(self, partner, rewriting, call: fx.Node, kernel_shape: tuple, where: dict[str, int]):
         y1 = rewriting.graph.call_function(operator.getitem, (call, where["y1"]))
         copy_meta(y1, partner.match.output)
