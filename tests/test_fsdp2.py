@@ -277,25 +277,50 @@ def _flagged_sharded(rank, cases):
     from torch.distributed.fsdp import fully_shard
 
     results = {}
-    for loop, flag in cases:
+    for loop, flag, *user_compiled in cases:
         torch._dynamo.reset()
         model = flagged_model(loop, flag)
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
+        if user_compiled:  # the caller compiled a block with a backend of their own before optimize
+            model.blocks[0].compile(backend="eager")
+        theirs = model.blocks[0]._compiled_call_impl
         notes = normfuse.prepare(model).notes
         normfuse.optimize(model)
         shard = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
         grads = train(model, shard, gather=lambda g: g.full_tensor())
         rep = normfuse.report(model)
-        results[loop, flag] = {"grads": grads, "notes": notes, "text": str(rep),
-                               "sites": [(s.fqn, s.fused, s.fused_add, s.input_is_add) for s in rep.sites]}
+        results[loop, flag, *user_compiled] = {
+            "grads": grads, "notes": notes, "text": str(rep), "report_notes": list(rep.notes),
+            "sites": [(s.fqn, s.fused, s.fused_add, s.input_is_add) for s in rep.sites],
+            "kept": theirs is not None and model.blocks[0]._compiled_call_impl is theirs}
     return results
+
+
+USER_COMPILED = ("if_else", True, "user")
 
 
 @pytest.fixture(scope="module")
 def flagged_results():
-    return run_on_ranks(_flagged_sharded, FLAG_CASES)
+    return run_on_ranks(_flagged_sharded, FLAG_CASES + [USER_COMPILED])
+
+
+def test_a_block_the_caller_compiled_is_left_as_compiled_with_a_note(flagged_results):
+    """optimize compiles the FSDP2 blocks a checkpointed loop runs on their own, but not one the
+    caller compiled already (with a backend of their own): that one is left as it is, and the report
+    says so and how to fuse its norms."""
+    eager, exact = train(flagged_model("if_else", True)), train(flagged_model("if_else", True, torch.float64))
+    for res in (r[USER_COMPILED] for r in flagged_results):
+        assert res["kept"], res["text"]
+        assert any(n.startswith("blocks.0: compiled by the caller, left as compiled") for n in res["report_notes"]), \
+            res["report_notes"]
+        sites = {s[0] for s in res["sites"]}
+        assert not any(fqn.startswith("blocks.0.") for fqn in sites) and "blocks.1.norm1" in sites, res["text"]
+        for step, grads in enumerate(res["grads"]):
+            for name, grad in grads.items():
+                ok, err, base, bound = within_tolerance(grad, eager[step][name], exact[step][name], torch.float32)
+                assert ok, (step, name, err, base, bound)
 
 
 @pytest.mark.parametrize("loop,flag", FLAG_CASES)
