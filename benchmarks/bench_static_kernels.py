@@ -148,6 +148,11 @@ OPS = [
        dict(HAS_RESIDUAL=True, HAS_WEIGHT=False, HAS_BIAS=False, IS_RMS=False, ROUND_FIRST=False, STORE_SUM=True,
             STORE_Y=True, ADD_AFTER_NORM=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, HAS_XGATE=True,
             HAS_MOD=True, **NO_MODES), ("X", "R"), ("Y", "S")),
+    # SD3.5's AdaLayerNormZeroX: one norm, its y modulated twice (y and y1)
+    Op("add_layer_norm + two modulations (DiT, SD3.5)", False,
+       dict(HAS_RESIDUAL=True, HAS_WEIGHT=False, HAS_BIAS=False, IS_RMS=False, ROUND_FIRST=False, STORE_SUM=True,
+            STORE_Y=True, ADD_AFTER_NORM=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, HAS_MOD=True,
+            HAS_MOD1=True, **NO_MODES), ("X", "R"), ("Y", "S", "Y1")),
     Op("gated rms_norm (Mamba2: gate before, groups of 256)", False,
        dict(GATED, HAS_GATE=True, GATE_AFTER=False, GATE_SILU=True, NORM_GROUP=256), ("X", "Z"), ("Y",)),
     Op("gated rms_norm (Qwen3-Next: gate after)", False,
@@ -260,7 +265,8 @@ def kernel_args(op: Op, tl_dtype, block: int) -> dict:
         scalars = dict(n_rows=scalar("n_rows", type_="i32"), rows_per_program=scalar("rows_per_program", type_="i32"))
     else:
         quant, static = f["QUANT"], f["QUANT_STATIC"]
-        present = dict(X=True, R=f["HAS_RESIDUAL"], Y=f["STORE_Y"], S=f["STORE_SUM"], X1=f["HAS_X1"], Y1=f["HAS_W1"],
+        present = dict(X=True, R=f["HAS_RESIDUAL"], Y=f["STORE_Y"], S=f["STORE_SUM"], X1=f["HAS_X1"],
+                       Y1=f["HAS_W1"] or f.get("HAS_MOD1", False),
                        Z=f["HAS_GATE"], Q=quant, QS=quant and not static)
         vectors = dict(W=f["HAS_WEIGHT"], B=f["HAS_BIAS"], MEAN=True, RSTD=True, RS=f["HAS_ROWSCALE"], W1=f["HAS_W1"],
                        B1=f["HAS_B1"], SC=quant and static)
@@ -281,8 +287,9 @@ def kernel_args(op: Op, tl_dtype, block: int) -> dict:
         # stride, period, inner stride), per sample (a chunk of one embedding: inner stride 0)
         args["X"] = (*args["X"], broadcast("XG", tl_dtype) if f.get("HAS_XGATE") else Leaf("constexpr", value=None))
         has_mod = f.get("HAS_MOD", False)
-        absent = tuple(Leaf("constexpr", value=v) for v in (None, 0, 1, 0))  # no second modulation
-        args["MOD"] = (broadcast("MS", tl_dtype), broadcast("MH", tl_dtype), absent, absent) if has_mod else \
+        second = (broadcast("MS1", tl_dtype), broadcast("MH1", tl_dtype)) if f.get("HAS_MOD1") else \
+            (tuple(Leaf("constexpr", value=v) for v in (None, 0, 1, 0)),) * 2  # no second modulation
+        args["MOD"] = (broadcast("MS", tl_dtype), broadcast("MH", tl_dtype), *second) if has_mod else \
             Leaf("constexpr", value=None)
         constexprs["MOD_OPTS"] = (False, tl_dtype, tl_dtype) if has_mod else None
     constexprs["L2"] = False

@@ -2,7 +2,9 @@
 
 Each launch configuration ``normfuse.kernels.triton_rope`` picks (heads per tile, column blocks,
 warps) for head_dim 64 / 128 / 256 with R = D, D / 2, D / 4, both layouts, forward and backward,
-per-head norms (32 query heads, 8 key heads) and OLMo 2's whole-row norm (head_dim 128), is compiled
+per-head norms (32 query heads, 8 key heads) and OLMo 2's whole-row norm (head_dim 128), and the
+diffusion transformers' at their real sizes (``DIFFUSION``: Wan 2.1 14B's norm over 40 heads of 128
+with half tables, LTX-Video's 2048-wide row as one head, Flux's 24 heads), is compiled
 for ``GPUTarget("cuda", 90, 32)``, ``("cuda", 80, 32)`` and ``("hip", "gfx942", 64)`` with the
 helpers of bench_static_kernels.py. Reported per kernel: registers, spills (cubin LOCAL + STACK;
 AMD spill counts), occupancy, and from the PTX the global loads of q (and stores of the output, dx)
@@ -36,6 +38,10 @@ from bench_static_kernels import (DTYPES, TARGETS, Leaf, cuda_occupancy, cuda_re
 from normfuse.kernels import triton_rope as KR
 
 HQ, HK = 32, 8  # Qwen3-8B's heads (GQA); the tile takes the larger count
+# diffusion transformers' q/k RoPEs at their real sizes: (name, heads, D, row norm, layout, half table)
+DIFFUSION = [("Wan 2.1 14B: norm over 40 x 128, stored pairs, half tables", 40, 128, True, "gptj", True),
+             ("LTX-Video: the (B, S, 2048) row as one head", 1, 2048, False, "gptj", False),
+             ("Flux: 24 heads x 128, interleaved pairs", 24, 128, False, "gptj", False)]
 FLOAT_ARGS = {"eps", "weight_offset"}
 SIZE_ARGS = {"S", "HQ", "HK"}  # the capital integers (D and R are constexprs)
 FP32_PTRS = {"RSTD_Q", "RSTD_K", "DWQ_PART", "DWK_PART"}
@@ -60,15 +66,15 @@ def _strides(name: str, n: int) -> tuple:
     return tuple(Leaf("i32", f"stride_{name}_{j}", divisible=True) for j in range(1, n + 1))
 
 
-def source(backward: bool, layout: str, row_norm: bool, D: int, R: int, dtype: str) -> tuple[ASTSource, int, dict,
-                                                                                            list]:
+def source(backward: bool, layout: str, row_norm: bool, D: int, R: int, dtype: str, heads: int = HQ,
+           half_table: bool = False) -> tuple[ASTSource, int, dict, list]:
     """The kernel as the launcher specializes it for q and k of ``dtype`` (Qwen3's rounding: the norm
     rounded first, RoPE in ``dtype``; weights in ``dtype``), contiguous rows; strides and D divisible
     by 16. Returns (source, warps, tile, the compiled parameters' names)."""
     fn = KR._qk_rope_bwd_kernel if backward else KR._qk_rope_fwd_kernel
-    hb, half, pas, pas2 = KR._tile(HQ, D, R, row_norm, KR._TILE_BWD if backward else KR._TILE_FWD)
+    hb, half, pas, pas2 = KR._tile(heads, D, R, row_norm, KR._TILE_BWD if backward else KR._TILE_FWD)
     tl_dtype = DTYPES[dtype][1]
-    args = dict(D=D, R=R, ROW_NORM=row_norm, NEOX=layout == "neox", HALF_TABLE=False, ROUND_FIRST=True,
+    args = dict(D=D, R=R, ROW_NORM=row_norm, NEOX=layout == "neox", HALF_TABLE=half_table, ROUND_FIRST=True,
                 DTYPES=(tl_dtype,) * 4, HB=hb, HALF=half, PASS=pas, PASS2=pas2,
                 ROPE=(_pointer("COS", dtype), _pointer("SIN", dtype), *_strides("ROPE", 3)))
     for name in fn.arg_names:
@@ -87,8 +93,8 @@ def source(backward: bool, layout: str, row_norm: bool, D: int, R: int, dtype: s
         names
 
 
-def compile_one(backward, layout, row_norm, D, R, dtype, target) -> dict:
-    src, warps, tile, names = source(backward, layout, row_norm, D, R, dtype)
+def compile_one(backward, layout, row_norm, D, R, dtype, target, heads=HQ, half_table=False) -> dict:
+    src, warps, tile, names = source(backward, layout, row_norm, D, R, dtype, heads, half_table)
     t0 = time.perf_counter()
     options = {"num_warps": warps} if backward else {"num_warps": warps, "enable_fp_fusion": False}  # as launched
     kernel = triton.compile(src, target=TARGETS[target], options=options)
@@ -136,13 +142,17 @@ def main(argv=None) -> dict:
         heads_dims, targets, dtypes = [(False, 128), (True, 128)], ["cuda90"], ["bf16"]
     rows = []
     t_start = time.perf_counter()
-    for backward, layout, row_norm, D, R, dtype in configurations(heads_dims, dtypes):
-        if args.toy and R != D // 2:
-            continue
+    kernels = [(None, HQ, False, *c) for c in configurations(heads_dims, dtypes) if not args.toy or c[4] == c[3] // 2]
+    if not args.toy:
+        kernels += [(model, heads, half, backward, layout, row_norm, D, D, dtype)
+                    for model, heads, D, row_norm, layout, half in DIFFUSION for backward in (False, True)
+                    for dtype in dtypes]
+    for model, heads, half_table, backward, layout, row_norm, D, R, dtype in kernels:
         for target in targets:
             row = {"kernel": "backward" if backward else "forward", "layout": layout,
                    "norm": "row" if row_norm else "head", "D": D, "R": R, "dtype": dtype, "target": target,
-                   **compile_one(backward, layout, row_norm, D, R, dtype, target)}
+                   "model": model or "", "heads": heads,
+                   **compile_one(backward, layout, row_norm, D, R, dtype, target, heads, half_table)}
             problems = []
             if row["local"] + row.get("stack", 0) > 0:
                 problems.append(f"spills {row['local'] + row.get('stack', 0)}")
@@ -159,14 +169,16 @@ def main(argv=None) -> dict:
         "no_spills": not any("spills" in r["problems"] for r in rows),
         "max_regs_cuda90": max((r["regs"] for r in rows if r["target"] == "cuda90"), default=None),
         "forward_reads_q_once_writes_once": not any("per element" in r["problems"] for r in rows),
-        "problems": [f"{r['kernel']} {r['layout']} {r['norm']} D={r['D']} R={r['R']} {r['dtype']} {r['target']}: "
+        "problems": [f"{r['model'] + ': ' if r['model'] else ''}{r['kernel']} {r['layout']} {r['norm']} D={r['D']} "
+                     f"R={r['R']} {r['dtype']} {r['target']}: "
                      f"{r['problems']}" for r in rows if r["problems"]],
     }
     write_csv(args.out / "static_rope.csv", rows)
     payload = {"machine": machine(), "verdict": verdict, "rows": rows}
     write_json(args.out / "static_rope.json", payload)
     print(markdown_table([r for r in rows if r["target"] == "cuda90"],
-                         ["kernel", "layout", "norm", "D", "R", "dtype", "HB", "warps", "regs", "local", "stack",
+                         ["kernel", "model", "layout", "norm", "heads", "D", "R", "dtype", "HB", "warps", "regs", "local",
+                          "stack",
                           "occupancy", "masked_columns", "ld_Q", "st_QO", "vec_bytes_Q", "ld_DQO", "st_DQ",
                           "problems"]))
     print("verdict:", {k: v for k, v in verdict.items() if k != "problems"})
