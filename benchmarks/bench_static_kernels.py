@@ -281,8 +281,8 @@ def kernel_args(op: Op, tl_dtype, block: int) -> dict:
                        QUANT=(scalar("quant_max"), scalar("quant_amax_min", f["HAS_AMAX_MIN"]),
                               scalar("quant_scale_min", f["HAS_SCALE_MIN"]), scalar("quant_clamp", f["HAS_CLAMP"])))
     args = {name: operand(name, tl_dtype, on) for name, on in present.items()}
-    if not op.backward:  # the residual's rows repeat every ``period`` rows (a broadcast table of positions)
-        args["R"] = (*args["R"], Leaf("i32", "period_R") if present["R"] else Leaf("constexpr", value=1))
+    if not op.backward:  # the residual has x's rows (period None; a broadcast table of positions has one)
+        args["R"] = (*args["R"], Leaf("constexpr", value=None))
         # x's gate (the gated residual branch) and the modulation's scale and shift: (pointer, outer
         # stride, period, inner stride), per sample (a chunk of one embedding: inner stride 0)
         args["X"] = (*args["X"], broadcast("XG", tl_dtype) if f.get("HAS_XGATE") else Leaf("constexpr", value=None))

@@ -387,8 +387,13 @@ if triton is not None:
     @triton.jit
     def _residual_row(R, row):
         """The offset of the residual's row that x's row ``row`` adds: R is (pointer, row stride, period),
-        a table broadcast over x's leading dims repeating every ``period`` rows (learned positions)."""
-        return (row % R[2]) * R[1]
+        a table broadcast over x's leading dims repeating every ``period`` rows (learned positions);
+        period None: one row per x's row (no modulo: it costs registers at the widest rows)."""
+        if R[2] is None:
+            r = row
+        else:
+            r = row % R[2]
+        return r * R[1]
 
     @triton.jit
     def _row_input(X, R, X1, RS, row, row_ok, cols, mask, N, residual_scale, DROPOUT, DTYPES: tl.constexpr,
@@ -942,10 +947,13 @@ _QUANT_APPLY = {apply: i for i, apply in enumerate(QUANT_APPLY)}
 _NO_ROWS = (None, 0)  # an absent row operand
 
 
-def _residual_operand(r: Optional[Tensor]) -> tuple:
+def _residual_operand(r: Optional[Tensor], n_rows: int) -> tuple:
     """The residual as the forward kernels read it: (its (P, N) rows, their stride, P), x's row r adding
-    the residual's row r % P (P: x's row count, or a table's broadcast over x's leading dims)."""
-    return (None, 0, 1) if r is None else (r, r.stride(0), r.shape[0])
+    the residual's row r % P (P: a table's rows, broadcast over x's leading dims); P None when the
+    residual has x's ``n_rows`` rows."""
+    if r is None:
+        return None, 0, None
+    return r, r.stride(0), None if r.shape[0] == n_rows else r.shape[0]
 
 
 def _row_operand(t: Optional[Tensor]) -> tuple:
@@ -1057,7 +1065,7 @@ def _launch_fwd(call, y: Optional[Tensor], s: Optional[Tensor], y1: Optional[Ten
         branch_dtype = torch.promote_types(x.dtype, rows.x_gate.dtype)
     gate_out = gate.out_dtype if gate is not None and gate.position == "after" else None
     kernel[(triton.cdiv(n_rows, rows_per_program),)](
-        (x2, x2.stride(0), _x_gate_operand(rows)), _residual_operand(r2), _param(norm.weight), _param(norm.bias),
+        (x2, x2.stride(0), _x_gate_operand(rows)), _residual_operand(r2, n_rows), _param(norm.weight), _param(norm.bias),
         _row_operand(y),
         _row_operand(s), mean if stores_mean(norm.kind) else rstd, rstd,   # rms_norm: MEAN never written
         _row_operand(x12), None if rows.rowscale is None else rows.rowscale.reshape(-1).contiguous(),
@@ -1118,7 +1126,7 @@ def _kernel_part(call: AddNormCall) -> Optional[AddNormCall]:
 
 def add_norm_fwd(call: AddNormCall):
     """(y, s, mean, rstd, y1) of add_norm_fwd; s None unless call.store.sum (ops.py clears it when there is
-    no sum), y1 None without a second norm."""
+    no sum), y1 None without a second norm or a second modulation."""
     part = _kernel_part(call)
     if part is not None:
         y, s, mean, rstd, y1 = add_norm_fwd(part)
