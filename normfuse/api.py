@@ -78,7 +78,7 @@ def optimize(model: nn.Module, config: FuseConfig | None = None, **options: Any)
             if getattr(block, "_compiled_call_impl", None) is not None:  # the caller compiled it: theirs
                 log.notes.append(f"{names.get(id(block), type(block).__name__)}: compiled by the caller, left as "
                                  "compiled (an FSDP2 block a checkpointed loop runs is captured only when compiled "
-                                 "on its own: compile it with backend='normfuse' to fuse its norms)")
+                                 "on its own: its norms are fused when that compile's backend is 'normfuse')")
                 continue
             block.compile(backend=FusingBackend(cfg, log, model)())
     model.forward = ModelForward(model, model.forward, FusingBackend(cfg, log, model), log.warn)

@@ -442,10 +442,26 @@ def test_two_modulations_opcheck():
     torch.library.opcheck(torch.ops.normfuse.add_norm_fwd.default, args)
 
 
+def test_two_modulations_around_the_kernels(triton_cpu):
+    """A second scale whose leading dims do not collapse into two strides (a permuted table over
+    (B, T, S)): both modulations run around the kernels, the same bits as the block in bf16."""
+    gen = torch.Generator().manual_seed(6)
+    x, r = (torch.randn(B, 3, S, N, generator=gen).to(BF16) for _ in range(2))
+    t = dict(x=x, r=r, scale=torch.randn(B, 1, 1, N, generator=gen).to(BF16),
+             shift=torch.randn(B, 1, 1, N, generator=gen).to(BF16),
+             scale1=torch.randn(S, 3, B, N, generator=gen).to(BF16).permute(2, 1, 0, 3),
+             shift1=torch.randn(B, 1, 1, N, generator=gen).to(BF16))
+    from normfuse.kernels.triton import broadcast_operand
+    assert broadcast_operand(1 + t["scale1"], x) is None  # (so the modulations run around the kernels)
+    assert all(torch.equal(a, b) for a, b in zip(sd35_ours(t), sd35_block(t)))
+
+
 @pytest.mark.parametrize("mod,error,words", [
     (Modulation(torch.ones(B, 1, N), None, scale1=torch.ones(B, 2, N)), ShapeMismatchError, "must broadcast"),
     (Modulation(torch.ones(B, 1, N), torch.ones(B, 1, N), scale1=torch.ones(B, 1, N)), InvalidOptionError,
      "takes the steps of the first"),
+    (Modulation(torch.ones(B, 1, N), None, scale1=torch.ones(B, 1, N, dtype=BF16)), InvalidOptionError,
+     "must have the dtypes of scale and shift"),
 ])
 def test_two_modulations_bad_arguments(mod, error, words):
     x = torch.randn(B, S, N)

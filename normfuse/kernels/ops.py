@@ -317,7 +317,8 @@ def _sum_layout(call: AddNormCall) -> Tensor:
 def add_norm_fwd(call: AddNormCall):
     """Add-then-norm. Returns (y, s, mean, rstd, y1): s is empty unless store_sum and there is a sum
     (a residual or a mode); mean (empty for rms_norm) and rstd are flat per-row fp32 (fp64 for fp64
-    input); y1 (empty without weight1) is the second norm output, in out_dtype.
+    input); y1 (empty without weight1 or a second modulation) is the second norm output, in out_dtype, or y
+    modulated a second time (mod1_scale, mod1_shift).
     round_sum_first=False normalizes the sum before its rounding to sum_dtype. The modes x1,
     rowscale, weight1/bias1, dropout_p/seed are those of reference.py; seed (an int64 CPU tensor
     of shape ()) is read once when dropout_p > 0. gate, gate_position, gate_activation, norm_group

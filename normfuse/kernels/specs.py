@@ -489,6 +489,11 @@ class Modulation:
         if self.twice and ((self.scale1 is None) != (self.scale is None) or (self.shift1 is None) != (self.shift is None)):
             raise InvalidOptionError("the second modulation (scale1, shift1) takes the steps of the first: give "
                                      "scale1 with scale and shift1 with shift, or modulate y1 separately.")
+        for first, second in ((self.scale, self.scale1), (self.shift, self.shift1)):
+            if self.twice and first is not None and second.dtype != first.dtype:
+                raise InvalidOptionError(f"the second modulation rounds as the first: scale1 and shift1 must have "
+                                         f"the dtypes of scale and shift ({first.dtype}); got {second.dtype}. Cast "
+                                         f"them, or modulate y1 separately.")
         ok = dtypes_on(x.device)
         for name, t in (("Modulation scale", self.scale), ("Modulation shift", self.shift),
                         ("Modulation scale1", self.scale1), ("Modulation shift1", self.shift1)):

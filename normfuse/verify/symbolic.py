@@ -270,8 +270,8 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym, heads: _HeadRows
         return _eval_getitem(node, load)
     if node.op == "call_function" and node.target is torch.empty_like:
         return _empty_like(load(node.args[0]))
-    if node.op == "call_function" and node.target is operator.setitem:
-        return _store(node, load(node.args[0]), val(node.args[2]))
+    if node.op == "call_function" and node.target is operator.setitem:  # (prove_site rebinds the target)
+        return _store(node, load(node.args[0], unwritten=True), val(node.args[2]))
     c = canonical(node)
     if c is None and _max_values(node):  # torch.max(x, dim) returns (values, indices): the row's maximum
         return [_max(*val(node.args[0]))], None
@@ -416,29 +416,49 @@ def _pairs(node: fx.Node, row: list) -> "_Groups":
     return _Groups(zip(row[0::2], row[1::2]))
 
 
+class _Unwritten(list):
+    """A row of ``torch.empty_like``'s: None where no store has written a column yet."""
+
+
 def _empty_like(row: Any) -> Any:
     """``torch.empty_like(x)``: a row of x's length, each symbol None until a store writes it."""
     if isinstance(row, _Heads):
-        return _Heads([None] * len(head) for head in row)
+        return _Heads(_Unwritten([None] * len(head)) for head in row)
     if _structured(row):
         raise _Unsupported("an empty tensor shaped like pairs or complex values")
-    return [None] * len(row)
+    return _Unwritten([None] * len(row))
 
 
-def _store(node: fx.Node, out: Any, value: Any) -> None:
-    """``out[..., k::step] = value`` into a row of _empty_like's (in place, as the graph mutates it):
-    every step-th symbol from k, as _slice_row reads the same columns (head by head)."""
+def _store(node: fx.Node, out: Any, value: Any) -> Any:
+    """``out[..., k::step] = value`` into a row of _empty_like's: every step-th symbol from k, as
+    _slice_row reads the same columns (head by head). Returns the row after the store (a new one:
+    a value read before the store keeps what it read)."""
     where = node.args[1]
     k = where[1] if isinstance(where, tuple) and len(where) == 2 and where[0] is Ellipsis else None
     if not isinstance(k, slice) or k.stop is not None or not isinstance(k.step, int) \
             or not isinstance(k.start, int) or not 0 <= k.start < k.step:
         raise _Unsupported(f"{node.name} stores into other than every step-th column of the last dim")
-    if isinstance(out, _Heads) != isinstance(value, _Heads):
+    heads = isinstance(out, _Heads)
+    if heads != isinstance(value, _Heads) or (heads and len(out) != len(value)):
         raise _Unsupported(f"{node.name} stores a value split into heads otherwise than its target")
-    for row, part in (zip(out, value) if isinstance(out, _Heads) else [(out, value)]):
+    stored = []
+    for row, part in (zip(out, value) if heads else [(out, value)]):
+        if not isinstance(row, _Unwritten):
+            raise _Unsupported(f"{node.name} stores into a value that is not an empty tensor's")
         if _structured(part) or len(row) % k.step or len(row[k.start::k.step]) != len(part):
             raise _Unsupported(f"{node.name} stores {len(part)} symbols into every {k.step}th of {len(row)}")
+        row = _Unwritten(row)
         row[k.start::k.step] = part
+        stored.append(row)
+    return _Heads(stored) if heads else stored[0]
+
+
+def _written(value: Any, name: str) -> Any:
+    """``value`` as a row read: an empty tensor's only once every column is stored."""
+    rows = value if isinstance(value, _Heads) else [value]
+    if any(isinstance(row, _Unwritten) and None in row for row in rows):
+        raise _Unsupported(f"{name} reads columns of an empty tensor that no store wrote")
+    return value
 
 
 def _flattened(node: fx.Node, c, value: Any) -> Any:
@@ -719,18 +739,20 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
                 leaves[_same_as(source)] = _leaf(source, f"z{i}_", hidden, pair.layout, heads)
         values: dict[fx.Node, Any] = {}
 
-        def load(n):
+        def load(n, unwritten=False):  # (unwritten: a store reads the empty tensor it writes into)
             if n in values:
-                return values[n]
+                return values[n] if unwritten else _written(values[n], n.name)
             source = _source(n, inside, transposes)
             if source in values:
-                return values[source]
+                return values[source] if unwritten else _written(values[source], n.name)
             if _same_as(source) in leaves:
                 return leaves[_same_as(source)]
             raise _Unsupported(f"{n.name} is read by the subgraph but is outside it")
 
         for node in pair.nodes:
             values[node] = _eval_node(node, load, pair.eps, eps_sym, heads)
+            if node.op == "call_function" and node.target is operator.setitem:  # the target after the store
+                values[node.args[0]], values[node] = values[node], None
         rows["heads"] = heads
         fused = _fused(pair, rows, eps_sym, pair.eps)
     except _Unsupported as why:

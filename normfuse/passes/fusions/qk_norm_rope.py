@@ -19,6 +19,17 @@ torchtitan (``models/common/rope.py``) rotates q (B, S, H, D) untransposed, upca
 GPT-J's pairs written out: ``q * cos + stack((-q[..., 1::2], q[..., ::2]), -1).flatten(-2) * sin``, full
 tables (layout "gptj").
 
+Diffusers (layout "gptj"): Flux's and HunyuanVideo's ``x.reshape(..., -1, 2).unbind(-1)``,
+``stack([-imag, real], -1).flatten(3)``, ``(x.float() * cos + rotated.float() * sin).to(x.dtype)``;
+LTX-Video's on the whole (B, S, N) row after a norm over it, one angle per column (one head of N);
+Wan's norm over all heads, the view to heads, then the pairs' products stored interleaved::
+
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.empty_like(x); out[..., 0::2] = x1 * cos[..., 0::2] - x2 * sin[..., 1::2]
+    out[..., 1::2] = x1 * sin[..., 1::2] + x2 * cos[..., 0::2]; out.type_as(x)      (half tables)
+
+and the complex product with a freqs_cis of fewer dims that broadcasts (Qwen-Image's (S, 1, D / 2)).
+
 ``qk_norm_rope`` (``normfuse.kernels.qk_rope``: its docstring is the semantics) computes the norm
 and the rotation with the graph's dtypes: the norm's rounding modes are the norm match's, the
 rotation's dtype (``rope_dtype``) is what the graph's ``y * cos`` computed in, ``out_dtype`` the
@@ -70,12 +81,13 @@ class RopeMatch:
     heads_shape: tuple[int, ...] = ()  # (B, S, H, D): q as the kernel reads it
     operand: fx.Node | None = None    # what the kernel reads as q when not the norm's input (Gemma 3's
     #                                   norm reads q transposed: the kernel reads it before the transpose)
-    norm_width: str = "head"          # "row": the norm is over H * D (OLMo 2), q is reshaped to heads
+    norm_width: str = "head"          # "row": the norm is over H * D (OLMo 2, Wan); a 3-d q (B, S, H * D) is
+    #                                   reshaped to heads for the kernel (LTX-Video's row: one head)
     transpose_out: bool = False       # the RoPE reads q transposed to (B, H, S, D)
     rope_dtype: torch.dtype | None = None
     out_dtype: torch.dtype | None = None
     reason: str | None = None
-    complex_table: bool = False       # cos / sin are one complex (1 | B, 1 | S, 1, D / 2) freqs_cis
+    complex_table: bool = False       # cos / sin are one complex freqs_cis broadcasting as (1 | B, 1 | S, 1, D / 2)
 
     def describe(self) -> str:
         return f"{self.layout}, rotary {self.rotary_dim} of {self.head_dim}"
@@ -244,8 +256,9 @@ def _swaps_heads(c) -> bool:
 def _pair_halves(index, x: fx.Node, width: int):
     """``x.reshape(*x.shape[:-1], -1, 2).unbind(-1)``, x's last dim ``width``: (the view to pairs,
     the unbind, the first and the second of each pair), or None."""
+    shape = tuple(node_shape(x) or ())
     pairs = next((u for u in _readers(x) if index.prim(u) == "view"
-                  and same_shape(tuple(node_shape(u) or ())[-2:], (width // 2, 2))), None)
+                  and same_shape(tuple(node_shape(u) or ()), (*shape[:-1], width // 2, 2))), None)
     unbind = _single_user(pairs) if pairs is not None else None
     if unbind is None or not _last(unbound_dim(unbind), len(node_shape(pairs))):
         return None
@@ -357,23 +370,28 @@ def _stored_pairs(index, x: fx.Node, width: int):
 
 def _stored_match(index, found, chain: list, heads: _Heads) -> RopeMatch:
     """The RopeMatch of Wan's rotation (``found``: _stored_pairs'): layout "gptj", half tables,
-    the products and sums in their promotion (rope_dtype), rounded by the store to x's dtype and
-    by a cast after it (``.type_as(x)``) to the call's out_dtype."""
+    the products and sums in their promotion (rope_dtype), rounded by the store to x's dtype; a
+    cast after it (Wan's ``.type_as(hidden_states)``) is taken where it adds no second rounding
+    (to the stored dtype, or from a store that rounded nothing)."""
     B, S, H, D = heads.shape
     if isinstance(found, str):
         return RopeMatch(reason=found)
     reader, c, s, even, nodes = found
     chain += nodes
     out = nodes[-3]  # the stored tensor
-    if index.prim(reader) == "cast" and index.canon(reader)["input"] is out:  # .type_as(hidden_states)
+    rope_dtype = node_dtype(even)
+    if index.prim(reader) == "cast" and index.canon(reader)["input"] is out:
+        if node_dtype(reader) != node_dtype(out) and node_dtype(out) != rope_dtype:
+            return RopeMatch(reason=f"the rotation stored in {node_dtype(out)} is cast to {node_dtype(reader)}: two "
+                                    f"roundings of the {rope_dtype} rotation, the call makes one")
         out = reader
         chain.append(reader)
     cos, sin = (_table(index, t, False, B, S, D // 2) for t in (c, s))
     if cos is None or sin is None:
         return RopeMatch(reason="cos/sin are not (1 | batch, 1 | seq, 1, head_dim / 2) tables, one value per pair")
-    rope_dtype, out_dtype = node_dtype(even), node_dtype(out)
+    out_dtype = node_dtype(out)
     want = torch.promote_types(torch.promote_types(node_dtype(heads.value), node_dtype(cos)), node_dtype(sin))
-    if rope_dtype != want:
+    if rope_dtype != want or any(node_dtype(n) != rope_dtype for n in nodes[4:10]):  # each product and sum
         return RopeMatch(reason=f"the RoPE computes in {rope_dtype}, not in the promotion of q and cos/sin ({want})")
     if rope_dtype not in KERNEL_DTYPES or out_dtype not in KERNEL_DTYPES:
         return RopeMatch(reason=f"RoPE dtypes {rope_dtype} -> {out_dtype} are not ones the kernels take")
@@ -440,13 +458,13 @@ def _table(index, t, transposed: bool, batch: int, seq: int, width: int, row: bo
     on a RoPE of the (B, S, N) row (``row``); None otherwise."""
     c = index.canon(t)
     shape = node_shape(t)
-    if (c is None or c.prim != "unsqueeze") and not transposed and shape is not None and len(shape) == 4 \
+    if (c is None or c.prim != "unsqueeze") and not transposed and not row and shape is not None and len(shape) == 4 \
             and _one_or(shape[0], batch) and _one_or(shape[1], seq) and shape[2] == 1 and shape[3] == width:
         return t
     if row and shape is not None and len(shape) == 3 and _one_or(shape[0], batch) and same_dim(shape[1], seq) \
             and shape[2] == width:
         return t  # a RoPE on the (B, S, N) row: HF's 3-d table, no heads axis to add
-    if c is None or c.prim != "unsqueeze" or not isinstance(c["input"], fx.Node):
+    if row or c is None or c.prim != "unsqueeze" or not isinstance(c["input"], fx.Node):
         return None
     dim = c["dim"][0] if isinstance(c["dim"], (list, tuple)) else c["dim"]
     if dim not in ((1, -3) if transposed else (2, -2)):

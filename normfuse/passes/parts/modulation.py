@@ -302,8 +302,10 @@ class _Modulation(FusionPart):
         def modulated(scale, shift):
             y = n if scale is None else ops.elementwise(ops.mul, n, scale)
             return y if shift is None else ops.elementwise(ops.add, y, shift)
-        return {"y": modulated(rows.get("mod_scale"), rows.get("mod_shift")),
-                "y1": modulated(rows.get("mod1_scale"), rows.get("mod1_shift")), "s": s}
+        out = {"y": modulated(rows.get("mod_scale"), rows.get("mod_shift")), "s": s}
+        if options.get("mod1_scale") is not None or options.get("mod1_shift") is not None:
+            out["y1"] = modulated(rows.get("mod1_scale"), rows.get("mod1_shift"))
+        return out
 
 
 MODULATION = _Modulation()
