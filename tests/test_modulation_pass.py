@@ -278,3 +278,40 @@ def test_a_factor_computed_from_the_sum_keeps_the_modulation_in_the_graph():
     site = normfuse.report(opt).sites[0]
     assert site.fused and site.fused_add and site.modulation and not site.fused_modulation, site
     assert site.modulation_reason.startswith("the modulation's scale and shift: operand"), site.modulation_reason
+
+
+def _mochi_norm(x, scale, eps=1e-6):
+    """Mochi's modulated RMSNorm: the statistics and the scale in fp32, then a cast to x's dtype."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (x * scale).to(dtype)
+
+
+class MochiBlock(nn.Module):
+    """Mochi's block tail: ``h + norm2(attn, tanh(gate))`` (the gate is the norm's scale), then norm3 of
+    that sum. The add reads the modulated output through its cast to its own dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn, self.ff = nn.Linear(C, C), nn.Linear(C, C)
+
+    def forward(self, h, emb):
+        h = h + _mochi_norm(self.attn(h), torch.tanh(emb).unsqueeze(1))
+        n = _mochi_norm(h, 1 + emb.unsqueeze(1).to(torch.float32))
+        return h + _mochi_norm(self.ff(n), torch.tanh(2 * emb).unsqueeze(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_modulated_output_read_through_a_cast_to_its_own_dtype(dtype):
+    """The next call reads the first call's y where the graph has the value before the no-op cast
+    (the pass failed its lint and left the graph as it was)."""
+    torch.manual_seed(0)
+    model, (h, emb) = MochiBlock().to(dtype).eval(), _inputs(dtype)
+    with torch.no_grad():
+        want = model(h, emb)
+        opt = normfuse.optimize(model)
+        got = opt(h, emb)
+    rep = normfuse.report(opt)
+    assert torch.equal(got, want)
+    assert [(s.op, s.fused_modulation) for s in rep.sites] == [("norm", True), ("add_norm", True), ("norm", True)], rep

@@ -194,6 +194,62 @@ def _z_image():
                        return_dict=False)
 
 
+def _chroma():
+    """Chroma: Flux's blocks with the modulation from a distilled approximator (no pooled projection)."""
+    model = _make("ChromaTransformer2DModel", patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 4, 8),
+                  approximator_num_channels=8, approximator_hidden_dim=16, approximator_layers=1)
+    h = w = 4
+    img_ids = torch.cartesian_prod(torch.arange(1), torch.arange(h), torch.arange(w)).float()
+    return model, dict(hidden_states=_randn(1, h * w, 4), encoder_hidden_states=_randn(1, 8, 32, seed=2),
+                       timestep=torch.tensor([1.0]), img_ids=img_ids, txt_ids=torch.zeros(8, 3), return_dict=False)
+
+
+def _skyreels_v2():
+    """SkyReels V2: Wan's blocks (its q/k norm over all heads, the stored RoPE)."""
+    model = _make("SkyReelsV2Transformer3DModel", patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                  in_channels=4, out_channels=4, text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2,
+                  cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+    return model, dict(hidden_states=_randn(1, 4, 2, 8, 8), timestep=torch.tensor([700]),
+                       encoder_hidden_states=_randn(1, 6, 16, seed=2), return_dict=False)
+
+
+def _auraflow():
+    model = _make("AuraFlowTransformer2DModel", sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=1,
+                  num_single_dit_layers=1, attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                  caption_projection_dim=16, out_channels=4, pos_embed_max_size=64)
+    return model, dict(hidden_states=_randn(2, 4, 8, 8), encoder_hidden_states=_randn(2, 6, 16, seed=2),
+                       timestep=torch.tensor([3, 500]), return_dict=False)
+
+
+def _cogview4():
+    model = _make("CogView4Transformer2DModel", patch_size=2, in_channels=4, num_layers=2, attention_head_dim=4,
+                  num_attention_heads=4, out_channels=4, text_embed_dim=8, time_embed_dim=8, condition_dim=4)
+    size = torch.tensor([[64, 64]] * 2)
+    return model, dict(hidden_states=_randn(2, 4, 8, 8), encoder_hidden_states=_randn(2, 6, 8, seed=2),
+                       timestep=torch.tensor([3, 500]), original_size=size, target_size=size,
+                       crop_coords=torch.tensor([[0, 0]] * 2), return_dict=False)
+
+
+def _lumina2():
+    model = _make("Lumina2Transformer2DModel", sample_size=16, patch_size=2, in_channels=4, hidden_size=24,
+                  num_layers=2, num_refiner_layers=1, num_attention_heads=3, num_kv_heads=1, multiple_of=16,
+                  norm_eps=1e-5, axes_dim_rope=(4, 2, 2), axes_lens=(10, 32, 32), cap_feat_dim=8)
+    return model, dict(hidden_states=_randn(2, 4, 8, 8), timestep=torch.tensor([0.3, 0.5]),
+                       encoder_hidden_states=_randn(2, 6, 8, seed=2),
+                       encoder_attention_mask=torch.ones(2, 6, dtype=torch.bool), return_dict=False)
+
+
+def _mochi():
+    """Mochi: its modulated RMSNorms (``norm(x) * scale`` in fp32, cast back), the gate a norm's scale."""
+    model = _make("MochiTransformer3DModel", patch_size=2, num_attention_heads=2, attention_head_dim=8, num_layers=2,
+                  pooled_projection_dim=16, in_channels=4, qk_norm="rms_norm", text_embed_dim=16, time_embed_dim=4,
+                  activation_fn="swiglu", max_sequence_length=16)
+    return model, dict(hidden_states=_randn(2, 4, 2, 8, 8), encoder_hidden_states=_randn(2, 6, 16, seed=2),
+                       timestep=torch.tensor([3, 500]), encoder_attention_mask=torch.ones(2, 6, dtype=torch.bool),
+                       return_dict=False)
+
+
 DIFFUSION: dict[str, DiffusionModel] = {m.name: m for m in [
     DiffusionModel("dit", "DiTTransformer2DModel", "DiT", _dit),
     DiffusionModel("pixart_alpha", "PixArtTransformer2DModel", "PixArt", lambda: _pixart(alpha=True)),
@@ -214,6 +270,12 @@ DIFFUSION: dict[str, DiffusionModel] = {m.name: m for m in [
     DiffusionModel("qwen_image", "QwenImageTransformer2DModel", "Qwen-Image", _qwen_image),
     DiffusionModel("qwen_image_edit", "QwenImageTransformer2DModel", "Qwen-Image", lambda: _qwen_image(zero_cond_t=True)),
     DiffusionModel("z_image", "ZImageTransformer2DModel", "Z-Image", _z_image),
+    DiffusionModel("chroma", "ChromaTransformer2DModel", "Chroma", _chroma),
+    DiffusionModel("skyreels_v2", "SkyReelsV2Transformer3DModel", "SkyReels", _skyreels_v2),
+    DiffusionModel("auraflow", "AuraFlowTransformer2DModel", "AuraFlow", _auraflow),
+    DiffusionModel("cogview4", "CogView4Transformer2DModel", "CogView4", _cogview4),
+    DiffusionModel("lumina2", "Lumina2Transformer2DModel", "Lumina2", _lumina2),
+    DiffusionModel("mochi", "MochiTransformer3DModel", "Mochi", _mochi),
 ]}
 
 

@@ -14,7 +14,7 @@ import operator
 import torch.fx as fx
 
 from normfuse.kernels.specs import OP_OUTPUTS, api_outputs
-from normfuse.passes.canonical import node_shape, same_shape
+from normfuse.passes.canonical import canonical, node_dtype, node_shape, same_shape
 from normfuse.passes.fusions.base import Fusion
 from normfuse.passes.graph import copy_meta
 from normfuse.passes.parts import PARTS, folded_nodes, taken_parts
@@ -99,6 +99,19 @@ def _reroute_y(r, parts: list, built: BuiltCall, where: dict, output: fx.Node, a
         copy_meta(result, output)
         built.inserted.append(result)
     r.replace(output, result)
+    for before in _same_value_before(output):  # another call may read y as the value before a no-op cast
+        r.replaced.setdefault(before, result)
+
+
+def _same_value_before(node: fx.Node) -> list[fx.Node]:
+    """The nodes whose value ``node`` is, bit for bit: the inputs of casts to their own dtype (Mochi's
+    ``x.to(x_dtype)`` after its modulation, which an add reading it looks through), each read by the next only."""
+    found = []
+    while (c := canonical(node)) is not None and c.prim == "cast" and isinstance(c["input"], fx.Node) \
+            and node_dtype(c["input"]) == node_dtype(node) and len(c["input"].users) == 1:
+        node = c["input"]
+        found.append(node)
+    return found
 
 
 def _returned(r, parts: list, name: str, value: fx.Node, original: fx.Node, where: dict,
