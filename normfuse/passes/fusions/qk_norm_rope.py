@@ -724,7 +724,9 @@ def _complex_match(index, m, found, chain: list, leak: bool, exact: bool, shape:
     B, S, H, D = shape
     if not exact or node_dtype(flat) != torch.float32 or not _freqs_cis(f, B, S, D // 2):
         return RopeMatch(reason=f"the complex RoPE is not the pair rotation in fp32 of q upcast from "
-                                f"{node_dtype(m.output)} by a complex64 (1 | batch, 1 | seq, 1, {D // 2}) freqs_cis")
+                                f"{node_dtype(m.output)} by a complex64 (1 | batch, 1 | seq, 1, {D // 2}) freqs_cis "
+                                f"(here: q upcast to {node_dtype(chain[-1])}, a {node_dtype(f)} freqs_cis of shape "
+                                f"{tuple(node_shape(f) or ())}, the rotation in {node_dtype(flat)})")
     chain += nodes
     out = flat
     cast = _single_user(flat)
