@@ -177,7 +177,8 @@ def _build_hf(config, dtype: torch.dtype | None, device: str) -> nn.Module:
 # --------------------------------------------------------------------------- diffusers transformers
 
 # __init__ parameters of a diffusers transformer that hold a layer count; --layers sets every one it takes
-DIFFUSERS_LAYER_FIELDS = ("num_layers", "n_layers", "num_single_layers", "num_refiner_layers", "n_refiner_layers")
+DIFFUSERS_LAYER_FIELDS = ("num_layers", "n_layers", "num_single_layers", "num_refiner_layers", "n_refiner_layers",
+                          "num_mmdit_layers", "num_single_dit_layers")
 DIFFUSERS_TEXT_TOKENS = 512     # text tokens of the made prompt (CogVideoX: its max_text_seq_length)
 DIFFUSERS_IMAGE_TOKENS = 4096   # image tokens when --seq is not given (a 1024x1024 image at 16x16 pixels a token)
 
@@ -189,6 +190,8 @@ DIFFUSERS_FAMILIES = {
     "CogVideoXTransformer3DModel": "cogvideox", "LTXVideoTransformer3DModel": "ltx",
     "HunyuanVideoTransformer3DModel": "hunyuan_video", "SanaTransformer2DModel": "sana",
     "QwenImageTransformer2DModel": "qwen_image", "ZImageTransformer2DModel": "z_image",
+    "ChromaTransformer2DModel": "chroma", "SkyReelsV2Transformer3DModel": "wan",
+    "AuraFlowTransformer2DModel": "auraflow", "CogView4Transformer2DModel": "cogview4",
 }
 
 
@@ -301,6 +304,19 @@ def _family_inputs(family: str, model: nn.Module, batch: int, seq: int, device: 
                     pooled_projections=x(batch, c.pooled_projection_dim), timestep=steps(),
                     img_ids=x(seq, 3), txt_ids=x(text, 3))
         return made
+    if family == "chroma":  # Flux's inputs, without the pooled projection (its modulation is distilled)
+        return dict(hidden_states=x(batch, seq, c.in_channels), encoder_hidden_states=x(batch, text, c.joint_attention_dim),
+                    timestep=steps(), img_ids=x(seq, 3), txt_ids=x(text, 3))
+    if family == "auraflow":
+        p = c.patch_size
+        return dict(hidden_states=x(batch, c.in_channels, h * p, w * p),
+                    encoder_hidden_states=x(batch, text, c.joint_attention_dim), timestep=steps())
+    if family == "cogview4":
+        p = c.patch_size
+        size = torch.tensor([[h * p * 8, w * p * 8]] * batch, device=device)
+        return dict(hidden_states=x(batch, c.in_channels, h * p, w * p),
+                    encoder_hidden_states=x(batch, text, c.text_embed_dim), timestep=steps(),
+                    original_size=size, target_size=size, crop_coords=torch.zeros_like(size))
     if family == "flux2":
         axes = len(c.axes_dims_rope)
         made = dict(hidden_states=x(batch, seq, c.in_channels), encoder_hidden_states=x(batch, text, c.joint_attention_dim),
