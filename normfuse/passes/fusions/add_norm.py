@@ -105,7 +105,7 @@ def _reroute_y(r, parts: list, built: BuiltCall, where: dict, output: fx.Node, a
 
 def _same_value_before(node: fx.Node) -> list[fx.Node]:
     """The nodes whose value ``node`` is, bit for bit: the inputs of casts to their own dtype (Mochi's
-    ``x.to(x_dtype)`` after its modulation, which an add reading it looks through), each read by the next only."""
+    ``x.to(x_dtype)`` after its scaled norm, which an add reading it looks through), each read by the next only."""
     found = []
     while (c := canonical(node)) is not None and c.prim == "cast" and isinstance(c["input"], fx.Node) \
             and node_dtype(c["input"]) == node_dtype(node) and len(c["input"].users) == 1:
