@@ -291,7 +291,7 @@ def kernel_args(op: Op, tl_dtype, block: int) -> dict:
             (tuple(Leaf("constexpr", value=v) for v in (None, 0, 1, 0)),) * 2  # no second modulation
         args["MOD"] = (broadcast("MS", tl_dtype), broadcast("MH", tl_dtype), *second) if has_mod else \
             Leaf("constexpr", value=None)
-        constexprs["MOD_OPTS"] = (False, tl_dtype, tl_dtype) if has_mod else None
+        constexprs["MOD_OPTS"] = (False, tl_dtype, tl_dtype, False) if has_mod else None
     constexprs["L2"] = False
     args.update({name: pointer(name, tl_dtype, on) for name, on in vectors.items()})
     args.update(scalars, **constexprs, N=Leaf("i32", "N", divisible=True), weight_offset=scalar("weight_offset"),

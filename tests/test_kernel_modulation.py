@@ -467,3 +467,47 @@ def test_two_modulations_bad_arguments(mod, error, words):
     x = torch.randn(B, S, N)
     with pytest.raises(error, match=words):
         add_norm(x, x, None, None, kind="layer_norm", eps=1e-6, modulation=mod)
+
+
+# ---- the factor 1 + scale computed in the call (one_plus): no pass of its own for a per-token scale ----
+
+def ours_one_plus(form, t):
+    x, r = t["x"], t["r"]
+    if form == "wan":
+        mod = Modulation(t["scale"], t["shift"], out_dtype=x.dtype, one_plus=True)
+        return add_norm(x, r, None, None, kind="layer_norm", eps=1e-6, out_dtype=FP32, modulation=mod)
+    mod = Modulation(t["scale"], t["shift"], fused=form == "addcmul", one_plus=True)
+    return add_norm(x, r, None, None, kind="layer_norm", eps=1e-6, modulation=mod)
+
+
+@BACKENDS
+@pytest.mark.parametrize("per_token", (False, True), ids=("per_sample", "per_token"))
+@pytest.mark.parametrize("dtype", (FP32, BF16, FP16), ids=("fp32", "bf16", "fp16"))
+@pytest.mark.parametrize("form", ("dit", "addcmul", "wan"))
+def test_the_factor_one_plus_scale_in_the_call(form, dtype, per_token, backend, request, monkeypatch):
+    """Modulation(scale, shift, one_plus=True) is the block's ``n * (1 + scale) + shift`` with the add
+    rounded to scale's dtype as the graph's: bit-equal on the reference path and in 16 bits on the
+    kernels (which compute it in their epilogue), within the rule in fp32; gradients of the raw scale."""
+    _on(backend, request)
+    if backend == "triton":
+        from normfuse.kernels import triton as kernels
+        _kernels_take_it_all(kernels, monkeypatch)
+    t = _tensors(dtype, per_token, scale_dtype=FP32 if form == "wan" else None, seed=4)
+    (got, got_s), (want, want_s) = ours_one_plus(form, t), eager(form, t)
+    exact = eager(form, {k: v.double() for k, v in t.items()})[0]
+    assert got.dtype == want.dtype and torch.equal(got_s, want_s)
+    if backend == "reference" or dtype != FP32:
+        assert torch.equal(got, want), (got - want).abs().max()
+    ok, err, err_base, bound = within_tolerance(got, want, exact, dtype=got.dtype)
+    assert ok, f"error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"
+    if dtype == BF16 and per_token:
+        gen = torch.Generator().manual_seed(9)
+        cot = [torch.randn(B, S, N, generator=gen, dtype=FP64) for _ in range(2)]
+        names = ["x", "r", "scale", "shift"]
+        g_ours = _grads(lambda a: ours_one_plus(form, a), t, names, cot)
+        g_eager = _grads(lambda a: eager(form, a), t, names, cot)
+        g_exact = _grads(lambda a: eager(form, a), {k: v.double() for k, v in t.items()}, names, cot)
+        for name in names:
+            ok, err, err_base, bound = within_tolerance(g_ours[name], g_eager[name], g_exact[name],
+                                                        dtype=g_ours[name].dtype)
+            assert ok, f"d{name}: error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"

@@ -12,6 +12,8 @@ take keeps a reason.
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.nn as nn
@@ -135,10 +137,9 @@ def _plant(gm, fault):
     kw = dict(call.kwargs)
     if fault == "scale_shift_swapped":
         kw["mod_scale"], kw["mod_shift"] = kw["mod_shift"], kw["mod_scale"]
-    elif fault == "raw_scale":      # the call reads scale[:, None] where the graph has 1 + scale[:, None]
-        one_plus = kw["mod_scale"]
-        assert one_plus.target is torch.ops.aten.add.Tensor or "add" in str(one_plus.target)
-        kw["mod_scale"] = next(a for a in one_plus.args if isinstance(a, torch.fx.Node))
+    elif fault == "raw_scale":      # the call multiplies by scale[:, None] where the graph has 1 + scale[:, None]
+        assert kw["mod_one_plus"]   # (the call computes the graph's 1 + scale itself)
+        kw["mod_one_plus"] = False
     elif fault == "gate_on_stream":  # the gate multiplies the residual instead of the branch
         x, residual = call.args[:2]
         call.args = (residual, x, *call.args[2:])
@@ -192,7 +193,7 @@ class ReadTwice(nn.Module):
 
     def forward(self, h, scale):
         n = self.norm(h)
-        return tuple(n * (k + 1 + scale[:, None]) + (k * scale[:, None] if shifted else 0)
+        return tuple(n * (1 + (k + 1) * scale[:, None]) + (k * scale[:, None] if shifted else 0)
                      for k, shifted in enumerate(self.steps))
 
 
@@ -315,3 +316,37 @@ def test_a_modulated_output_read_through_a_cast_to_its_own_dtype(dtype):
     rep = normfuse.report(opt)
     assert torch.equal(got, want)
     assert [(s.op, s.fused_modulation) for s in rep.sites] == [("norm", True), ("add_norm", True), ("norm", True)], rep
+
+
+class PerTokenFactor(nn.Module):
+    """Wan 2.2 TI2V / LTX: a scale and shift per token, the factor ``1 + scale`` a (B, S, C) add of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.emb = nn.LayerNorm(C, elementwise_affine=False), nn.Linear(C, 2 * C)
+
+    def forward(self, h):
+        scale, shift = self.emb(h).chunk(2, dim=-1)
+        return self.norm(h) * (1 + scale) + shift
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_call_computes_the_factor_one_plus_scale(dtype):
+    """The per-token ``1 + scale`` is computed in the call (mod_one_plus): no add of the activation's
+    size is left, the same bits, the site proved."""
+    from normfuse.verify.sites import fused_calls
+
+    torch.manual_seed(0)
+    model, (h, _) = PerTokenFactor().to(dtype).eval(), _inputs(dtype)
+    with torch.no_grad():
+        want = model(h)
+        res = normfuse.check(model, h, backward=False)
+        opt = normfuse.optimize(model)
+        got = opt(h)
+    rep = normfuse.report(opt)
+    assert torch.equal(got, want)
+    assert rep.sites[0].fused_modulation and rep.sites[0].modulation.startswith("y * (1 + scale) + shift"), rep
+    graph = rep.graph_modules[0].graph
+    assert [c.kwargs["mod_one_plus"] for c in fused_calls(graph)] == [True]
+    assert not [n for n in graph.nodes if n.op == "call_function" and n.target in (operator.add, torch.add)]
+    assert res.ok and [s.symbolic.status for s in res.sites] == ["proved"], res

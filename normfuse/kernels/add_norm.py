@@ -73,13 +73,15 @@ def fused_add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weigh
                    quant_amax_min=None, quant_scale_min=None, quant_apply="div", quant_clamp=None,
                    quant_scale_out="scale", return_norm=False, gate=None, gate_position="before",
                    gate_activation="silu", norm_group=None, gate_out_dtype=None, mod_scale=None, mod_shift=None,
-                   mod_dtype=None, mod_fused=False, mod_out_dtype=None, x_gate=None, mod1_scale=None, mod1_shift=None):
+                   mod_dtype=None, mod_fused=False, mod_out_dtype=None, x_gate=None, mod1_scale=None, mod1_shift=None,
+                   mod_one_plus=False):
     """:func:`add_norm` with every option a flat keyword: what the rewritten graphs call (a
     tensor inside a Gate or Fp8Quant would be invisible to torch.fx) and the one route of
     add_norm to the ops. gate, gate_*: the fields of :class:`Gate`; quant_*: those of
     :class:`Fp8Quant` (quantizes when quant_dtype is set); dropout_p, seed, generator: those of
     :class:`Dropout`; mod_*: those of :class:`Modulation` (mod1_scale, mod1_shift: its scale1 and shift1,
-    a second modulation returned as y1). Returns what add_norm returns (normfuse.kernels.specs.api_outputs)."""
+    a second modulation returned as y1; mod_one_plus: its one_plus). Returns what add_norm returns
+    (normfuse.kernels.specs.api_outputs)."""
     validate(x, residual, weight, bias, kind, eps,
              {"sum_dtype": sum_dtype, "norm_round_dtype": norm_round_dtype, "out_dtype": out_dtype})
     validate_modes(x, x1, rowscale, weight1, bias1)
@@ -115,7 +117,8 @@ def fused_add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weigh
         raise InvalidOptionError("a second modulation (mod1_scale, mod1_shift) needs the first (mod_scale, "
                                  "mod_shift): y1 modulates the same y with the same steps.")
     if modulated:
-        Modulation(mod_scale, mod_shift, mod_dtype, bool(mod_fused), mod_out_dtype, mod1_scale, mod1_shift).check(x)
+        Modulation(mod_scale, mod_shift, mod_dtype, bool(mod_fused), mod_out_dtype, mod1_scale, mod1_shift,
+                   bool(mod_one_plus)).check(x)
         check_modulation_shapes(x, Modulation(mod_scale, mod_shift, scale1=mod1_scale, shift1=mod1_shift))
         if gate is not None or weight1 is not None or quant_dtype is not None:
             raise InvalidOptionError("the modulation epilogue cannot be combined with gate, weight1 or quant_dtype "
@@ -147,7 +150,8 @@ def fused_add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weigh
     gated = () if gate is None and norm_group is None and not modulated and x_gate is None else (
         gate, gate_position, gate_activation, norm_group, gate_out_dtype)
     if modulated or x_gate is not None:
-        gated += (mod_scale, mod_shift, mod_dtype, bool(mod_fused), mod_out_dtype, x_gate, mod1_scale, mod1_shift)
+        gated += (mod_scale, mod_shift, mod_dtype, bool(mod_fused), mod_out_dtype, x_gate, mod1_scale, mod1_shift,
+                  bool(mod_one_plus))
     y, s, _, _, y1 = forward(x, residual, weight, bias, kind, float(eps), float(weight_offset),
                              float(residual_scale), sum_dtype, norm_round_dtype, out_dtype, store_sum,
                              bool(round_sum_first), x1, rowscale, weight1, bias1, dropout_p, seed, *gated)

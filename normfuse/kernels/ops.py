@@ -497,7 +497,7 @@ def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, add_after_norm, 
     """Shared tail of both autograd formulas: call the backward, map empties to None.
     ``saved``: ctx.saved_tensors, read once (non-reentrant checkpointing allows one unpack).
     ``modes``: add_norm's (dy1, weight1, x1_dtype, rowscale, seed, gate, bias, mod_scale, mod_shift, x_gate,
-    x, mod1_scale, mod1_shift), or None. Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate,
+    x, mod1_scale, mod1_shift), or None (the scales' one_plus: ctx.mod_one_plus). Returns (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate,
     dmod_scale, dmod_shift, dx_gate, dmod1_scale, dmod1_shift)."""
     mean, rstd, weight = saved[-3:]
     (dy1, weight1, x1_dtype, rowscale, seed, gate, bias, mod_scale, mod_shift, x_gate, x, mod1_scale,
@@ -515,7 +515,8 @@ def _norm_backward(ctx, saved, dy, dextra, inp, residual_dtype, add_after_norm, 
     gated = gate is not None or getattr(ctx, "norm_group", None) or modulated
     # (the backward op's arguments past seed only when a gate, groups, a modulation or a gated branch need them)
     gate_args = (gate, ctx.gate_position, ctx.gate_activation, ctx.norm_group, bias) if gated else ()
-    mod_args = (mod_scale, mod_shift, x_gate, x, mod1_scale, mod1_shift) if modulated else ()
+    mod_args = (mod_scale, mod_shift, x_gate, x, mod1_scale, mod1_shift, getattr(ctx, "mod_one_plus", False)) \
+        if modulated else ()
     dx, dres, dw, db, dx1, dw1, db1, dgate, dscale, dshift, dx_gate, dscale1, dshift1 = backward(
         dy, dextra, inp, mean, rstd, weight, ctx.kind, ctx.weight_offset, ctx.residual_scale, add_after_norm,
         ctx.x_dtype, None if shared else residual_dtype, ctx.bias_dtype, dy1, None if dy1 is None else weight1,
@@ -569,6 +570,7 @@ def _save_add_norm(ctx, call: AddNormCall, output):
     gate_bias = norm.bias if (gate is not None and gate.position == "after") or mod is not None else None
     scale, shift = (mod.scale, mod.shift) if mod is not None else (None, None)
     scale1, shift1 = (mod.scale1, mod.shift1) if mod is not None else (None, None)  # a second modulation
+    ctx.mod_one_plus = mod is not None and mod.one_plus
     # a gated branch's backward needs the gate and x (dx_gate = sum of ds * x)
     gated_x = (rows.x_gate, x) if rows.x_gate is not None else (None, None)
     if ctx.sum_stored and ctx.round_sum_first:

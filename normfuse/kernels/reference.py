@@ -412,6 +412,11 @@ def gated_branch(x: Tensor, x_gate: Optional[Tensor]) -> Tensor:
     return x if x_gate is None else x * x_gate
 
 
+def modulation_factor(scale: Optional[Tensor], one_plus: bool) -> Optional[Tensor]:
+    """The factor y is multiplied by: scale, or ``1 + scale`` in scale's dtype (as the graph's add)."""
+    return 1 + scale if one_plus and scale is not None else scale
+
+
 def modulation_dtypes(y_dtype: torch.dtype, modulation: Modulation) -> tuple[torch.dtype, torch.dtype]:
     """(the dtype each step of the modulation rounds to, its output's dtype), defaults filled in."""
     dtype = modulation.dtype or y_dtype
@@ -427,7 +432,7 @@ def modulate(y: Tensor, modulation: Modulation) -> Tensor:
     (fp64 for fp64)."""
     dtype, out_dtype = modulation_dtypes(y.dtype, modulation)
     acc = acc_dtype(dtype)
-    m, scale, shift = y.to(acc), modulation.scale, modulation.shift
+    m, scale, shift = y.to(acc), modulation_factor(modulation.scale, modulation.one_plus), modulation.shift
     if modulation.fused and scale is not None and shift is not None:
         m = torch.addcmul(shift.to(acc), m, scale.to(acc))  # one rounding (a fused multiply-add), as eager's
     else:
@@ -678,20 +683,23 @@ def modulation_grads(dm: Tensor, call: BackwardCall, dm1: Optional[Tensor] = Non
     if mod.scale is not None:
         y = _norm_output(saved.inp.to(acc), saved.mean, saved.rstd, norm.weight, norm.bias, norm.kind,
                          norm.weight_offset, norm.group)
-    dy, dscale, dshift = _modulation_grads(dm.to(acc), y, mod.scale, mod.shift)
+    dy, dscale, dshift = _modulation_grads(dm.to(acc), y, mod.scale, mod.shift, mod.one_plus)
     dscale1 = dshift1 = None
     if mod.twice and dm1 is not None:
-        dy1, dscale1, dshift1 = _modulation_grads(dm1.to(acc), y, mod.scale1, mod.shift1)
+        dy1, dscale1, dshift1 = _modulation_grads(dm1.to(acc), y, mod.scale1, mod.shift1, mod.one_plus)
         dy = dy + dy1
     return dy, dscale, dshift, dscale1, dshift1
 
 
-def _modulation_grads(dm: Tensor, y: Optional[Tensor], scale: Optional[Tensor], shift: Optional[Tensor]) -> tuple:
-    """(dy, dscale, dshift) of m = y * scale + shift from dm (in the accumulation dtype)."""
+def _modulation_grads(dm: Tensor, y: Optional[Tensor], scale: Optional[Tensor], shift: Optional[Tensor],
+                      one_plus: bool = False) -> tuple:
+    """(dy, dscale, dshift) of m = y * factor + shift from dm (in the accumulation dtype); the factor's
+    gradient is the scale's (d(1 + scale) = d scale)."""
     dshift = None if shift is None else dm.sum_to_size(shift.shape).to(shift.dtype)
     if scale is None:
         return dm, None, dshift
-    return dm * scale.to(dm.dtype), (dm * y).sum_to_size(scale.shape).to(scale.dtype), dshift
+    factor = modulation_factor(scale, one_plus)
+    return dm * factor.to(dm.dtype), (dm * y).sum_to_size(scale.shape).to(scale.dtype), dshift
 
 
 def add_norm_bwd(call: BackwardCall):

@@ -461,7 +461,9 @@ class Modulation:
     after each op (default: the promoted dtype of y, scale and shift), once with ``fused``
     (``addcmul``), then to ``out_dtype`` (Wan's ``.type_as(x)``; default: dtype). ``scale1`` and
     ``shift1``: a second modulation of the same y with the same modes, returned as y1 (SD3.5's
-    AdaLayerNormZeroX modulates one norm's output twice)."""
+    AdaLayerNormZeroX modulates one norm's output twice). ``one_plus``: the scales are given without
+    the 1, the factor is ``1 + scale`` rounded to scale's dtype (as the graph's add rounds it; a per-token
+    scale then costs no pass of its own)."""
     scale: Optional[Tensor] = None
     shift: Optional[Tensor] = None
     dtype: Optional[torch.dtype] = None
@@ -469,6 +471,7 @@ class Modulation:
     out_dtype: Optional[torch.dtype] = None
     scale1: Optional[Tensor] = None
     shift1: Optional[Tensor] = None
+    one_plus: bool = False
 
     ON_WHEN = ("scale", "shift")  # on when either is given
 
@@ -479,7 +482,7 @@ class Modulation:
 
     def second(self) -> "Modulation":
         """The second modulation as one of its own (the same modes)."""
-        return Modulation(self.scale1, self.shift1, self.dtype, self.fused, self.out_dtype)
+        return Modulation(self.scale1, self.shift1, self.dtype, self.fused, self.out_dtype, one_plus=self.one_plus)
 
     def check(self, x: Tensor) -> None:
         """The functional API's checks against x (the op's fake checks the shapes only)."""
@@ -508,7 +511,7 @@ class Modulation:
         """The flat keywords of fused_add_norm (and the add_norm_fwd arguments) it stands for."""
         return {"mod_scale": self.scale, "mod_shift": self.shift, "mod_dtype": self.dtype,
                 "mod_fused": bool(self.fused), "mod_out_dtype": self.out_dtype, "mod1_scale": self.scale1,
-                "mod1_shift": self.shift1}
+                "mod1_shift": self.shift1, "mod_one_plus": bool(self.one_plus)}
 
 
 @_group

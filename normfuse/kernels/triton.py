@@ -185,18 +185,26 @@ if triton is not None:
         return (row // OP[2]) * OP[1] + (row % OP[2]) * OP[3]
 
     @triton.jit
+    def _factor(MS, row, cols, mask, ONE_PLUS: tl.constexpr):
+        """The modulation's factor in fp32: scale as read, or 1 + scale rounded to scale's dtype (ONE_PLUS)."""
+        scale = tl.load(MS[0] + _broadcast_row(MS, row) + cols, mask=mask, other=0.0).to(tl.float32)
+        if ONE_PLUS:
+            scale = _round(scale + 1.0, MS[0].dtype.element_ty).to(tl.float32)
+        return scale
+
+    @triton.jit
     def _modulate(y, MS, MH, row, cols, mask, MOD_OPTS: tl.constexpr):
         """m = y * scale + shift (adaLN), rounded to MOD_OPTS[1] after the product and after the sum
         (once, as a fused multiply-add, with MOD_OPTS[0]), then to MOD_OPTS[2]; scale and shift read
-        through their strides (per sample, per token or per column)."""
+        through their strides (per sample, per token or per column), the factor 1 + scale with MOD_OPTS[3]."""
         m = y.to(tl.float32)
         if MS[0] is not None and MH[0] is not None and MOD_OPTS[0]:
-            scale = tl.load(MS[0] + _broadcast_row(MS, row) + cols, mask=mask, other=0.0).to(tl.float32)
+            scale = _factor(MS, row, cols, mask, MOD_OPTS[3])
             shift = tl.load(MH[0] + _broadcast_row(MH, row) + cols, mask=mask, other=0.0).to(tl.float32)
             m = tl.fma(m, scale, shift)
         else:
             if MS[0] is not None:
-                scale = tl.load(MS[0] + _broadcast_row(MS, row) + cols, mask=mask, other=0.0).to(tl.float32)
+                scale = _factor(MS, row, cols, mask, MOD_OPTS[3])
                 m = _round(m * scale, MOD_OPTS[1]).to(tl.float32)
             if MH[0] is not None:
                 m = m + tl.load(MH[0] + _broadcast_row(MH, row) + cols, mask=mask, other=0.0).to(tl.float32)
@@ -1004,7 +1012,7 @@ def _modulation_launch_args(call, y_dtype: torch.dtype) -> dict:
     x = call.rows.x
     dtype, out_dtype = reference.modulation_dtypes(y_dtype, mod)
     return dict(MOD=tuple(broadcast_operand(t, x) for t in (mod.scale, mod.shift, mod.scale1, mod.shift1)),
-                MOD_OPTS=(bool(mod.fused), TL_DTYPES[dtype], TL_DTYPES[out_dtype]))
+                MOD_OPTS=(bool(mod.fused), TL_DTYPES[dtype], TL_DTYPES[out_dtype], bool(mod.one_plus)))
 
 
 def _quant_launch_args(spec: Optional[Fp8Quant], q: Optional[Tensor] = None, scale: Optional[Tensor] = None) -> dict:

@@ -20,6 +20,7 @@ add_norm call (or a plain norm's) whose y nothing else changes takes it.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,8 @@ import torch
 import torch.fx as fx
 
 from normfuse.kernels.specs import Modulation
-from normfuse.passes.canonical import broadcasts_to, is_exact_upcast, node_dtype, node_shape, real_users, same_dim
+from normfuse.passes.canonical import (broadcasts_to, is_exact_upcast, node_dtype, node_shape, real_users, same_dim,
+                                       same_shape)
 from normfuse.passes.graph import GraphIndex, copy_meta
 from normfuse.passes.parts.base import CallPiece, FusionPart
 from normfuse.vocabulary import KERNEL_DTYPES
@@ -50,6 +52,7 @@ class ModulationMatch:
     times: int = 1                       # modulations of the one y (SD3.5's AdaLayerNormZeroX: two)
     reason: str | None = None            # found, but the call cannot take it
     second: ModulationMatch | None = None  # the second modulation of the same y, the call's y1
+    factor: fx.Node | None = None        # the graph's ``1 + scale`` the call computes (scale: its scale)
 
     @property
     def output(self) -> fx.Node:
@@ -58,7 +61,8 @@ class ModulationMatch:
 
     @property
     def nodes(self) -> tuple[fx.Node, ...]:
-        mine = self.steps if self.cast is None else (*self.steps, self.cast)
+        mine = (*self.steps, *(() if self.cast is None else (self.cast,)),
+                *(() if self.factor is None else (self.factor,)))
         return mine if self.second is None else (*mine, *self.second.nodes)
 
     @property
@@ -69,15 +73,17 @@ class ModulationMatch:
     def spec(self, scale: Any, shift: Any, scale1: Any = None, shift1: Any = None) -> Modulation:
         """The kernel-facing argument group with the operands as the call reads them."""
         return Modulation(scale, shift, self.dtype, self.fused, self.out_dtype if self.out_dtype != self.dtype else None,
-                          scale1, shift1)
+                          scale1, shift1, self.factor is not None)
 
     def without_shift(self) -> ModulationMatch:
         """The product alone, its add left to the graph (not for addcmul)."""
-        return ModulationMatch(self.scale, None, self.dtype, False, self.dtype, self.steps[:-1])
+        return dataclasses.replace(self, shift=None, fused=False, out_dtype=self.dtype, steps=self.steps[:-1],
+                                   cast=None)
 
     def describe(self) -> str:
+        factor = "(1 + scale)" if self.factor is not None else "scale"
         steps = "addcmul" if self.fused else " ".join(
-            step for step, on in (("* scale", self.scale is not None), ("+ shift", self.shift is not None)) if on)
+            step for step, on in ((f"* {factor}", self.scale is not None), ("+ shift", self.shift is not None)) if on)
         cast = f", then {self.out_dtype}" if self.out_dtype != self.dtype else ""
         times = f", {self.times} times" if self.times > 1 else ""  # (the second: the same steps)
         return f"y {steps} in {self.dtype}{cast}{times}".replace("torch.", "")
@@ -176,26 +182,42 @@ def find_modulation(index: GraphIndex, match) -> ModulationMatch | None:
             reason = ("the norm's output is modulated twice with different steps (scale or shift, rounding): the "
                       "call's second modulation takes the steps of the first")
         else:
-            return ModulationMatch(*_fields(first), times=2, second=second)
-        return ModulationMatch(*_fields(first), times=len(found), reason=reason)
+            return dataclasses.replace(first, times=2, second=second)
+        return dataclasses.replace(first, times=len(found), reason=reason)
     return _modulation(index, y, _only_reader(y), casts)
 
 
 def _modes(m: ModulationMatch) -> tuple:
     """What two modulations of one y must share to be one call's y and y1."""
-    return m.scale is None, m.shift is None, m.dtype, m.fused, m.out_dtype
+    return m.scale is None, m.shift is None, m.dtype, m.fused, m.out_dtype, m.factor is None
 
 
-def _fields(m: ModulationMatch) -> tuple:
-    return m.scale, m.shift, m.dtype, m.fused, m.out_dtype, m.steps, m.cast
+def _one_plus(index: GraphIndex, factor: Any) -> tuple[Any, fx.Node | None]:
+    """(scale, the add) when ``factor`` is the graph's ``1 + scale`` (either order), read by the product
+    only, in scale's dtype and shape: the call computes it (a per-token one is a pass of its own);
+    (factor, None) otherwise."""
+    c = index.canon(factor) if isinstance(factor, fx.Node) else None
+    if c is None or c.prim != "add" or c["alpha"] != 1 or len(real_users(factor)) != 1:
+        return factor, None
+    a, b = c["input"], c["other"]
+    scale = b if _is_one(a) else a if _is_one(b) else None
+    if not isinstance(scale, fx.Node) or node_dtype(scale) != node_dtype(factor) \
+            or not same_shape(node_shape(scale), node_shape(factor)):
+        return factor, None
+    return scale, factor
+
+
+def _is_one(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 1
 
 
 def _modulation(index: GraphIndex, y: fx.Node, first: fx.Node | None, casts: list) -> ModulationMatch | None:
     """The modulation that ``first``, a reader of y, starts (after ``casts`` of y that change no
     value), or None: each step rounds to the dtype eager's type promotion gives it."""
-    scale, shift, fused, nodes = _steps(index, y, first)
+    factor, shift, fused, nodes = _steps(index, y, first)
     if not nodes:
         return None
+    scale, one_plus = _one_plus(index, factor)
     nodes = [*casts, *nodes]
     dtype = node_dtype(nodes[-1])
     promoted = node_dtype(y)
@@ -205,8 +227,8 @@ def _modulation(index: GraphIndex, y: fx.Node, first: fx.Node | None, casts: lis
         return None  # a python scalar or a 0-dim operand promotes otherwise; not a modulation of the row
     out = _only_reader(nodes[-1])
     if out is not None and index.prim(out) == "cast" and node_dtype(out) in KERNEL_DTYPES:
-        return ModulationMatch(scale, shift, dtype, fused, node_dtype(out), tuple(nodes), out)
-    return ModulationMatch(scale, shift, dtype, fused, dtype, tuple(nodes))
+        return ModulationMatch(scale, shift, dtype, fused, node_dtype(out), tuple(nodes), out, factor=one_plus)
+    return ModulationMatch(scale, shift, dtype, fused, dtype, tuple(nodes), factor=one_plus)
 
 
 class _Modulation(FusionPart):
@@ -300,6 +322,8 @@ class _Modulation(FusionPart):
         n = norm(s)
 
         def modulated(scale, shift):
+            if scale is not None and options.get("mod_one_plus"):
+                scale = ops.elementwise(lambda v: 1 + v, scale)
             y = n if scale is None else ops.elementwise(ops.mul, n, scale)
             return y if shift is None else ops.elementwise(ops.add, y, shift)
         out = {"y": modulated(rows.get("mod_scale"), rows.get("mod_shift")), "s": s}
