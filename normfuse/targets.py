@@ -261,6 +261,8 @@ def _diffusers_inputs(family: str, model: nn.Module, batch: int, seq: int, devic
 
 
 _GUIDED = frozenset({"flux", "flux2", "hunyuan_video", "sana", "qwen_image"})  # configs with guidance_embeds
+# families whose learned positions bound the image tokens: the most a config takes
+_MOST_TOKENS = {"auraflow": lambda c: c.pos_embed_max_size}
 
 
 def _family_inputs(family: str, model: nn.Module, batch: int, seq: int, device: str,
@@ -379,8 +381,15 @@ def _load_diffusers(name: str, layers: int | None, overrides: dict[str, Any], dt
         if any(m in key.split(".") for m in keep):
             param.data = param.data.to(torch.float32)
     model = model.eval()
+    family = DIFFUSERS_FAMILIES[name]
+    most = _MOST_TOKENS[family](model.config) if family in _MOST_TOKENS else None
     tokens = DIFFUSERS_IMAGE_TOKENS if seq is None else seq
-    kwargs = _diffusers_inputs(DIFFUSERS_FAMILIES[name], model, batch, tokens, device, dtype)
+    if most is not None and tokens > most:
+        if seq is not None:
+            raise TargetError(f"{name} embeds at most {most} image tokens (its learned positions); pass --seq {most} "
+                              f"or fewer.")
+        tokens = most  # the default count, as many as the model takes
+    kwargs = _diffusers_inputs(family, model, batch, tokens, device, dtype)
     kwargs["return_dict"] = False
     return model, (), kwargs
 

@@ -71,6 +71,8 @@ def test_diffusers_target_errors():
         load_target("diffusers:PriorTransformer", device="meta")
     with pytest.raises(TargetError, match="takes no argument 'hidden_size'"):
         load_target("diffusers:FluxTransformer2DModel", overrides={"hidden_size": 8}, device="meta")
+    with pytest.raises(TargetError, match="embeds at most 1024 image tokens"):  # AuraFlow's learned positions
+        load_target("diffusers:AuraFlowTransformer2DModel", layers=1, device="meta", seq=4096)
 
 
 @pytest.mark.zoo

@@ -511,3 +511,26 @@ def test_the_factor_one_plus_scale_in_the_call(form, dtype, per_token, backend, 
             ok, err, err_base, bound = within_tolerance(g_ours[name], g_eager[name], g_exact[name],
                                                         dtype=g_ours[name].dtype)
             assert ok, f"d{name}: error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"
+
+
+@BACKENDS
+@pytest.mark.parametrize("dtype,scale_dtype", [(FP32, BF16), (BF16, FP16)], ids=("fp32_x_bf16_scale", "bf16_x_fp16_scale"))
+def test_the_factor_rounds_to_the_scale_s_dtype(dtype, scale_dtype, backend, request, monkeypatch):
+    """1 + scale rounds to the scale's dtype (as the graph's add), not to the product's (fp32 here):
+    bit-equal to the block on both paths."""
+    _on(backend, request)
+    if backend == "triton":
+        from normfuse.kernels import triton as kernels
+        _kernels_take_it_all(kernels, monkeypatch)
+    t = _tensors(dtype, per_token=True, scale_dtype=scale_dtype, seed=8)
+    t["scale"] = t["scale"] * 64  # factors far from 1: their rounding to the scale's dtype shows
+    (got, _), (want, _) = ours_one_plus("dit", t), eager("dit", t)
+    assert got.dtype == want.dtype == torch.float32
+    close = dict(rtol=1e-5, atol=1e-5)  # the kernels sum the statistics in another order: a few fp32 ulps
+    if backend == "reference":
+        assert torch.equal(got, want), (got - want).abs().max()
+    else:
+        torch.testing.assert_close(got, want, **close)
+    n = F.layer_norm(t["x"] + t["r"], (N,), None, None, 1e-6)  # a factor kept in fp32 is farther than that
+    kept = n * (1 + t["scale"].float()) + t["shift"]
+    assert not torch.allclose(kept, want, **close)

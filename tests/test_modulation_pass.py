@@ -187,12 +187,14 @@ class ReadTwice(nn.Module):
     """The norm's output modulated by several readers (SD3.5's AdaLayerNormZeroX: two, for its attention
     and its second attention); ``steps``: per reader, whether it adds a shift."""
 
-    def __init__(self, steps=(True, True)):
+    def __init__(self, steps=(True, True), mixed=False):
         super().__init__()
-        self.norm, self.steps = nn.LayerNorm(C, elementwise_affine=False), steps
+        self.norm, self.steps, self.mixed = nn.LayerNorm(C, elementwise_affine=False), steps, mixed
 
     def forward(self, h, scale):
         n = self.norm(h)
+        if self.mixed:  # 1 + scale beside 2 + scale: the call takes both factors as the graph computed them
+            return tuple(n * (k + 1 + scale[:, None]) + k * scale[:, None] for k in range(len(self.steps)))
         return tuple(n * (1 + (k + 1) * scale[:, None]) + (k * scale[:, None] if shifted else 0)
                      for k, shifted in enumerate(self.steps))
 
@@ -212,13 +214,14 @@ class PerSegment(nn.Module):
         return torch.cat([zero, rest], dim=1)
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=("one_plus", "mixed_factors"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_two_modulations_of_one_norm_are_its_call_s_y_and_y1(dtype):
+def test_two_modulations_of_one_norm_are_its_call_s_y_and_y1(dtype, mixed):
     """SD3.5's two modulations of one norm's output: one call returns both (y and y1), the same bits,
     the site proved; the call's second modulation reading the first's shift is refuted at its site."""
     from normfuse.verify.sites import fused_calls
 
-    model, (h, emb) = ReadTwice(), _inputs(dtype)
+    model, (h, emb) = ReadTwice(mixed=mixed), _inputs(dtype)
     with torch.no_grad():
         want = model(h, emb)
         res = normfuse.check(model, h, emb, backward=False)

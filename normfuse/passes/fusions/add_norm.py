@@ -108,7 +108,8 @@ def _same_value_before(node: fx.Node) -> list[fx.Node]:
     ``x.to(x_dtype)`` after its scaled norm, which an add reading it looks through), each read by the next only."""
     found = []
     while (c := canonical(node)) is not None and c.prim == "cast" and isinstance(c["input"], fx.Node) \
-            and node_dtype(c["input"]) == node_dtype(node) and len(c["input"].users) == 1:
+            and node_dtype(node) is not None and node_dtype(c["input"]) == node_dtype(node) \
+            and len(c["input"].users) == 1:
         node = c["input"]
         found.append(node)
     return found

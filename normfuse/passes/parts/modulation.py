@@ -29,8 +29,8 @@ import torch
 import torch.fx as fx
 
 from normfuse.kernels.specs import Modulation
-from normfuse.passes.canonical import (broadcasts_to, is_exact_upcast, node_dtype, node_shape, real_users, same_dim,
-                                       same_shape)
+from normfuse.passes.canonical import (broadcasts_to, is_exact_upcast, mutates, node_dtype, node_shape, real_users,
+                                       same_dim, same_shape)
 from normfuse.passes.graph import GraphIndex, copy_meta
 from normfuse.passes.parts.base import CallPiece, FusionPart
 from normfuse.vocabulary import KERNEL_DTYPES
@@ -174,6 +174,9 @@ def find_modulation(index: GraphIndex, match) -> ModulationMatch | None:
         if any(f is None for f in found) or len(found) < 2:
             return None
         first, second = found[0], found[1]
+        if (first.factor is None) != (second.factor is None):  # 1 + a beside 2 + b: both factors as operands
+            first, second = (dataclasses.replace(m, scale=m.factor, factor=None) if m.factor is not None else m
+                             for m in (first, second))
         if len(found) > 2:
             reason = f"the norm's output is modulated {len(found)} times: the call returns two modulated outputs"
         elif casts:
@@ -197,8 +200,8 @@ def _one_plus(index: GraphIndex, factor: Any) -> tuple[Any, fx.Node | None]:
     only, in scale's dtype and shape: the call computes it (a per-token one is a pass of its own);
     (factor, None) otherwise."""
     c = index.canon(factor) if isinstance(factor, fx.Node) else None
-    if c is None or c.prim != "add" or c["alpha"] != 1 or len(real_users(factor)) != 1:
-        return factor, None
+    if c is None or c.prim != "add" or c["alpha"] != 1 or len(real_users(factor)) != 1 or mutates(factor):
+        return factor, None  # (an in-place ``scale += 1`` stays: something may read scale after it)
     a, b = c["input"], c["other"]
     scale = b if _is_one(a) else a if _is_one(b) else None
     if not isinstance(scale, fx.Node) or node_dtype(scale) != node_dtype(factor) \
