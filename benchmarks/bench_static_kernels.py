@@ -148,6 +148,11 @@ OPS = [
        dict(HAS_RESIDUAL=True, HAS_WEIGHT=False, HAS_BIAS=False, IS_RMS=False, ROUND_FIRST=False, STORE_SUM=True,
             STORE_Y=True, ADD_AFTER_NORM=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, HAS_XGATE=True,
             HAS_MOD=True, **NO_MODES), ("X", "R"), ("Y", "S")),
+    # Wan 2.2 TI2V / LTX: a per-token scale, the factor 1 + scale computed in the epilogue
+    Op("add_layer_norm + modulation, factor 1 + scale (Wan 2.2, LTX)", False,
+       dict(HAS_RESIDUAL=True, HAS_WEIGHT=False, HAS_BIAS=False, IS_RMS=False, ROUND_FIRST=False, STORE_SUM=True,
+            STORE_Y=True, ADD_AFTER_NORM=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, HAS_MOD=True,
+            ONE_PLUS=True, **NO_MODES), ("X", "R"), ("Y", "S")),
     # SD3.5's AdaLayerNormZeroX: one norm, its y modulated twice (y and y1)
     Op("add_layer_norm + two modulations (DiT, SD3.5)", False,
        dict(HAS_RESIDUAL=True, HAS_WEIGHT=False, HAS_BIAS=False, IS_RMS=False, ROUND_FIRST=False, STORE_SUM=True,
@@ -291,7 +296,7 @@ def kernel_args(op: Op, tl_dtype, block: int) -> dict:
             (tuple(Leaf("constexpr", value=v) for v in (None, 0, 1, 0)),) * 2  # no second modulation
         args["MOD"] = (broadcast("MS", tl_dtype), broadcast("MH", tl_dtype), *second) if has_mod else \
             Leaf("constexpr", value=None)
-        constexprs["MOD_OPTS"] = (False, tl_dtype, tl_dtype, False) if has_mod else None
+        constexprs["MOD_OPTS"] = (False, tl_dtype, tl_dtype, f.get("ONE_PLUS", False)) if has_mod else None
     constexprs["L2"] = False
     args.update({name: pointer(name, tl_dtype, on) for name, on in vectors.items()})
     args.update(scalars, **constexprs, N=Leaf("i32", "N", divisible=True), weight_offset=scalar("weight_offset"),
