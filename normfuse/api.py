@@ -73,10 +73,10 @@ def optimize(model: nn.Module, config: FuseConfig | None = None, **options: Any)
     log.notes += prepare(model, cfg).notes
     if cfg.cross_block:
         from normfuse.passes.cross_block import checkpointed_sharded_blocks
-        names = {id(m): name for name, m in model.named_modules()}
         for block in checkpointed_sharded_blocks(model):  # (their docstring says why)
             if getattr(block, "_compiled_call_impl", None) is not None:  # the caller compiled it: theirs
-                log.notes.append(f"{names.get(id(block), type(block).__name__)}: compiled by the caller, left as "
+                name = next(n for n, m in model.named_modules() if m is block)
+                log.notes.append(f"{name}: compiled by the caller, left as "
                                  "compiled (an FSDP2 block a checkpointed loop runs is captured only when compiled "
                                  "on its own: its norms are fused when that compile's backend is 'normfuse')")
                 continue

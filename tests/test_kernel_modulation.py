@@ -98,6 +98,20 @@ def test_the_custom_op_computes_the_same():
     assert torch.equal(compiled(t)[0], want)
 
 
+def _assert_within(got, want, exact, what: str = "") -> None:
+    """got has want's (eager's) dtype and shape and is within the project's rule against want and the
+    fp64 ``exact`` (normfuse.tolerances)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    ok, err, err_base, bound = within_tolerance(got.detach(), want.detach(), exact.detach(), dtype=got.dtype)
+    assert ok, f"{what}error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"
+
+
+def _assert_grads_within(got: dict, base: dict, exact: dict) -> None:
+    """Each gradient of ``got`` (by input name) within the rule against eager's and the fp64 one."""
+    for name in got:
+        _assert_within(got[name], base[name], exact[name], f"d{name}: ")
+
+
 def _grads(fn, t, names, cot):
     leaves = {k: v.detach().clone().requires_grad_(k in names) for k, v in t.items()}
     out, s = fn(leaves)
@@ -118,10 +132,7 @@ def test_gradients_vs_fp64(form, dtype, kind, per_token):
     got = _grads(lambda a: ours(form, a, kind), t, names, cot)
     base = _grads(lambda a: eager(form, a, kind), t, names, cot)
     exact = _grads(lambda a: eager(form, a, kind), {k: v.double() for k, v in t.items()}, names, cot)
-    for name in names:
-        assert got[name].shape == base[name].shape and got[name].dtype == base[name].dtype, name
-        ok, err, err_base, bound = within_tolerance(got[name], base[name], exact[name], dtype=got[name].dtype)
-        assert ok, f"d{name}: error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"
+    _assert_grads_within(got, base, exact)
 
 
 def test_fp64_gradcheck():
@@ -213,8 +224,7 @@ def test_gated_branch_and_modulation_equal_the_block(dtype, per_token, backend, 
         return
     exact = dit_block({k: v.double() for k, v in t.items()})
     for a, b, e in zip(got, want, exact):
-        ok, err, err_base, bound = within_tolerance(a, b, e, dtype=a.dtype)
-        assert ok, f"error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"
+        _assert_within(a, b, e)
 
 
 @BACKENDS
@@ -229,10 +239,7 @@ def test_gated_branch_gradients_vs_fp64(dtype, per_token, backend, request):
     got = _grads(dit_ours, t, names, cot)
     base = _grads(dit_block, t, names, cot)
     exact = _grads(dit_block, {k: v.double() for k, v in t.items()}, names, cot)
-    for name in names:
-        assert got[name].shape == base[name].shape and got[name].dtype == base[name].dtype, name
-        ok, err, err_base, bound = within_tolerance(got[name], base[name], exact[name], dtype=got[name].dtype)
-        assert ok, f"d{name}: error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"
+    _assert_grads_within(got, base, exact)
 
 
 def test_gated_branch_without_a_stored_sum():
@@ -307,9 +314,7 @@ def test_the_kernels_modulate_in_their_epilogue(form, dtype, per_token, triton_c
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     exact = eager(form, {k: v.double() for k, v in t.items()}, "rms_norm")
     for a, b, e in zip(got, want, exact):
-        assert a.dtype == b.dtype
-        ok, err, err_base, bound = within_tolerance(a, b, e, dtype=a.dtype)
-        assert ok, f"error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"
+        _assert_within(a, b, e)
 
 
 def test_the_kernels_read_chunks_of_the_embedding_in_place(triton_cpu, monkeypatch):
@@ -339,9 +344,7 @@ def test_gradients_through_the_kernels_epilogue(form, triton_cpu):
     got = _grads(lambda a: ours(form, a, "rms_norm"), t, names, cot)
     base = _grads(lambda a: eager(form, a, "rms_norm"), t, names, cot)
     exact = _grads(lambda a: eager(form, a, "rms_norm"), {k: v.double() for k, v in t.items()}, names, cot)
-    for name in names:
-        ok, err, err_base, bound = within_tolerance(got[name], base[name], exact[name], dtype=got[name].dtype)
-        assert ok, f"d{name}: error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"
+    _assert_grads_within(got, base, exact)
 
 
 def test_the_kernels_take_the_gated_branch_and_the_modulation(triton_cpu, monkeypatch):
@@ -401,8 +404,7 @@ def test_two_modulations_of_one_norm(dtype, per_token, backend, request, monkeyp
         assert a.dtype == b.dtype and a.shape == b.shape
         if backend == "reference" or dtype != FP32:
             assert torch.equal(a, b), (a - b).abs().max()
-        ok, err, err_base, bound = within_tolerance(a, b, e, dtype=a.dtype)
-        assert ok, f"error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"
+        _assert_within(a, b, e)
 
 
 def test_two_modulations_on_a_looped_row(triton_cpu, monkeypatch):
@@ -428,10 +430,7 @@ def test_two_modulations_gradients_vs_fp64(dtype, backend, request):
         return dict(zip(names, torch.autograd.grad(loss, [leaves[k] for k in names])))
     got, base = grads(sd35_ours, t), grads(sd35_block, t)
     exact = grads(sd35_block, {k: v.double() for k, v in t.items()})
-    for name in names:
-        assert got[name].shape == base[name].shape and got[name].dtype == base[name].dtype, name
-        ok, err, err_base, bound = within_tolerance(got[name], base[name], exact[name], dtype=got[name].dtype)
-        assert ok, f"d{name}: error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"
+    _assert_grads_within(got, base, exact)
 
 
 def test_two_modulations_opcheck():
@@ -498,8 +497,7 @@ def test_the_factor_one_plus_scale_in_the_call(form, dtype, per_token, backend, 
     assert got.dtype == want.dtype and torch.equal(got_s, want_s)
     if backend == "reference" or dtype != FP32:
         assert torch.equal(got, want), (got - want).abs().max()
-    ok, err, err_base, bound = within_tolerance(got, want, exact, dtype=got.dtype)
-    assert ok, f"error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"
+    _assert_within(got, want, exact)
     if dtype == BF16 and per_token:
         gen = torch.Generator().manual_seed(9)
         cot = [torch.randn(B, S, N, generator=gen, dtype=FP64) for _ in range(2)]
@@ -507,10 +505,7 @@ def test_the_factor_one_plus_scale_in_the_call(form, dtype, per_token, backend, 
         g_ours = _grads(lambda a: ours_one_plus(form, a), t, names, cot)
         g_eager = _grads(lambda a: eager(form, a), t, names, cot)
         g_exact = _grads(lambda a: eager(form, a), {k: v.double() for k, v in t.items()}, names, cot)
-        for name in names:
-            ok, err, err_base, bound = within_tolerance(g_ours[name], g_eager[name], g_exact[name],
-                                                        dtype=g_ours[name].dtype)
-            assert ok, f"d{name}: error {err:.3g} > bound {bound:.3g} (eager's {err_base:.3g})"
+        _assert_grads_within(g_ours, g_eager, g_exact)
 
 
 @BACKENDS

@@ -505,13 +505,13 @@ def test_the_proof_tells_a_norm_over_all_heads_from_one_per_head(heads, monkeypa
 
     prove = graph_check.prove_site
 
-    def per_head(pair):  # the call as a rewrite that took OLMo 2's norm per head would have made it
+    def per_head(pair, **kwargs):  # the call as a rewrite that took OLMo 2's norm per head would have made it
         options = dict(pair.call.kwargs)
         if options.get("rotary_dim") is None:
-            return prove(pair)
+            return prove(pair, **kwargs)
         pair.call.kwargs = {**options, "norm_width": "head"}
         try:
-            return prove(pair)
+            return prove(pair, **kwargs)
         finally:
             pair.call.kwargs = options
 

@@ -282,7 +282,7 @@ def _call_tensors(call: AddNormCall) -> tuple:
     rows, norm, second, gate, quant, mod = call.rows, call.norm, call.second, call.gate, call.quant, call.modulation
     return (rows.x, rows.residual, norm.weight, norm.bias, rows.x1, rows.rowscale, rows.x_gate,
             *((second.weight, second.bias) if second else ()), *((gate.z,) if gate else ()),
-            *((quant.scale,) if quant else ()), *((mod.scale, mod.shift, mod.scale1, mod.shift1) if mod else ()))
+            *((quant.scale,) if quant else ()), *(mod.operands if mod else ()))
 
 
 def _add_norm_backend(call: AddNormCall):
@@ -444,7 +444,7 @@ def _backward_tensors(call: BackwardCall) -> tuple:
     return (grads.dy, grads.dextra, saved.inp, saved.mean, saved.rstd, norm.weight, grads.dy1,
             None if call.second is None else call.second.weight, call.rowscale,
             None if call.gate is None else call.gate.z, norm.bias,
-            *((mod.scale, mod.shift, mod.scale1, mod.shift1) if mod else ()),
+            *(mod.operands if mod else ()),
             *((x_gate.gate, x_gate.x) if x_gate else ()))
 
 

@@ -476,6 +476,11 @@ class Modulation:
     ON_WHEN = ("scale", "shift")  # on when either is given
 
     @property
+    def operands(self) -> tuple[Optional[Tensor], ...]:
+        """(scale, shift, scale1, shift1): the tensors it reads, in the kernels' order (None: absent)."""
+        return self.scale, self.shift, self.scale1, self.shift1
+
+    @property
     def twice(self) -> bool:
         """Whether y is modulated a second time (y1)."""
         return self.scale1 is not None or self.shift1 is not None

@@ -1011,7 +1011,7 @@ def _modulation_launch_args(call, y_dtype: torch.dtype) -> dict:
         return {}
     x = call.rows.x
     dtype, out_dtype = reference.modulation_dtypes(y_dtype, mod)
-    return dict(MOD=tuple(broadcast_operand(t, x) for t in (mod.scale, mod.shift, mod.scale1, mod.shift1)),
+    return dict(MOD=tuple(broadcast_operand(t, x) for t in mod.operands),
                 MOD_OPTS=(bool(mod.fused), TL_DTYPES[dtype], TL_DTYPES[out_dtype], bool(mod.one_plus)))
 
 
@@ -1107,7 +1107,7 @@ def _rows_of(t: Optional[Tensor]) -> Optional[Tensor]:
 def _modulation_in_kernels(call: AddNormCall) -> bool:
     """Whether the kernels can read the modulation's scale and shift in place and round as it does."""
     mod, x = call.modulation, call.rows.x
-    return all(broadcast_operand(t, x) is not None for t in (mod.scale, mod.shift, mod.scale1, mod.shift1)) \
+    return all(broadcast_operand(t, x) is not None for t in mod.operands) \
         and all(d in TL_DTYPES for d in reference.modulation_dtypes(call.rounding.out_dtype, mod))
 
 

@@ -24,7 +24,7 @@ from normfuse.vocabulary import LOW_PRECISION, TORCH_NORMS
 
 __all__ = ["real_users", "mutates", "is_check_only", "Canon", "canonicalize", "canonical", "common_subexpressions", "SPELLINGS", "PARAMS", "tensor_meta", "node_dtype",
            "node_shape", "dim_value", "same_dim", "same_shape", "broadcasts_to", "last_dim", "is_exact_upcast", "is_split_piece",
-           "unbound_dim"]
+           "unbound_dim", "strided_store"]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -438,6 +438,19 @@ def unbound_dim(node: fx.Node) -> Any:
     if not _spelled(node, UNBIND_SPELLINGS):
         return None
     return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+
+
+def strided_store(node: fx.Node) -> tuple[fx.Node, int, int, Any] | None:
+    """(target, start, step, value) of ``target[..., start::step] = value`` (every step-th column of
+    the last dim from start, as Wan's RoPE stores its pairs), None for any other node."""
+    if node.op != "call_function" or node.target is not operator.setitem or not isinstance(node.args[0], fx.Node):
+        return None
+    where = node.args[1]
+    k = where[1] if isinstance(where, tuple) and len(where) == 2 and where[0] is Ellipsis else None
+    if not isinstance(k, slice) or k.stop is not None or not isinstance(k.step, int) \
+            or not isinstance(k.start, int) or not 0 <= k.start < k.step:
+        return None
+    return node.args[0], k.start, k.step, node.args[2]
 
 
 def is_split_piece(node: fx.Node) -> bool:

@@ -20,7 +20,7 @@ from normfuse.reporting import FusionReport, Site
 from normfuse.verify.numeric import OutputCheck, SiteNumeric, check_site, compare, failed_output, flatten, run_graph
 from normfuse.verify.result import CheckResult, SiteCheck
 from normfuse.verify.sites import as_the_pass_read, pair_sites
-from normfuse.verify.symbolic import SymbolicResult, prove_site
+from normfuse.verify.symbolic import SymbolicResult, prove_site, representatives
 
 __all__ = ["check_sites", "check_graph_sites", "compare_all", "result_of", "unpaired_graphs",
            "check_graph_on_first_call"]
@@ -121,12 +121,13 @@ def check_graph_sites(original: fx.GraphModule, inputs: list[Any], rewritten: fx
         return checks, env
     paired = as_the_pass_read(original, rewritten)
     paired_env = env if paired is original else run_graph(paired, inputs)[1]
+    equal = representatives(paired.graph)  # once per graph, for every site's proof
     for pair in pair_sites(paired, rewritten, sites):
         s = pair.site
         numeric = check_site(paired, pair, paired_env) if not (s.converted or s.residual_dtype) else SiteNumeric.not_compared(
             "converted from Post-Norm to Pre-Norm: no original subgraph to compare with" if s.converted
             else f"residual stream kept in {s.residual_dtype}: the sum differs from the original's")
-        symbolic = prove_site(pair)
+        symbolic = prove_site(pair, equal=equal)
         for member in (s, *pair.partners):  # sites one call computes share its checks
             checks.append(SiteCheck(member.id, member.fqn, member.source, member.op, member.placement, member.kind,
                                     numeric, symbolic, graph=member.graph, number=member.number))

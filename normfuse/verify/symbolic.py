@@ -27,7 +27,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from normfuse.passes.canonical import TUPLE_SPELLINGS, canonical, node_dtype, node_shape, unbound_dim
+from normfuse.passes.canonical import (TUPLE_SPELLINGS, canonical, canonicalize, common_subexpressions, node_dtype,
+                                       node_shape, strided_store, unbound_dim)
 from normfuse.passes.find import live_dropout_p
 from normfuse.passes.fusions import fusion_of
 from normfuse.passes.order import STEPS
@@ -433,11 +434,10 @@ def _store(node: fx.Node, out: Any, value: Any) -> Any:
     """``out[..., k::step] = value`` into a row of _empty_like's: every step-th symbol from k, as
     _slice_row reads the same columns (head by head). Returns the row after the store (a new one:
     a value read before the store keeps what it read)."""
-    where = node.args[1]
-    k = where[1] if isinstance(where, tuple) and len(where) == 2 and where[0] is Ellipsis else None
-    if not isinstance(k, slice) or k.stop is not None or not isinstance(k.step, int) \
-            or not isinstance(k.start, int) or not 0 <= k.start < k.step:
+    store = strided_store(node)
+    if store is None:
         raise _Unsupported(f"{node.name} stores into other than every step-th column of the last dim")
+    _, start, step, _ = store
     heads = isinstance(out, _Heads)
     if heads != isinstance(value, _Heads) or (heads and len(out) != len(value)):
         raise _Unsupported(f"{node.name} stores a value split into heads otherwise than its target")
@@ -445,10 +445,10 @@ def _store(node: fx.Node, out: Any, value: Any) -> Any:
     for row, part in (zip(out, value) if heads else [(out, value)]):
         if not isinstance(row, _Unwritten):
             raise _Unsupported(f"{node.name} stores into a value that is not an empty tensor's")
-        if _structured(part) or len(row) % k.step or len(row[k.start::k.step]) != len(part):
-            raise _Unsupported(f"{node.name} stores {len(part)} symbols into every {k.step}th of {len(row)}")
+        if _structured(part) or len(row) % step or len(row[start::step]) != len(part):
+            raise _Unsupported(f"{node.name} stores {len(part)} symbols into every {step}th of {len(row)}")
         row = _Unwritten(row)
-        row[k.start::k.step] = part
+        row[start::step] = part
         stored.append(row)
     return _Heads(stored) if heads else stored[0]
 
@@ -708,8 +708,9 @@ _SYMBOL_PREFIX = {"x": "x", "residual": "r", "weight": "w", "bias": "b",
                   **{role: p for step in STEPS for role, p in step.roles.items()}}
 
 
-def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
-    """Prove (or refute) that the fused call computes what its original subgraph computed."""
+def prove_site(pair: SitePair, seed: int = 0, equal: dict[fx.Node, fx.Node] | None = None) -> SymbolicResult:
+    """Prove (or refute) that the fused call computes what its original subgraph computed (``equal``:
+    ``representatives`` of the original graph, computed here when not given)."""
     if pair.site.converted:
         return SymbolicResult("unsupported", detail="converted from Post-Norm to Pre-Norm: changes the function "
                                                     "by design")
@@ -719,6 +720,10 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
     transposes = fusion_of(fused_op_name(pair.call)).reads_transposed(pair.call.kwargs)
     eps_sym = sympy.Symbol("eps", positive=True)
     inside = set(pair.nodes)
+    rep = representatives(pair.nodes[0].graph) if equal is None and pair.nodes else equal or {}
+
+    def same(node: fx.Node) -> fx.Node:  # the node standing for its value among equal ones
+        return rep.get(node, node)
     try:
         heads = _head_rows(pair)
         leaves: dict[fx.Node, Any] = {}   # keyed by source (see _source): a value and its casts share symbols
@@ -728,15 +733,15 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
                 rows[role] = None
             elif isinstance(node, fx.Node):
                 source = _source(node, inside, transposes)
-                if _same_as(source) not in leaves:
-                    leaves[_same_as(source)] = _leaf(source, _SYMBOL_PREFIX[role], hidden, pair.layout, heads)
-                rows[role] = _part_read(pair, role, leaves[_same_as(source)])
+                if same(source) not in leaves:
+                    leaves[same(source)] = _leaf(source, _SYMBOL_PREFIX[role], hidden, pair.layout, heads)
+                rows[role] = _part_read(pair, role, leaves[same(source)])
             else:
                 raise _Unsupported(f"the fused call's {role} is a constant {node!r}")
         for i, node in enumerate(pair.inputs):  # values the original reads that the call does not
             source = _source(node, inside, transposes)
-            if _same_as(source) not in leaves and source not in inside:
-                leaves[_same_as(source)] = _leaf(source, f"z{i}_", hidden, pair.layout, heads)
+            if same(source) not in leaves and source not in inside:
+                leaves[same(source)] = _leaf(source, f"z{i}_", hidden, pair.layout, heads)
         values: dict[fx.Node, Any] = {}
 
         def load(n, unwritten=False):  # (unwritten: a store reads the empty tensor it writes into)
@@ -745,8 +750,8 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
             source = _source(n, inside, transposes)
             if source in values:
                 return values[source] if unwritten else _written(values[source], n.name)
-            if _same_as(source) in leaves:
-                return leaves[_same_as(source)]
+            if same(source) in leaves:
+                return leaves[same(source)]
             raise _Unsupported(f"{n.name} is read by the subgraph but is outside it")
 
         for node in pair.nodes:
@@ -764,12 +769,11 @@ def prove_site(pair: SitePair, seed: int = 0) -> SymbolicResult:
                                                     f"{str(error)[:120]})")
 
 
-def _same_as(node: fx.Node) -> Any:
-    """What identifies the value of a leaf: the node, or for an index of one (``freqs_cos[..., 0::2]``,
-    taken once for q and once for k) the indexed value and the index, so both are one set of symbols."""
-    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
-        return _same_as(node.args[0]), repr(node.args[1])
-    return node
+def representatives(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """node -> the earlier node computing the same value (canonical.common_subexpressions): a leaf
+    read through either (``freqs_cos[..., 0::2]`` taken once for q and once for k) is one set of
+    symbols. Computed once per graph by the caller of prove_site."""
+    return common_subexpressions(graph, canonicalize(graph))
 
 
 def _flat(value: Any) -> Any:

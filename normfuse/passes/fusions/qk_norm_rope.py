@@ -56,7 +56,7 @@ import torch.fx as fx
 from normfuse.kernels.qk_rope import qk_norm_rope
 from normfuse.kernels.specs import OP_OUTPUTS
 from normfuse.passes.canonical import (canonical, is_exact_upcast, is_split_piece, node_dtype, node_shape, real_users,
-                                       same_dim, same_shape, tensor_meta, unbound_dim)
+                                       same_dim, same_shape, strided_store, tensor_meta, unbound_dim)
 from normfuse.passes.graph import copy_meta
 from normfuse.passes.fusions.base import Fusion
 from normfuse.passes.step import BuiltCall, PlanContext
@@ -310,13 +310,8 @@ def _rotate_unbound_pairs(index, r: fx.Node, x: fx.Node, width: int):
 
 def _stored_index(node: fx.Node, out: fx.Node) -> int | None:
     """k of ``out[..., k::2] = v`` (``node`` a setitem into ``out``); None for any other store."""
-    if node.op != "call_function" or node.target is not operator.setitem or node.args[0] is not out:
-        return None
-    where = node.args[1]
-    if not (isinstance(where, tuple) and len(where) == 2 and where[0] is Ellipsis and isinstance(where[1], slice)):
-        return None
-    k = where[1]
-    return k.start if k.start in (0, 1) and k.stop is None and k.step == 2 else None
+    store = strided_store(node)
+    return store[1] if store is not None and store[0] is out and store[2] == 2 else None
 
 
 def _products(index, x1: fx.Node, x2: fx.Node, node: fx.Node):
@@ -390,11 +385,9 @@ def _stored_match(index, found, chain: list, heads: _Heads) -> RopeMatch:
     if cos is None or sin is None:
         return RopeMatch(reason="cos/sin are not (1 | batch, 1 | seq, 1, head_dim / 2) tables, one value per pair")
     out_dtype = node_dtype(out)
-    want = torch.promote_types(torch.promote_types(node_dtype(heads.value), node_dtype(cos)), node_dtype(sin))
-    if rope_dtype != want or any(node_dtype(n) != rope_dtype for n in nodes[4:10]):  # each product and sum
-        return RopeMatch(reason=f"the RoPE computes in {rope_dtype}, not in the promotion of q and cos/sin ({want})")
-    if rope_dtype not in KERNEL_DTYPES or out_dtype not in KERNEL_DTYPES:
-        return RopeMatch(reason=f"RoPE dtypes {rope_dtype} -> {out_dtype} are not ones the kernels take")
+    refusal = _dtypes_refusal(rope_dtype, out_dtype, heads.value, cos, sin, nodes[4:10])  # each product and sum
+    if refusal is not None:
+        return RopeMatch(reason=refusal)
     return RopeMatch(nodes=tuple(chain), output=out, cos=cos, sin=sin, layout="gptj", rotary_dim=D, head_dim=D,
                      heads_shape=(B, S, H, D), operand=heads.operand, norm_width=heads.width, transpose_out=False,
                      rope_dtype=rope_dtype, out_dtype=out_dtype)
@@ -705,14 +698,23 @@ def _rope_match(index, found: tuple, chain: list, passed, value, transposed: boo
                                 "nor (1 | batch, 1 | seq, 1, rotary) tables")
     chain += [t for t, table in ((c, cos), (s, sin)) if t is not table and t not in chain]
     rope_dtype, out_dtype = node_dtype(o), node_dtype(out)
-    want = torch.promote_types(torch.promote_types(node_dtype(value), node_dtype(cos)), node_dtype(sin))
-    if rope_dtype != want or any(node_dtype(n) != rope_dtype for n in (nodes[0], nodes[5])):
-        return RopeMatch(reason=f"the RoPE computes in {rope_dtype}, not in the promotion of q and cos/sin ({want})")
-    if rope_dtype not in KERNEL_DTYPES or out_dtype not in KERNEL_DTYPES:
-        return RopeMatch(reason=f"RoPE dtypes {rope_dtype} -> {out_dtype} are not ones the kernels take")
+    refusal = _dtypes_refusal(rope_dtype, out_dtype, value, cos, sin, (nodes[0], nodes[5]))  # the two products
+    if refusal is not None:
+        return RopeMatch(reason=refusal)
     return RopeMatch(nodes=tuple(chain), output=out, cos=cos, sin=sin, layout=layout, rotary_dim=rotary, head_dim=D,
                      heads_shape=(B, S, H, D), operand=heads.operand, norm_width=heads.width, transpose_out=transposed,
                      rope_dtype=rope_dtype, out_dtype=out_dtype)
+
+
+def _dtypes_refusal(rope_dtype, out_dtype, q: fx.Node, cos, sin, steps) -> str | None:
+    """Why the call cannot round as the RoPE does: its ``steps`` (products, sums) not all in the
+    promotion of q and the tables, or dtypes the kernels do not take; None when it can."""
+    want = torch.promote_types(torch.promote_types(node_dtype(q), node_dtype(cos)), node_dtype(sin))
+    if rope_dtype != want or any(node_dtype(n) != rope_dtype for n in steps):
+        return f"the RoPE computes in {rope_dtype}, not in the promotion of q and cos/sin ({want})"
+    if rope_dtype not in KERNEL_DTYPES or out_dtype not in KERNEL_DTYPES:
+        return f"RoPE dtypes {rope_dtype} -> {out_dtype} are not ones the kernels take"
+    return None
 
 
 def _complex_match(index, m, found, chain: list, leak: bool, exact: bool, shape: tuple, width: str, operand) -> RopeMatch:
