@@ -323,7 +323,7 @@ def test_a_rewritten_graph_without_its_record_is_not_passed(monkeypatch):
     """The checker pairs calls with what they replaced only through the rewrite's record
     (normfuse/passes/record.py); a graph that lost it is not checked by guesswork."""
     from normfuse.passes import pipeline
-    monkeypatch.setattr(pipeline, "attach_records", lambda gm, records, split_cats=(): None)
+    monkeypatch.setattr(pipeline, "attach_records", lambda gm, records, splits=None: None)
     model = _model("llama", torch.float32)
     res = normfuse.check(model, backward=False)
     assert not res.ok and res.sites

@@ -40,7 +40,8 @@ from normfuse.passes.dtensor_graph import hoist_from_local
 from normfuse.passes.graph import copy_graph
 from normfuse.passes.planning import Planning, plan
 from normfuse.passes.provenance import elementwise_norm_note, site_record, site_records
-from normfuse.passes.record import attach_records, is_fused_call
+from normfuse.passes.record import GraphSplits, attach_records, is_fused_call
+from normfuse.passes.norm_over_slices import split_norm_over_slices
 from normfuse.passes.rope_over_cat import split_rope_over_cat
 from normfuse.passes.rewrite import apply_plans
 from normfuse.reporting import FusionReport, Region, Site
@@ -258,10 +259,14 @@ class NormFusionPass(CustomGraphPass):
         if fused_calls:
             report.notes.append(f"graph already optimized ({fused_calls} fused op calls): left as is")
         found = analyze(graph, self._stage)
-        # (not in ATen post-grad graphs: no qk_norm_rope call is made there, and the split writes torch-level ops)
-        split = split_rope_over_cat(graph, {s.match.output for s in found.sites}) \
-            if self.config.fuse_rope and not self._as_op else ()
-        if split:
+        # (not in ATen post-grad graphs: no qk_norm_rope call is made there, and the splits write torch-level ops)
+        splits = GraphSplits()
+        if self.config.fuse_rope and not self._as_op:
+            cats = split_rope_over_cat(graph, {s.match.output for s in found.sites})
+            rms = {s.match.output: s.match.input for s in found.sites
+                   if s.match.kind == "rms_norm" and s.match.group is None and s.match.layout is None}
+            splits = GraphSplits(cats, split_norm_over_slices(graph, rms))
+        if splits.cats or splits.norms:
             found = analyze(graph, self._stage)  # each piece's norm now reads its own RoPE
         note = elementwise_norm_note(found)
         if note is not None:
@@ -279,5 +284,5 @@ class NormFusionPass(CustomGraphPass):
         if self.apply:
             graph.lint()
             gm.graph = graph  # the setter recompiles the module's code
-            attach_records(gm, records, split)  # what each call replaced, for the checker (record.py)
+            attach_records(gm, records, splits)  # what each call replaced, for the checker (record.py)
         return sites

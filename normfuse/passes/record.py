@@ -29,7 +29,7 @@ from normfuse.passes.fusions.add_norm import output_names
 from normfuse.passes.order import STEPS, taken_steps
 from normfuse.passes.parts import folded_nodes
 
-__all__ = ["CallRecord", "record_call", "records_of", "attach_records", "split_cats_of", "fused_op_name", "is_fused_call", "runnable_target", "output_names",
+__all__ = ["CallRecord", "record_call", "records_of", "attach_records", "GraphSplits", "splits_of", "fused_op_name", "is_fused_call", "runnable_target", "output_names",
            "ARG_ROLES", "OPTION_ROLES"]
 
 # the roles of a fused call's tensor arguments: positional (the checker passes them in this
@@ -38,7 +38,18 @@ ARG_ROLES = ("x", "residual", "weight", "bias")
 OPTION_ROLES = tuple(role for step in STEPS for role in step.roles)
 
 _RECORDS = "normfuse_calls"  # the rewritten graph module's meta key holding its records
-_SPLIT_CATS = "normfuse_split_cats"  # ... and the cats whose RoPE was split per piece
+_SPLITS = "normfuse_splits"  # ... and what the pass split before it planned (GraphSplits)
+
+
+@dataclass(frozen=True)
+class GraphSplits:
+    """What the pass rewrote in its copy of a graph before finding sites, by node names: the cats
+    whose RoPE it split per piece (passes/rope_over_cat.py), then the norms it split per slice of
+    their rows, as (output, input) (passes/norm_over_slices.py). The checker replays them in
+    this order on its copy of the original (the same steps give the same node names)."""
+
+    cats: tuple[str, ...] = ()
+    norms: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -58,16 +69,16 @@ class CallRecord:
     dropout: str | None = None                 # the folded live dropout, whose mask the kernel draws
 
 
-def attach_records(gm: fx.GraphModule, records: list[CallRecord], split_cats: tuple[str, ...] = ()) -> None:
-    """Leave the records on ``gm``, with the names of the cats whose RoPE the pass split per piece
-    before it planned (passes/rope_over_cat.py): the checker splits its copy of the original alike."""
+def attach_records(gm: fx.GraphModule, records: list[CallRecord], splits: GraphSplits = GraphSplits()) -> None:
+    """Leave the records on ``gm``, with what the pass split before it planned (GraphSplits): the
+    checker splits its copy of the original alike."""
     gm.meta[_RECORDS] = tuple(records)
-    gm.meta[_SPLIT_CATS] = tuple(split_cats)
+    gm.meta[_SPLITS] = splits
 
 
-def split_cats_of(gm: fx.GraphModule) -> tuple[str, ...]:
-    """The names of the cats of the original graph whose RoPE the pass split (attach_records)."""
-    return getattr(gm, "meta", {}).get(_SPLIT_CATS, ())
+def splits_of(gm: fx.GraphModule) -> GraphSplits:
+    """What the pass split in the original graph before it planned (attach_records)."""
+    return getattr(gm, "meta", {}).get(_SPLITS, GraphSplits())
 
 
 def records_of(gm: fx.GraphModule) -> tuple[CallRecord, ...] | None:

@@ -28,7 +28,7 @@ import torch.fx as fx
 from normfuse.passes.canonical import canonical, is_split_piece, node_shape
 from normfuse.passes.graph import copy_meta
 
-__all__ = ["split_rope_over_cat"]
+__all__ = ["split_rope_over_cat", "rope_region", "narrowed_meta"]
 
 # what a rotation's steps are, between the cat and its output
 _STEPS = frozenset(["view", "flatten", "unsqueeze", "cast", "slice", "cat", "stack", "neg", "mul", "add", "sub"])
@@ -43,7 +43,7 @@ def split_rope_over_cat(graph: fx.Graph, norm_outputs: set, only: tuple[str, ...
     split = []
     for cat in [n for n in graph.nodes if (only is None or n.name in only) and _cat_of(n, norm_outputs) is not None]:
         pieces, dim = _cat_of(cat, norm_outputs)
-        region = _rope_region(cat)
+        region = rope_region(cat)
         if region is None:
             continue
         split.append(cat.name)
@@ -67,7 +67,7 @@ def _cat_of(node: fx.Node, norm_outputs: set) -> tuple[list[fx.Node], int] | Non
     return pieces, dim
 
 
-def _rope_region(cat: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
+def rope_region(cat: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
     """(the nodes from the cat to the rotation's output in graph order, that output) when the cat is
     read by a rotation only (``x * cos ± rotated(x) * sin``, then a cast), else None."""
     reached, frontier = {cat}, [cat]
@@ -127,7 +127,7 @@ def _split(graph: fx.Graph, cat: fx.Node, pieces: list[fx.Node], dim: int, regio
                     new = graph.call_method("reshape", (env[c["input"]], tuple(shape)))
                 else:
                     new = graph.node_copy(node, arg)
-                _narrowed_meta(new, node, dim, start, size, total)
+                narrowed_meta(new, node, dim, start, size, total)
                 env[node] = new
             outputs.append(env[out])
             start += size
@@ -158,11 +158,11 @@ def _table_slice(graph: fx.Graph, table: fx.Node, dim: int, start: int, size: in
         index = (*[slice(None)] * at, slice(start, start + size))  # table[..., start:start + size, ...]: a slice
         with graph.inserting_after(table):
             cache[key] = graph.call_function(operator.getitem, (table, index))
-        _narrowed_meta(cache[key], table, at, start, size, total)
+        narrowed_meta(cache[key], table, at, start, size, total)
     return cache[key]
 
 
-def _narrowed_meta(new: fx.Node, old: fx.Node, dim: int, start: int, size: int, total: int) -> None:
+def narrowed_meta(new: fx.Node, old: fx.Node, dim: int, start: int, size: int, total: int) -> None:
     """``new``'s meta: ``old``'s, its example value narrowed to the piece along ``dim``."""
     copy_meta(new, old)
     new.meta.pop("tensor_meta", None)

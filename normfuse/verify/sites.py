@@ -27,7 +27,7 @@ from typing import Any
 import torch.fx as fx
 
 from normfuse.passes.record import (ARG_ROLES, OPTION_ROLES, CallRecord, boundary, fused_op_name, is_fused_call,
-                                    records_of, split_cats_of)
+                                    records_of, splits_of)
 from normfuse.reporting import Site
 
 __all__ = ["SitePair", "pair_sites", "as_the_pass_read", "fused_calls", "site_order"]
@@ -84,19 +84,23 @@ def pair_sites(original: fx.GraphModule, rewritten: fx.GraphModule, sites: list[
 
 def as_the_pass_read(original: fx.GraphModule, rewritten: fx.GraphModule) -> fx.GraphModule:
     """The original graph whose nodes the rewritten graph's records name: ``original``, or a copy
-    of it with the RoPEs over the cats the record names split as the pass split them
-    (``passes/rope_over_cat.py``: the same steps on the same graph give the same node names)."""
-    cats = split_cats_of(rewritten)
-    if not cats:
+    of it split as the pass split it (``record.GraphSplits``: the RoPEs over cats, then the norms
+    over slices of their rows; the same steps on the same graph give the same node names)."""
+    splits = splits_of(rewritten)
+    if not splits.cats and not splits.norms:
         return original
     from normfuse.passes.dtensor_graph import hoist_from_local
     from normfuse.passes.graph import copy_graph_module
+    from normfuse.passes.norm_over_slices import split_norm_over_slices
     from normfuse.passes.rope_over_cat import split_rope_over_cat
 
     split = copy_graph_module(original)
     hoist_from_local(split.graph)
-    pieces = {t for n in split.graph.nodes if n.name in cats for t in n.all_input_nodes}
-    split_rope_over_cat(split.graph, pieces, only=cats)
+    if splits.cats:
+        pieces = {t for n in split.graph.nodes if n.name in splits.cats for t in n.all_input_nodes}
+        split_rope_over_cat(split.graph, pieces, only=splits.cats)
+    if splits.norms:
+        split_norm_over_slices(split.graph, {}, only=splits.norms)
     return split
 
 

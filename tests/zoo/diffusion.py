@@ -23,8 +23,8 @@ import torch
 import torch.nn as nn
 import torch.fx as fx
 
-__all__ = ["DIFFUSION", "DiffusionModel", "build", "measure", "elementwise_passes", "activation_numel",
-           "POINTWISE"]
+__all__ = ["DIFFUSION", "DiffusionModel", "build", "measure", "passes", "per_block", "elementwise_passes",
+           "activation_numel", "POINTWISE"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class DiffusionModel:
     cls: str                    # the diffusers class
     family: str                 # DiT, PixArt, SD3, Flux, Wan, ...
     build: Callable[[], tuple[nn.Module, dict[str, Any]]]
+    blocks: tuple[str, ...] = ("num_layers",)   # the config's counts of blocks, one per kind of block
 
 
 def _diffusers():
@@ -48,8 +49,13 @@ def _randn(*shape: int, seed: int = 1) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
+# config key -> blocks added to what a builder asks for (``per_block`` measures one more block of a kind)
+_MORE_BLOCKS: dict[str, int] = {}
+
+
 def _make(cls: str, **config: Any) -> nn.Module:
     torch.manual_seed(0)
+    config = {k: v + _MORE_BLOCKS.get(k, 0) if isinstance(v, int) else v for k, v in config.items()}
     return getattr(_diffusers(), cls)(**config).eval()
 
 
@@ -118,8 +124,10 @@ def _wan(per_token: bool):
     timestep = torch.full((1, tokens), 700) if per_token else torch.tensor([700])
     if per_token:
         timestep[:, : tokens // frames] = 0
+    # 8 text tokens: more than the 6 rows of the per-sample modulation table [B, 6, C], so the
+    # activation's size (the text stream's, the smallest normed) does not count the table's add
     return model, dict(hidden_states=_randn(1, 4, frames, h, w), timestep=timestep,
-                       encoder_hidden_states=_randn(1, 6, 16, seed=2), return_dict=False)
+                       encoder_hidden_states=_randn(1, 8, 16, seed=2), return_dict=False)
 
 
 def _cogvideox(rope: bool):
@@ -146,8 +154,8 @@ def _ltx():
                   attention_head_dim=8, cross_attention_dim=16, num_layers=2, qk_norm="rms_norm_across_heads",
                   caption_channels=16)
     frames, h, w = 2, 4, 4
-    return model, dict(hidden_states=_randn(2, frames * h * w, 4), encoder_hidden_states=_randn(2, 6, 16, seed=2),
-                       timestep=torch.tensor([3, 500]), encoder_attention_mask=torch.ones(2, 6, dtype=torch.bool),
+    return model, dict(hidden_states=_randn(2, frames * h * w, 4), encoder_hidden_states=_randn(2, 8, 16, seed=2),
+                       timestep=torch.tensor([3, 500]), encoder_attention_mask=torch.ones(2, 8, dtype=torch.bool),
                        num_frames=frames, height=h, width=w, return_dict=False)
 
 
@@ -168,7 +176,7 @@ def _sana():
     model = _make("SanaTransformer2DModel", patch_size=1, in_channels=4, out_channels=4, num_layers=2,
                   attention_head_dim=4, num_attention_heads=2, num_cross_attention_heads=2, cross_attention_head_dim=4,
                   cross_attention_dim=8, caption_channels=8, sample_size=8)
-    return model, dict(hidden_states=_randn(2, 4, 8, 8), encoder_hidden_states=_randn(2, 6, 8, seed=2),
+    return model, dict(hidden_states=_randn(2, 4, 8, 8), encoder_hidden_states=_randn(2, 8, 8, seed=2),
                        timestep=torch.tensor([3, 500]), return_dict=False)
 
 
@@ -211,7 +219,7 @@ def _skyreels_v2():
                   in_channels=4, out_channels=4, text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2,
                   cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
     return model, dict(hidden_states=_randn(1, 4, 2, 8, 8), timestep=torch.tensor([700]),
-                       encoder_hidden_states=_randn(1, 6, 16, seed=2), return_dict=False)
+                       encoder_hidden_states=_randn(1, 8, 16, seed=2), return_dict=False)
 
 
 def _auraflow():
@@ -256,23 +264,25 @@ DIFFUSION: dict[str, DiffusionModel] = {m.name: m for m in [
     DiffusionModel("pixart_sigma", "PixArtTransformer2DModel", "PixArt", lambda: _pixart(alpha=False)),
     DiffusionModel("sd3", "SD3Transformer2DModel", "SD3", lambda: _sd3(dual=False)),
     DiffusionModel("sd35_medium", "SD3Transformer2DModel", "SD3", lambda: _sd3(dual=True)),
-    DiffusionModel("flux", "FluxTransformer2DModel", "Flux", _flux),
-    DiffusionModel("flux2", "Flux2Transformer2DModel", "Flux", _flux2),
+    DiffusionModel("flux", "FluxTransformer2DModel", "Flux", _flux, ("num_layers", "num_single_layers")),
+    DiffusionModel("flux2", "Flux2Transformer2DModel", "Flux", _flux2, ("num_layers", "num_single_layers")),
     DiffusionModel("wan21", "WanTransformer3DModel", "Wan", lambda: _wan(per_token=False)),
     DiffusionModel("wan22_ti2v", "WanTransformer3DModel", "Wan", lambda: _wan(per_token=True)),
     DiffusionModel("cogvideox", "CogVideoXTransformer3DModel", "CogVideoX", lambda: _cogvideox(rope=False)),
     DiffusionModel("cogvideox15", "CogVideoXTransformer3DModel", "CogVideoX", lambda: _cogvideox(rope=True)),
     DiffusionModel("ltx_video", "LTXVideoTransformer3DModel", "LTX-Video", _ltx),
-    DiffusionModel("hunyuan_video", "HunyuanVideoTransformer3DModel", "HunyuanVideo", _hunyuan_video),
+    DiffusionModel("hunyuan_video", "HunyuanVideoTransformer3DModel", "HunyuanVideo", _hunyuan_video,
+                   ("num_layers", "num_single_layers")),
     DiffusionModel("hunyuan_video_i2v", "HunyuanVideoTransformer3DModel", "HunyuanVideo",
-                   lambda: _hunyuan_video(token_replace=True)),
+                   lambda: _hunyuan_video(token_replace=True), ("num_layers", "num_single_layers")),
     DiffusionModel("sana", "SanaTransformer2DModel", "Sana", _sana),
     DiffusionModel("qwen_image", "QwenImageTransformer2DModel", "Qwen-Image", _qwen_image),
     DiffusionModel("qwen_image_edit", "QwenImageTransformer2DModel", "Qwen-Image", lambda: _qwen_image(zero_cond_t=True)),
-    DiffusionModel("z_image", "ZImageTransformer2DModel", "Z-Image", _z_image),
-    DiffusionModel("chroma", "ChromaTransformer2DModel", "Chroma", _chroma),
+    DiffusionModel("z_image", "ZImageTransformer2DModel", "Z-Image", _z_image, ("n_layers",)),
+    DiffusionModel("chroma", "ChromaTransformer2DModel", "Chroma", _chroma, ("num_layers", "num_single_layers")),
     DiffusionModel("skyreels_v2", "SkyReelsV2Transformer3DModel", "SkyReels", _skyreels_v2),
-    DiffusionModel("auraflow", "AuraFlowTransformer2DModel", "AuraFlow", _auraflow),
+    DiffusionModel("auraflow", "AuraFlowTransformer2DModel", "AuraFlow", _auraflow,
+                   ("num_mmdit_layers", "num_single_dit_layers")),
     DiffusionModel("cogview4", "CogView4Transformer2DModel", "CogView4", _cogview4),
     DiffusionModel("lumina2", "Lumina2Transformer2DModel", "Lumina2", _lumina2),
     DiffusionModel("mochi", "MochiTransformer3DModel", "Mochi", _mochi),
@@ -431,6 +441,57 @@ def _grads_within(model: nn.Module, kwargs: dict[str, Any], eager: dict, optimiz
                for k in eager if eager[k] is not None and optimized.get(k) is not None)
 
 
+def _captured(model: nn.Module, kwargs: dict[str, Any]) -> tuple[list[fx.GraphModule], int]:
+    """The graphs dynamo captures of the untouched model (training mode: grad on), and the
+    activation's numel in them (``activation_numel``, the threshold of ``elementwise_passes``)."""
+    from normfuse.capture import record_graphs
+
+    with torch.no_grad():  # a first eager call fills the caches a model keeps (Z-Image's RoPE tables), so
+        model(**kwargs)    # both captures see the same code paths
+    # each capture in a fresh dynamo: a frame compiled once (a function a graph break leaves) is not
+    # handed to the second backend
+    torch._dynamo.reset()
+    graphs = [gm for gm, _ in record_graphs(model, (), kwargs, grad=True)]
+    torch._dynamo.reset()
+    sizes = [n for n in map(activation_numel, graphs) if n is not None]
+    return graphs, min(sizes) if sizes else 1
+
+
+def _rewritten(report) -> list[fx.GraphModule]:
+    return list({id(gm): gm for gm in report.graph_modules if gm is not None}.values())
+
+
+def passes(model: nn.Module, kwargs: dict[str, Any]) -> tuple[int, int]:
+    """``elementwise_passes`` summed over the graphs dynamo captures: before the pass (an untouched
+    capture) and after it (the optimized model's rewritten graphs)."""
+    import normfuse
+
+    before, threshold = _captured(model, kwargs)
+    optimized = normfuse.optimize(copy.deepcopy(model))
+    optimized(**kwargs)
+    after = _rewritten(normfuse.report(optimized))
+    return (sum(elementwise_passes(gm, threshold) for gm in before),
+            sum(elementwise_passes(gm, threshold) for gm in after))
+
+
+def per_block(name: str) -> dict[str, tuple[int, int]]:
+    """The passes one more block adds, before and after the pass, per kind of block (the config key
+    that counts it: ``num_layers``, Flux's ``num_single_layers``, ...): the model built as the zoo
+    builds it and with one block more of that kind, the difference of ``passes``. What a deep model
+    (Flux-dev: 19 double and 38 single blocks) spends per block, without the first and last blocks'
+    boundary (embeddings, the output norm, a last text stream nothing reads)."""
+    base = passes(*build(name))
+    out = {}
+    for key in DIFFUSION[name].blocks:
+        _MORE_BLOCKS[key] = 1
+        try:
+            deeper = passes(*build(name))
+        finally:
+            _MORE_BLOCKS.pop(key)
+        out[key] = (deeper[0] - base[0], deeper[1] - base[1])
+    return out
+
+
 def measure(name: str) -> dict[str, Any]:
     """What tests/test_diffusion_zoo.py asserts about one model, as plain data.
 
@@ -444,17 +505,10 @@ def measure(name: str) -> dict[str, Any]:
     unfused / add_reasons: the report's reasons for norms left and adds left outside their call;
     rope_refused: the norms followed by a RoPE their call does not take (each with the reason)."""
     import normfuse
-    from normfuse.capture import record_graphs
 
     start = time.perf_counter()
     model, kwargs = build(name)
-    with torch.no_grad():  # a first eager call fills the caches a model keeps (Z-Image's RoPE tables), so
-        model(**kwargs)    # both captures below see the same code paths
-    # each capture in a fresh dynamo: a frame compiled once (a function a graph break leaves) is not
-    # handed to the second backend
-    torch._dynamo.reset()
-    before = [gm for gm, _ in record_graphs(model, (), kwargs, grad=True)]
-    torch._dynamo.reset()
+    before, threshold = _captured(model, kwargs)
     optimized = normfuse.optimize(copy.deepcopy(model))
     out_eager, out_opt = prediction(model(**kwargs)), prediction(optimized(**kwargs))
     grads_eager, grads_opt = _grads(model, out_eager), _grads(optimized, out_opt)
@@ -465,9 +519,7 @@ def measure(name: str) -> dict[str, Any]:
     else:
         grads = "within" if same and _grads_within(model, kwargs, grads_eager, grads_opt) else "FAILS"
     report = normfuse.report(optimized)
-    after = list({id(gm): gm for gm in report.graph_modules if gm is not None}.values())
-    sizes = [n for n in map(activation_numel, before) if n is not None]
-    threshold = min(sizes) if sizes else 1
+    after = _rewritten(report)
     c = report.counts()
     return {"norms": c["sites"], "fused": c["fused"], "fused_with_add": c["fused_with_add"],
             "input_is_add": c["input_is_add"], "rope": c["rope"], "fused_rope": c["fused_rope"],

@@ -1,0 +1,155 @@
+"""A q/k norm whose rows are sliced, one slice rotated (passes/norm_over_slices.py).
+
+HunyuanVideo's single-stream blocks normalize q and k over the image and the text tokens at once,
+rotate the image tokens only and concatenate the text tokens back. A norm over the last dim is
+per row, so the pass gives each slice a norm of the input's slice: the rotated one is then one
+qk_norm_rope call, the other a norm call, the cat as it was (the same bits).
+"""
+
+import copy
+import operator
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import normfuse
+from normfuse.verify.sites import fused_calls
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+TEXT = 3  # the last TEXT tokens are not rotated
+
+
+class _SlicedRope(nn.Module):
+    """q/k norms per head on (B, S, H, D), then diffusers' interleaved RoPE of the first S - TEXT
+    positions, the last TEXT joined back unrotated; ``leak`` also returns the normalized q whole;
+    ``norm``: "rms" (nn.RMSNorm) or "layer" (nn.LayerNorm)."""
+
+    def __init__(self, heads=2, dim=8, leak=False, norm="rms", rope=True):
+        super().__init__()
+        self.heads, self.dim, self.leak, self.rope = heads, dim, leak, rope
+        make = (lambda: nn.RMSNorm(dim, eps=1e-6)) if norm == "rms" else (lambda: nn.LayerNorm(dim, eps=1e-6))
+        self.norm_q, self.norm_k = make(), make()
+        with torch.no_grad():
+            for m in (self.norm_q, self.norm_k):
+                m.weight.uniform_(0.5, 1.5)
+
+    @staticmethod
+    def _rotate(x, cos, sin):
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (S, D) per position, as sequence_dim=1 reads
+        real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+        rotated = torch.stack([-imag, real], dim=-1).flatten(3)
+        return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+    def forward(self, x, cos, sin):
+        q = self.norm_q(x.unflatten(-1, (self.heads, self.dim)))
+        k = self.norm_k((2 * x).unflatten(-1, (self.heads, self.dim)))
+        normalized = q
+        if self.rope:
+            q = torch.cat([self._rotate(q[:, :-TEXT], cos, sin), q[:, -TEXT:]], dim=1)
+            k = torch.cat([self._rotate(k[:, :-TEXT], cos, sin), k[:, -TEXT:]], dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                               k.transpose(1, 2))
+        return (out, normalized) if self.leak else out
+
+
+def _inputs(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 8, 16, generator=g)
+    angles = torch.randn(8 - TEXT, 4, generator=g).repeat_interleave(2, -1)  # (S - TEXT, D): one per pair
+    return [x.to(dtype), angles.cos(), angles.sin()]
+
+
+def _optimized(model, dtype=torch.float32):
+    args = _inputs(dtype)
+    model = model.to(dtype)
+    with torch.no_grad():
+        ref = model(*args)
+        optimized = normfuse.optimize(copy.deepcopy(model))
+        out = optimized(*args)
+    return ref, out, normfuse.report(optimized)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rotated_slice_takes_its_rope(dtype):
+    ref, out, rep = _optimized(_SlicedRope(), dtype)
+    ops = sorted(s.op for s in rep.sites)
+    assert ops == ["norm", "norm", "qk_norm_rope", "qk_norm_rope"], rep  # per norm: its image and text rows
+    assert len({s.call for s in rep.sites if s.op == "qk_norm_rope"}) == 1, rep  # q with k, one call
+    assert all(s.rope_reason is None for s in rep.sites), rep
+    assert torch.equal(out, ref)
+
+
+def test_each_slice_is_proved_and_the_gradients_hold():
+    res = normfuse.check(_SlicedRope(), *_inputs())
+    assert res.ok, res
+    assert [s.symbolic.status for s in res.sites] == ["proved"] * 4, res
+
+
+@pytest.mark.parametrize("variant", [dict(leak=True), dict(norm="layer"), dict(rope=False)])
+def test_what_is_not_split(variant):
+    """A norm read whole besides its slices (q with ``leak``; k is split all the same), a LayerNorm
+    (qk_norm_rope computes an RMSNorm), no rotation after the slices: the norm stays one norm (fused
+    alone, with the reason where a RoPE follows), the output the same bits."""
+    ref, out, rep = _optimized(_SlicedRope(**variant))
+    q = [s for s in rep.sites if s.fqn == "norm_q"]
+    assert len(q) == 1 and q[0].fused and q[0].op == "norm", rep
+    if variant.get("leak"):
+        assert q[0].rope_reason.startswith("a RoPE follows this q/k norm on a slice of the tokens"), rep
+        assert sorted(s.op for s in rep.sites if s.fqn == "norm_k") == ["norm", "qk_norm_rope"], rep
+    elif variant.get("norm") == "layer":
+        assert "qk_norm_rope computes an RMSNorm" in q[0].rope_reason, rep
+    else:
+        assert q[0].rope_reason is None, rep
+    outs, refs = (out, ref) if variant.get("leak") else ([out], [ref])
+    assert all(torch.equal(a, b) for a, b in zip(outs, refs))
+
+
+def _shifted_rows(gm):
+    """The qk_norm_rope call normalizes q's rows one position later than its slice."""
+    call = next(n for n in fused_calls(gm.graph) if n.kwargs.get("rotary_dim") is not None)
+    piece = call.args[0]
+    while not (piece.op == "call_function" and piece.target is operator.getitem):
+        piece = piece.args[0]
+    source, index = piece.args
+    rows = index[1]
+    with gm.graph.inserting_after(piece):
+        shifted = gm.graph.call_function(operator.getitem, (source, (index[0], slice(1, rows.stop + 1))))
+    shifted.meta = dict(piece.meta)
+    piece.replace_all_uses_with(shifted)
+    gm.graph.erase_node(piece)
+    gm.recompile()
+
+
+def test_a_call_reading_other_rows_is_caught_at_its_site():
+    from helpers import optimized_with_fault
+
+    model = _SlicedRope()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = normfuse.check(model, *_inputs(), backward=False, optimized=optimized_with_fault(model, _shifted_rows))
+    assert not res.ok
+    failing = [s for s in res.sites if not s.passed]
+    # the call's two sites (q's and k's rotated rows), refuted by the numbers; the text rows' calls pass
+    assert {s.fqn for s in failing} == {"norm_q", "norm_k"} and len(failing) == 2, failing
+    assert all(s.numeric.passed is False for s in failing), failing
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("name", ["hunyuan_video", "hunyuan_video_i2v"])
+def test_hunyuan_single_stream_rope_is_fused_and_proved(name):
+    """HunyuanVideo's single-stream RoPE of the image tokens (``cat([rope(q[:, :-T]), q[:, -T:]])``):
+    every q/k norm with a RoPE after it fused with it, every site proved, the output equal to eager."""
+    from tests.zoo.diffusion import build
+
+    model, kwargs = build(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = normfuse.check(model, **kwargs, backward=False)
+    assert res.ok and [s.symbolic.status for s in res.sites] == ["proved"] * len(res.sites), res
+    singles = [s for s in res.report.sites if s.fqn.startswith("single_transformer_blocks")
+               and s.fqn.rsplit(".", 1)[-1] in ("norm_q", "norm_k")]
+    assert len(singles) == 4 and sorted(s.op for s in singles) == ["norm", "norm", "qk_norm_rope", "qk_norm_rope"], \
+        res.report
