@@ -38,13 +38,17 @@ from bench_static_kernels import (DTYPES, TARGETS, Leaf, cuda_occupancy, cuda_re
 from normfuse.kernels import triton_rope as KR
 
 HQ, HK = 32, 8  # Qwen3-8B's heads (GQA); the tile takes the larger count
-# diffusion transformers' q/k RoPEs at their real sizes: (name, heads, D, row norm, layout, half table)
-DIFFUSION = [("Wan 2.1 14B: norm over 40 x 128, stored pairs, half tables", 40, 128, True, "gptj", True),
-             ("LTX-Video: the (B, S, 2048) row as one head", 1, 2048, False, "gptj", False),
-             ("Flux: 24 heads x 128, interleaved pairs", 24, 128, False, "gptj", False)]
+# diffusion transformers' q/k RoPEs at their real sizes: (name, heads, D, row norm, layout, half table,
+# LayerNorm)
+DIFFUSION = [("Wan 2.1 14B: norm over 40 x 128, stored pairs, half tables", 40, 128, True, "gptj", True, False),
+             ("LTX-Video: the (B, S, 2048) row as one head", 1, 2048, False, "gptj", False, False),
+             ("Flux: 24 heads x 128, interleaved pairs", 24, 128, False, "gptj", False, False),
+             ("CogVideoX 1.5 5B: 48 heads x 64 LayerNorms, interleaved pairs", 48, 64, False, "gptj", False, True),
+             ("CogView4: 32 heads x 128 LayerNorms, halves", 32, 128, False, "neox", False, True)]
 FLOAT_ARGS = {"eps", "weight_offset"}
 SIZE_ARGS = {"S", "HQ", "HK"}  # the capital integers (D and R are constexprs)
-FP32_PTRS = {"RSTD_Q", "RSTD_K", "DWQ_PART", "DWK_PART"}
+FP32_PTRS = {"RSTD_Q", "RSTD_K", "DWQ_PART", "DWK_PART", "DBQ_PART", "DBK_PART"}
+BIAS_PTRS = ("BQ", "BK", "DBQ_PART", "DBK_PART")  # a LayerNorm's biases and their gradients' partials
 OPERANDS = {"Q", "K", "QO", "KO", "DQO", "DKO"}  # (pointer, batch, position and head strides)
 
 
@@ -67,16 +71,19 @@ def _strides(name: str, n: int) -> tuple:
 
 
 def source(backward: bool, layout: str, row_norm: bool, D: int, R: int, dtype: str, heads: int = HQ,
-           half_table: bool = False) -> tuple[ASTSource, int, dict, list]:
+           half_table: bool = False, layer: bool = False) -> tuple[ASTSource, int, dict, list]:
     """The kernel as the launcher specializes it for q and k of ``dtype`` (Qwen3's rounding: the norm
     rounded first, RoPE in ``dtype``; weights in ``dtype``), contiguous rows; strides and D divisible
-    by 16. Returns (source, warps, tile, the compiled parameters' names)."""
+    by 16; ``layer``: LayerNorms with weights and biases (else RMSNorms, no bias). Returns (source,
+    warps, tile, the compiled parameters' names)."""
     fn = KR._qk_rope_bwd_kernel if backward else KR._qk_rope_fwd_kernel
     hb, half, pas, pas2 = KR._tile(heads, D, R, row_norm, KR._TILE_BWD if backward else KR._TILE_FWD)
     tl_dtype = DTYPES[dtype][1]
     args = dict(D=D, R=R, ROW_NORM=row_norm, NEOX=layout == "neox", HALF_TABLE=half_table, ROUND_FIRST=True,
-                DTYPES=(tl_dtype,) * 4, HB=hb, HALF=half, PASS=pas, PASS2=pas2,
+                LAYER=layer, DTYPES=(tl_dtype,) * 4, HB=hb, HALF=half, PASS=pas, PASS2=pas2,
                 ROPE=(_pointer("COS", dtype), _pointer("SIN", dtype), *_strides("ROPE", 3)))
+    if not layer:
+        args.update({name: Leaf("constexpr", name) for name in BIAS_PTRS})  # None: no bias
     for name in fn.arg_names:
         if name in args:
             continue
@@ -93,8 +100,8 @@ def source(backward: bool, layout: str, row_norm: bool, D: int, R: int, dtype: s
         names
 
 
-def compile_one(backward, layout, row_norm, D, R, dtype, target, heads=HQ, half_table=False) -> dict:
-    src, warps, tile, names = source(backward, layout, row_norm, D, R, dtype, heads, half_table)
+def compile_one(backward, layout, row_norm, D, R, dtype, target, heads=HQ, half_table=False, layer=False) -> dict:
+    src, warps, tile, names = source(backward, layout, row_norm, D, R, dtype, heads, half_table, layer)
     t0 = time.perf_counter()
     options = {"num_warps": warps} if backward else {"num_warps": warps, "enable_fp_fusion": False}  # as launched
     kernel = triton.compile(src, target=TARGETS[target], options=options)
@@ -142,17 +149,20 @@ def main(argv=None) -> dict:
         heads_dims, targets, dtypes = [(False, 128), (True, 128)], ["cuda90"], ["bf16"]
     rows = []
     t_start = time.perf_counter()
-    kernels = [(None, HQ, False, *c) for c in configurations(heads_dims, dtypes) if not args.toy or c[4] == c[3] // 2]
-    if not args.toy:
-        kernels += [(model, heads, half, backward, layout, row_norm, D, D, dtype)
-                    for model, heads, D, row_norm, layout, half in DIFFUSION for backward in (False, True)
+    kernels = [(None, HQ, False, False, *c) for c in configurations(heads_dims, dtypes)
+               if not args.toy or c[4] == c[3] // 2]
+    if args.toy:  # and the LayerNorm, one head norm each way
+        kernels += [("LayerNorm", HQ, False, True, backward, "neox", False, 128, 64, "bf16") for backward in (False, True)]
+    else:
+        kernels += [(model, heads, half, layer, backward, layout, row_norm, D, D, dtype)
+                    for model, heads, D, row_norm, layout, half, layer in DIFFUSION for backward in (False, True)
                     for dtype in dtypes]
-    for model, heads, half_table, backward, layout, row_norm, D, R, dtype in kernels:
+    for model, heads, half_table, layer, backward, layout, row_norm, D, R, dtype in kernels:
         for target in targets:
             row = {"kernel": "backward" if backward else "forward", "layout": layout,
                    "norm": "row" if row_norm else "head", "D": D, "R": R, "dtype": dtype, "target": target,
                    "model": model or "", "heads": heads,
-                   **compile_one(backward, layout, row_norm, D, R, dtype, target, heads, half_table)}
+                   **compile_one(backward, layout, row_norm, D, R, dtype, target, heads, half_table, layer)}
             problems = []
             if row["local"] + row.get("stack", 0) > 0:
                 problems.append(f"spills {row['local'] + row.get('stack', 0)}")

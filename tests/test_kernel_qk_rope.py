@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from normfuse.errors import InvalidOptionError, NormfuseError, ShapeMismatchError, UnsupportedDtypeError
-from normfuse.kernels.qk_rope import qk_norm_rope, qk_norm_rope_ref
+from normfuse.kernels.qk_rope import qk_norm_rope, qk_norm_rope_bwd_ref, qk_norm_rope_fwd_ref, qk_norm_rope_ref
 from normfuse.kernels.reference import normalize
 from normfuse.tolerances import within_tolerance
 from normfuse.zoo import prepare_torchvision
@@ -382,6 +382,164 @@ def test_cos_and_sin_are_not_differentiated_on_the_eager_path():
         qk_norm_rope(q, k, wq, wk, cos.requires_grad_(), sin, eps=EPS)
 
 
+# ---- QK LayerNorm (CogVideoX, CogView4, Persimmon) ---------------------------------------------
+# the models' own code: nn.LayerNorm per head (weight and bias) on the (B, H, S, D) heads, then
+# diffusers' apply_rotary_emb (fp32 tables of (S, D), ``(x.float() * cos + rotated.float() * sin).to(x.dtype)``):
+# CogVideoX's interleaved pairs (use_real_unbind_dim=-1), CogView4's halves (-2); a partial rotary
+# (Persimmon: the first R of D columns rotated, rotate_half)
+
+def layer_norms(D, dtype, seed=6):
+    gen = torch.Generator().manual_seed(seed)
+    norms = [torch.nn.LayerNorm(D, eps=EPS).to(dtype) for _ in range(2)]
+    with torch.no_grad():
+        for m in norms:
+            m.weight.copy_(torch.randn(D, generator=gen) * 0.3 + 1)
+            m.bias.copy_(torch.randn(D, generator=gen) * 0.5)
+    return norms
+
+
+def ln_case(dtype, B=2, S=5, H=4, Hk=2, D=64):
+    q, k = qk(B, S, H, Hk, D, dtype)
+    gen = torch.Generator().manual_seed(7)
+    angles = torch.rand(S, D // 2, generator=gen) * 6.3
+    return q, k, layer_norms(D, dtype), angles
+
+
+def diffusers_rope(x, angles, unbind_dim, rotary_dim=None):
+    """diffusers' apply_rotary_emb on (B, H, S, D), its tables as CogVideoX / CogView4 build them;
+    with rotary_dim, rotate_half on the first rotary_dim columns and the rest concatenated back."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    if rotary_dim is not None:  # HF's partial rotary (Persimmon), fp32 tables, rounded once
+        R = rotary_dim
+        c = torch.cat((angles[:, :R // 2].cos(), angles[:, :R // 2].cos()), -1)
+        s_ = torch.cat((angles[:, :R // 2].sin(), angles[:, :R // 2].sin()), -1)
+        a, rest = x[..., :R], x[..., R:]
+        rot = torch.cat((-a[..., R // 2:], a[..., :R // 2]), dim=-1)
+        return torch.cat(((a.float() * c + rot.float() * s_).to(x.dtype), rest), dim=-1)
+    per_column = angles.repeat_interleave(2, -1) if unbind_dim == -1 else torch.cat((angles, angles), -1)
+    return apply_rotary_emb(x, (per_column.cos(), per_column.sin()), use_real_unbind_dim=unbind_dim)
+
+
+def _ln_tables(angles, unbind_dim, rotary_dim=None):
+    """The op's (1, S, 1, R) tables of the same angles."""
+    if rotary_dim is not None:
+        a = angles[:, :rotary_dim // 2]
+        per_column = torch.cat((a, a), -1)
+    else:
+        per_column = angles.repeat_interleave(2, -1) if unbind_dim == -1 else torch.cat((angles, angles), -1)
+    return per_column.cos()[None, :, None], per_column.sin()[None, :, None]
+
+
+LN_FORMS = {"cogvideox": dict(unbind_dim=-1, layout="gptj"), "cogview4": dict(unbind_dim=-2, layout="neox"),
+            "partial": dict(unbind_dim=None, layout="neox", rotary_dim=32)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("form", LN_FORMS)
+def test_equals_the_layer_norm_models(path, form, dtype):
+    f = LN_FORMS[form]
+    q, k, (nq, nk), angles = ln_case(dtype)
+    cos, sin = _ln_tables(angles, f["unbind_dim"], f.get("rotary_dim"))
+    with torch.no_grad():
+        got = qk_norm_rope(q, k, nq.weight, nk.weight, cos, sin, eps=EPS, kind="layer_norm", q_bias=nq.bias,
+                           k_bias=nk.bias, layout=f["layout"], rotary_dim=f.get("rotary_dim"), rope_dtype=FP32,
+                           out_dtype=dtype, transpose_out=True)
+        want = [diffusers_rope(n(x.transpose(1, 2)), angles, f["unbind_dim"], f.get("rotary_dim"))
+                for n, x in ((nq, q), (nk, k))]
+    if path == "triton":  # a row's statistics summed in another order: y may round the other way, and
+        # the rotation adds two such y (up to 2 ulp of a smaller output): the rule against fp64
+        exact = ln_rule(q, k, nq.weight, nk.weight, nq.bias, nk.bias, cos, sin, layout=f["layout"],
+                        rotary_dim=f.get("rotary_dim"))
+        for name, g, w, e in zip(("q", "k"), got, want, exact):
+            ok, err, err_base, bound = within_tolerance(g, w.contiguous(), e, dtype=g.dtype)
+            assert ok, f"{form} {name}: error {err:.3g} > bound {bound:.3g} (the model's {err_base:.3g})"
+        return
+    for name, g, w in zip(("q", "k"), got, want):
+        assert_same_bits(g, w.contiguous(), f"{form} {name}")
+
+
+def ln_rule(q, k, wq, wk, bq, bk, cos, sin, *, layout, rotary_dim=None, acc=FP64):
+    """The QK-LayerNorm + RoPE in plain fp64 ops, written apart from the op: n = (x - mean) /
+    sqrt(var + eps) * w + b per head, then n * cos + rot(n) * sin on the first rotary_dim columns
+    ((1, S, 1, R) tables), the rest as they are; (B, H, S, D) outputs."""
+    cos, sin = cos.to(acc), sin.to(acc)
+    outs = []
+    for x, w, b in ((q, wq, bq), (k, wk, bk)):
+        x = x.to(acc)
+        c = x - x.mean(-1, keepdim=True)
+        n = c / torch.sqrt((c * c).mean(-1, keepdim=True) + EPS) * w.to(acc) + b.to(acc)
+        R = rotary_dim or n.shape[-1]
+        a = n[..., :R]
+        if layout == "neox":
+            rot = torch.cat((-a[..., R // 2:], a[..., :R // 2]), dim=-1)
+        else:
+            rot = torch.stack((-a[..., 1::2], a[..., 0::2]), dim=-1).flatten(-2)
+        outs.append(torch.cat((a * cos + rot * sin, n[..., R:]), dim=-1).transpose(1, 2))
+    return tuple(outs)
+
+
+@pytest.mark.parametrize("dtype", (BF16, FP32), ids=("bf16", "fp32"))
+@pytest.mark.parametrize("form", ("cogvideox", "cogview4"))
+def test_layer_norm_grads_vs_fp64(path, form, dtype):
+    """dq, dk, the weights' and the biases' gradients within the rule against fp64, the models' own
+    code in the working dtype the baseline."""
+    f = LN_FORMS[form]
+    q, k, (nq, nk), angles = ln_case(dtype, B=1, S=3)
+    cos, sin = _ln_tables(angles, f["unbind_dim"])
+    gen = torch.Generator().manual_seed(5)
+    cot = [torch.randn(1, h, 3, 64, generator=gen, dtype=FP64) for h in (4, 2)]
+    params = [t.detach() for t in (nq.weight, nk.weight, nq.bias, nk.bias)]
+    got = _run(lambda q, k, wq, wk, bq, bk: qk_norm_rope(q, k, wq, wk, cos, sin, eps=EPS, kind="layer_norm",
+                                                          q_bias=bq, k_bias=bk, layout=f["layout"], rope_dtype=FP32,
+                                                          out_dtype=dtype, transpose_out=True),
+               (q, k, *params), cot)
+
+    def model(q, k, wq, wk, bq, bk):
+        return [diffusers_rope(torch.nn.functional.layer_norm(x.transpose(1, 2), (64,), w, b, EPS), angles,
+                               f["unbind_dim"]) for x, w, b in ((q, wq, bq), (k, wk, bk))]
+    base = _run(model, (q, k, *params), cot)
+    exact = _run(lambda *a: ln_rule(*a, cos, sin, layout=f["layout"]), [t.double() for t in (q, k, *params)], cot)
+    names = ("q_out", "k_out", "dq", "dk", "dq_weight", "dk_weight", "dq_bias", "dk_bias")
+    for what, g, b, e in zip(names, got, base, exact):
+        assert g.dtype == b.dtype and g.shape == b.shape, what
+        ok, err, err_base, bound = within_tolerance(g, b.contiguous(), e, dtype=g.dtype)
+        assert ok, f"{form} {what}: error {err:.3g} > bound {bound:.3g} (the model's {err_base:.3g})"
+
+
+@pytest.mark.usefixtures("triton_cpu")
+@pytest.mark.parametrize("dtype", (BF16, FP32), ids=("bf16", "fp32"))
+@pytest.mark.parametrize("norm_width,R", [("head", 64), ("head", 16), ("row", 32)])
+def test_layer_norm_kernels_match_the_reference(norm_width, R, dtype):
+    """The Triton kernels (interpreter) against the reference: outputs within the rounding budget,
+    gradients of q, k, the weights and the biases within fp32 summation order (per-head and whole-row
+    LayerNorms, full and partial rotary, pass-through blocks of 48 = 32 + 16 columns)."""
+    from normfuse.kernels import triton_rope
+    from normfuse.kernels.specs import QkNorm, QkNormRopeBackwardCall, QkNormRopeCall, QkRounding, QkRows, Rope
+
+    q, k, _, angles = ln_case(dtype, B=2, S=3)
+    wq, bq, wk, bk = (weights(x.shape[2] * 64 if norm_width == "row" else 64, dtype, seed=seed, mean=mean)[0]
+                      for x in (q, k) for seed, mean in ((2, 1.0), (3, 0.0)))
+    a = angles[:, :R // 2]
+    cos, sin = (t[None, :, None] for t in (torch.cat((a, a), -1).cos(), torch.cat((a, a), -1).sin()))
+    rope = Rope(cos, sin, "neox", R)
+    norm = QkNorm(EPS, 0.0, norm_width == "row", "layer_norm")
+    rounding = QkRounding(None, dtype, FP32, dtype)
+    call = QkNormRopeCall(QkRows(q, wq, bias=bq), QkRows(k, wk, bias=bk), rope, norm, rounding, False)
+    with torch.no_grad():
+        got, want = triton_rope.qk_norm_rope_fwd(call), qk_norm_rope_fwd_ref(call)
+    for name, g, w in zip(("q_out", "k_out", "q_rstd", "k_rstd"), got, want):
+        assert_within_rounding_budget(g, w, name)
+    gen = torch.Generator().manual_seed(9)
+    dq, dk = (torch.randn(x.shape, generator=gen).to(dtype) for x in (q, k))
+    back = QkNormRopeBackwardCall(QkRows(q, wq, dq, want[2], bq), QkRows(k, wk, dk, want[3], bk), rope, norm)
+    got, want = triton_rope.qk_norm_rope_bwd(back), qk_norm_rope_bwd_ref(back)
+    for name, g, w in zip(("dq", "dk", "dq_weight", "dk_weight", "dq_bias", "dk_bias"), got, want):
+        tol = 2e-2 if dtype == BF16 else 1e-4
+        assert torch.allclose(g.float(), w.float(), rtol=tol, atol=tol), \
+            f"{name}: {(g.float() - w.float()).abs().max():.3g}"
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 
 def _bad(**change):
@@ -408,6 +566,9 @@ def _bad(**change):
     (dict(eps=-1.0), InvalidOptionError, "eps=-1.0"),
     (dict(rope_dtype=torch.int8), UnsupportedDtypeError, "rope_dtype"),
     (dict(cos=None), InvalidOptionError, "cos must be a tensor"),
+    (dict(kind="layernorm"), InvalidOptionError, "Did you mean 'layer_norm'?"),
+    (dict(q_bias=torch.zeros(64)), InvalidOptionError, "pass kind=\"layer_norm\""),
+    (dict(kind="layer_norm", k_bias=torch.zeros(32)), ShapeMismatchError, "k_bias has shape (32,)"),
 ])
 def test_bad_arguments(change, error, words):
     with pytest.raises(error) as info:
@@ -431,11 +592,16 @@ def _op_samples():
     rstd_q, rstd_k = torch.rand(24) + 0.5, torch.rand(12) + 0.5
     yield "bwd", (dq.transpose(1, 2).contiguous().transpose(1, 2), dk, q.detach(), k.detach(), wq.detach(),
                   wk.detach(), cos, sin, rstd_q, rstd_k, 0.0, "neox", 32, False)
+    bq, bk = (b.requires_grad_() for b in weights(64, FP32, seed=4, mean=0.0))
+    yield "fwd_layer", (q, k, wq, wk, cos, sin, EPS, 0.0, None, BF16, FP32, BF16, "gptj", 32, False, True, bq, bk,
+                        "layer_norm")
+    yield "bwd_layer", (dq, dk, q.detach(), k.detach(), wq.detach(), wk.detach(), cos, sin, rstd_q, rstd_k, 0.0,
+                        "gptj", 32, False, bq.detach(), bk.detach(), "layer_norm")
 
 
 @pytest.mark.parametrize("name,args", list(_op_samples()), ids=lambda v: v if isinstance(v, str) else "")
 def test_opcheck(path, name, args):
-    op = torch.ops.normfuse.qk_norm_rope_bwd if name == "bwd" else torch.ops.normfuse.qk_norm_rope_fwd
+    op = torch.ops.normfuse.qk_norm_rope_bwd if name.startswith("bwd") else torch.ops.normfuse.qk_norm_rope_fwd
     torch.library.opcheck(op.default, args)
 
 
@@ -582,7 +748,8 @@ def test_no_positions(path):
 def test_static_compile_report_toy(tmp_path):
     """The kernels compile for sm90 (the interpreter accepts code the compiler rejects, e.g. a constexpr
     branch returning early), without spills, the forward reading q and writing q_out once per element
-    (benchmarks/bench_static_rope.py --toy: both layouts, head and row norms, forward and backward)."""
+    (benchmarks/bench_static_rope.py --toy: both layouts, head and row norms, forward and backward, and
+    a LayerNorm's each way)."""
     import json
     import os
     import subprocess
@@ -597,6 +764,6 @@ def test_static_compile_report_toy(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "static_rope.json").read_text())
     verdict = report["verdict"]
-    assert verdict["kernels_compiled"] == 8 and verdict["no_spills"], verdict
+    assert verdict["kernels_compiled"] == 10 and verdict["no_spills"], verdict
     assert verdict["forward_reads_q_once_writes_once"], verdict
     assert all(0 < r["regs"] <= 255 for r in report["rows"])

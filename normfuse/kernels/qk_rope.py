@@ -10,11 +10,13 @@ q is (B, S, H, D), k is (B, S, Hk, D) (GQA: Hk != H), the layout a model has rig
     u  = a row of x: the D columns of one head (norm_width "head": Qwen3, Gemma 3, GLM-4 MoE,
          torchtitan), or the H * D columns of one position (norm_width "row": OLMo 2, whose q_norm /
          k_norm normalize the projection before the view); weight is then (D,) or (H * D,)
-    y  = reference.normalize(u, weight, None, "rms_norm", eps, weight_offset, norm_round_dtype,
-                             norm_out_dtype)                   # add_norm's RMSNorm, same rounding modes:
-         = round(norm_out_dtype, n * w')                       #   norm_round_dtype None (Gemma, F.rms_norm)
-         = round(norm_out_dtype, float(round(norm_round_dtype, n)) * w')   # a dtype (HF Llama, Qwen3)
-         with n = u * rsqrt(mean(u^2) + eps) in fp32 and w' = float(weight) + weight_offset
+    y  = reference.normalize(u, weight, bias, kind, eps, weight_offset, norm_round_dtype,
+                             norm_out_dtype)                   # add_norm's norm, same rounding modes:
+         = round(norm_out_dtype, n * w' + b)                   #   norm_round_dtype None (Gemma, F.rms_norm)
+         = round(norm_out_dtype, float(round(norm_round_dtype, n)) * w' + b)   # a dtype (HF Llama, Qwen3)
+         with w' = float(weight) + weight_offset, b = float(bias) (0 without one: an RMSNorm has none),
+         kind "rms_norm": n = u * rsqrt(mean(u^2) + eps) in fp32;
+         kind "layer_norm" (CogVideoX, CogView4): n = (u - mean(u)) * rsqrt(var(u) + eps) in fp32
     then per head, on its first R = rotary_dim columns (R even, R <= D), with P(j) j's partner and
     sign(j) its sign:
          neox (rotate_half):  j < R/2: P = j + R/2, sign -1;   j >= R/2: P = j - R/2, sign +1
@@ -58,8 +60,11 @@ Backward (fp32; fp64 inputs in fp64; every rounding step straight-through, as ad
 
     g  = float(dout);  on the rotary columns dy[j] = g[j] * c[j] + sign(Q(j)) * g[Q(j)] * s[Q(j)],
          Q(j) the column whose partner is j (the transposed rotation); dy[j] = g[j] on the others
-    du = rstd * (dy * w' - x_hat * mean(dy * w' * x_hat)) over each norm row, x_hat = u * rstd
-    dq = round(q.dtype, du);  dq_weight = round(weight.dtype, sum over rows of dy * x_hat (fp32))
+    du = rstd * (dy * w' - x_hat * mean(dy * w' * x_hat)) over each norm row, x_hat = u * rstd (rms_norm)
+    du = rstd * (dy * w' - mean(dy * w') - x_hat * mean(dy * w' * x_hat)), x_hat = (u - mean(u)) * rstd
+         (layer_norm: the mean recomputed from u, which the backward reads anyway)
+    dq = round(q.dtype, du);  dq_weight = round(weight.dtype, sum over rows of dy * x_hat (fp32));
+    dq_bias = round(bias.dtype, sum over rows of dy (fp32))
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ __all__ = ["qk_norm_rope", "qk_norm_rope_ref", "qk_norm_rope_bwd_ref", "qk_norm_
            "NORM_WIDTHS"]
 
 LAYOUTS = ("neox", "gptj")   # rotate_half (HF, torchtitan CosSinRoPE) / adjacent pairs (GPT-J, complex form)
+KINDS = ("rms_norm", "layer_norm")  # the q/k norms (QK-LayerNorm: CogVideoX, CogView4, Persimmon)
 NORM_WIDTHS = ("head", "row")  # statistics per head / over all heads of a position (OLMo 2)
 
 
@@ -131,8 +137,8 @@ def _norm_rows(x: Tensor, full_width: bool) -> Tensor:
     return x.flatten(2) if full_width else x
 
 
-def _fwd_one(x, weight, rope: Rope, norm: QkNorm, rounding: QkRounding, transpose_out: bool):
-    y, _, rstd = normalize(_norm_rows(x, norm.full_width), weight, None, "rms_norm", norm.eps, norm.weight_offset,
+def _fwd_one(x, weight, bias, rope: Rope, norm: QkNorm, rounding: QkRounding, transpose_out: bool):
+    y, _, rstd = normalize(_norm_rows(x, norm.full_width), weight, bias, norm.kind, norm.eps, norm.weight_offset,
                            rounding.norm_round_dtype, rounding.norm_out_dtype)
     y = y.reshape(x.shape)                                        # (B, S, H, D)
     rotary_dim, rope_dtype, out_dtype = rope.rotary_dim, rounding.rope_dtype, rounding.out_dtype
@@ -151,8 +157,8 @@ def qk_norm_rope_fwd_ref(call: QkNormRopeCall):
     """Backend form (the op's call): (q_out, k_out, q_rstd, k_rstd); k's are None without k.
     rstd is fp32 (fp64 for fp64 input), flat per norm row."""
     settings = (call.rope, call.norm, call.rounding, call.transpose_out)
-    q_out, q_rstd = _fwd_one(call.q.x, call.q.weight, *settings)
-    k_out, k_rstd = (None, None) if call.k is None else _fwd_one(call.k.x, call.k.weight, *settings)
+    q_out, q_rstd = _fwd_one(call.q.x, call.q.weight, call.q.bias, *settings)
+    k_out, k_rstd = (None, None) if call.k is None else _fwd_one(call.k.x, call.k.weight, call.k.bias, *settings)
     return q_out, k_out, q_rstd, k_rstd
 
 
@@ -166,35 +172,40 @@ def _bwd_one(rows: QkRows, rope: Rope, norm: QkNorm):
     if rotary_dim < x.shape[-1]:
         dy = torch.cat((dy, g[..., rotary_dim:]), dim=-1)
     u = _norm_rows(x, norm.full_width)
-    du, dw = _norm_grads(_norm_rows(dy, norm.full_width), u, u.new_empty(0, dtype=acc), rows.rstd, weight, "rms_norm",
-                         norm.weight_offset, None)[:2]
-    return du.reshape(x.shape).to(x.dtype), (None if dw is None else dw.to(weight.dtype))
+    # a LayerNorm's mean recomputed from u (the forward keeps rstd only)
+    mean = u.to(acc).mean(-1).reshape(-1) if norm.kind == "layer_norm" else u.new_empty(0, dtype=acc)
+    bias_dtype = None if rows.bias is None else rows.bias.dtype
+    du, dw, db = _norm_grads(_norm_rows(dy, norm.full_width), u, mean, rows.rstd, weight, norm.kind,
+                             norm.weight_offset, bias_dtype)[:3]
+    return (du.reshape(x.shape).to(x.dtype), None if dw is None else dw.to(weight.dtype),
+            None if db is None else db.to(bias_dtype))
 
 
 def qk_norm_rope_bwd_ref(call: QkNormRopeBackwardCall):
-    """Backward of qk_norm_rope_fwd_ref: (dq, dk, dq_weight, dk_weight), None for what does not exist.
-    q.dout, k.dout: the output grads as (B, S, H, D) views (transposed back when the forward
-    transposed its outputs)."""
-    dq, dwq = _bwd_one(call.q, call.rope, call.norm)
-    dk, dwk = (None, None) if call.k is None else _bwd_one(call.k, call.rope, call.norm)
-    return dq, dk, dwq, dwk
+    """Backward of qk_norm_rope_fwd_ref: (dq, dk, dq_weight, dk_weight, dq_bias, dk_bias), None for what
+    does not exist. q.dout, k.dout: the output grads as (B, S, H, D) views (transposed back when the
+    forward transposed its outputs)."""
+    dq, dwq, dbq = _bwd_one(call.q, call.rope, call.norm)
+    dk, dwk, dbk = (None, None, None) if call.k is None else _bwd_one(call.k, call.rope, call.norm)
+    return dq, dk, dwq, dwk, dbq, dbk
 
 
 def qk_norm_rope_ref(q, k, q_weight, k_weight, cos, sin, *, eps, weight_offset=0.0, norm_round_dtype=None,
                      norm_out_dtype=None, rope_dtype=None, out_dtype=None, layout="neox", rotary_dim=None,
-                     norm_width="head", transpose_out=False):
+                     norm_width="head", transpose_out=False, q_bias=None, k_bias=None, kind="rms_norm"):
     """Plain-PyTorch :func:`qk_norm_rope` (same arguments), differentiable with plain autograd (with
     its rounding steps: for an fp64 reference pass fp64 tensors and fp64 dtypes). Returns (q_out,
     k_out), k_out None without k."""
     cos, sin, rotary_dim = _tables(cos, sin, rotary_dim)
-    rope, norm = Rope(cos, sin, layout, rotary_dim), QkNorm(float(eps), float(weight_offset), norm_width == "row")
+    rope = Rope(cos, sin, layout, rotary_dim)
+    norm = QkNorm(float(eps), float(weight_offset), norm_width == "row", kind)
     outs = []
-    for x, w in ((q, q_weight), (k, k_weight)):
+    for x, w, b in ((q, q_weight, q_bias), (k, k_weight, k_bias)):
         if x is None:
             outs.append(None)
             continue
         dtypes = qk_norm_rope_dtypes(x, w, cos, sin, norm_round_dtype, norm_out_dtype, rope_dtype, out_dtype)
-        outs.append(_fwd_one(x, w, rope, norm, QkRounding(norm_round_dtype, *dtypes), transpose_out)[0])
+        outs.append(_fwd_one(x, w, b, rope, norm, QkRounding(norm_round_dtype, *dtypes), transpose_out)[0])
     return tuple(outs)
 
 
@@ -224,7 +235,8 @@ def _check_tensor(name: str, t, device) -> None:
         raise InvalidOptionError(f"{name} is on {t.device} but q is on {device}; move them to one device.")
 
 
-def validate(q, k, q_weight, k_weight, cos, sin, eps, layout, rotary_dim, norm_width, rounding: dict) -> None:
+def validate(q, k, q_weight, k_weight, cos, sin, eps, layout, rotary_dim, norm_width, rounding: dict,
+             q_bias=None, k_bias=None, kind="rms_norm") -> None:
     """Raise a normfuse error naming the problem and the fix. cos, sin: as _tables returns them."""
     if not isinstance(q, Tensor) or q.dim() != 4:
         raise ShapeMismatchError(f"q must be a (batch, seq, heads, head_dim) tensor, the layout of "
@@ -247,9 +259,16 @@ def validate(q, k, q_weight, k_weight, cos, sin, eps, layout, rotary_dim, norm_w
         raise InvalidOptionError(f"norm_width={norm_width!r} must be one of {NORM_WIDTHS} (\"head\": statistics per "
                                  f"head, \"row\": over all heads of a position, OLMo 2)." + closest(str(norm_width),
                                                                                                    NORM_WIDTHS))
+    if kind not in KINDS:
+        raise InvalidOptionError(f"kind={kind!r} is not a q/k norm the op computes; use one of {KINDS}."
+                                 + closest(str(kind), KINDS))
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise InvalidOptionError(f"eps={eps!r} must be a finite number >= 0 (e.g. 1e-6).")
-    for name, x, w in (("q_weight", q, q_weight), ("k_weight", k, k_weight)):
+    if kind == "rms_norm" and (q_bias is not None or k_bias is not None):
+        raise InvalidOptionError("q_bias / k_bias were given with kind=\"rms_norm\", which has no bias; pass "
+                                 "kind=\"layer_norm\" for a LayerNorm's bias, or no bias.")
+    for name, x, w in (("q_weight", q, q_weight), ("k_weight", k, k_weight), ("q_bias", q, q_bias),
+                       ("k_bias", k, k_bias)):
         if w is None or x is None:
             continue
         _check_tensor(name, w, q.device)
@@ -304,7 +323,7 @@ def qk_norm_rope_fwd(call: QkNormRopeCall):
     """QK-norm + RoPE of the module docstring, q and k in one launch. cos, sin: 4-d (1 | B, 1 | S, 1, R or
     R / 2). Returns (q_out, k_out, q_rstd, k_rstd): k's empty without k; rstd flat per norm row, fp32."""
     q, k, rope, rounding = call.q, call.k, call.rope, call.rounding
-    tensors = (q.x, q.weight, *((k.x, k.weight) if k else ()), rope.cos, rope.sin)
+    tensors = (q.x, q.weight, q.bias, *((k.x, k.weight, k.bias) if k else ()), rope.cos, rope.sin)
     forward, _ = _backend_of(q.x, _dtypes(*tensors, rounding.norm_round_dtype, rounding.norm_out_dtype,
                                           rounding.rope_dtype, rounding.out_dtype))
     return _op_outputs(forward(call), (None, rounding.out_dtype, None, acc_dtype(q.x.dtype)), q.x, tensors)
@@ -333,17 +352,17 @@ def _qk_norm_rope_fwd_fake(call: QkNormRopeCall):
 
 def _backward_tensors(call: QkNormRopeBackwardCall) -> tuple:
     rows = [call.q] + ([call.k] if call.k else [])
-    return (*(t for r in rows for t in (r.dout, r.x, r.weight, r.rstd)), call.rope.cos, call.rope.sin)
+    return (*(t for r in rows for t in (r.dout, r.x, r.weight, r.rstd, r.bias)), call.rope.cos, call.rope.sin)
 
 
 @implement("qk_norm_rope_bwd")
 def qk_norm_rope_bwd(call: QkNormRopeBackwardCall):
-    """Backward of qk_norm_rope_fwd (see qk_norm_rope_bwd_ref): (dq, dk, dq_weight, dk_weight), each
-    empty when that input does not exist. dq_out, dk_out: (B, S, H, D)-shaped, any strides."""
+    """Backward of qk_norm_rope_fwd (see qk_norm_rope_bwd_ref): (dq, dk, dq_weight, dk_weight, dq_bias,
+    dk_bias), each empty when that input does not exist. dq_out, dk_out: (B, S, H, D)-shaped, any strides."""
     q = call.q.x
     tensors = _backward_tensors(call)
     _, backward = _backend_of(q, _dtypes(*tensors))
-    return _op_outputs(backward(call), (None, q.dtype, q.dtype, q.dtype), q, tensors)
+    return _op_outputs(backward(call), (None, q.dtype, q.dtype, q.dtype, q.dtype, q.dtype), q, tensors)
 
 
 @implement_fake("qk_norm_rope_bwd")
@@ -352,7 +371,8 @@ def _qk_norm_rope_bwd_fake(call: QkNormRopeBackwardCall):
 
     def like(t):
         return q.x.new_empty(0, dtype=q.x.dtype) if t is None else t.new_empty(t.shape, dtype=t.dtype)
-    return like(q.x), like(None if k is None else k.x), like(q.weight), like(None if k is None else k.weight)
+    return (like(q.x), like(None if k is None else k.x), like(q.weight), like(None if k is None else k.weight),
+            like(q.bias), like(None if k is None else k.bias))
 
 
 # --------------------------------------------------------------------------------------
@@ -364,14 +384,15 @@ def _setup_context(ctx, call: QkNormRopeCall, output):
     out = dict(zip(OP_OUTPUTS["qk_norm_rope_fwd"], output))
     ctx.set_materialize_grads(False)  # an unused q_out or k_out gets None, not a zero tensor to read
     ctx.save_for_backward(q.x, None if k is None else k.x, q.weight, None if k is None else k.weight, rope.cos,
-                          rope.sin, out["q_rstd"], out["k_rstd"])
+                          rope.sin, out["q_rstd"], out["k_rstd"], q.bias, None if k is None else k.bias)
     ctx.weight_offset, ctx.layout, ctx.rotary_dim = call.norm.weight_offset, rope.layout, rope.rotary_dim
+    ctx.kind = call.norm.kind
     ctx.full_width, ctx.transpose_out, ctx.out_dtype = call.norm.full_width, call.transpose_out, call.rounding.out_dtype
     ctx.eager_cpu = False  # the eager path's autograd.Function sets it after this
 
 
 def _backward(ctx, dq_out, dk_out, dq_rstd, dk_rstd):
-    q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd = ctx.saved_tensors
+    q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd, q_bias, k_bias = ctx.saved_tensors
 
     def as_rows(g, x):
         """The grad of an output as a (B, S, H, D) view; zeros for an output nobody used."""
@@ -382,12 +403,15 @@ def _backward(ctx, dq_out, dk_out, dq_rstd, dk_rstd):
     dq_out = as_rows(dq_out, q)
     dk_out = as_rows(dk_out, k) if has_k else None
     backward = _REFERENCE_BACKWARD if ctx.eager_cpu else torch.ops.normfuse.qk_norm_rope_bwd
-    dq, dk, dwq, dwk = backward(dq_out, dk_out, q, k if has_k else None, q_weight, k_weight if has_k else None, cos,
-                                sin, q_rstd, k_rstd if has_k else None, ctx.weight_offset, ctx.layout, ctx.rotary_dim,
-                                ctx.full_width)
+    dq, dk, dwq, dwk, dbq, dbk = backward(dq_out, dk_out, q, k if has_k else None, q_weight,
+                                          k_weight if has_k else None, cos, sin, q_rstd, k_rstd if has_k else None,
+                                          ctx.weight_offset, ctx.layout, ctx.rotary_dim, ctx.full_width, q_bias,
+                                          k_bias if has_k else None, ctx.kind)
     return op_gradients("qk_norm_rope_fwd", {"q": dq, "k": dk if has_k else None,
                                              "q_weight": dwq if q_weight is not None else None,
-                                             "k_weight": dwk if has_k and k_weight is not None else None})
+                                             "k_weight": dwk if has_k and k_weight is not None else None,
+                                             "q_bias": dbq if q_bias is not None else None,
+                                             "k_bias": dbk if has_k and k_bias is not None else None})
 
 
 implement_autograd("qk_norm_rope_fwd", _backward, setup_context=_setup_context)
@@ -404,8 +428,8 @@ _EAGER = _eager_function("_EagerQKNormRope", "qk_norm_rope_fwd", qk_norm_rope_fw
 
 def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps, weight_offset=0.0, norm_round_dtype=None,
                  norm_out_dtype=None, rope_dtype=None, out_dtype=None, layout="neox", rotary_dim=None,
-                 norm_width="head", transpose_out=False):
-    """Fused per-head RMSNorm of q and k, then RoPE: returns (q_out, k_out) (k_out None when k is None).
+                 norm_width="head", transpose_out=False, q_bias=None, k_bias=None, kind="rms_norm"):
+    """Fused per-head norm of q and k, then RoPE: returns (q_out, k_out) (k_out None when k is None).
 
     q: (B, S, H, D), k: (B, S, Hk, D), fp32/fp16/bf16; q_weight, k_weight: (D,) (or (H * D,), (Hk * D,)
     with norm_width="row", OLMo 2), any of those dtypes, or None; cos, sin: (1 | B, 1 | S, 1, R), HF's
@@ -415,28 +439,30 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps, weight_offset=0.0, 
     to (a 16-bit one: HF's three roundings; fp32: computed in fp32); out_dtype: the outputs' dtype.
     layout: "neox" (rotate_half) or "gptj" (adjacent pairs; the complex form). rotary_dim: the rotated
     columns per head (default cos.shape[-1]); the rest pass through. transpose_out: return (B, H, S, D).
+    kind: "rms_norm" (default) or "layer_norm" (then q_bias, k_bias: the LayerNorms' biases, shaped as
+    the weights, or None).
     The exact semantics, defaults and each model family's settings are in this module's docstring.
     Differentiable in q, k and the weights; cos and sin must not require grad.
     """
     cos, sin, rotary_dim = _tables(cos, sin, rotary_dim)
     validate(q, k, q_weight, k_weight, cos, sin, eps, layout, rotary_dim, norm_width,
              {"norm_round_dtype": norm_round_dtype, "norm_out_dtype": norm_out_dtype, "rope_dtype": rope_dtype,
-              "out_dtype": out_dtype})
+              "out_dtype": out_dtype}, q_bias, k_bias, kind)
     common = (float(eps), float(weight_offset), norm_round_dtype)
     tail = (layout, int(rotary_dim), norm_width == "row", bool(transpose_out))
     q_dtypes = qk_norm_rope_dtypes(q, q_weight, cos, sin, norm_round_dtype, norm_out_dtype, rope_dtype, out_dtype)
-    calls = [(q, k, q_weight, k_weight, q_dtypes)]
+    calls = [(q, k, q_weight, k_weight, q_bias, k_bias, q_dtypes)]
     if k is not None:
         k_dtypes = qk_norm_rope_dtypes(k, k_weight, cos, sin, norm_round_dtype, norm_out_dtype, rope_dtype, out_dtype)
         if k_dtypes != q_dtypes or k.dtype != q.dtype:  # one launch takes one set of dtypes: one each
-            calls = [(q, None, q_weight, None, q_dtypes), (k, None, k_weight, None, k_dtypes)]
+            calls = [(q, None, q_weight, None, q_bias, None, q_dtypes), (k, None, k_weight, None, k_bias, None, k_dtypes)]
     outs = []
-    for x, x2, w, w2, dtypes in calls:
+    for x, x2, w, w2, b, b2, dtypes in calls:
         tensors = (x, x2, w, w2, cos, sin)
-        if _eager_cpu(*tensors):
-            forward = _EAGER.apply if _grad_needed(x, x2, w, w2) else _REFERENCE_FORWARD
+        if _eager_cpu(*tensors, b, b2):
+            forward = _EAGER.apply if _grad_needed(x, x2, w, w2, b, b2) else _REFERENCE_FORWARD
         else:
             forward = torch.ops.normfuse.qk_norm_rope_fwd
-        out, out2, _, _ = forward(*tensors, *common, *dtypes, *tail)
+        out, out2, _, _ = forward(*tensors, *common, *dtypes, *tail, b, b2, kind)
         outs += [out] if x2 is None else [out, out2]
     return outs[0], (outs[1] if k is not None else None)

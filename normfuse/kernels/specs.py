@@ -562,11 +562,13 @@ class Linears:
 
 @_group
 class QkRows:
-    """One of q and k: its rows (B, S, H, D), its norm weight; backward: the output's gradient, the rstd."""
+    """One of q and k: its rows (B, S, H, D), its norm weight and bias; backward: the output's gradient,
+    the rstd."""
     x: Tensor
     weight: Optional[Tensor] = None
     dout: Optional[Tensor] = None
     rstd: Optional[Tensor] = None
+    bias: Optional[Tensor] = None
 
 
 @_group
@@ -580,10 +582,12 @@ class Rope:
 
 @_group
 class QkNorm:
-    """The q/k RMSNorm: eps, weight_offset, full_width (the norm over the whole row, not per head)."""
+    """The q/k norm: eps, weight_offset, full_width (the norm over the whole row, not per head), kind
+    ("rms_norm" or "layer_norm")."""
     eps: float = 0.0
     weight_offset: float = 0.0
     full_width: bool = False
+    kind: str = "rms_norm"
 
 
 @_group

@@ -102,15 +102,42 @@ if triton is not None:
         return wa, wb, wp, wp2
 
     @triton.jit
-    def _norm_out(x, rstd, w, HAS_W: tl.constexpr, ROUND_FIRST: tl.constexpr, NORM_ROUND_DTYPE: tl.constexpr,
-                  NORM_OUT_DTYPE: tl.constexpr):
-        """y = round(NORM_OUT_DTYPE, n * w') with n = x * rstd (rounded first when ROUND_FIRST), in fp32."""
+    def _norm_out(x, rstd, w, b, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_FIRST: tl.constexpr,
+                  NORM_ROUND_DTYPE: tl.constexpr, NORM_OUT_DTYPE: tl.constexpr):
+        """y = round(NORM_OUT_DTYPE, n * w' + b) with n = x * rstd (x centered for a LayerNorm; n rounded
+        first when ROUND_FIRST), in fp32."""
         n = x * rstd[:, None]
         if ROUND_FIRST:
             n = _round(n, NORM_ROUND_DTYPE).to(tl.float32)
         if HAS_W:
             n = n * w
+        if HAS_B:
+            n = n + b
         return _round(n, NORM_OUT_DTYPE).to(tl.float32)
+
+    @triton.jit
+    def _centered(xa, xb, xp, xp2, h_ok, H, D: tl.constexpr, R: tl.constexpr, ROW_NORM: tl.constexpr,
+                  HB: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, PASS2: tl.constexpr):
+        """A LayerNorm's tiles less their row's mean (per head, or over all heads for a row norm), zero
+        where masked off; and the mean, (HB,)."""
+        HAS_PASS: tl.constexpr = D > R
+        total = tl.sum(xa, axis=1) + tl.sum(xb, axis=1)  # masked-off lanes load as 0
+        if HAS_PASS:
+            total += tl.sum(xp, axis=1)
+        if PASS2 > 0:
+            total += tl.sum(xp2, axis=1)
+        if ROW_NORM:
+            mean = tl.zeros([HB], dtype=tl.float32) + tl.sum(total, axis=0) / (H * D)
+        else:
+            mean = total / D
+        m = h_ok[:, None] & (tl.arange(0, HALF) < R // 2)[None, :]
+        xa = tl.where(m, xa - mean[:, None], 0.0)
+        xb = tl.where(m, xb - mean[:, None], 0.0)
+        if HAS_PASS:
+            xp = tl.where(h_ok[:, None] & ((R + tl.arange(0, PASS)) < D)[None, :], xp - mean[:, None], 0.0)
+        if PASS2 > 0:
+            xp2 = tl.where(h_ok[:, None] & ((R + PASS + tl.arange(0, PASS2)) < D)[None, :], xp2 - mean[:, None], 0.0)
+        return xa, xb, xp, xp2, mean
 
     @triton.jit
     def _rope_step(v, ROPE_DTYPE: tl.constexpr):
@@ -122,12 +149,13 @@ if triton is not None:
     # strides) (cos and sin share their strides). DTYPES: (norm round, norm out, rope, out).
 
     @triton.jit
-    def _fwd_position(X, W, O, RSTD, ROPE, pos, b, s, H, eps, weight_offset, D: tl.constexpr, R: tl.constexpr,
-                      ROW_NORM: tl.constexpr, NEOX: tl.constexpr, HALF_TABLE: tl.constexpr,
+    def _fwd_position(X, W, BIAS, O, RSTD, ROPE, pos, b, s, H, eps, weight_offset, D: tl.constexpr, R: tl.constexpr,
+                      ROW_NORM: tl.constexpr, NEOX: tl.constexpr, HALF_TABLE: tl.constexpr, LAYER: tl.constexpr,
                       ROUND_FIRST: tl.constexpr, DTYPES: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr,
                       PASS: tl.constexpr, PASS2: tl.constexpr):
         """The norm and RoPE of every head of one position of q (or k)."""
         HAS_W: tl.constexpr = W is not None
+        HAS_B: tl.constexpr = BIAS is not None
         HAS_PASS: tl.constexpr = D > R
         NORM_ROUND_DTYPE: tl.constexpr = DTYPES[0]
         NORM_OUT_DTYPE: tl.constexpr = DTYPES[1]
@@ -146,12 +174,18 @@ if triton is not None:
             h_ok = heads < H
             x_rows = x_base + heads * X[3]
             xa, xb = _load_ab(X[0], x_rows, h_ok, 1, R, NEOX, HALF)
-            ss = tl.sum(xa * xa, axis=1) + tl.sum(xb * xb, axis=1)
+            xp = xa  # no pass-through: unused
+            xp2 = xa
             if HAS_PASS:
                 xp = _load_pass(X[0], x_rows, h_ok, R, D, PASS)
-                ss += tl.sum(xp * xp, axis=1)
             if PASS2 > 0:  # the rest of a pass-through that is not a power of two (R = D / 4: D / 2 + D / 4)
                 xp2 = _load_pass(X[0], x_rows, h_ok, R + PASS, D, PASS2)
+            if LAYER:  # x less its mean: the sums below are then the variance's
+                xa, xb, xp, xp2, _ = _centered(xa, xb, xp, xp2, h_ok, H, D, R, ROW_NORM, HB, HALF, PASS, PASS2)
+            ss = tl.sum(xa * xa, axis=1) + tl.sum(xb * xb, axis=1)
+            if HAS_PASS:
+                ss += tl.sum(xp * xp, axis=1)
+            if PASS2 > 0:
                 ss += tl.sum(xp2 * xp2, axis=1)
             if ROW_NORM:
                 rstd_row = tl.rsqrt(tl.sum(ss, axis=0) / (H * D) + eps)
@@ -162,28 +196,33 @@ if triton is not None:
                 tl.store(RSTD + pos * H + heads, rstd, mask=h_ok)
             wa, wb, wp, wp2 = _weights(W, heads, h_ok, weight_offset, D, R, HAS_W, ROW_NORM, NEOX, HALF, PASS,
                                        HAS_PASS, PASS2)
-            ya = _rope_step(_norm_out(xa, rstd, wa, HAS_W, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE), ROPE_DTYPE)
-            yb = _rope_step(_norm_out(xb, rstd, wb, HAS_W, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE), ROPE_DTYPE)
+            ba, bb, bp, bp2 = _weights(BIAS, heads, h_ok, 0.0, D, R, HAS_B, ROW_NORM, NEOX, HALF, PASS, HAS_PASS,
+                                       PASS2)
+            ya = _rope_step(_norm_out(xa, rstd, wa, ba, HAS_W, HAS_B, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE),
+                            ROPE_DTYPE)
+            yb = _rope_step(_norm_out(xb, rstd, wb, bb, HAS_W, HAS_B, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE),
+                            ROPE_DTYPE)
             # o = round(rope, round(rope, y * c) + round(rope, sign * y[P] * s)): eager's three ops
             oa = _rope_step(_rope_step(ya * cos_a, ROPE_DTYPE) + _rope_step(-(yb * sin_a), ROPE_DTYPE), ROPE_DTYPE)
             ob = _rope_step(_rope_step(yb * cos_b, ROPE_DTYPE) + _rope_step(ya * sin_b, ROPE_DTYPE), ROPE_DTYPE)
             o_rows = o_base + heads * O[3]
             _store_ab(O[0], o_rows, h_ok, _round(oa, OUT_DTYPE), _round(ob, OUT_DTYPE), R, NEOX, HALF)
             if HAS_PASS:
-                yp = _norm_out(xp, rstd, wp, HAS_W, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE)
+                yp = _norm_out(xp, rstd, wp, bp, HAS_W, HAS_B, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE)
                 _store_pass(O[0], o_rows, h_ok, _round(yp, OUT_DTYPE), R, D, PASS)
             if PASS2 > 0:
-                yp2 = _norm_out(xp2, rstd, wp2, HAS_W, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE)
+                yp2 = _norm_out(xp2, rstd, wp2, bp2, HAS_W, HAS_B, ROUND_FIRST, NORM_ROUND_DTYPE, NORM_OUT_DTYPE)
                 _store_pass(O[0], o_rows, h_ok, _round(yp2, OUT_DTYPE), R + PASS, D, PASS2)
 
     @triton.jit
     def _qk_rope_fwd_kernel(
         Q, K, QO, KO,                    # (pointer, batch, position and head strides): inputs, outputs (B, S, H, D)
-        WQ, WK, RSTD_Q, RSTD_K, ROPE,
+        WQ, WK, BQ, BK, RSTD_Q, RSTD_K, ROPE,
         S, HQ, HK, eps, weight_offset,
         D: tl.constexpr, R: tl.constexpr,                                          # constexpr: the masks fold
-        ROW_NORM: tl.constexpr, NEOX: tl.constexpr, HALF_TABLE: tl.constexpr, ROUND_FIRST: tl.constexpr,
-        DTYPES: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, PASS2: tl.constexpr,
+        ROW_NORM: tl.constexpr, NEOX: tl.constexpr, HALF_TABLE: tl.constexpr, LAYER: tl.constexpr,
+        ROUND_FIRST: tl.constexpr, DTYPES: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
+        PASS2: tl.constexpr,
     ):
         """Program (position, tensor): the norm and RoPE of all heads of q (axis 1 = 0) or k (1) at one
         position."""
@@ -191,11 +230,11 @@ if triton is not None:
         b = pos // S
         s = pos % S
         if tl.program_id(1) == 0:
-            _fwd_position(Q, WQ, QO, RSTD_Q, ROPE, pos, b, s, HQ, eps, weight_offset, D, R, ROW_NORM, NEOX,
-                          HALF_TABLE, ROUND_FIRST, DTYPES, HB, HALF, PASS, PASS2)
+            _fwd_position(Q, WQ, BQ, QO, RSTD_Q, ROPE, pos, b, s, HQ, eps, weight_offset, D, R, ROW_NORM, NEOX,
+                          HALF_TABLE, LAYER, ROUND_FIRST, DTYPES, HB, HALF, PASS, PASS2)
         else:
-            _fwd_position(K, WK, KO, RSTD_K, ROPE, pos, b, s, HK, eps, weight_offset, D, R, ROW_NORM, NEOX,
-                          HALF_TABLE, ROUND_FIRST, DTYPES, HB, HALF, PASS, PASS2)
+            _fwd_position(K, WK, BK, KO, RSTD_K, ROPE, pos, b, s, HK, eps, weight_offset, D, R, ROW_NORM, NEOX,
+                          HALF_TABLE, LAYER, ROUND_FIRST, DTYPES, HB, HALF, PASS, PASS2)
 
     @triton.jit
     def _store_weight_partials(DW_PART, pid, H, acc_a, acc_b, acc_p, acc_p2, D: tl.constexpr, R: tl.constexpr,
@@ -222,13 +261,14 @@ if triton is not None:
                 _store_pass(DW_PART, rows, rows >= 0, tl.sum(acc_p2, axis=0)[None, :], R + PASS, D, PASS2)
 
     @triton.jit
-    def _bwd_positions(DO, X, W, DX, RSTD, ROPE, DW_PART, pid, rows_per_program, n_pos, S, H, weight_offset,
+    def _bwd_positions(DO, X, W, DX, RSTD, ROPE, DW_PART, DB_PART, pid, rows_per_program, n_pos, S, H, weight_offset,
                        D: tl.constexpr, R: tl.constexpr, ROW_NORM: tl.constexpr, NEOX: tl.constexpr,
-                       HALF_TABLE: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
-                       PASS2: tl.constexpr):
+                       HALF_TABLE: tl.constexpr, LAYER: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr,
+                       PASS: tl.constexpr, PASS2: tl.constexpr):
         """dx of rows_per_program contiguous positions of q (or k), and this program's row of the fp32
-        weight-gradient partials (per column; per head and column for a row norm)."""
+        weight- and bias-gradient partials (per column; per head and column for a row norm)."""
         HAS_W: tl.constexpr = W is not None
+        HAS_B: tl.constexpr = DB_PART is not None
         HAS_PASS: tl.constexpr = D > R
         acc_a = tl.zeros((HB, HALF), dtype=tl.float32)
         acc_b = tl.zeros((HB, HALF), dtype=tl.float32)
@@ -236,6 +276,12 @@ if triton is not None:
         acc_p2 = acc_p  # no second pass-through block: unused
         if PASS2 > 0:
             acc_p2 = tl.zeros((HB, PASS2), dtype=tl.float32)
+        bcc_a = tl.zeros((HB, HALF), dtype=tl.float32)  # the bias's: sum of dy
+        bcc_b = tl.zeros((HB, HALF), dtype=tl.float32)
+        bcc_p = tl.zeros((HB, PASS), dtype=tl.float32)
+        bcc_p2 = bcc_p
+        if PASS2 > 0:
+            bcc_p2 = tl.zeros((HB, PASS2), dtype=tl.float32)
         for i in range(rows_per_program):
             pos = (pid * rows_per_program + i).to(tl.int64)
             pos_ok = pos < n_pos
@@ -258,6 +304,18 @@ if triton is not None:
                 dyb = gb * cos_b - ga * sin_a
                 x_rows = b * X[1] + s * X[2] + heads * X[3]
                 xa, xb = _load_ab(X[0], x_rows, h_ok, 1, R, NEOX, HALF)
+                xp = xa  # no pass-through: unused
+                xp2 = xa
+                dyp = dya
+                dyp2 = dya
+                if HAS_PASS:
+                    dyp = _load_pass(DO[0], do_rows, h_ok, R, D, PASS)
+                    xp = _load_pass(X[0], x_rows, h_ok, R, D, PASS)
+                if PASS2 > 0:
+                    dyp2 = _load_pass(DO[0], do_rows, h_ok, R + PASS, D, PASS2)
+                    xp2 = _load_pass(X[0], x_rows, h_ok, R + PASS, D, PASS2)
+                if LAYER:  # x_hat = (x - mean) * rstd, the mean recomputed from x
+                    xa, xb, xp, xp2, _ = _centered(xa, xb, xp, xp2, h_ok, H, D, R, ROW_NORM, HB, HALF, PASS, PASS2)
                 xha = xa * rstd[:, None]
                 xhb = xb * rstd[:, None]
                 wa, wb, wp, wp2 = _weights(W, heads, h_ok, weight_offset, D, R, HAS_W, ROW_NORM, NEOX, HALF, PASS,
@@ -265,59 +323,80 @@ if triton is not None:
                 dna = dya * wa
                 dnb = dyb * wb
                 dot = tl.sum(dna * xha, axis=1) + tl.sum(dnb * xhb, axis=1)
+                sdn = tl.sum(dna, axis=1) + tl.sum(dnb, axis=1)
+                xhp = xha  # unused without a pass-through
+                xhp2 = xha
+                dnp = dna
+                dnp2 = dna
                 if HAS_PASS:
-                    dyp = _load_pass(DO[0], do_rows, h_ok, R, D, PASS)
-                    xhp = _load_pass(X[0], x_rows, h_ok, R, D, PASS) * rstd[:, None]
+                    xhp = xp * rstd[:, None]
                     dnp = dyp * wp
                     dot += tl.sum(dnp * xhp, axis=1)
+                    sdn += tl.sum(dnp, axis=1)
                 if PASS2 > 0:
-                    dyp2 = _load_pass(DO[0], do_rows, h_ok, R + PASS, D, PASS2)
-                    xhp2 = _load_pass(X[0], x_rows, h_ok, R + PASS, D, PASS2) * rstd[:, None]
+                    xhp2 = xp2 * rstd[:, None]
                     dnp2 = dyp2 * wp2
                     dot += tl.sum(dnp2 * xhp2, axis=1)
+                    sdn += tl.sum(dnp2, axis=1)
+                c0 = tl.zeros([HB], dtype=tl.float32)  # mean(dn): a LayerNorm's only
                 if ROW_NORM:
-                    c1 = tl.zeros([HB], dtype=tl.float32) + tl.sum(dot, axis=0) / (H * D)
+                    c1 = c0 + tl.sum(dot, axis=0) / (H * D)
+                    if LAYER:
+                        c0 += tl.sum(sdn, axis=0) / (H * D)
                 else:
                     c1 = dot / D
-                # du = rstd * (dn - x_hat * mean(dn * x_hat)), dx = round(x.dtype, du); DX is contiguous
+                    if LAYER:
+                        c0 += sdn / D
+                # du = rstd * (dn - mean(dn) - x_hat * mean(dn * x_hat)) (no mean(dn) for an RMSNorm),
+                # dx = round(x.dtype, du); DX is contiguous
                 dx_rows = pos * H * D + heads * D
                 dx_ty = DX.dtype.element_ty
-                _store_ab(DX, dx_rows, h_ok, _round((dna - xha * c1[:, None]) * rstd[:, None], dx_ty),
-                          _round((dnb - xhb * c1[:, None]) * rstd[:, None], dx_ty), R, NEOX, HALF)
+                _store_ab(DX, dx_rows, h_ok, _round((dna - c0[:, None] - xha * c1[:, None]) * rstd[:, None], dx_ty),
+                          _round((dnb - c0[:, None] - xhb * c1[:, None]) * rstd[:, None], dx_ty), R, NEOX, HALF)
                 if HAS_W:
                     acc_a += dya * xha
                     acc_b += dyb * xhb
+                if HAS_B:
+                    bcc_a += dya
+                    bcc_b += dyb
                 if HAS_PASS:
-                    _store_pass(DX, dx_rows, h_ok, _round((dnp - xhp * c1[:, None]) * rstd[:, None], dx_ty), R, D,
-                                PASS)
+                    _store_pass(DX, dx_rows, h_ok, _round((dnp - c0[:, None] - xhp * c1[:, None]) * rstd[:, None],
+                                                          dx_ty), R, D, PASS)
                     if HAS_W:
                         acc_p += dyp * xhp
+                    if HAS_B:
+                        bcc_p += dyp
                 if PASS2 > 0:
-                    _store_pass(DX, dx_rows, h_ok, _round((dnp2 - xhp2 * c1[:, None]) * rstd[:, None], dx_ty),
-                                R + PASS, D, PASS2)
+                    _store_pass(DX, dx_rows, h_ok, _round((dnp2 - c0[:, None] - xhp2 * c1[:, None]) * rstd[:, None],
+                                                          dx_ty), R + PASS, D, PASS2)
                     if HAS_W:
                         acc_p2 += dyp2 * xhp2
+                    if HAS_B:
+                        bcc_p2 += dyp2
         if HAS_W:
             _store_weight_partials(DW_PART, pid, H, acc_a, acc_b, acc_p, acc_p2, D, R, ROW_NORM, NEOX, HB, HALF, PASS,
+                                   PASS2)
+        if HAS_B:
+            _store_weight_partials(DB_PART, pid, H, bcc_a, bcc_b, bcc_p, bcc_p2, D, R, ROW_NORM, NEOX, HB, HALF, PASS,
                                    PASS2)
 
     @triton.jit
     def _qk_rope_bwd_kernel(
         DQO, DKO, Q, K,                  # (pointer, batch, position and head strides): output grads, inputs
-        WQ, WK, DQ, DK, RSTD_Q, RSTD_K, ROPE, DWQ_PART, DWK_PART,
+        WQ, WK, DQ, DK, RSTD_Q, RSTD_K, ROPE, DWQ_PART, DWK_PART, DBQ_PART, DBK_PART,
         n_pos, rows_per_program, S, HQ, HK, weight_offset,
         D: tl.constexpr, R: tl.constexpr, ROW_NORM: tl.constexpr, NEOX: tl.constexpr, HALF_TABLE: tl.constexpr,
-        HB: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, PASS2: tl.constexpr,
+        LAYER: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, PASS2: tl.constexpr,
     ):
         """Program (chunk, tensor): dq (axis 1 = 0) or dk (1) of a chunk of positions, and its weight
-        gradient partials."""
+        and bias gradient partials."""
         pid = tl.program_id(0)
         if tl.program_id(1) == 0:
-            _bwd_positions(DQO, Q, WQ, DQ, RSTD_Q, ROPE, DWQ_PART, pid, rows_per_program, n_pos, S, HQ, weight_offset,
-                           D, R, ROW_NORM, NEOX, HALF_TABLE, HB, HALF, PASS, PASS2)
+            _bwd_positions(DQO, Q, WQ, DQ, RSTD_Q, ROPE, DWQ_PART, DBQ_PART, pid, rows_per_program, n_pos, S, HQ,
+                           weight_offset, D, R, ROW_NORM, NEOX, HALF_TABLE, LAYER, HB, HALF, PASS, PASS2)
         else:
-            _bwd_positions(DKO, K, WK, DK, RSTD_K, ROPE, DWK_PART, pid, rows_per_program, n_pos, S, HK, weight_offset,
-                           D, R, ROW_NORM, NEOX, HALF_TABLE, HB, HALF, PASS, PASS2)
+            _bwd_positions(DKO, K, WK, DK, RSTD_K, ROPE, DWK_PART, DBK_PART, pid, rows_per_program, n_pos, S, HK,
+                           weight_offset, D, R, ROW_NORM, NEOX, HALF_TABLE, LAYER, HB, HALF, PASS, PASS2)
 
 
 # --------------------------------------------------------------------------------------
@@ -392,9 +471,10 @@ def qk_norm_rope_fwd(call: QkNormRopeCall):
         norm_out = rounding.norm_out_dtype
         _qk_rope_fwd_kernel[(B * S, 1 if k is None else 2)](
             _operand(q2), _operand(kk), _operand(qo), _operand(kko), call.q.weight,
-            None if k is None else call.k.weight, rstds[0], rstds[1] if k is not None else rstds[0],
-            _rope_tables(rope, B, S), S, H, kk.shape[2], norm.eps, norm.weight_offset, D=D, R=rotary_dim,
-            ROW_NORM=full_width, NEOX=rope.layout == "neox", HALF_TABLE=rope.cos.shape[-1] != rotary_dim,
+            None if k is None else call.k.weight, call.q.bias, None if k is None else call.k.bias, rstds[0],
+            rstds[1] if k is not None else rstds[0], _rope_tables(rope, B, S), S, H, kk.shape[2], norm.eps,
+            norm.weight_offset, D=D, R=rotary_dim, ROW_NORM=full_width, NEOX=rope.layout == "neox",
+            HALF_TABLE=rope.cos.shape[-1] != rotary_dim, LAYER=norm.kind == "layer_norm",
             ROUND_FIRST=rounding.norm_round_dtype is not None,
             DTYPES=(TL_DTYPES[rounding.norm_round_dtype or norm_out], TL_DTYPES[norm_out],
                     TL_DTYPES[rounding.rope_dtype], TL_DTYPES[rounding.out_dtype]),
@@ -405,11 +485,13 @@ def qk_norm_rope_fwd(call: QkNormRopeCall):
 
 
 def qk_norm_rope_bwd(call: QkNormRopeBackwardCall):
-    """(dq, dk, dq_weight, dk_weight); k's None without k, a weight's None without that weight."""
+    """(dq, dk, dq_weight, dk_weight, dq_bias, dk_bias); k's None without k, a weight's (bias's) None
+    without that weight (bias)."""
     q, k, rope, full_width, rotary_dim = call.q.x, None if call.k is None else call.k.x, call.rope, \
         call.norm.full_width, call.rope.rotary_dim
-    q_weight, q_rstd = call.q.weight, call.q.rstd
-    k_weight, k_rstd, dk_out = (None, None, None) if k is None else (call.k.weight, call.k.rstd, call.k.dout)
+    q_weight, q_rstd, q_bias = call.q.weight, call.q.rstd, call.q.bias
+    k_weight, k_rstd, dk_out, k_bias = (None,) * 4 if k is None else (call.k.weight, call.k.rstd, call.k.dout,
+                                                                       call.k.bias)
     B, S, H, D = q.shape
     n_pos = B * S
     programs = max(1, min(n_pos, 4 * _sm_count(q.device)))
@@ -425,16 +507,18 @@ def qk_norm_rope_bwd(call: QkNormRopeBackwardCall):
     q2, k2, dq2, dk2 = (rows(t) for t in (q, k, call.q.dout, dk_out))
     dq = q.new_empty(q.shape)
     dk = None if k is None else k.new_empty(k.shape)
-    dwq, dwk = partials(q_weight), partials(k_weight)
+    dwq, dwk, dbq, dbk = partials(q_weight), partials(k_weight), partials(q_bias), partials(k_bias)
     if n_pos:
         hb, half, pas, pas2 = _tile(max(H, 0 if k is None else k.shape[2]), D, rotary_dim, full_width, _TILE_BWD)
         kk, dkk, dko = (q2, dq, dq2) if k is None else (k2, dk, dk2)  # k absent: one program per chunk on axis 1
         _qk_rope_bwd_kernel[(programs, 1 if k is None else 2)](
             _operand(dq2), _operand(dko), _operand(q2), _operand(kk), q_weight, k_weight, dq, dkk, q_rstd,
-            q_rstd if k is None else k_rstd, _rope_tables(rope, B, S), dwq, dwk,
+            q_rstd if k is None else k_rstd, _rope_tables(rope, B, S), dwq, dwk, dbq, dbk,
             n_pos, rows_per_program, S, H, kk.shape[2], call.norm.weight_offset, D=D, R=rotary_dim,
-            ROW_NORM=full_width, NEOX=rope.layout == "neox", HALF_TABLE=rope.cos.shape[-1] != rotary_dim, HB=hb,
-            HALF=half, PASS=pas, PASS2=pas2, num_warps=_warps(hb, _columns(half, pas, pas2), backward=True))
-    # the [programs, N] fp32 partials summed in fp32, rounded once to the weight's dtype
-    return (dq, dk, None if dwq is None else dwq.sum(0).to(q_weight.dtype),
-            None if dwk is None else dwk.sum(0).to(k_weight.dtype))
+            ROW_NORM=full_width, NEOX=rope.layout == "neox", HALF_TABLE=rope.cos.shape[-1] != rotary_dim,
+            LAYER=call.norm.kind == "layer_norm", HB=hb, HALF=half, PASS=pas, PASS2=pas2,
+            num_warps=_warps(hb, _columns(half, pas, pas2), backward=True))
+
+    def summed(partial, like):  # the [programs, N] fp32 partials summed in fp32, rounded once to like's dtype
+        return None if partial is None else partial.sum(0).to(like.dtype)
+    return dq, dk, summed(dwq, q_weight), summed(dwk, k_weight), summed(dbq, q_bias), summed(dbk, k_bias)
