@@ -47,8 +47,9 @@ EXPECTED = {
                           modulation=(5, 5), gated=(4, 4), equal=True, grads="within", passes=(72, 21)),
     "cogvideox":     dict(norms=14, fused=14, fused_with_add=7, input_is_add=7, rope=0, fused_rope=0, rope_refused=0,
                           modulation=(9, 9), gated=(7, 7), equal=True, grads="equal", passes=(51, 19)),
-    "cogvideox15":   dict(norms=14, fused=14, fused_with_add=7, input_is_add=7, rope=0, fused_rope=0, rope_refused=4,
-                          modulation=(9, 9), gated=(7, 7), equal=True, grads="equal", passes=(66, 34)),
+    # the q/k norms split per slice of their rows (passes/norm_over_slices.py): 4 norms more
+    "cogvideox15":   dict(norms=18, fused=18, fused_with_add=7, input_is_add=7, rope=4, fused_rope=4, rope_refused=0,
+                          modulation=(9, 9), gated=(7, 7), equal=True, grads="within", passes=(66, 20)),
     "ltx_video":     dict(norms=13, fused=13, fused_with_add=4, input_is_add=4, rope=4, fused_rope=4, rope_refused=0,
                           modulation=(5, 5), gated=(2, 2), equal=True, grads="within", passes=(56, 18)),
     # the single-stream q/k norms split per slice of their rows (passes/norm_over_slices.py): 2 norms more
@@ -72,9 +73,8 @@ EXPECTED = {
                           modulation=(5, 5), gated=(4, 4), equal=True, grads="within", passes=(62, 16)),
     "auraflow":      dict(norms=12, fused=12, fused_with_add=4, input_is_add=4, rope=0, fused_rope=0, rope_refused=0,
                           modulation=(6, 6), gated=(3, 3), equal=True, grads="equal", passes=(45, 26)),
-    # q/k LayerNorms before the RoPE: the reason
-    "cogview4":      dict(norms=13, fused=13, fused_with_add=7, input_is_add=7, rope=0, fused_rope=0, rope_refused=4,
-                          modulation=(9, 9), gated=(7, 7), equal=True, grads="equal", passes=(67, 35)),
+    "cogview4":      dict(norms=17, fused=17, fused_with_add=7, input_is_add=7, rope=4, fused_rope=4, rope_refused=0,
+                          modulation=(9, 9), gated=(7, 7), equal=True, grads="within", passes=(67, 21)),
     # its complex RoPE multiplies by a complex128 freqs_cis (fp64 steps): the reason
     "lumina2":       dict(norms=26, fused=26, fused_with_add=7, input_is_add=6, rope=0, fused_rope=0, rope_refused=8,
                           modulation=(13, 13), gated=(5, 0), equal=True, grads="within", passes=(120, 49)),
@@ -93,9 +93,6 @@ FAST = ["dit", "pixart_sigma", "sd35_medium", "flux", "wan21"]
 # What the pass leaves of each family's block chain today, with the reason the report gives (None: no
 # reason; the report lists nothing about it). For the note of issue 38 and the next round's parts.
 NOT_TAKEN = {
-    "LayerNorm q/k norms": ("CogVideoX 1.5's and CogView4's q/k LayerNorms before their RoPE (of the image tokens, "
-                            "stored into the normed q by q[:, :, T:] = rope(q[:, :, T:]))",
-                            "qk_norm_rope computes an RMSNorm; this q/k norm is a layer_norm"),
     "modulation per segment of tokens": ("HunyuanVideo I2V's token_replace: y[:, :F] and y[:, F:] modulated "
                                          "with their own scale and shift, then concatenated",
                                          "the norm's output is modulated per segment of tokens (2 slices ...): the "
@@ -200,7 +197,8 @@ def test_flux_single_stream_blocks_read_their_add_through_the_split():
         assert site.fused_add and site.fused_gated_residual and site.fused_modulation, site
 
 
-@pytest.mark.parametrize("name,calls", [("flux", 6), ("wan21", 4), ("ltx_video", 4), ("qwen_image", 8)])
+@pytest.mark.parametrize("name,calls", [("flux", 6), ("wan21", 4), ("ltx_video", 4), ("qwen_image", 8),
+                                        ("cogvideox15", 4), ("cogview4", 4)])
 def test_diffusers_rope_after_the_qk_norms_is_fused_and_proved(name, calls):
     """The diffusers RoPEs after q/k RMSNorms, one qk_norm_rope call per attention (GPT-J's pairs), each
     site proved; cos and sin swapped in the call is refuted at its site. Flux: the interleaved
@@ -208,7 +206,9 @@ def test_diffusers_rope_after_the_qk_norms_is_fused_and_proved(name, calls):
     rotated.float() * sin).to(x.dtype)`` (its double-stream blocks' over a cat, rope_over_cat); Wan: the
     norm over all heads, the pairs' products stored into ``empty_like(x)`` through ``out[..., 0::2]`` /
     ``out[..., 1::2]`` with half tables; LTX-Video: the interleaved form on the whole (B, S, N) row;
-    Qwen-Image: the complex product with a 3-d freqs_cis."""
+    Qwen-Image: the complex product with a 3-d freqs_cis; CogVideoX 1.5 and CogView4: q/k LayerNorms, the
+    RoPE of the image tokens stored back into q (``q[:, :, T:] = rope(q[:, :, T:])``, the norm split per
+    slice of its rows: passes/norm_over_slices.py), CogView4's halves by ``reshape(..., 2, -1).unbind(-2)``."""
     import normfuse
     from helpers import optimized_with_fault
     from normfuse.verify.sites import fused_calls

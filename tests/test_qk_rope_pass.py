@@ -267,14 +267,38 @@ def test_a_rope_in_a_form_not_read_is_kept_with_the_reason(rope, why):
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name,overrides,norms", [
-    ("cohere", {"use_qk_norm": True}, 4),           # a LayerNorm per head, weight (heads, head_dim)
-    ("stablelm", {"qk_layernorm": True}, 12),       # one LayerNorm module per head, split and concatenated
-    ("esmc", {"num_key_value_heads": 4}, 4),        # a LayerNorm over all heads, cast, then the view to heads
+@pytest.mark.parametrize("name", ["phi", "persimmon"])
+def test_layer_norm_q_k_norms_fuse_with_their_rope(name):
+    """Phi and Persimmon normalize q and k per head with LayerNorms (weight and bias), then rotate the
+    first half of each head (partial rotary): one qk_norm_rope call per attention, q with k, the
+    output the same bits, every site proved."""
+    torch._dynamo.reset()
+    model = hf_model(name, qk_layernorm=True)
+    inputs = example_inputs(model)
+    with torch.no_grad():
+        ref = model(**inputs)[0]
+        res = normfuse.check(model, **inputs, backward=False)
+        normfuse.optimize(model)
+        out = model(**inputs)[0]
+    assert res.ok and all(s.symbolic.status == "proved" for s in res.sites), res
+    rep = normfuse.report(model)
+    qk = [s for s in rep.sites if s.fqn.endswith(("q_layernorm", "k_layernorm"))]
+    assert len(qk) == 4 and all(s.op == "qk_norm_rope" and s.fused_rope for s in qk), rep
+    assert len({s.call for s in qk}) == 2, rep
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name,overrides,norms,why", [
+    # a LayerNorm per head, weight (heads, head_dim)
+    ("cohere", {"use_qk_norm": True}, 4, "in another layout or order of steps"),
+    # one LayerNorm module per head, split and concatenated
+    ("stablelm", {"qk_layernorm": True}, 12, "over rows concatenated with other tokens' before it"),
+    # a LayerNorm over all heads, cast, then the view to heads
+    ("esmc", {"num_key_value_heads": 4}, 4, "in another layout or order of steps"),
 ])
-def test_layer_norm_q_k_norms_say_why_their_rope_stays(name, overrides, norms):
-    """qk_norm_rope computes an RMSNorm: LayerNorm q/k norms (Cohere, StableLM, ESM-C, as Phi and
-    Persimmon) are fused alone and each says why its RoPE stays, whatever the RoPE's form."""
+def test_layer_norm_q_k_norms_in_other_forms_say_why_their_rope_stays(name, overrides, norms, why):
+    """LayerNorm q/k norms whose RoPE the call does not read (Cohere, StableLM, ESM-C) are fused alone
+    and each says why its RoPE stays."""
     torch._dynamo.reset()
     model = hf_model(name, **overrides)
     inputs = example_inputs(model)
@@ -285,25 +309,26 @@ def test_layer_norm_q_k_norms_say_why_their_rope_stays(name, overrides, norms):
     rep = normfuse.report(model)
     qk = [s for s in rep.sites if ".self_attn." in s.fqn]
     assert len(qk) == norms and all(s.fused and s.op == "norm" for s in qk), rep
-    assert {s.rope_reason for s in qk} == {"qk_norm_rope computes an RMSNorm; this q/k norm is a layer_norm"}, rep
+    assert all(s.rope_reason.startswith(f"a RoPE follows this q/k norm {why}") for s in qk), rep
     # Cohere's written-out LayerNorm reduces its rows in another order than the call (tests/zoo/expected.py)
     torch.testing.assert_close(out, ref, **({} if name == "cohere" else dict(rtol=0, atol=0)))
 
 
-@pytest.mark.parametrize("options,why", [
-    (dict(norm=nn.LayerNorm), "qk_norm_rope computes an RMSNorm; this q/k norm is a layer_norm"),
-    (dict(q_scale=0.5), "q/k is multiplied by 0.5 between its norm and its RoPE, a rounding the kernel does not make"),
-])
-def test_a_rope_after_a_norm_the_call_does_not_compute_is_kept_with_the_reason(options, why):
-    """Phi / Persimmon normalize q and k with LayerNorm; MuseGlimmer scales q between its norm and
-    its RoPE: the norms are fused alone, the RoPE left as it was, and the report says why."""
-    ref, out, rep = _optimized_toy(_Attention(**options))
+def test_a_layer_norm_q_k_norm_takes_its_rope():
+    """nn.LayerNorm q/k norms (weight and bias) before HF's RoPE: one qk_norm_rope call, the same bits."""
+    ref, out, rep = _optimized_toy(_Attention(norm=nn.LayerNorm))
+    assert [s.op for s in rep.sites] == ["qk_norm_rope"] * 2 and all(s.fused_rope for s in rep.sites), rep
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_a_rope_after_q_is_scaled_is_kept_with_the_reason():
+    """MuseGlimmer scales q between its norm and its RoPE: q's norm is fused alone, its RoPE left as
+    it was, and the report says why; k has no scale: fused with its RoPE, alone."""
+    ref, out, rep = _optimized_toy(_Attention(q_scale=0.5))
     q, k = rep.sites
+    why = "q/k is multiplied by 0.5 between its norm and its RoPE, a rounding the kernel does not make"
     assert q.fused and q.op == "norm" and not q.fused_rope and q.rope_reason == why, rep
-    if "norm" in options:
-        assert k.op == "norm" and k.rope_reason == why, rep
-    else:  # k has no scale: fused with its RoPE, alone
-        assert k.op == "qk_norm_rope" and k.fused_rope, rep
+    assert k.op == "qk_norm_rope" and k.fused_rope, rep
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 

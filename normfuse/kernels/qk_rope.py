@@ -31,7 +31,7 @@ products and the sum (three roundings, as eager's bf16 ops do); rope_dtype fp32 
 steps in fp32 (no fused multiply-add) and rounds once to out_dtype.
 
 cos, sin: one value per position and rotary column, broadcastable to (B, S, 1, R): a 4-d tensor
-(1 or B, 1 or S, 1, R), or HF's 3-d (1 or B, S, R) (the heads axis is added). A half table of last
+(1 or B, 1 or S, 1, R), HF's 3-d (1 or B, S, R) (the heads axis is added), or diffusers' 2-d (S, R). A half table of last
 dim R / 2 holds one value per pair (torchtitan's ``freqs_cis``); c[j] is then cos[j mod R/2]
 (neox) or cos[j // 2] (gptj), and rotary_dim must be given. The tables are not differentiated.
 
@@ -216,6 +216,10 @@ def qk_norm_rope_ref(q, k, q_weight, k_weight, cos, sin, *, eps, weight_offset=0
 def _tables(cos: Tensor, sin: Tensor, rotary_dim: Optional[int]) -> tuple[Tensor, Tensor, int]:
     """cos and sin as 4-d (1 | B, 1 | S, 1, R or R / 2) views, and rotary_dim (default cos.shape[-1]);
     what is not a tensor is left to validate's message."""
+    if isinstance(cos, Tensor) and cos.dim() == 2:
+        cos = cos.unsqueeze(0)  # diffusers' (S, R): one row per position, the batch's
+    if isinstance(sin, Tensor) and sin.dim() == 2:
+        sin = sin.unsqueeze(0)
     if isinstance(cos, Tensor) and cos.dim() == 3:
         cos = cos.unsqueeze(2)  # HF's (B, S, R): the heads axis it unsqueezes in apply_rotary_pos_emb
     if isinstance(sin, Tensor) and sin.dim() == 3:
@@ -293,7 +297,8 @@ def validate(q, k, q_weight, k_weight, cos, sin, eps, layout, rotary_dim, norm_w
     if (cos.dim() != 4 or cos.shape[2] != 1 or cos.shape[0] not in (1, B) or cos.shape[1] not in (1, S)
             or cos.shape[3] not in (rotary_dim, rotary_dim // 2)):
         raise ShapeMismatchError(f"cos and sin have shape {tuple(cos.shape)}; they must broadcast to (B, S, 1, R) = "
-                                 f"({B}, {S}, 1, {rotary_dim}): (1 | B, 1 | S, 1, R), HF's (1 | B, S, R), or a half "
+                                 f"({B}, {S}, 1, {rotary_dim}): (1 | B, 1 | S, 1, R), HF's (1 | B, S, R), (S, R), "
+                                 f"or a half "
                                  f"table of last dim R / 2 = {rotary_dim // 2} (freqs_cis.real / .imag) with "
                                  f"rotary_dim given.")
     for name, dtype in rounding.items():
@@ -433,7 +438,8 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps, weight_offset=0.0, 
 
     q: (B, S, H, D), k: (B, S, Hk, D), fp32/fp16/bf16; q_weight, k_weight: (D,) (or (H * D,), (Hk * D,)
     with norm_width="row", OLMo 2), any of those dtypes, or None; cos, sin: (1 | B, 1 | S, 1, R), HF's
-    (1 | B, S, R), or half tables of last dim R / 2 (freqs_cis.real, freqs_cis.imag, with rotary_dim).
+    (1 | B, S, R), diffusers' (S, R), or half tables of last dim R / 2 (freqs_cis.real, freqs_cis.imag,
+    with rotary_dim).
     eps, weight_offset (Gemma: 1.0), norm_round_dtype: the RMSNorm as in add_norm. norm_out_dtype: the
     norm output's dtype (the rounding before RoPE); rope_dtype: the dtype RoPE's products and sum round
     to (a 16-bit one: HF's three roundings; fp32: computed in fp32); out_dtype: the outputs' dtype.

@@ -6,13 +6,20 @@ image tokens only, joining the text tokens back unrotated::
     q = norm_q(q)                                               # (B, S, H, D), per head
     q = cat([rope(q[:, :-T], cos, sin), q[:, -T:]], dim=1)      # T text tokens, not rotated
 
+CogVideoX and CogView4 normalize q (B, H, S, D) and store the rotated image tokens back into it::
+
+    q = norm_q(q)
+    q[:, :, T:] = rope(q[:, :, T:], cos, sin)                   # the T text tokens kept as they are
+
 A norm over the last dim reads one row and writes that row, so the norm of a slice of the rows
 is the slice of the norm: ``norm(x)[:, a:b] == norm(x[:, a:b])``, the same operations on the same
-elements (the same bits). ``split_norm_over_slices`` writes it so where every reader of a norm's
-output is a slice of its rows and one of them is rotated: each slice becomes a norm of the
-input's slice (a view, no copy; the same rows normalized once in all), and the rotated one is
-a norm followed by a RoPE of its whole output, as the q/k fusion (``fusions/qk_norm_rope.py``)
-expects. The rewrite records the norms it split (``record.attach_records``); the checker splits
+elements (the same bits). ``split_norm_over_slices`` writes it so where a slice of a norm's rows
+is rotated and either every reader of the norm's output is a slice of its rows (each slice becomes
+a norm of the input's slice: a view, no copy; the same rows normalized once in all), or the
+rotated slice is stored back into the norm's output and read after that only as a whole (the
+stored value is then ``cat`` of the norm of the rows not stored and the rotation: the store's copy
+becomes the cat's). The rotated slice is then a norm followed by a RoPE of its whole output, as
+the q/k fusion (``fusions/qk_norm_rope.py``) expects. The rewrite records the norms it split (``record.attach_records``); the checker splits
 its copy of the original graph alike before pairing sites (``verify/sites.py``).
 """
 
@@ -21,9 +28,11 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import torch
 import torch.fx as fx
 
-from normfuse.passes.canonical import canonical, node_shape
+from normfuse.passes.canonical import canonical, node_dtype, node_shape
+from normfuse.passes.graph import copy_meta
 from normfuse.passes.rope_over_cat import narrowed_meta, rope_region
 
 __all__ = ["split_norm_over_slices"]
@@ -39,34 +48,90 @@ def split_norm_over_slices(graph: fx.Graph, norms: dict[fx.Node, fx.Node],
         norms = {by_name[y]: by_name[x] for y, x in only if y in by_name and x in by_name}
     split = []
     for y, x in norms.items():
-        pieces = _row_slices(y)
+        y = _past_no_op_casts(y)  # CogView4's norm_q(q).to(dtype): the stores write into the cast's value
         region = _region(x, y)
-        if pieces is None or region is None or not any(rope_region(p) is not None for p, _ in pieces):
+        if region is None:
+            continue
+        pieces = _row_slices(y)
+        stored = None if pieces is not None else _stored_slice(y)
+        if pieces is not None and any(rope_region(p) is not None for p, _ in pieces):
+            for piece, dim in pieces:
+                _split_piece(graph, piece, dim, x, region)
+        elif stored is not None:
+            _store_as_cat(graph, *stored, x, region)
+        else:
             continue
         split.append((y.name, x.name))
-        for piece, dim in pieces:
-            _clone_for(graph, piece, dim, x, region)
         for node in reversed(region):
             if not node.users:
                 graph.erase_node(node)
     return tuple(split)
 
 
-def _row_slices(y: fx.Node) -> list[tuple[fx.Node, int]] | None:
-    """(slice, dim) of every reader of ``y`` when each is ``y[..., a:b, ...]`` along one static dim
-    before the last (rows, not columns), else None."""
-    shape, pieces = node_shape(y), []
-    if not shape or not y.users:
-        return None
-    for user in y.users:
+def _past_no_op_casts(y: fx.Node) -> fx.Node:
+    """``y``, or the last of the casts to its own dtype that follow it, each the only reader of the one
+    before (``.to(dtype)`` of a value already in that dtype: the same tensor)."""
+    while len(y.users) == 1:
+        user = next(iter(y.users))
         c = canonical(user)
-        if c is None or c.prim != "slice" or c["input"] is not y or c["step"] != 1 or user.target is not operator.getitem:
-            return None
-        dim = c["dim"][0] if isinstance(c["dim"], (list, tuple)) else c["dim"]
-        if not isinstance(dim, int) or dim % len(shape) == len(shape) - 1 or not isinstance(shape[dim], int):
-            return None
-        pieces.append((user, dim % len(shape)))
-    return pieces
+        if c is None or c.prim != "cast" or c["input"] is not y or node_dtype(user) != node_dtype(y) \
+                or node_dtype(y) is None:
+            break
+        y = user
+    return y
+
+
+def _row_slices(y: fx.Node) -> list[tuple[fx.Node, int]] | None:
+    """(slice, dim) of every reader of ``y`` when each is a row slice (``_row_slice``), else None."""
+    pieces = [(user, _row_slice(user, y)) for user in y.users]
+    return pieces if pieces and all(dim is not None for _, dim in pieces) else None
+
+
+def _row_slice(node: fx.Node, y: fx.Node) -> int | None:
+    """The dim of ``node = y[..., a:b, ...]`` sliced along one static dim before the last (rows, not
+    columns), else None."""
+    shape, c = node_shape(y), canonical(node)
+    if not shape or c is None or c.prim != "slice" or c["input"] is not y or c["step"] != 1 \
+            or node.target is not operator.getitem:
+        return None
+    dim = c["dim"][0] if isinstance(c["dim"], (list, tuple)) else c["dim"]
+    if not isinstance(dim, int) or dim % len(shape) == len(shape) - 1 or not isinstance(shape[dim], int):
+        return None
+    return dim % len(shape)
+
+
+def _bounds(piece: fx.Node, total: int) -> tuple[int, int]:
+    c = canonical(piece)
+    start, end = c["start"] or 0, total if c["end"] is None else c["end"]
+    return tuple(v + total if v < 0 else min(v, total) for v in (start, end))
+
+
+def _stored_slice(y: fx.Node) -> tuple | None:
+    """(piece, dim, store, readers) when ``y``'s readers are one row slice ``piece`` rotated, then
+    ``y[index] = rotation`` at the same index (one store, the rotation's dtype and shape the
+    slice's), then readers of the whole ``y`` only; the slice a head or a tail of the rows."""
+    order = {n: i for i, n in enumerate(y.graph.nodes)}
+    stores = [u for u in y.users if u.op == "call_function" and u.target is operator.setitem and u.args[0] is y]
+    if len(stores) != 1:
+        return None
+    store = stores[0]
+    before = [u for u in y.users if order[u] < order[store]]
+    readers = sorted((u for u in y.users if order[u] > order[store]), key=order.__getitem__)
+    if len(before) != 1 or not readers:
+        return None
+    piece = before[0]
+    dim = _row_slice(piece, y)
+    found = rope_region(piece) if dim is not None else None
+    if found is None or found[1] is not store.args[2] or piece.args[1] != store.args[1]:
+        return None
+    value = store.args[2]
+    if node_dtype(value) != node_dtype(y) or node_shape(value) != node_shape(piece) \
+            or any(_row_slice(r, y) is not None and r.args[1] == piece.args[1] for r in readers):
+        return None
+    start, end = _bounds(piece, node_shape(y)[dim])
+    if start != 0 and end != node_shape(y)[dim]:
+        return None  # rows kept on both sides: not one cat of two pieces
+    return piece, dim, store, readers
 
 
 def _region(x: fx.Node, y: fx.Node) -> list[fx.Node] | None:
@@ -87,20 +152,64 @@ def _region(x: fx.Node, y: fx.Node) -> list[fx.Node] | None:
     return region
 
 
-def _clone_for(graph: fx.Graph, piece: fx.Node, dim: int, x: fx.Node, region: list[fx.Node]) -> None:
-    """Replace ``piece`` (a slice of the norm's output) by the norm of the same slice of ``x``."""
-    index = piece.args[1]
-    total = node_shape(x)[dim]
-    c = canonical(piece)
-    start, end = c["start"] or 0, total if c["end"] is None else c["end"]
-    start, end = (v + total if v < 0 else min(v, total) for v in (start, end))
-    with graph.inserting_before(piece):
-        sliced = graph.call_function(operator.getitem, (x, index))
-        narrowed_meta(sliced, x, dim, start, end - start, total)
+def _norm_of_rows(graph: fx.Graph, x: fx.Node, region: list[fx.Node], dim: int, index: Any, rows: tuple[int, int],
+                  before: fx.Node) -> fx.Node:
+    """The norm (``region``'s nodes copied, inserted before ``before``) of ``x[index]``, the rows
+    [rows[0], rows[1]) of ``x`` along ``dim``."""
+    total, (start, end) = node_shape(x)[dim], rows
+    with graph.inserting_before(before):
+        sliced = _rows_of(graph, x, dim, index, rows)
         env: dict[fx.Node, Any] = {x: sliced}
         for node in region:
             new = graph.node_copy(node, lambda a: env.get(a, a))
             narrowed_meta(new, node, dim, start, end - start, total)
             env[node] = new
-    piece.replace_all_uses_with(env[region[-1]])
+    return env[region[-1]]
+
+
+def _rows_of(graph: fx.Graph, x: fx.Node, dim: int, index: Any, rows: tuple[int, int]) -> fx.Node:
+    """``x[index]`` (rows [rows[0], rows[1]) along ``dim``); of a transpose's input, transposed after,
+    when ``x`` swaps ``dim`` with another (CogVideoX's ``q.transpose(1, 2)`` before its norm: the norm of
+    the slice then reads a transpose, as the q/k fusion expects of a norm after the heads' swap)."""
+    total, (start, end) = node_shape(x)[dim], rows
+    c = canonical(x)
+    n = len(node_shape(x))
+    swapped = c is not None and c.prim == "transpose" and isinstance(c["input"], fx.Node) \
+        and dim in (c["dim0"] % n, c["dim1"] % n)
+    if not swapped:
+        sliced = graph.call_function(operator.getitem, (x, index))
+        narrowed_meta(sliced, x, dim, start, end - start, total)
+        return sliced
+    d0, d1 = c["dim0"] % n, c["dim1"] % n
+    other = d1 if dim == d0 else d0
+    source = graph.call_function(operator.getitem, (c["input"], (*[slice(None)] * other, slice(start, end))))
+    narrowed_meta(source, c["input"], other, start, end - start, total)
+    sliced = graph.call_method("transpose", (source, d0, d1))
+    narrowed_meta(sliced, x, dim, start, end - start, total)
+    return sliced
+
+
+def _split_piece(graph: fx.Graph, piece: fx.Node, dim: int, x: fx.Node, region: list[fx.Node]) -> None:
+    """Replace ``piece`` (a slice of the norm's rows) by the norm of the same slice of ``x``."""
+    rows = _bounds(piece, node_shape(x)[dim])
+    piece.replace_all_uses_with(_norm_of_rows(graph, x, region, dim, piece.args[1], rows, before=piece))
     graph.erase_node(piece)
+
+
+def _store_as_cat(graph: fx.Graph, piece: fx.Node, dim: int, store: fx.Node, readers: list[fx.Node], x: fx.Node,
+                  region: list[fx.Node]) -> None:
+    """``y[index] = rotation(y[index])`` read after as ``cat`` of the norm of the other rows and the
+    rotation of the norm of ``x[index]`` (``_stored_slice``'s match)."""
+    total = node_shape(x)[dim]
+    start, end = _bounds(piece, total)
+    _split_piece(graph, piece, dim, x, region)
+    rows = (end, total) if start == 0 else (0, start)  # the rows not stored
+    index = (*[slice(None)] * dim, slice(*rows))
+    kept = _norm_of_rows(graph, x, region, dim, index, rows, before=readers[0])
+    rotated = store.args[2]
+    with graph.inserting_before(readers[0]):
+        whole = graph.call_function(torch.cat, ([rotated, kept] if start == 0 else [kept, rotated], dim))
+    copy_meta(whole, region[-1])
+    for reader in readers:
+        reader.replace_input_with(region[-1], whole)
+    graph.erase_node(store)

@@ -35,6 +35,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from normfuse.config import FuseConfig
+from normfuse.kernels.qk_rope import KINDS as QK_KINDS
 from normfuse.passes.analysis import Analysis, analyze
 from normfuse.passes.dtensor_graph import hoist_from_local
 from normfuse.passes.graph import copy_graph
@@ -263,9 +264,9 @@ class NormFusionPass(CustomGraphPass):
         splits = GraphSplits()
         if self.config.fuse_rope and not self._as_op:
             cats = split_rope_over_cat(graph, {s.match.output for s in found.sites})
-            rms = {s.match.output: s.match.input for s in found.sites
-                   if s.match.kind == "rms_norm" and s.match.group is None and s.match.layout is None}
-            splits = GraphSplits(cats, split_norm_over_slices(graph, rms))
+            qk = {s.match.output: s.match.input for s in found.sites  # the norms qk_norm_rope computes
+                  if s.match.kind in QK_KINDS and s.match.group is None and s.match.layout is None}
+            splits = GraphSplits(cats, split_norm_over_slices(graph, qk))
         if splits.cats or splits.norms:
             found = analyze(graph, self._stage)  # each piece's norm now reads its own RoPE
         note = elementwise_norm_note(found)

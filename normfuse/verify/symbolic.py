@@ -263,6 +263,24 @@ def _unbind_groups(node: fx.Node, value: Any) -> tuple:
     return tuple([g[k] for g in value] for k in range(len(value[0])))
 
 
+def _unbinds_groups(node: fx.Node) -> bool:
+    """``x.unbind(-2)`` of a value whose last two dims split its row (CogView4's
+    ``x.reshape(..., 2, -1).unbind(-2)``: the halves)."""
+    dim, shape = unbound_dim(node), node_shape(node.args[0])
+    return isinstance(dim, int) and bool(shape) and len(shape) >= 2 and dim % len(shape) == len(shape) - 2
+
+
+def _groups_unbound(node: fx.Node, value: Any) -> tuple:
+    """The unbind of a row of groups over the groups: each group a row (per head when the row is
+    split into heads)."""
+    if isinstance(value, _Heads) and all(isinstance(h, _Groups) for h in value):
+        parts = [_groups_unbound(node, h) for h in value]
+        return tuple(_Heads(p[k] for p in parts) for k in range(len(parts[0])))
+    if not isinstance(value, _Groups) or not value or len({len(g) for g in value}) != 1:
+        raise _Unsupported(f"{node.name} unbinds a value that is not a row of groups")
+    return tuple(list(g) for g in value)
+
+
 def _eval_node(node: fx.Node, load, eps: float | None, eps_sym, heads: _HeadRows | None = None) -> Any:
     def val(a):
         return load(a) if isinstance(a, fx.Node) else _const(a, eps, eps_sym)
@@ -278,6 +296,8 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym, heads: _HeadRows
         return [_max(*val(node.args[0]))], None
     if c is None and _unbinds_last(node):  # x.reshape(..., -1, 2).unbind(-1): the pairs' first and second halves
         return _unbind_groups(node, val(node.args[0]))
+    if c is None and _unbinds_groups(node):  # x.reshape(..., 2, -1).unbind(-2): the row's halves
+        return _groups_unbound(node, val(node.args[0]))
     if c is None:
         raise _Unsupported(f"no symbolic rule for node {node.name} ({node.op} {getattr(node.target, '__name__', node.target)})")
     p = c.prim

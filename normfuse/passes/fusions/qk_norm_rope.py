@@ -38,8 +38,9 @@ dtype of the value the call replaces (a cast after the sum included).
 ``find`` reads, from the norm's output, a view to heads (a norm over the whole row), the
 transpose to (B, H, S, D), an exact upcast (torchtitan), and one of the RoPEs above on the
 canonical view; every value on the way is read by the next step only, or the site keeps its
-RoPE with a reason. Batch and sequence sizes may be symbolic; heads and head_dim may not. A
-RoPE after a norm the call does not compute (a LayerNorm) or after q is multiplied by a number
+RoPE with a reason. Batch and sequence sizes may be symbolic; heads and head_dim may not. The
+norm is an RMSNorm or a LayerNorm (CogVideoX's and CogView4's q/k LayerNorms, with their biases).
+A RoPE after a norm the call does not compute (an L2 norm) or after q is multiplied by a number
 (MuseGlimmer's ``qk_scale_factor``) is found and kept, with the reason. ``offer`` takes the k
 norm of the same attention (the same cos and sin, the same modes) as the call's second site;
 the call replaces both RoPE outputs. A q whose k is not found is fused alone.
@@ -53,7 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from normfuse.kernels.qk_rope import qk_norm_rope
+from normfuse.kernels.qk_rope import KINDS as QK_KINDS, qk_norm_rope
 from normfuse.kernels.specs import OP_OUTPUTS
 from normfuse.passes.canonical import (canonical, is_exact_upcast, is_split_piece, node_dtype, node_shape, real_users,
                                        same_dim, same_shape, strided_store, tensor_meta, unbound_dim)
@@ -253,14 +254,17 @@ def _swaps_heads(c) -> bool:
     return isinstance(c["dim0"], int) and isinstance(c["dim1"], int) and {c["dim0"] % 4, c["dim1"] % 4} == {1, 2}
 
 
-def _pair_halves(index, x: fx.Node, width: int):
+def _pair_halves(index, x: fx.Node, width: int, halves: bool = False):
     """``x.reshape(*x.shape[:-1], -1, 2).unbind(-1)``, x's last dim ``width``: (the view to pairs,
-    the unbind, the first and the second of each pair), or None."""
+    the unbind, the first and the second of each pair), or None; ``halves``: CogView4's
+    ``x.reshape(*x.shape[:-1], 2, -1).unbind(-2)``, the first and the second half."""
     shape = tuple(node_shape(x) or ())
+    split = (2, width // 2) if halves else (width // 2, 2)
     pairs = next((u for u in _readers(x) if index.prim(u) == "view"
-                  and same_shape(tuple(node_shape(u) or ()), (*shape[:-1], width // 2, 2))), None)
+                  and same_shape(tuple(node_shape(u) or ()), (*shape[:-1], *split))), None)
     unbind = _single_user(pairs) if pairs is not None else None
-    if unbind is None or not _last(unbound_dim(unbind), len(node_shape(pairs))):
+    dim = unbound_dim(unbind) if unbind is not None else None
+    if unbind is None or not isinstance(dim, int) or dim % len(node_shape(pairs)) != len(node_shape(pairs)) - 1 - halves:
         return None
     items = {u.args[1]: u for u in unbind.users if u.target is operator.getitem}
     if set(items) != {0, 1} or len(unbind.users) != 2:
@@ -286,11 +290,36 @@ def _unbound_pairs(index, x: fx.Node, width: int):
     return flat, [pairs, unbind, real, imag, neg, stack, flat]
 
 
+def _unbound_halves(index, x: fx.Node, width: int):
+    """Diffusers' rotation of halves (CogView4, ``use_real_unbind_dim=-2``)::
+
+        x_real, x_imag = x.reshape(*x.shape[:-1], 2, -1).unbind(-2)
+        x_rotated = torch.cat([-x_imag, x_real], dim=-1)
+
+    rotate_half: (the x_rotated node, the nodes from the reshape on, padded to _unbound_pairs's
+    seven), or None."""
+    found = _pair_halves(index, x, width, halves=True)
+    if found is None:
+        return None
+    pairs, unbind, real, imag = found
+    neg = _single_user(imag)
+    if neg is None or index.prim(neg) != "neg" or index.canon(neg)["input"] is not imag:
+        return None
+    cat = _single_user(neg)
+    cc = index.canon(cat) if cat is not None else None
+    if cc is None or cc.prim != "cat" or list(cc["tensors"]) != [neg, real] or _readers(real) != [cat] \
+            or not _last(cc["dim"], len(node_shape(cat) or ())):
+        return None
+    return cat, [pairs, unbind, real, imag, neg, cat, cat]
+
+
 def _rotate_unbound_pairs(index, r: fx.Node, x: fx.Node, width: int):
     """``r * c + fp32(x_rotated) * s`` with ``r`` an exact upcast of ``x`` and x_rotated diffusers'
-    interleaved rotation of x (the rotation commutes with the upcast: GPT-J's pairs on r):
-    (sum, c, s, nodes) as _rotate_pairs's, or None."""
-    found = _unbound_pairs(index, x, width)
+    rotation of x, interleaved pairs or halves (the rotation commutes with the upcast: GPT-J's pairs,
+    or rotate_half, on r): ((sum, c, s, nodes) as _rotate_pairs's, layout), or None."""
+    found, layout = _unbound_pairs(index, x, width), "gptj"
+    if found is None:
+        found, layout = _unbound_halves(index, x, width), "neox"
     if found is None:
         return None
     flat, nodes = found
@@ -305,7 +334,8 @@ def _rotate_unbound_pairs(index, r: fx.Node, x: fx.Node, width: int):
         return None
     o, s, b = summed
     pairs, unbind, real, imag, neg, stack, flat = nodes
-    return o, c, s, [a, pairs, unbind, real, imag, b, neg, stack, flat, cast, o]  # a and b where _rotate_half has them
+    steps = [a, pairs, unbind, real, imag, b, neg, *dict.fromkeys([stack, flat]), cast, o]  # a, b as _rotate_half's
+    return (o, c, s, steps), layout
 
 
 def _stored_index(node: fx.Node, out: fx.Node) -> int | None:
@@ -448,9 +478,20 @@ def _table(index, t, transposed: bool, batch: int, seq: int, width: int, row: bo
     before ``unsqueeze(unsqueeze_dim)``, when the unsqueeze adds the heads axis of the layout the
     RoPE reads; ``t`` itself when it is a 4-d (1 | B, 1 | S, 1, R) value (torchtitan's CosSinRoPE
     slices its cache: the kernel reads any strides) on q untransposed, or a 3-d (1 | B, S, R) one
-    on a RoPE of the (B, S, N) row (``row``); None otherwise."""
+    on a RoPE of the (B, S, N) row (``row``); diffusers' (S, R) table before ``cos[None, None]`` on q
+    transposed (CogVideoX, CogView4); None otherwise."""
     c = index.canon(t)
     shape = node_shape(t)
+    if transposed and not row and shape is not None and len(shape) == 4 and same_dim(shape[0], 1) \
+            and same_dim(shape[1], 1):
+        view = t
+        while index.prim(view) == "cast" and node_dtype(index.canon(view)["input"]) == node_dtype(view):
+            view = index.canon(view)["input"]  # cos.to(x.device): the same values
+        v = index.canon(view)
+        base = node_shape(v["input"]) if v is not None and v.prim in ("view", "unsqueeze") \
+            and isinstance(v["input"], fx.Node) else None
+        if base is not None and len(base) == 2 and same_dim(base[0], seq) and base[1] == width:
+            return v["input"]
     if (c is None or c.prim != "unsqueeze") and not transposed and not row and shape is not None and len(shape) == 4 \
             and _one_or(shape[0], batch) and _one_or(shape[1], seq) and shape[2] == 1 and shape[3] == width:
         return t
@@ -472,15 +513,14 @@ def _table(index, t, transposed: bool, batch: int, seq: int, width: int, row: bo
 
 def find_rope(index, m) -> RopeMatch | None:
     """The RoPE after the norm ``m`` (see the module docstring), or None when there is none; a
-    RoPE after a norm the call does not compute (a LayerNorm, q scaled between the two)
+    RoPE after a norm the call does not compute (an L2 norm, q scaled between the two)
     is found and kept, with the reason."""
     if m.group is not None or m.layout is not None or m.reason:
         return None
     steps: list[str] = []
     found = _find_rope(index, m, steps)
-    # (the matcher gives only a LayerNorm a bias)
-    refusal = (f"qk_norm_rope computes an RMSNorm; this q/k norm is a {m.kind}" if m.kind != "rms_norm" else
-               steps[0] if steps else None)
+    refusal = (f"qk_norm_rope computes an RMSNorm or a LayerNorm; this q/k norm is a {m.kind}"
+               if m.kind not in QK_KINDS else steps[0] if steps else None)
     if found is None:  # none of the forms read: is there a rotation all the same?
         form = _rotation_after(index, m.output)
         if form is None:
@@ -578,6 +618,13 @@ def _to_heads(index, m, steps: list) -> _Heads | None:
     out_shape = node_shape(m.output)  # batch and sequence may be symbolic; heads and head_dim are not
     if out_shape is None or not isinstance(out_shape[-1], int):
         return None
+    cast = _single_user(value)
+    if cast is not None and index.prim(cast) == "cast" and index.canon(cast)["input"] is value \
+            and node_dtype(cast) == node_dtype(value) is not None and len(_readers(cast)) > 1:
+        # CogView4's norm_q(q).to(dtype), the same tensor, read by the RoPE twice (a cast read once is
+        # the RoPE's own upcast, a no-op in fp32: the forms below read it)
+        value = cast
+        chain.append(cast)
     mul, number = _scaled(index, value)
     if mul is not None:  # MuseGlimmer: qk_norm(q) * qk_scale_factor, rounded before the RoPE
         steps.append(f"q/k is multiplied by {number} between its norm and its RoPE, a rounding the kernel does not make")
@@ -658,7 +705,8 @@ def _find_rope(index, m, steps: list) -> RopeMatch | None:
         if stored is not None:
             return _stored_match(index, stored, chain, heads)
     if found is None and upcast is not None:  # diffusers: x.float() * cos + x_rotated(x).float() * sin
-        found, layout = _rotate_unbound_pairs(index, value, heads.value, D), "gptj"
+        unbound = _rotate_unbound_pairs(index, value, heads.value, D)
+        found, layout = unbound if unbound is not None else (None, None)
         pairs = found[3][1] if found is not None else None  # the reshape to pairs: read by the RoPE
         leak = leak and not (pairs is not None and set(_readers(heads.value)) == {upcast, pairs})
     if found is None:
@@ -747,7 +795,7 @@ def _complex_match(index, m, found, chain: list, leak: bool, exact: bool, shape:
 
 def _modes(site) -> tuple:
     m = site.match
-    return m.eps, m.weight_offset, m.norm_round_dtype, m.out_dtype
+    return m.kind, m.eps, m.weight_offset, m.norm_round_dtype, m.out_dtype, m.bias is None
 
 
 def _same_rope(a: RopeMatch, b: RopeMatch) -> bool:
@@ -780,7 +828,7 @@ class _QkNormRope(Fusion):
     name = "qk_rope"
     ops = ("qk_norm_rope",)
     exclusive = True  # y is rotated in the call: nothing else reads it
-    roles = {"cos": "c", "sin": "sn"}
+    roles = {"cos": "c", "sin": "sn", "q_bias": "qb", "k_bias": "kb"}
     operand_name = "the k norm's operands"
 
     def find(self, index, match, in_add=None) -> RopeMatch | None:
@@ -817,7 +865,7 @@ class _QkNormRope(Fusion):
         plan.op, plan.sites = "norm", plan.sites[:1]
 
     def reads(self, pair: QkPair) -> tuple[fx.Node, ...]:
-        k = () if pair.k_norm is None else (pair.k.operand or pair.k_norm.input, pair.k_norm.weight)
+        k = () if pair.k_norm is None else (pair.k.operand or pair.k_norm.input, pair.k_norm.weight, pair.k_norm.bias)
         return tuple(t for t in (*k, pair.q.cos, pair.q.sin) if isinstance(t, fx.Node))
 
     def nodes(self, pair: QkPair) -> tuple[fx.Node, ...]:
@@ -861,6 +909,9 @@ class _QkNormRope(Fusion):
                        norm_round_dtype=modes["norm_round_dtype"], norm_out_dtype=modes["out_dtype"],
                        rope_dtype=q.rope_dtype, out_dtype=q.out_dtype, layout=q.layout, rotary_dim=q.rotary_dim,
                        norm_width=q.norm_width, transpose_out=q.transpose_out)
+        if pair.q_norm.kind == "layer_norm":  # a LayerNorm's kind and biases (an RMSNorm's are the defaults)
+            options.update(kind="layer_norm", q_bias=pair.q_norm.bias,
+                           k_bias=None if pair.k_norm is None else pair.k_norm.bias)
         weights = (pair.q_norm.weight, None if pair.k_norm is None else pair.k_norm.weight)
         call = graph.call_function(qk_norm_rope, (*operands, *weights), options)
         inserted.append(call)
@@ -914,7 +965,7 @@ class _QkNormRope(Fusion):
 
     # ---------------------------------------------------------------- checker
     def norm_kind(self, options: dict) -> str:
-        return "rms_norm"
+        return options.get("kind", "rms_norm")
 
     def heads(self, call: fx.Node, outputs: list) -> tuple:
         head_dim = (node_shape(outputs[0][1]) or (None,))[-1] if outputs else None
@@ -924,23 +975,26 @@ class _QkNormRope(Fusion):
         return bool(options.get("transpose_out"))
 
     def formula(self, options: dict, rows: dict, normalize, ops) -> list:
-        """q_out, k_out: each normalized with its weight (the call's x / weight, residual / bias
-        roles) over its rows (norm_width: each head, or all heads of a position), then rotated head by head
-        (``rows["heads"]``: a head is ``per_head`` symbols, the first ``per_head * R / D`` rotated)."""
+        """q_out, k_out: each normalized with its weight and bias (the call's x / weight / q_bias,
+        residual / bias / k_bias roles) over its rows (norm_width: each head, or all heads of a
+        position), then rotated head by head (``rows["heads"]``: a head is ``per_head`` symbols, the
+        first ``per_head * R / D`` rotated)."""
         heads, layout = rows["heads"], options.get("layout", "neox")
         rotated = heads.per_head * (options.get("rotary_dim") or heads.head_dim) // heads.head_dim
         c, sn = (_per_column(rows[t], rotated, layout, ops) for t in ("cos", "sin"))
         out = {}
-        for name, x, w in (("q_out", rows["x"], rows["weight"]), ("k_out", rows["residual"], rows["bias"])):
+        for name, x, w, b in (("q_out", rows["x"], rows["weight"], rows.get("q_bias")),
+                              ("k_out", rows["residual"], rows["bias"], rows.get("k_bias"))):
             if x is None:
                 out[name] = None
                 continue
             p = heads.per_head
             if options.get("norm_width", "head") == "row":
-                y = normalize(x, w, None)
-            else:  # each head's statistics (a weight of all heads' columns read head by head)
-                y = [v for h in range(0, len(x), p)
-                     for v in normalize(x[h:h + p], w if w is None or len(w) == p else w[h:h + p], None)]
+                y = normalize(x, w, b)
+            else:  # each head's statistics (parameters of all heads' columns read head by head)
+                def of_head(t, h):
+                    return t if t is None or len(t) == p else t[h:h + p]
+                y = [v for h in range(0, len(x), p) for v in normalize(x[h:h + p], of_head(w, h), of_head(b, h))]
             out[name] = [v for h in range(0, len(y), p) for v in _rotated(y[h:h + p], c, sn, layout, rotated)]
         return [out[name] for name in QK_NORM_ROPE_OUTPUTS]
 
