@@ -85,6 +85,35 @@ EXPECTED = {
                           modulation=(14, 14), gated=(0, 0), equal=True, grads="within", passes=(26, 27)),
 }
 
+# The passes one more block adds, before and after the pass, per kind of block (the config key that
+# counts it): what a deep model spends per block, without the first and last blocks' boundary
+# (tests/zoo/diffusion.py per_block). Mochi's attention runs eagerly (its frames captured apart): none.
+PER_BLOCK = {
+    "dit": {"num_layers": (12, 3)},
+    "pixart_alpha": {"num_layers": (14, 6)},
+    "pixart_sigma": {"num_layers": (14, 6)},
+    "sd3": {"num_layers": (22, 6)},
+    "sd35_medium": {"num_layers": (38, 10)},
+    "flux": {"num_layers": (34, 8), "num_single_layers": (16, 3)},
+    "flux2": {"num_layers": (36, 10), "num_single_layers": (17, 4)},
+    "wan21": {"num_layers": (29, 7)},
+    "wan22_ti2v": {"num_layers": (32, 8)},
+    "cogvideox": {"num_layers": (23, 7)},
+    "cogvideox15": {"num_layers": (31, 8)},
+    "ltx_video": {"num_layers": (26, 8)},
+    "hunyuan_video": {"num_layers": (42, 9), "num_single_layers": (20, 5)},
+    "hunyuan_video_i2v": {"num_layers": (50, 25), "num_single_layers": (23, 11)},
+    "sana": {"num_layers": (19, 11)},
+    "qwen_image": {"num_layers": (38, 8)},
+    "qwen_image_edit": {"num_layers": (51, 15)},
+    "z_image": {"n_layers": (28, 7)},
+    "chroma": {"num_layers": (34, 8), "num_single_layers": (16, 3)},
+    "skyreels_v2": {"num_layers": (29, 7)},
+    "auraflow": {"num_mmdit_layers": (28, 12), "num_single_dit_layers": (14, 6)},
+    "cogview4": {"num_layers": (32, 9)},
+    "lumina2": {"num_layers": (32, 12)},
+}
+
 # about 45 s on a laptop CPU, one of each block style: DiT (adaLN-Zero), PixArt (adaLN-single),
 # SD3.5 (joint blocks, dual attention: one norm modulated twice, decomposed q/k RMSNorms), Flux (double
 # and single stream), Wan
@@ -136,6 +165,16 @@ def test_diffusion_fast(name):
 @pytest.mark.parametrize("name", sorted(set(EXPECTED) - set(FAST)))
 def test_diffusion_zoo(name):
     _run(name)
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("name", sorted(PER_BLOCK))
+def test_passes_per_block(name):
+    from tests.zoo.diffusion import per_block
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert per_block(name) == PER_BLOCK[name]
 
 
 @pytest.mark.parametrize("name", FAST)
