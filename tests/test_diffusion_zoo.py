@@ -81,6 +81,11 @@ EXPECTED = {
     # its attention processor runs eagerly (dynamo falls back on the frame: a data-dependent loop over the
     # batch), so each q/k norm is captured alone and the RoPE after it is in no graph; the two captures
     # the passes compare differ (the whole model's before, the norms' own frames after)
+    # the text and the image q/k LayerNorms concatenated, the image rows' RoPE stored into the cat
+    "easyanimate":   dict(norms=18, fused=18, fused_with_add=7, input_is_add=7, rope=4, fused_rope=4, rope_refused=0,
+                          modulation=(9, 9), gated=(7, 7), equal=True, grads="within", passes=(72, 22)),
+    "hunyuan_image": dict(norms=16, fused=16, fused_with_add=4, input_is_add=4, rope=4, fused_rope=4, rope_refused=0,
+                          modulation=(6, 6), gated=(4, 4), equal=True, grads="within", passes=(73, 24)),
     "mochi":         dict(norms=22, fused=22, fused_with_add=3, input_is_add=3, rope=0, fused_rope=0, rope_refused=0,
                           modulation=(14, 14), gated=(0, 0), equal=True, grads="within", passes=(26, 27)),
 }
@@ -112,6 +117,8 @@ PER_BLOCK = {
     "auraflow": {"num_mmdit_layers": (28, 12), "num_single_dit_layers": (14, 6)},
     "cogview4": {"num_layers": (32, 9)},
     "lumina2": {"num_layers": (32, 12)},
+    "easyanimate": {"num_layers": (32, 9)},
+    "hunyuan_image": {"num_layers": (42, 9), "num_single_layers": (20, 5)},
 }
 
 # about 45 s on a laptop CPU, one of each block style: DiT (adaLN-Zero), PixArt (adaLN-single),
@@ -153,7 +160,8 @@ def test_table_covers_the_zoo():
     assert set(EXPECTED) == set(DIFFUSION) and set(FAST) <= set(DIFFUSION)
     families = {m.family for m in DIFFUSION.values()}
     assert {"DiT", "PixArt", "SD3", "Flux", "Wan", "CogVideoX", "LTX-Video", "HunyuanVideo", "Sana", "Qwen-Image",
-            "Z-Image", "Chroma", "SkyReels", "AuraFlow", "CogView4", "Lumina2", "Mochi"} <= families
+            "Z-Image", "Chroma", "SkyReels", "AuraFlow", "CogView4", "Lumina2", "Mochi", "EasyAnimate",
+            "HunyuanImage"} <= families
 
 
 @pytest.mark.parametrize("name", FAST)
@@ -237,7 +245,7 @@ def test_flux_single_stream_blocks_read_their_add_through_the_split():
 
 
 @pytest.mark.parametrize("name,calls", [("flux", 6), ("wan21", 4), ("ltx_video", 4), ("qwen_image", 8),
-                                        ("cogvideox15", 4), ("cogview4", 4)])
+                                        ("cogvideox15", 4), ("cogview4", 4), ("easyanimate", 4)])
 def test_diffusers_rope_after_the_qk_norms_is_fused_and_proved(name, calls):
     """The diffusers RoPEs after q/k RMSNorms, one qk_norm_rope call per attention (GPT-J's pairs), each
     site proved; cos and sin swapped in the call is refuted at its site. Flux: the interleaved

@@ -171,8 +171,67 @@ def test_a_call_reading_other_rows_is_caught_at_its_site(variant):
     assert all(s.numeric.passed is False for s in failing), failing
 
 
+class _JointStore(nn.Module):
+    """EasyAnimate's joint attention: the text and the image q/k LayerNorms (their own weights) on
+    (B, H, S, D), concatenated along the positions, the image rows' RoPE stored back into the cat
+    (``q[:, :, TEXT:] = rope(q[:, :, TEXT:])``); ``leak``: the cat also read before the store."""
+
+    def __init__(self, heads=2, dim=8, leak=False):
+        super().__init__()
+        self.heads, self.dim, self.leak = heads, dim, leak
+        self.norms = nn.ModuleDict({n: nn.LayerNorm(dim, eps=1e-6) for n in ("q", "k", "added_q", "added_k")})
+
+    def forward(self, text, image, cos, sin):
+        def heads(t):
+            return t.unflatten(-1, (self.heads, self.dim)).transpose(1, 2)
+        q = torch.cat([self.norms["added_q"](heads(text)), self.norms["q"](heads(image))], dim=2)
+        k = torch.cat([self.norms["added_k"](heads(2 * text)), self.norms["k"](heads(2 * image))], dim=2)
+        seen = q.sum() if self.leak else 0
+        q[:, :, TEXT:] = _SlicedRope._rotate(q[:, :, TEXT:], cos, sin, seq_dim=2)
+        k[:, :, TEXT:] = _SlicedRope._rotate(k[:, :, TEXT:], cos, sin, seq_dim=2)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, k) + seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rotated_piece_stored_into_a_cat_of_norms_takes_its_rope(dtype):
+    """The cat of the text and the image norms, the image rows stored rotated: read as the cat of the
+    text norm and the image norm's RoPE, which is one qk_norm_rope call; every site proved."""
+    g = torch.Generator().manual_seed(0)
+    text, image = torch.randn(2, TEXT, 16, generator=g).to(dtype), torch.randn(2, 5, 16, generator=g).to(dtype)
+    angles = torch.randn(5, 4, generator=g).repeat_interleave(2, -1)
+    args = (text, image, angles.cos(), angles.sin())
+    model = _JointStore().to(dtype)
+    with torch.no_grad():
+        ref = model(*args)
+        optimized = normfuse.optimize(copy.deepcopy(model))
+        out = optimized(*args)
+    rep = normfuse.report(optimized)
+    ops = {s.fqn.rsplit(".", 1)[-1]: s.op for s in rep.sites}
+    assert ops == {"q": "qk_norm_rope", "k": "qk_norm_rope", "added_q": "norm", "added_k": "norm"}, rep
+    assert torch.equal(out, ref)
+    if dtype == torch.float32:
+        res = normfuse.check(model, *args, backward=False)
+        assert res.ok and [s.symbolic.status for s in res.sites] == ["proved"] * 4, res
+
+
+def test_a_cat_read_before_its_store_keeps_its_rope():
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, TEXT, 16, generator=g), torch.randn(2, 5, 16, generator=g),
+            *(f(torch.randn(5, 8, generator=g)) for f in (torch.cos, torch.sin)))
+    model = _JointStore(leak=True)
+    with torch.no_grad():
+        ref = model(*args)
+        optimized = normfuse.optimize(copy.deepcopy(model))
+        out = optimized(*args)
+    rep = normfuse.report(optimized)
+    by_name = {s.fqn.rsplit(".", 1)[-1]: s for s in rep.sites}
+    assert by_name["q"].op == "norm" and by_name["q"].rope_reason, rep  # read before the store: kept
+    assert by_name["k"].op == "qk_norm_rope", rep
+    assert torch.equal(out, ref)
+
+
 @pytest.mark.zoo
-@pytest.mark.parametrize("name", ["hunyuan_video", "hunyuan_video_i2v"])
+@pytest.mark.parametrize("name", ["hunyuan_video", "hunyuan_video_i2v", "hunyuan_image"])
 def test_hunyuan_single_stream_rope_is_fused_and_proved(name):
     """HunyuanVideo's single-stream RoPE of the image tokens (``cat([rope(q[:, :-T]), q[:, -T:]])``):
     every q/k norm with a RoPE after it fused with it, every site proved, the output equal to eager."""

@@ -35,7 +35,7 @@ from normfuse.passes.canonical import canonical, node_dtype, node_shape
 from normfuse.passes.graph import copy_meta
 from normfuse.passes.rope_over_cat import narrowed_meta, rope_region
 
-__all__ = ["split_norm_over_slices"]
+__all__ = ["split_norm_over_slices", "split_stores_into_cats"]
 
 
 def split_norm_over_slices(graph: fx.Graph, norms: dict[fx.Node, fx.Node],
@@ -66,6 +66,47 @@ def split_norm_over_slices(graph: fx.Graph, norms: dict[fx.Node, fx.Node],
             if not node.users:
                 graph.erase_node(node)
     return tuple(split)
+
+
+def split_stores_into_cats(graph: fx.Graph, norm_outputs: set, only: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """EasyAnimate's ``q = cat([norm_added_q(text), norm_q(image)], 2)``, then ``q[:, :, T:] =
+    rope(q[:, :, T:])``, the stored rows one piece's: read after as ``cat`` of the pieces with the
+    rotation in that piece's place, the rotation reading the norm's output. ``norm_outputs``: the
+    pieces to consider; ``only``: the cats' names (the checker's replay). Returns the names rewritten."""
+    rewritten = []
+    for cat in [n for n in graph.nodes if (only is None or n.name in only) and canonical(n) is not None
+                and canonical(n).prim == "cat"]:
+        c = canonical(cat)
+        pieces = list(c["tensors"])
+        dims = c["dim"]
+        dim = dims[0] if isinstance(dims, (list, tuple)) and len(dims) == 1 else dims
+        if not isinstance(dim, int) or len(pieces) < 2 or (only is None and not all(p in norm_outputs for p in pieces)):
+            continue
+        stored = _stored_slice(cat)
+        if stored is None or stored[1] != dim % len(node_shape(cat)):
+            continue
+        piece, _, store, readers = stored
+        rows, start = _bounds(piece, node_shape(cat)[stored[1]]), 0
+        spans = []
+        for p in pieces:
+            size = (node_shape(p) or (None,) * (stored[1] + 1))[stored[1]]
+            spans.append((start, start + size) if isinstance(size, int) else None)
+            start = start + size if isinstance(size, int) else start
+        if rows not in spans:
+            continue
+        k = spans.index(rows)
+        rewritten.append(cat.name)
+        piece.replace_all_uses_with(pieces[k])
+        graph.erase_node(piece)
+        with graph.inserting_before(readers[0]):
+            whole = graph.call_function(torch.cat, ([*pieces[:k], store.args[2], *pieces[k + 1:]], stored[1]))
+        copy_meta(whole, cat)
+        for reader in readers:
+            reader.replace_input_with(cat, whole)
+        graph.erase_node(store)
+        if not cat.users:
+            graph.erase_node(cat)
+    return tuple(rewritten)
 
 
 def _past_no_op_casts(y: fx.Node) -> fx.Node:

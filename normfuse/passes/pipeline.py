@@ -42,7 +42,7 @@ from normfuse.passes.graph import copy_graph
 from normfuse.passes.planning import Planning, plan
 from normfuse.passes.provenance import elementwise_norm_note, site_record, site_records
 from normfuse.passes.record import GraphSplits, attach_records, is_fused_call
-from normfuse.passes.norm_over_slices import split_norm_over_slices
+from normfuse.passes.norm_over_slices import split_norm_over_slices, split_stores_into_cats
 from normfuse.passes.rope_over_cat import split_rope_over_cat
 from normfuse.passes.rewrite import apply_plans
 from normfuse.reporting import FusionReport, Region, Site
@@ -266,8 +266,9 @@ class NormFusionPass(CustomGraphPass):
             cats = split_rope_over_cat(graph, {s.match.output for s in found.sites})
             qk = {s.match.output: s.match.input for s in found.sites  # the norms qk_norm_rope computes
                   if s.match.kind in QK_KINDS and s.match.group is None and s.match.layout is None}
-            splits = GraphSplits(cats, split_norm_over_slices(graph, qk))
-        if splits.cats or splits.norms:
+            norms = split_norm_over_slices(graph, qk)
+            splits = GraphSplits(cats, norms, split_stores_into_cats(graph, set(qk)))
+        if splits:
             found = analyze(graph, self._stage)  # each piece's norm now reads its own RoPE
         note = elementwise_norm_note(found)
         if note is not None:

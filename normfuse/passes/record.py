@@ -44,12 +44,17 @@ _SPLITS = "normfuse_splits"  # ... and what the pass split before it planned (Gr
 @dataclass(frozen=True)
 class GraphSplits:
     """What the pass rewrote in its copy of a graph before finding sites, by node names: the cats
-    whose RoPE it split per piece (passes/rope_over_cat.py), then the norms it split per slice of
-    their rows, as (output, input) (passes/norm_over_slices.py). The checker replays them in
-    this order on its copy of the original (the same steps give the same node names)."""
+    whose RoPE it split per piece (passes/rope_over_cat.py), the norms it split per slice of
+    their rows, as (output, input), and the cats of norm outputs a rotated piece was stored into
+    (passes/norm_over_slices.py). The checker replays them in this order on its copy of the
+    original (the same steps give the same node names)."""
 
     cats: tuple[str, ...] = ()
     norms: tuple[tuple[str, str], ...] = ()
+    stores: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.cats or self.norms or self.stores)
 
 
 @dataclass(frozen=True)

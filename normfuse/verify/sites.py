@@ -87,11 +87,11 @@ def as_the_pass_read(original: fx.GraphModule, rewritten: fx.GraphModule) -> fx.
     of it split as the pass split it (``record.GraphSplits``: the RoPEs over cats, then the norms
     over slices of their rows; the same steps on the same graph give the same node names)."""
     splits = splits_of(rewritten)
-    if not splits.cats and not splits.norms:
+    if not splits:
         return original
     from normfuse.passes.dtensor_graph import hoist_from_local
     from normfuse.passes.graph import copy_graph_module
-    from normfuse.passes.norm_over_slices import split_norm_over_slices
+    from normfuse.passes.norm_over_slices import split_norm_over_slices, split_stores_into_cats
     from normfuse.passes.rope_over_cat import split_rope_over_cat
 
     split = copy_graph_module(original)
@@ -101,6 +101,8 @@ def as_the_pass_read(original: fx.GraphModule, rewritten: fx.GraphModule) -> fx.
         split_rope_over_cat(split.graph, pieces, only=splits.cats)
     if splits.norms:
         split_norm_over_slices(split.graph, {}, only=splits.norms)
+    if splits.stores:
+        split_stores_into_cats(split.graph, set(), only=splits.stores)
     return split
 
 

@@ -258,6 +258,26 @@ def _mochi():
                        return_dict=False)
 
 
+def _easyanimate():
+    """EasyAnimate: the text and the image q/k LayerNorms concatenated, the image rows' RoPE stored
+    back into the cat (``q[:, :, T:] = rope(q[:, :, T:])``)."""
+    model = _make("EasyAnimateTransformer3DModel", num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                  out_channels=4, time_embed_dim=16, text_embed_dim=16, num_layers=2, mmdit_layers=2, sample_width=8,
+                  sample_height=8, patch_size=2)
+    return model, dict(hidden_states=_randn(1, 4, 2, 8, 8), timestep=torch.tensor([500.0]),
+                       encoder_hidden_states=_randn(1, 8, 16, seed=2), return_dict=False)
+
+
+def _hunyuan_image():
+    """HunyuanImage 2.1: HunyuanVideo's blocks (the single stream's RoPE of the image tokens only)."""
+    model = _make("HunyuanImageTransformer2DModel", in_channels=4, out_channels=4, num_attention_heads=2,
+                  attention_head_dim=16, num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=(1, 1),
+                  text_embed_dim=16, rope_axes_dim=(8, 8))
+    return model, dict(hidden_states=_randn(1, 4, 4, 4), timestep=torch.tensor([500.0]),
+                       encoder_hidden_states=_randn(1, 8, 16, seed=2), encoder_attention_mask=torch.ones(1, 8),
+                       return_dict=False)
+
+
 DIFFUSION: dict[str, DiffusionModel] = {m.name: m for m in [
     DiffusionModel("dit", "DiTTransformer2DModel", "DiT", _dit),
     DiffusionModel("pixart_alpha", "PixArtTransformer2DModel", "PixArt", lambda: _pixart(alpha=True)),
@@ -286,6 +306,9 @@ DIFFUSION: dict[str, DiffusionModel] = {m.name: m for m in [
     DiffusionModel("cogview4", "CogView4Transformer2DModel", "CogView4", _cogview4),
     DiffusionModel("lumina2", "Lumina2Transformer2DModel", "Lumina2", _lumina2),
     DiffusionModel("mochi", "MochiTransformer3DModel", "Mochi", _mochi),
+    DiffusionModel("easyanimate", "EasyAnimateTransformer3DModel", "EasyAnimate", _easyanimate),
+    DiffusionModel("hunyuan_image", "HunyuanImageTransformer2DModel", "HunyuanImage", _hunyuan_image,
+                   ("num_layers", "num_single_layers")),
 ]}
 
 
