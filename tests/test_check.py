@@ -328,3 +328,29 @@ def test_a_rewritten_graph_without_its_record_is_not_passed(monkeypatch):
     res = normfuse.check(model, backward=False)
     assert not res.ok and res.sites
     assert all(not s.passed and "no record of them" in s.numeric.reason for s in res.sites), str(res)
+
+
+class _MaskedBlock(torch.nn.Module):
+    """A residual block that reads a float mask as data (HunyuanVideo sums it to an int)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm = torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)
+
+    def forward(self, x, mask):
+        lengths = mask.sum(dim=1, dtype=torch.int)  # autograd takes no int result of an input requiring grad
+        return self.norm(x + self.proj(x)) * lengths[:, None, None]
+
+
+def test_inputs_the_model_reads_as_data_are_not_differentiated():
+    """check(backward=True) on a model that fails with its floating inputs requiring grad: the
+    parameters' gradients are compared, and a note says the inputs' are not."""
+    x, mask = torch.randn(2, 4, 8), torch.ones(2, 3)
+    with pytest.raises(RuntimeError):
+        _MaskedBlock()(x.requires_grad_(), mask.clone().requires_grad_())
+    res = normfuse.check(_MaskedBlock(), x.detach(), mask)
+    assert res.ok, res
+    assert any(n.startswith("the inputs are not differentiated") for n in res.notes), res.notes
+    names = {o.name for o in res.outputs}
+    assert {"grad:proj.weight", "grad:norm.weight"} <= names and not any(n.startswith("grad:input") for n in names), \
+        names
