@@ -28,18 +28,16 @@ class _SlicedRope(nn.Module):
     TEXT kept unrotated: ``form`` "cat" (HunyuanVideo: on (B, S, H, D), the unrotated rows joined
     back by a cat) or "store" (CogVideoX: on (B, H, S, D), the rotated rows stored back into the
     normalized q, ``q[:, :, :-TEXT] = rope(q[:, :, :-TEXT])``); ``leak`` also returns the normalized q
-    whole; ``norm``: "rms" (nn.RMSNorm), "layer" (nn.LayerNorm) or "l2" (F.normalize)."""
+    whole; ``norm``: "rms" (nn.RMSNorm) or "layer" (nn.LayerNorm)."""
 
     def __init__(self, heads=2, dim=8, leak=False, norm="rms", rope=True, form="cat"):
         super().__init__()
         self.heads, self.dim, self.leak, self.rope, self.form = heads, dim, leak, rope, form
-        make = {"rms": lambda: nn.RMSNorm(dim, eps=1e-6), "layer": lambda: nn.LayerNorm(dim, eps=1e-6),
-                "l2": lambda: _L2Norm()}[norm]
+        make = (lambda: nn.RMSNorm(dim, eps=1e-6)) if norm == "rms" else (lambda: nn.LayerNorm(dim, eps=1e-6))
         self.norm_q, self.norm_k = make(), make()
         with torch.no_grad():
             for m in (self.norm_q, self.norm_k):
-                if hasattr(m, "weight"):
-                    m.weight.uniform_(0.5, 1.5)
+                m.weight.uniform_(0.5, 1.5)
 
     @staticmethod
     def _rotate(x, cos, sin, seq_dim=1):
