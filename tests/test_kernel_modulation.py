@@ -529,3 +529,26 @@ def test_the_factor_rounds_to_the_scale_s_dtype(dtype, scale_dtype, backend, req
     n = F.layer_norm(t["x"] + t["r"], (N,), None, None, 1e-6)  # a factor kept in fp32 is farther than that
     kept = n * (1 + t["scale"].float()) + t["shift"]
     assert not torch.allclose(kept, want, **close)
+
+
+@BACKENDS
+@pytest.mark.parametrize("dtype", (BF16, FP16), ids=("bf16", "fp16"))
+@pytest.mark.parametrize("affine", (False, True), ids=("no_affine", "affine"))
+def test_a_norm_in_fp32_rounded_before_its_modulation(affine, dtype, backend, request, monkeypatch):
+    """Diffusers' FP32LayerNorm in a 16-bit model, then the modulation (AuraFlow, EasyAnimate):
+    ``F.layer_norm(x.float(), ...).to(x.dtype) * (1 + scale) + shift``. The call's norm in fp32
+    (out_dtype fp32), y rounded to the modulation's 16-bit dtype before the product: bit-equal to the
+    block on the reference path and the kernels (a y kept in fp32 into the product fails either)."""
+    _on(backend, request)
+    if backend == "triton":
+        from normfuse.kernels import triton as kernels
+        _kernels_take_it_all(kernels, monkeypatch)
+    t = _tensors(dtype, per_token=False, seed=11)
+    w, b = (t["w"], t["b"]) if affine else (None, None)
+    s = t["x"] + t["r"]
+    n = F.layer_norm(s.float(), (N,), None if w is None else w.float(), None if b is None else b.float(), 1e-6)
+    want = n.to(dtype) * (1 + t["scale"]) + t["shift"]
+    mod = Modulation(1 + t["scale"], t["shift"], dtype=dtype)
+    got, got_s = add_norm(t["x"], t["r"], w, b, kind="layer_norm", eps=1e-6, out_dtype=FP32, modulation=mod)
+    assert got.dtype == want.dtype == dtype and torch.equal(got_s, s)
+    assert torch.equal(got, want), (got - want).abs().max()

@@ -244,3 +244,64 @@ def test_hunyuan_single_stream_rope_is_fused_and_proved(name):
                and s.fqn.rsplit(".", 1)[-1] in ("norm_q", "norm_k")]
     assert len(singles) == 4 and sorted(s.op for s in singles) == ["norm", "norm", "qk_norm_rope", "qk_norm_rope"], \
         res.report
+
+
+class _Variants(nn.Module):
+    """Forms the split must leave alone or get right: ``kind`` "two_dims" (a LayerNorm over (heads,
+    head_dim), refused as a norm, its head slice rotated), "mutated" (q's input changed in place after
+    its norm, before the slice is read), "read_between" (the normalized q read between its slice and
+    the store), "middle" (the rotated rows in the middle, rows kept on both sides)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.norm = nn.LayerNorm((2, 8), eps=1e-6) if kind == "two_dims" else nn.RMSNorm(8, eps=1e-6)
+
+    def forward(self, x, cos, sin):
+        q0 = x.unflatten(-1, (2, 8))
+        q = self.norm(q0.transpose(1, 2) if self.kind in ("read_between", "middle") else q0)
+        rot = _SlicedRope._rotate
+        if self.kind == "two_dims":
+            return torch.cat([rot(q[:, :, :1], cos[:1].expand(8, -1), sin[:1].expand(8, -1)), q[:, :, 1:]], 2)
+        if self.kind == "mutated":
+            q0.add_(1.0)
+            return torch.cat([rot(q[:, :-TEXT], cos, sin), q[:, -TEXT:]], dim=1)
+        if self.kind == "read_between":
+            seen = q.sum()
+            q[:, :, :-TEXT] = rot(q[:, :, :-TEXT], cos, sin, seq_dim=2)
+            return q + seen
+        q[:, :, 1:1 + 8 - TEXT] = rot(q[:, :, 1:1 + 8 - TEXT], cos, sin, seq_dim=2)  # "middle"
+        return q
+
+
+@pytest.mark.parametrize("kind", ["two_dims", "mutated", "read_between", "middle"])
+def test_forms_the_split_leaves_or_keeps_right(kind):
+    model = _Variants(kind)
+    x, cos, sin = _inputs()
+    with torch.no_grad():
+        ref = model(x.clone(), cos, sin)
+        optimized = normfuse.optimize(copy.deepcopy(model))
+        out = optimized(x.clone(), cos, sin)
+    rep = normfuse.report(optimized)
+    assert torch.equal(out, ref)
+    if kind == "mutated":  # the norm of each slice computed where the norm was, before the change
+        assert sorted(s.op for s in rep.sites) == ["norm", "qk_norm_rope"], rep
+    elif kind == "two_dims":  # a norm the op does not compute is left whole, with its reason
+        assert len(rep.sites) == 1 and not rep.sites[0].fused and "2 trailing dims" in rep.sites[0].reason, rep
+    else:  # not split: one norm, its RoPE kept with a reason
+        assert len(rep.sites) == 1 and rep.sites[0].op == "norm" and rep.sites[0].rope_reason, rep
+
+
+def test_a_wrong_split_fails_the_check(monkeypatch):
+    """The checker replays the pass's split, so a site is held to the split graph; a split that
+    takes the wrong rows is caught by the model's outputs (here: every slice one row late)."""
+    from normfuse.passes import norm_over_slices
+
+    bounds = norm_over_slices._bounds
+    monkeypatch.setattr(norm_over_slices, "_bounds", lambda piece, total: tuple(
+        min(v + 1, total) for v in bounds(piece, total)))
+    model = _SlicedRope()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = normfuse.check(model, *_inputs(), backward=False)
+    assert not res.ok and any(not o.passed for o in res.outputs), res

@@ -461,7 +461,8 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps, weight_offset=0.0, 
     if k is not None:
         k_dtypes = qk_norm_rope_dtypes(k, k_weight, cos, sin, norm_round_dtype, norm_out_dtype, rope_dtype, out_dtype)
         if k_dtypes != q_dtypes or k.dtype != q.dtype:  # one launch takes one set of dtypes: one each
-            calls = [(q, None, q_weight, None, q_bias, None, q_dtypes), (k, None, k_weight, None, k_bias, None, k_dtypes)]
+            calls = [(q, None, q_weight, None, q_bias, None, q_dtypes),
+                     (k, None, k_weight, None, k_bias, None, k_dtypes)]
     outs = []
     for x, x2, w, w2, b, b2, dtypes in calls:
         tensors = (x, x2, w, w2, cos, sin)

@@ -427,12 +427,13 @@ def modulation_dtypes(y_dtype: torch.dtype, modulation: Modulation) -> tuple[tor
 
 
 def modulate(y: Tensor, modulation: Modulation) -> Tensor:
-    """m = y * scale + shift as the graph rounds it: to the modulation's dtype after the product and
-    after the sum (once, fused: ``addcmul``, a fused multiply-add), then to its out_dtype. In fp32
-    (fp64 for fp64)."""
+    """m = y * scale + shift as the graph rounds it: y in the modulation's dtype (rounded to it when
+    that is narrower: FP32LayerNorm's ``.to(x.dtype)`` before the product), then to that dtype after
+    the product and after the sum (once, fused: ``addcmul``, a fused multiply-add), then to its
+    out_dtype. In fp32 (fp64 for fp64)."""
     dtype, out_dtype = modulation_dtypes(y.dtype, modulation)
     acc = acc_dtype(dtype)
-    m, scale, shift = y.to(acc), modulation_factor(modulation.scale, modulation.one_plus), modulation.shift
+    m, scale, shift = y.to(dtype).to(acc), modulation_factor(modulation.scale, modulation.one_plus), modulation.shift
     if modulation.fused and scale is not None and shift is not None:
         m = torch.addcmul(shift.to(acc), m, scale.to(acc))  # one rounding (a fused multiply-add), as eager's
     else:

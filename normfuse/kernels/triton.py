@@ -194,10 +194,11 @@ if triton is not None:
 
     @triton.jit
     def _modulate(y, MS, MH, row, cols, mask, MOD_OPTS: tl.constexpr):
-        """m = y * scale + shift (adaLN), rounded to MOD_OPTS[1] after the product and after the sum
-        (once, as a fused multiply-add, with MOD_OPTS[0]), then to MOD_OPTS[2]; scale and shift read
-        through their strides (per sample, per token or per column), the factor 1 + scale with MOD_OPTS[3]."""
-        m = y.to(tl.float32)
+        """m = y * scale + shift (adaLN), y in MOD_OPTS[1] (rounded to it when narrower), rounded to
+        MOD_OPTS[1] after the product and after the sum (once, as a fused multiply-add, with
+        MOD_OPTS[0]), then to MOD_OPTS[2]; scale and shift read through their strides (per sample, per
+        token or per column), the factor 1 + scale with MOD_OPTS[3]."""
+        m = _round(y, MOD_OPTS[1]).to(tl.float32)
         if MS[0] is not None and MH[0] is not None and MOD_OPTS[0]:
             scale = _factor(MS, row, cols, mask, MOD_OPTS[3])
             shift = tl.load(MH[0] + _broadcast_row(MH, row) + cols, mask=mask, other=0.0).to(tl.float32)

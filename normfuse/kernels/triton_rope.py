@@ -80,7 +80,8 @@ if triton is not None:
                  ROW_NORM: tl.constexpr, NEOX: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
                  HAS_PASS: tl.constexpr, PASS2: tl.constexpr):
         """w' = float(w) + weight_offset of the tiles (a, b, pass, pass2): one row (1, columns) for a head
-        norm, a row per head for a row norm (W spans all heads); 1.0 without a weight."""
+        norm, a row per head for a row norm (W spans all heads); 1.0 without a weight (unused then). A
+        LayerNorm's bias is read the same way, with weight_offset 0."""
         wa = 1.0  # one return: the compiler (not the interpreter) rejects a constexpr branch returning early
         wb = 1.0
         wp = 1.0

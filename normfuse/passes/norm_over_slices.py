@@ -16,11 +16,13 @@ is the slice of the norm: ``norm(x)[:, a:b] == norm(x[:, a:b])``, the same opera
 elements (the same bits). ``split_norm_over_slices`` writes it so where a slice of a norm's rows
 is rotated and either every reader of the norm's output is a slice of its rows (each slice becomes
 a norm of the input's slice: a view, no copy; the same rows normalized once in all), or the
-rotated slice is stored back into the norm's output and read after that only as a whole (the
-stored value is then ``cat`` of the norm of the rows not stored and the rotation: the store's copy
-becomes the cat's). The rotated slice is then a norm followed by a RoPE of its whole output, as
-the q/k fusion (``fusions/qk_norm_rope.py``) expects. The rewrite records the norms it split (``record.attach_records``); the checker splits
-its copy of the original graph alike before pairing sites (``verify/sites.py``).
+rotated slice is stored back into the norm's output, read after the store (the stored value is
+then ``cat`` of the norm of the rows not stored and the rotation: the store's copy becomes the
+cat's). The rotated slice is then a norm followed by a RoPE of its whole output, as
+the q/k fusion (``fusions/qk_norm_rope.py``) expects. The rewrite records what it split
+(``record.GraphSplits``); the checker splits its copy of the original graph alike before pairing
+sites (``verify/sites.py``), so each site is held to the split graph, and the split itself to the
+model's outputs.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def split_norm_over_slices(graph: fx.Graph, norms: dict[fx.Node, fx.Node],
         for node in reversed(region):
             if not node.users:
                 graph.erase_node(node)
+        if not x.users and canonical(x) is not None and canonical(x).prim == "transpose":
+            graph.erase_node(x)  # each slice now reads its rows before the heads' swap (_rows_of)
     return tuple(split)
 
 
@@ -133,7 +137,8 @@ def _row_slice(node: fx.Node, y: fx.Node) -> int | None:
     columns), else None."""
     shape, c = node_shape(y), canonical(node)
     if not shape or c is None or c.prim != "slice" or c["input"] is not y or c["step"] != 1 \
-            or node.target is not operator.getitem:
+            or node.target is not operator.getitem \
+            or not all(b is None or type(b) is int for b in (c["start"], c["end"])):
         return None
     dim = c["dim"][0] if isinstance(c["dim"], (list, tuple)) else c["dim"]
     if not isinstance(dim, int) or dim % len(shape) == len(shape) - 1 or not isinstance(shape[dim], int):
@@ -142,9 +147,9 @@ def _row_slice(node: fx.Node, y: fx.Node) -> int | None:
 
 
 def _bounds(piece: fx.Node, total: int) -> tuple[int, int]:
+    """[start, end) of the rows a row slice takes, as Python resolves its bounds."""
     c = canonical(piece)
-    start, end = c["start"] or 0, total if c["end"] is None else c["end"]
-    return tuple(v + total if v < 0 else min(v, total) for v in (start, end))
+    return slice(c["start"], c["end"]).indices(total)[:2]
 
 
 def _stored_slice(y: fx.Node) -> tuple | None:
@@ -193,12 +198,13 @@ def _region(x: fx.Node, y: fx.Node) -> list[fx.Node] | None:
     return region
 
 
-def _norm_of_rows(graph: fx.Graph, x: fx.Node, region: list[fx.Node], dim: int, index: Any, rows: tuple[int, int],
-                  before: fx.Node) -> fx.Node:
-    """The norm (``region``'s nodes copied, inserted before ``before``) of ``x[index]``, the rows
-    [rows[0], rows[1]) of ``x`` along ``dim``."""
+def _norm_of_rows(graph: fx.Graph, x: fx.Node, region: list[fx.Node], dim: int, index: Any,
+                  rows: tuple[int, int]) -> fx.Node:
+    """The norm (``region``'s nodes copied) of ``x[index]``, the rows [rows[0], rows[1]) of ``x``
+    along ``dim``: inserted right after the original norm, where its inputs are, so that an in-place
+    change of x after the norm does not reach the copy."""
     total, (start, end) = node_shape(x)[dim], rows
-    with graph.inserting_before(before):
+    with graph.inserting_before(region[-1].next):
         sliced = _rows_of(graph, x, dim, index, rows)
         env: dict[fx.Node, Any] = {x: sliced}
         for node in region:
@@ -233,7 +239,8 @@ def _rows_of(graph: fx.Graph, x: fx.Node, dim: int, index: Any, rows: tuple[int,
 def _split_piece(graph: fx.Graph, piece: fx.Node, dim: int, x: fx.Node, region: list[fx.Node]) -> None:
     """Replace ``piece`` (a slice of the norm's rows) by the norm of the same slice of ``x``."""
     rows = _bounds(piece, node_shape(x)[dim])
-    piece.replace_all_uses_with(_norm_of_rows(graph, x, region, dim, piece.args[1], rows, before=piece))
+    index = (*[slice(None)] * dim, slice(*rows))
+    piece.replace_all_uses_with(_norm_of_rows(graph, x, region, dim, index, rows))
     graph.erase_node(piece)
 
 
@@ -246,7 +253,7 @@ def _store_as_cat(graph: fx.Graph, piece: fx.Node, dim: int, store: fx.Node, rea
     _split_piece(graph, piece, dim, x, region)
     rows = (end, total) if start == 0 else (0, start)  # the rows not stored
     index = (*[slice(None)] * dim, slice(*rows))
-    kept = _norm_of_rows(graph, x, region, dim, index, rows, before=readers[0])
+    kept = _norm_of_rows(graph, x, region, dim, index, rows)
     rotated = store.args[2]
     with graph.inserting_before(readers[0]):
         whole = graph.call_function(torch.cat, ([rotated, kept] if start == 0 else [kept, rotated], dim))

@@ -265,7 +265,8 @@ class NormFusionPass(CustomGraphPass):
         if self.config.fuse_rope and not self._as_op:
             cats = split_rope_over_cat(graph, {s.match.output for s in found.sites})
             qk = {s.match.output: s.match.input for s in found.sites  # the norms qk_norm_rope computes
-                  if s.match.kind in QK_KINDS and s.match.group is None and s.match.layout is None}
+                  if s.match.kind in QK_KINDS and s.match.group is None and s.match.layout is None
+                  and s.match.reason is None}
             norms = split_norm_over_slices(graph, qk)
             splits = GraphSplits(cats, norms, split_stores_into_cats(graph, set(qk)))
         if splits:

@@ -57,8 +57,8 @@ def _named_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(name.removeprefix("_orig_mod."), p) for name, p in model.named_parameters() if p.requires_grad]
 
 
-def _run(model: nn.Module, args: tuple, kwargs: dict, backward: bool, seed: int,
-         fp64: bool = False, input_grads: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | None]]:
+def _run(model: nn.Module, args: tuple, kwargs: dict, backward: bool, seed: int, fp64: bool = False,
+         input_grads: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | None]]:
     """Forward (and backward) of one model: (outputs by name, gradients by name).
 
     The backward pulls a fixed random cotangent (drawn in fp64 from ``seed``, then cast to

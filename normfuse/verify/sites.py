@@ -84,8 +84,9 @@ def pair_sites(original: fx.GraphModule, rewritten: fx.GraphModule, sites: list[
 
 def as_the_pass_read(original: fx.GraphModule, rewritten: fx.GraphModule) -> fx.GraphModule:
     """The original graph whose nodes the rewritten graph's records name: ``original``, or a copy
-    of it split as the pass split it (``record.GraphSplits``: the RoPEs over cats, then the norms
-    over slices of their rows; the same steps on the same graph give the same node names)."""
+    of it split as the pass split it (``record.GraphSplits``: the RoPEs over cats, the norms over
+    slices of their rows, then the rotated pieces stored into cats of norms; the same steps on the
+    same graph give the same node names)."""
     splits = splits_of(rewritten)
     if not splits:
         return original

@@ -33,7 +33,7 @@ from normfuse.passes.canonical import (broadcasts_to, is_exact_upcast, mutates, 
                                        same_dim, same_shape)
 from normfuse.passes.graph import GraphIndex, copy_meta
 from normfuse.passes.parts.base import CallPiece, FusionPart
-from normfuse.vocabulary import KERNEL_DTYPES
+from normfuse.vocabulary import KERNEL_DTYPES, LOW_PRECISION
 
 __all__ = ["ModulationMatch", "find_modulation", "MODULATION"]
 
@@ -153,9 +153,12 @@ def find_modulation(index: GraphIndex, match) -> ModulationMatch | None:
     """The modulation of a matched norm's output (see the module docstring), or None: each step
     rounds to the dtype eager's type promotion gives it, so the call rounds where eager does."""
     y, casts = match.output, []
-    # casts that change no value between the norm and the product (FP32LayerNorm's .to(float32))
+    # casts that change no value between the norm and the product (FP32LayerNorm's .to(float32)), or
+    # one that rounds an fp32 norm's output to the product's 16-bit dtype (FP32LayerNorm's .to(x.dtype)
+    # of a bf16 model: the call rounds y to the modulation's dtype before the product)
     while (reader := _only_reader(y)) is not None and index.prim(reader) == "cast" \
-            and is_exact_upcast(node_dtype(y), node_dtype(reader)):
+            and (is_exact_upcast(node_dtype(y), node_dtype(reader))
+                 or not casts and node_dtype(y) == torch.float32 and node_dtype(reader) in LOW_PRECISION):
         y = reader
         casts.append(reader)
     readers = real_users(y)
