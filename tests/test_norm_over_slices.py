@@ -305,3 +305,19 @@ def test_a_wrong_split_fails_the_check(monkeypatch):
         warnings.simplefilter("ignore")
         res = normfuse.check(model, *_inputs(), backward=False)
     assert not res.ok and any(not o.passed for o in res.outputs), res
+
+
+def test_a_split_whose_rope_would_stay_is_not_made():
+    """fp64 tables (a RoPE the kernels do not compute): the split is tried on a copy, the rotated
+    slice's RoPE would stay, so the norm stays one norm (one call, no cat), with the reason."""
+    model = _SlicedRope()
+    x, cos, sin = _inputs()
+    cos, sin = cos.double(), sin.double()
+    with torch.no_grad():
+        ref = model(x, cos, sin)
+        optimized = normfuse.optimize(copy.deepcopy(model))
+        out = optimized(x, cos, sin)
+    rep = normfuse.report(optimized)
+    assert [s.fqn for s in rep.sites] == ["norm_q", "norm_k"] and all(s.op == "norm" for s in rep.sites), rep
+    assert all(s.rope_reason for s in rep.sites), rep
+    assert torch.equal(out, ref)

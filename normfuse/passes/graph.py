@@ -92,12 +92,14 @@ def dependency_graph(graph: fx.Graph) -> nx.DiGraph:
     return g
 
 
-def copy_graph(gm: fx.GraphModule) -> fx.Graph:
-    """A copy of gm's graph; nodes keep their meta and the attributes dynamo set on them."""
-    graph = fx.Graph(owning_module=gm, tracer_cls=getattr(gm.graph, "_tracer_cls", None))
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
+def copy_graph(gm: fx.GraphModule | fx.Graph) -> fx.Graph:
+    """A copy of gm's graph (or of a graph); nodes keep their names, their meta and the attributes
+    dynamo set on them."""
+    source = gm if isinstance(gm, fx.Graph) else gm.graph
+    graph = fx.Graph(owning_module=source.owning_module, tracer_cls=getattr(source, "_tracer_cls", None))
+    graph._codegen = copy.deepcopy(source._codegen)
     value_map: dict[fx.Node, fx.Node] = {}
-    output = graph.graph_copy(gm.graph, value_map)
+    output = graph.graph_copy(source, value_map)
     graph.output(output)
     for old, new in value_map.items():
         for key, value in vars(old).items():  # e.g. placeholders' _dynamo_source

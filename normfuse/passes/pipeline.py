@@ -37,6 +37,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from normfuse.config import FuseConfig
 from normfuse.kernels.qk_rope import KINDS as QK_KINDS
 from normfuse.passes.analysis import Analysis, analyze
+from normfuse.passes.canonical import canonical
+from normfuse.passes.fusions.qk_norm_rope import QK_NORM_ROPE
 from normfuse.passes.dtensor_graph import hoist_from_local
 from normfuse.passes.graph import copy_graph
 from normfuse.passes.planning import Planning, plan
@@ -73,6 +75,16 @@ class PassFailure(Exception):
         super().__init__(f"{stage}: {type(error).__name__}: {error}")
         self.stage = stage
         self.error = error
+
+
+def _read_through_views(node: fx.Node) -> list[fx.Node]:
+    """``node`` and the values it reads through slices and transposes (a split norm's input is a slice
+    of the original norm's input, or of that input's source before the heads' swap)."""
+    chain = [node]
+    while (c := canonical(chain[-1])) is not None and c.prim in ("slice", "transpose") \
+            and isinstance(c["input"], fx.Node):
+        chain.append(c["input"])
+    return chain
 
 
 @dataclass
@@ -239,6 +251,23 @@ class NormFusionPass(CustomGraphPass):
             report.graph_modules.append(gm)
         return report, (analysis[0] if analysis else None)
 
+    def _splits_taken(self, graph: fx.Graph, norms: dict[fx.Node, fx.Node]) -> tuple[tuple[str, str], ...]:
+        """The norms to split per slice of their rows (passes/norm_over_slices.py): those whose rotated
+        slice the q/k fusion then takes with its RoPE, tried on a copy of the graph. A split whose
+        RoPE would stay gains nothing and costs a second norm call (and a cat where a store was)."""
+        trial = copy_graph(graph)
+        by_name = {n.name: n for n in trial.nodes}
+        tried = split_norm_over_slices(trial, {by_name[y.name]: by_name[x.name] for y, x in norms.items()})
+        if not tried:
+            return ()
+        taken = set()
+        for site in analyze(trial, self._stage).sites:
+            rope = site.parts.get(QK_NORM_ROPE.name)
+            if rope is not None and rope.reason is None:
+                taken.update(n.name for n in _read_through_views(site.match.input))
+        inputs = {x.name: x for x in norms.values()}
+        return tuple((y, x) for y, x in tried if {n.name for n in _read_through_views(inputs[x])} & taken)
+
     def _sites_after_failure(self, gm: fx.GraphModule, message: str) -> list[Site]:
         """The sites the pass would have rewritten, each with the failure as its reason."""
         try:
@@ -267,7 +296,7 @@ class NormFusionPass(CustomGraphPass):
             qk = {s.match.output: s.match.input for s in found.sites  # the norms qk_norm_rope computes
                   if s.match.kind in QK_KINDS and s.match.group is None and s.match.layout is None
                   and s.match.reason is None}
-            norms = split_norm_over_slices(graph, qk)
+            norms = split_norm_over_slices(graph, qk, only=self._splits_taken(graph, qk)) if qk else ()
             splits = GraphSplits(cats, norms, split_stores_into_cats(graph, set(qk)))
         if splits:
             found = analyze(graph, self._stage)  # each piece's norm now reads its own RoPE
