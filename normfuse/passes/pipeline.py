@@ -38,7 +38,7 @@ from normfuse.config import FuseConfig
 from normfuse.kernels.qk_rope import KINDS as QK_KINDS
 from normfuse.passes.analysis import Analysis, analyze
 from normfuse.passes.canonical import canonical
-from normfuse.passes.fusions.qk_norm_rope import QK_NORM_ROPE
+from normfuse.passes.fusions import fusion_of
 from normfuse.passes.dtensor_graph import hoist_from_local
 from normfuse.passes.graph import copy_graph
 from normfuse.passes.planning import Planning, plan
@@ -260,9 +260,9 @@ class NormFusionPass(CustomGraphPass):
         tried = split_norm_over_slices(trial, {by_name[y.name]: by_name[x.name] for y, x in norms.items()})
         if not tried:
             return ()
-        taken = set()
+        taken, part = set(), fusion_of("qk_norm_rope").name
         for site in analyze(trial, self._stage).sites:
-            rope = site.parts.get(QK_NORM_ROPE.name)
+            rope = site.parts.get(part)
             if rope is not None and rope.reason is None:
                 taken.update(n.name for n in _read_through_views(site.match.input))
         inputs = {x.name: x for x in norms.values()}
