@@ -321,3 +321,19 @@ def test_a_split_whose_rope_would_stay_is_not_made():
     assert [s.fqn for s in rep.sites] == ["norm_q", "norm_k"] and all(s.op == "norm" for s in rep.sites), rep
     assert all(s.rope_reason for s in rep.sites), rep
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("variant", FORMS[:3], ids=lambda v: "-".join(v.values()))
+def test_exported_graphs_keep_the_norm_whole_with_the_reason(variant):
+    """torch.export's ATen graphs spell the slices aten.slice (and the store aten.copy_): the split
+    is not made there; the norms are fused alone, each with its reason, the output the same bits."""
+    model = _SlicedRope(**variant).eval()
+    args = tuple(_inputs())
+    gm = torch.export.export(model, args).module()
+    with torch.no_grad():
+        ref = gm(*args)
+        gm, rep = normfuse.fuse_graph(gm)
+        out = gm(*args)
+    assert [s.op for s in rep.sites] == ["norm", "norm"], rep
+    assert all(s.rope_reason.startswith("a RoPE follows this q/k norm on a slice of the tokens") for s in rep.sites)
+    assert torch.equal(out, ref)
