@@ -552,3 +552,5 @@ def test_a_norm_in_fp32_rounded_before_its_modulation(affine, dtype, backend, re
     got, got_s = add_norm(t["x"], t["r"], w, b, kind="layer_norm", eps=1e-6, out_dtype=FP32, modulation=mod)
     assert got.dtype == want.dtype == dtype and torch.equal(got_s, s)
     assert torch.equal(got, want), (got - want).abs().max()
+    # y kept in fp32 into the product (the product then rounded as the block's): another value
+    assert not torch.equal((n * (1 + t["scale"]).float()).to(dtype) + t["shift"], want)

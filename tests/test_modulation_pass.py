@@ -353,3 +353,54 @@ def test_the_call_computes_the_factor_one_plus_scale(dtype):
     assert [c.kwargs["mod_one_plus"] for c in fused_calls(graph)] == [True]
     assert not [n for n in graph.nodes if n.op == "call_function" and n.target in (operator.add, torch.add)]
     assert res.ok and [s.symbolic.status for s in res.sites] == ["proved"], res
+
+
+class FP32NormBlock(nn.Module):
+    """Diffusers' FP32LayerNorm in a 16-bit model, then the modulation: ``F.layer_norm(x.float(), ...)
+    .to(x.dtype)`` modulated by a scale and shift in ``mod_dtype`` (the model's, or fp32 as a temb kept
+    in fp32 gives); ``back_up``: the rounded y cast back to fp32 before the product."""
+
+    def __init__(self, mod_dtype=None, back_up=False, affine=True):
+        super().__init__()
+        self.proj, self.emb = nn.Linear(16, 16), nn.Linear(8, 32)
+        self.norm = nn.LayerNorm(16, eps=1e-6, elementwise_affine=affine)
+        if affine:
+            with torch.no_grad():
+                self.norm.weight.uniform_(0.5, 1.5)
+                self.norm.bias.uniform_(-0.5, 0.5)
+        self.mod_dtype, self.back_up = mod_dtype, back_up
+
+    def forward(self, x, t):
+        scale, shift = self.emb(t).chunk(2, dim=-1)
+        if self.mod_dtype is not None:
+            scale, shift = scale.to(self.mod_dtype), shift.to(self.mod_dtype)
+        h = x + self.proj(x)
+        w, b = (None, None) if self.norm.weight is None else (self.norm.weight.float(), self.norm.bias.float())
+        y = F.layer_norm(h.float(), (16,), w, b, 1e-6).to(x.dtype)
+        if self.back_up:
+            y = y.float()
+        return y * (1 + scale[:, None]) + shift[:, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["model_dtype", "no_affine", "fp32_scale", "back_up"])
+def test_a_norm_in_fp32_rounded_before_its_modulation(case, dtype):
+    """The call rounds y to the modulation's dtype before the product: taken where that is the dtype y
+    was rounded to (the scale in the model's dtype), with the reason where the product is wider
+    (a scale kept in fp32, y cast back up after its rounding); the output the same bits either way."""
+    model = FP32NormBlock(mod_dtype=torch.float32 if case == "fp32_scale" else None, back_up=case == "back_up",
+                          affine=case != "no_affine").to(dtype)
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(2, 5, 16, generator=g).to(dtype), torch.randn(2, 8, generator=g).to(dtype)
+    with torch.no_grad():
+        want = model(x, t)
+        optimized = normfuse.optimize(model)
+        got = optimized(x, t)
+    site = normfuse.report(optimized).sites[0]
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    if case in ("model_dtype", "no_affine"):
+        assert site.fused and site.fused_modulation, site
+    elif case == "fp32_scale":
+        assert site.fused and not site.fused_modulation and "rounded to" in site.modulation_reason, site
+    else:
+        assert site.fused and not site.fused_modulation, site

@@ -178,6 +178,10 @@ class _JointStore(nn.Module):
         super().__init__()
         self.heads, self.dim, self.leak = heads, dim, leak
         self.norms = nn.ModuleDict({n: nn.LayerNorm(dim, eps=1e-6) for n in ("q", "k", "added_q", "added_k")})
+        with torch.no_grad():  # parameters of their own: a norm reading another's shows
+            for m in self.norms.values():
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
 
     def forward(self, text, image, cos, sin):
         def heads(t):

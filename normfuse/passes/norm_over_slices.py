@@ -84,18 +84,21 @@ def split_stores_into_cats(graph: fx.Graph, norm_outputs: set, only: tuple[str, 
         pieces = list(c["tensors"])
         dims = c["dim"]
         dim = dims[0] if isinstance(dims, (list, tuple)) and len(dims) == 1 else dims
-        if not isinstance(dim, int) or len(pieces) < 2 or (only is None and not all(p in norm_outputs for p in pieces)):
-            continue
+        if not isinstance(dim, int) or len(pieces) < 2 or (only is None and not all(p in norm_outputs for p in pieces)) \
+                or any(node_dtype(p) != node_dtype(cat) or len(p.users) != 1 for p in pieces):
+            continue  # (a piece in another dtype is promoted by the cat; one read elsewhere may change after it)
         stored = _stored_slice(cat)
         if stored is None or stored[1] != dim % len(node_shape(cat)):
             continue
         piece, _, store, readers = stored
         rows, start = _bounds(piece, node_shape(cat)[stored[1]]), 0
+        sizes = [(node_shape(p) or (None,) * (stored[1] + 1))[stored[1]] for p in pieces]
+        if not all(isinstance(size, int) for size in sizes):
+            continue
         spans = []
-        for p in pieces:
-            size = (node_shape(p) or (None,) * (stored[1] + 1))[stored[1]]
-            spans.append((start, start + size) if isinstance(size, int) else None)
-            start = start + size if isinstance(size, int) else start
+        for size in sizes:
+            spans.append((start, start + size))
+            start += size
         if rows not in spans:
             continue
         k = spans.index(rows)

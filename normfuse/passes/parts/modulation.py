@@ -152,13 +152,17 @@ def _token_slice(index: GraphIndex, node: fx.Node) -> bool:
 def find_modulation(index: GraphIndex, match) -> ModulationMatch | None:
     """The modulation of a matched norm's output (see the module docstring), or None: each step
     rounds to the dtype eager's type promotion gives it, so the call rounds where eager does."""
-    y, casts = match.output, []
+    y, casts, rounded = match.output, [], None
     # casts that change no value between the norm and the product (FP32LayerNorm's .to(float32)), or
-    # one that rounds an fp32 norm's output to the product's 16-bit dtype (FP32LayerNorm's .to(x.dtype)
-    # of a bf16 model: the call rounds y to the modulation's dtype before the product)
-    while (reader := _only_reader(y)) is not None and index.prim(reader) == "cast" \
-            and (is_exact_upcast(node_dtype(y), node_dtype(reader))
-                 or not casts and node_dtype(y) == torch.float32 and node_dtype(reader) in LOW_PRECISION):
+    # one that rounds an fp32 norm's output to 16 bits (FP32LayerNorm's .to(x.dtype) in a bf16
+    # model: the call rounds y to the modulation's dtype before the product, so that must be it)
+    while (reader := _only_reader(y)) is not None and index.prim(reader) == "cast":
+        if rounded is None and is_exact_upcast(node_dtype(y), node_dtype(reader)):
+            pass
+        elif not casts and node_dtype(y) == torch.float32 and node_dtype(reader) in LOW_PRECISION:
+            rounded = node_dtype(reader)
+        else:
+            break
         y = reader
         casts.append(reader)
     readers = real_users(y)
@@ -190,7 +194,11 @@ def find_modulation(index: GraphIndex, match) -> ModulationMatch | None:
         else:
             return dataclasses.replace(first, times=2, second=second)
         return dataclasses.replace(first, times=len(found), reason=reason)
-    return _modulation(index, y, _only_reader(y), casts)
+    found = _modulation(index, y, _only_reader(y), casts)
+    if found is not None and rounded is not None and found.dtype != rounded:
+        return dataclasses.replace(found, reason=f"the norm's output is rounded to {rounded} before a modulation "
+                                                 f"in {found.dtype}: the call rounds y to the modulation's dtype")
+    return found
 
 
 def _modes(m: ModulationMatch) -> tuple:
