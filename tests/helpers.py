@@ -100,3 +100,17 @@ def optimized_with_fault(model, plant):
 
     optimized.forward.make_backend = make_backend
     return optimized
+
+
+def eager_and_optimized(model, *args):
+    """(the model's output, the output of ``normfuse.optimize`` of a deep copy, its report) on ``args``,
+    without grad."""
+    import copy
+
+    import normfuse
+
+    with torch.no_grad():
+        ref = model(*args)
+        optimized = normfuse.optimize(copy.deepcopy(model))
+        out = optimized(*args)
+    return ref, out, normfuse.report(optimized)

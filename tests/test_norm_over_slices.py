@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from helpers import eager_and_optimized
 
 import normfuse
 from normfuse.verify.sites import fused_calls
@@ -75,11 +76,7 @@ def _inputs(dtype=torch.float32):
 def _optimized(model, dtype=torch.float32):
     args = _inputs(dtype)
     model = model.to(dtype)
-    with torch.no_grad():
-        ref = model(*args)
-        optimized = normfuse.optimize(copy.deepcopy(model))
-        out = optimized(*args)
-    return ref, out, normfuse.report(optimized)
+    return eager_and_optimized(model, *args)
 
 
 FORMS = [dict(form="cat"), dict(form="cat", norm="layer"), dict(form="store", norm="layer"), dict(form="store")]
@@ -203,11 +200,7 @@ def test_a_rotated_piece_stored_into_a_cat_of_norms_takes_its_rope(dtype):
     angles = torch.randn(5, 4, generator=g).repeat_interleave(2, -1)
     args = (text, image, angles.cos(), angles.sin())
     model = _JointStore().to(dtype)
-    with torch.no_grad():
-        ref = model(*args)
-        optimized = normfuse.optimize(copy.deepcopy(model))
-        out = optimized(*args)
-    rep = normfuse.report(optimized)
+    ref, out, rep = eager_and_optimized(model, *args)
     ops = {s.fqn.rsplit(".", 1)[-1]: s.op for s in rep.sites}
     assert ops == {"q": "qk_norm_rope", "k": "qk_norm_rope", "added_q": "norm", "added_k": "norm"}, rep
     assert torch.equal(out, ref)
@@ -221,11 +214,7 @@ def test_a_cat_read_before_its_store_keeps_its_rope():
     args = (torch.randn(2, TEXT, 16, generator=g), torch.randn(2, 5, 16, generator=g),
             *(f(torch.randn(5, 8, generator=g)) for f in (torch.cos, torch.sin)))
     model = _JointStore(leak=True)
-    with torch.no_grad():
-        ref = model(*args)
-        optimized = normfuse.optimize(copy.deepcopy(model))
-        out = optimized(*args)
-    rep = normfuse.report(optimized)
+    ref, out, rep = eager_and_optimized(model, *args)
     by_name = {s.fqn.rsplit(".", 1)[-1]: s for s in rep.sites}
     assert by_name["q"].op == "norm" and by_name["q"].rope_reason, rep  # read before the store: kept
     assert by_name["k"].op == "qk_norm_rope", rep
@@ -317,11 +306,7 @@ def test_a_split_whose_rope_would_stay_is_not_made():
     model = _SlicedRope()
     x, cos, sin = _inputs()
     cos, sin = cos.double(), sin.double()
-    with torch.no_grad():
-        ref = model(x, cos, sin)
-        optimized = normfuse.optimize(copy.deepcopy(model))
-        out = optimized(x, cos, sin)
-    rep = normfuse.report(optimized)
+    ref, out, rep = eager_and_optimized(model, x, cos, sin)
     assert [s.fqn for s in rep.sites] == ["norm_q", "norm_k"] and all(s.op == "norm" for s in rep.sites), rep
     assert all(s.rope_reason for s in rep.sites), rep
     assert torch.equal(out, ref)

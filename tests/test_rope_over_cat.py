@@ -6,13 +6,13 @@ pass gives each piece its own RoPE with its rows of the tables: each q/k norm is
 qk_norm_rope call with its piece's RoPE, the cat moved after the calls (the same bits).
 """
 
-import copy
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import eager_and_optimized
 
 import normfuse
 from normfuse.verify.sites import fused_calls
@@ -59,11 +59,7 @@ def _inputs(dtype=torch.float32):
 def _optimized(model, dtype=torch.float32):
     args = _inputs(dtype)
     model = model.to(dtype)
-    with torch.no_grad():
-        ref = model(*args)
-        optimized = normfuse.optimize(copy.deepcopy(model))
-        out = optimized(*args)
-    return ref, out, normfuse.report(optimized)
+    return eager_and_optimized(model, *args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -216,14 +216,13 @@ def qk_norm_rope_ref(q, k, q_weight, k_weight, cos, sin, *, eps, weight_offset=0
 def _tables(cos: Tensor, sin: Tensor, rotary_dim: Optional[int]) -> tuple[Tensor, Tensor, int]:
     """cos and sin as 4-d (1 | B, 1 | S, 1, R or R / 2) views, and rotary_dim (default cos.shape[-1]);
     what is not a tensor is left to validate's message."""
-    if isinstance(cos, Tensor) and cos.dim() == 2:
-        cos = cos.unsqueeze(0)  # diffusers' (S, R): one row per position, the batch's
-    if isinstance(sin, Tensor) and sin.dim() == 2:
-        sin = sin.unsqueeze(0)
-    if isinstance(cos, Tensor) and cos.dim() == 3:
-        cos = cos.unsqueeze(2)  # HF's (B, S, R): the heads axis it unsqueezes in apply_rotary_pos_emb
-    if isinstance(sin, Tensor) and sin.dim() == 3:
-        sin = sin.unsqueeze(2)
+    def as_4d(t):
+        if isinstance(t, Tensor) and t.dim() == 2:
+            t = t.unsqueeze(0)  # diffusers' (S, R): one row per position, the batch's
+        if isinstance(t, Tensor) and t.dim() == 3:
+            t = t.unsqueeze(2)  # HF's (B, S, R): the heads axis it unsqueezes in apply_rotary_pos_emb
+        return t
+    cos, sin = as_4d(cos), as_4d(sin)
     if rotary_dim is None and isinstance(cos, Tensor):
         rotary_dim = cos.shape[-1]
     return cos, sin, rotary_dim
@@ -298,9 +297,8 @@ def validate(q, k, q_weight, k_weight, cos, sin, eps, layout, rotary_dim, norm_w
             or cos.shape[3] not in (rotary_dim, rotary_dim // 2)):
         raise ShapeMismatchError(f"cos and sin have shape {tuple(cos.shape)}; they must broadcast to (B, S, 1, R) = "
                                  f"({B}, {S}, 1, {rotary_dim}): (1 | B, 1 | S, 1, R), HF's (1 | B, S, R), (S, R), "
-                                 f"or a half "
-                                 f"table of last dim R / 2 = {rotary_dim // 2} (freqs_cis.real / .imag) with "
-                                 f"rotary_dim given.")
+                                 f"or a half table of last dim R / 2 = {rotary_dim // 2} (freqs_cis.real / .imag) "
+                                 f"with rotary_dim given.")
     for name, dtype in rounding.items():
         if dtype is not None and dtype not in dtypes_on(q.device):
             raise UnsupportedDtypeError(f"{name}={dtype} is not a dtype qk_norm_rope rounds to; use one of "

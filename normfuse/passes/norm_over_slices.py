@@ -35,9 +35,15 @@ import torch.fx as fx
 
 from normfuse.passes.canonical import canonical, node_dtype, node_shape
 from normfuse.passes.graph import copy_meta
-from normfuse.passes.rope_over_cat import narrowed_meta, rope_region
+from normfuse.passes.rope_over_cat import narrowed_meta, rope_region, rows_index
 
-__all__ = ["split_norm_over_slices", "split_stores_into_cats"]
+__all__ = ["splittable", "split_norm_over_slices", "split_stores_into_cats"]
+
+
+def splittable(norms: dict[fx.Node, fx.Node]) -> dict[fx.Node, fx.Node]:
+    """The norms of ``norms`` (output -> input) that have a form split_norm_over_slices splits (no
+    change to the graph): nothing to try when none has."""
+    return {y: x for y, x in norms.items() if _split_form(y, x) is not None}
 
 
 def split_norm_over_slices(graph: fx.Graph, norms: dict[fx.Node, fx.Node],
@@ -50,19 +56,15 @@ def split_norm_over_slices(graph: fx.Graph, norms: dict[fx.Node, fx.Node],
         norms = {by_name[y]: by_name[x] for y, x in only if y in by_name and x in by_name}
     split = []
     for y, x in norms.items():
-        y = _past_no_op_casts(y)  # CogView4's norm_q(q).to(dtype): the stores write into the cast's value
-        region = _region(x, y)
-        if region is None:
+        form = _split_form(y, x)
+        if form is None:
             continue
-        pieces = _row_slices(y)
-        stored = None if pieces is not None else _stored_slice(y)
-        if pieces is not None and any(rope_region(p) is not None for p, _ in pieces):
+        y, region, pieces, stored = form
+        if pieces is not None:
             for piece, dim in pieces:
                 _split_piece(graph, piece, dim, x, region)
-        elif stored is not None:
-            _store_as_cat(graph, *stored, x, region)
         else:
-            continue
+            _store_as_cat(graph, *stored, x, region)
         split.append((y.name, x.name))
         for node in reversed(region):
             if not node.users:
@@ -78,9 +80,14 @@ def split_stores_into_cats(graph: fx.Graph, norm_outputs: set, only: tuple[str, 
     rotation in that piece's place, the rotation reading the norm's output. ``norm_outputs``: the
     pieces to consider; ``only``: the cats' names (the checker's replay). Returns the names rewritten."""
     rewritten = []
-    for cat in [n for n in graph.nodes if (only is None or n.name in only) and canonical(n) is not None
-                and canonical(n).prim == "cat"]:
+    if only is not None:
+        cats = [n for n in graph.nodes if n.name in only]
+    else:  # the readers of the norms' outputs, in graph order
+        cats = sorted({u for p in norm_outputs for u in p.users})
+    for cat in cats:
         c = canonical(cat)
+        if c is None or c.prim != "cat":
+            continue
         pieces = list(c["tensors"])
         dims = c["dim"]
         dim = dims[0] if isinstance(dims, (list, tuple)) and len(dims) == 1 else dims
@@ -114,6 +121,20 @@ def split_stores_into_cats(graph: fx.Graph, norm_outputs: set, only: tuple[str, 
         if not cat.users:
             graph.erase_node(cat)
     return tuple(rewritten)
+
+
+def _split_form(y: fx.Node, x: fx.Node) -> tuple | None:
+    """(the norm's output past its no-op casts, its region, the row slices when every reader is one
+    and one is rotated, else the stored slice's match), or None when the norm has no such form."""
+    y = _past_no_op_casts(y)  # CogView4's norm_q(q).to(dtype): the stores write into the cast's value
+    region = _region(x, y)
+    if region is None:
+        return None
+    pieces = _row_slices(y)
+    if pieces is not None:
+        return (y, region, pieces, None) if any(rope_region(p) is not None for p, _ in pieces) else None
+    stored = _stored_slice(y)
+    return None if stored is None else (y, region, None, stored)
 
 
 def _past_no_op_casts(y: fx.Node) -> fx.Node:
@@ -159,13 +180,12 @@ def _stored_slice(y: fx.Node) -> tuple | None:
     """(piece, dim, store, readers) when ``y``'s readers are one row slice ``piece`` rotated, then
     ``y[index] = rotation`` at the same index (one store, the rotation's dtype and shape the
     slice's), then readers of the whole ``y`` only; the slice a head or a tail of the rows."""
-    order = {n: i for i, n in enumerate(y.graph.nodes)}
     stores = [u for u in y.users if u.op == "call_function" and u.target is operator.setitem and u.args[0] is y]
     if len(stores) != 1:
         return None
     store = stores[0]
-    before = [u for u in y.users if order[u] < order[store]]
-    readers = sorted((u for u in y.users if order[u] > order[store]), key=order.__getitem__)
+    before = [u for u in y.users if u < store]  # (fx nodes compare by their place in the graph)
+    readers = sorted(u for u in y.users if u > store)
     if len(before) != 1 or not readers:
         return None
     piece = before[0]
@@ -186,16 +206,15 @@ def _stored_slice(y: fx.Node) -> tuple | None:
 def _region(x: fx.Node, y: fx.Node) -> list[fx.Node] | None:
     """The norm's nodes from ``x`` to ``y`` in graph order (those on a path between them, ``y``
     last), when nothing outside reads one of them but ``y``; else None."""
-    order = {n: i for i, n in enumerate(y.graph.nodes)}
     below, frontier = set(), [x]
-    while frontier:  # the nodes reading x, up to y
-        frontier = [u for n in frontier for u in n.users if u not in below and order[u] <= order[y]]
+    while frontier:  # the nodes reading x, up to y (fx nodes compare by their place in the graph)
+        frontier = [u for n in frontier for u in n.users if u not in below and u <= y]
         below.update(frontier)
     above, frontier = {y}, [y]
     while frontier:  # ... that y reads
         frontier = [a for n in frontier for a in n.all_input_nodes if a in below and a not in above]
         above.update(frontier)
-    region = sorted(above, key=order.__getitem__)
+    region = sorted(above)
     if any(u not in above for n in region if n is not y for u in n.users):
         return None
     return region
@@ -232,7 +251,7 @@ def _rows_of(graph: fx.Graph, x: fx.Node, dim: int, index: Any, rows: tuple[int,
         return sliced
     d0, d1 = c["dim0"] % n, c["dim1"] % n
     other = d1 if dim == d0 else d0
-    source = graph.call_function(operator.getitem, (c["input"], (*[slice(None)] * other, slice(start, end))))
+    source = graph.call_function(operator.getitem, (c["input"], rows_index(other, start, end)))
     narrowed_meta(source, c["input"], other, start, end - start, total)
     sliced = graph.call_method("transpose", (source, d0, d1))
     narrowed_meta(sliced, x, dim, start, end - start, total)
@@ -242,8 +261,7 @@ def _rows_of(graph: fx.Graph, x: fx.Node, dim: int, index: Any, rows: tuple[int,
 def _split_piece(graph: fx.Graph, piece: fx.Node, dim: int, x: fx.Node, region: list[fx.Node]) -> None:
     """Replace ``piece`` (a slice of the norm's rows) by the norm of the same slice of ``x``."""
     rows = _bounds(piece, node_shape(x)[dim])
-    index = (*[slice(None)] * dim, slice(*rows))
-    piece.replace_all_uses_with(_norm_of_rows(graph, x, region, dim, index, rows))
+    piece.replace_all_uses_with(_norm_of_rows(graph, x, region, dim, rows_index(dim, *rows), rows))
     graph.erase_node(piece)
 
 
@@ -255,8 +273,7 @@ def _store_as_cat(graph: fx.Graph, piece: fx.Node, dim: int, store: fx.Node, rea
     start, end = _bounds(piece, total)
     _split_piece(graph, piece, dim, x, region)
     rows = (end, total) if start == 0 else (0, start)  # the rows not stored
-    index = (*[slice(None)] * dim, slice(*rows))
-    kept = _norm_of_rows(graph, x, region, dim, index, rows)
+    kept = _norm_of_rows(graph, x, region, dim, rows_index(dim, *rows), rows)
     rotated = store.args[2]
     with graph.inserting_before(readers[0]):
         whole = graph.call_function(torch.cat, ([rotated, kept] if start == 0 else [kept, rotated], dim))

@@ -44,7 +44,7 @@ from normfuse.passes.graph import copy_graph
 from normfuse.passes.planning import Planning, plan
 from normfuse.passes.provenance import elementwise_norm_note, site_record, site_records
 from normfuse.passes.record import GraphSplits, attach_records, is_fused_call
-from normfuse.passes.norm_over_slices import split_norm_over_slices, split_stores_into_cats
+from normfuse.passes.norm_over_slices import split_norm_over_slices, split_stores_into_cats, splittable
 from normfuse.passes.rope_over_cat import split_rope_over_cat
 from normfuse.passes.rewrite import apply_plans
 from normfuse.reporting import FusionReport, Region, Site
@@ -255,6 +255,9 @@ class NormFusionPass(CustomGraphPass):
         """The norms to split per slice of their rows (passes/norm_over_slices.py): those whose rotated
         slice the q/k fusion then takes with its RoPE, tried on a copy of the graph. A split whose
         RoPE would stay gains nothing and costs a second norm call (and a cat where a store was)."""
+        norms = splittable(norms)
+        if not norms:  # (most graphs: no copy to make)
+            return ()
         try:
             trial = copy_graph(graph)
             by_name = {n.name: n for n in trial.nodes}
@@ -301,7 +304,7 @@ class NormFusionPass(CustomGraphPass):
                   if s.match.kind in QK_KINDS and s.match.group is None and s.match.layout is None
                   and s.match.reason is None}
             norms = split_norm_over_slices(graph, qk, only=self._splits_taken(graph, qk)) if qk else ()
-            splits = GraphSplits(cats, norms, split_stores_into_cats(graph, set(qk)))
+            splits = GraphSplits(cats, norms, split_stores_into_cats(graph, set(qk)) if qk else ())
         if splits:
             found = analyze(graph, self._stage)  # each piece's norm now reads its own RoPE
         note = elementwise_norm_note(found)

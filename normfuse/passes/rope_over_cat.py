@@ -28,7 +28,7 @@ import torch.fx as fx
 from normfuse.passes.canonical import canonical, is_split_piece, node_shape
 from normfuse.passes.graph import copy_meta
 
-__all__ = ["split_rope_over_cat", "rope_region", "narrowed_meta"]
+__all__ = ["split_rope_over_cat", "rope_region", "narrowed_meta", "rows_index"]
 
 # what a rotation's steps are, between the cat and its output
 _STEPS = frozenset(["view", "flatten", "unsqueeze", "cast", "slice", "cat", "stack", "neg", "mul", "add", "sub"])
@@ -155,11 +155,15 @@ def _table_slice(graph: fx.Graph, table: fx.Node, dim: int, start: int, size: in
         return table
     key = (table, start, size)
     if key not in cache:
-        index = (*[slice(None)] * at, slice(start, start + size))  # table[..., start:start + size, ...]: a slice
-        with graph.inserting_after(table):
-            cache[key] = graph.call_function(operator.getitem, (table, index))
+        with graph.inserting_after(table):  # table[..., start:start + size, ...]: a slice
+            cache[key] = graph.call_function(operator.getitem, (table, rows_index(at, start, start + size)))
         narrowed_meta(cache[key], table, at, start, size, total)
     return cache[key]
+
+
+def rows_index(dim: int, start: int, end: int) -> tuple:
+    """The index of rows [start, end) along ``dim`` (``x[:, ..., start:end]``), every dim before it whole."""
+    return (*[slice(None)] * dim, slice(start, end))
 
 
 def narrowed_meta(new: fx.Node, old: fx.Node, dim: int, start: int, size: int, total: int) -> None:

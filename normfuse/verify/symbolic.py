@@ -246,39 +246,29 @@ def _eval_getitem(node: fx.Node, load) -> Any:
     raise _Unsupported(f"{node.name} indexes a value that is not a tuple")
 
 
-def _unbinds_last(node: fx.Node) -> bool:
-    """``x.unbind(-1)`` / ``torch.unbind(x, -1)`` over the last dim (a tuple of its slices)."""
-    dim = unbound_dim(node)
-    return isinstance(dim, int) and _touches_last(node.args[0], dim)
-
-
-def _unbind_groups(node: fx.Node, value: Any) -> tuple:
-    """The unbind of a row of groups (pairs) over their last dim: one row per position in a group
-    (per head when the row is split into heads)."""
-    if isinstance(value, _Heads) and all(isinstance(h, _Groups) for h in value):
-        parts = [_unbind_groups(node, h) for h in value]
-        return tuple(_Heads(p[k] for p in parts) for k in range(len(parts[0])))
-    if not isinstance(value, _Groups) or not value or len({len(g) for g in value}) != 1:
-        raise _Unsupported(f"{node.name} unbinds a value that is not a row of groups")
-    return tuple([g[k] for g in value] for k in range(len(value[0])))
-
-
-def _unbinds_groups(node: fx.Node) -> bool:
-    """``x.unbind(-2)`` of a value whose last two dims split its row (CogView4's
-    ``x.reshape(..., 2, -1).unbind(-2)``: the halves)."""
+def _unbound_over(node: fx.Node) -> str | None:
+    """What ``x.unbind(d)`` of a row split into groups takes apart: "positions" for d the last dim (the
+    pairs' first and second members: ``x.reshape(..., -1, 2).unbind(-1)``), "groups" for the dim before
+    it (CogView4's halves: ``x.reshape(..., 2, -1).unbind(-2)``); None for another unbind."""
     dim, shape = unbound_dim(node), node_shape(node.args[0])
-    return isinstance(dim, int) and bool(shape) and len(shape) >= 2 and dim % len(shape) == len(shape) - 2
+    if not isinstance(dim, int):
+        return None
+    if _touches_last(node.args[0], dim):
+        return "positions"
+    return "groups" if shape and len(shape) >= 2 and dim % len(shape) == len(shape) - 2 else None
 
 
-def _groups_unbound(node: fx.Node, value: Any) -> tuple:
-    """The unbind of a row of groups over the groups: each group a row (per head when the row is
-    split into heads)."""
+def _unbind_groups(node: fx.Node, value: Any, over: str) -> tuple:
+    """The unbind of a row of groups (_unbound_over's ``over``): one row per position in a group, or
+    each group a row (per head when the row is split into heads)."""
     if isinstance(value, _Heads) and all(isinstance(h, _Groups) for h in value):
-        parts = [_groups_unbound(node, h) for h in value]
+        parts = [_unbind_groups(node, h, over) for h in value]
         return tuple(_Heads(p[k] for p in parts) for k in range(len(parts[0])))
     if not isinstance(value, _Groups) or not value or len({len(g) for g in value}) != 1:
         raise _Unsupported(f"{node.name} unbinds a value that is not a row of groups")
-    return tuple(list(g) for g in value)
+    if over == "groups":
+        return tuple(list(g) for g in value)
+    return tuple([g[k] for g in value] for k in range(len(value[0])))
 
 
 def _eval_node(node: fx.Node, load, eps: float | None, eps_sym, heads: _HeadRows | None = None) -> Any:
@@ -294,10 +284,8 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym, heads: _HeadRows
     c = canonical(node)
     if c is None and _max_values(node):  # torch.max(x, dim) returns (values, indices): the row's maximum
         return [_max(*val(node.args[0]))], None
-    if c is None and _unbinds_last(node):  # x.reshape(..., -1, 2).unbind(-1): the pairs' first and second halves
-        return _unbind_groups(node, val(node.args[0]))
-    if c is None and _unbinds_groups(node):  # x.reshape(..., 2, -1).unbind(-2): the row's halves
-        return _groups_unbound(node, val(node.args[0]))
+    if c is None and (over := _unbound_over(node)) is not None:  # the pairs' members, or the row's halves
+        return _unbind_groups(node, val(node.args[0]), over)
     if c is None:
         raise _Unsupported(f"no symbolic rule for node {node.name} ({node.op} {getattr(node.target, '__name__', node.target)})")
     p = c.prim
