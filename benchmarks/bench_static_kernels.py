@@ -57,7 +57,8 @@ DTYPES = {"fp32": (torch.float32, tl.float32), "fp16": (torch.float16, tl.float1
 FLOAT_ARGS = {"eps", "weight_offset", "residual_scale"}
 INT_ARGS = {"N", "HW"}  # the kernels name pointers in capitals; N and HW (positions) are integers
 STAT_PTRS = {"MEAN", "RSTD", "DW_PART", "DB_PART", "DW1_PART", "DB1_PART",  # fp32: per-row stats, dw/db partials,
-             "QS", "SC"}                                                    # quantization scales
+             "QS", "SC",                                                    # quantization scales,
+             "DSCALE_PART", "DSHIFT_PART", "DXGATE_PART"}                   # the adaLN chain's partials per run
 BYTE_PTRS = {"Q"}  # the fp8 output, written as its bytes
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
@@ -158,6 +159,16 @@ OPS = [
        dict(HAS_RESIDUAL=True, HAS_WEIGHT=False, HAS_BIAS=False, IS_RMS=False, ROUND_FIRST=False, STORE_SUM=True,
             STORE_Y=True, ADD_AFTER_NORM=False, SCALE_RESIDUAL=False, ROUND_SUM_FIRST=True, HAS_MOD=True,
             HAS_MOD1=True, **NO_MODES), ("X", "R"), ("Y", "S", "Y1")),
+    # ... and its backward in the kernels: dscale, dshift and dx_gate per sample (partial rows per program)
+    Op("add_layer_norm + gated branch + modulation backward (DiT, Flux, Wan)", True,
+       dict(HAS_DEXTRA=True, HAS_WEIGHT=False, HAS_BIAS=False, HAS_DRES=True, IS_RMS=False, ADD_AFTER_NORM=False,
+            ADALN=("per_sample", True), **NO_MODES_BWD),
+       ("DY", "DE", "INP", "XB"), ("DX", "DRES")),
+    # ... per token (Wan 2.2, LTX): the scale's and the shift's gradients stored per row
+    Op("add_layer_norm + modulation backward, per token, factor 1 + scale (Wan 2.2, LTX)", True,
+       dict(HAS_DEXTRA=True, HAS_WEIGHT=False, HAS_BIAS=False, HAS_DRES=True, IS_RMS=False, ADD_AFTER_NORM=False,
+            ADALN=("per_token", False), ONE_PLUS=True, **NO_MODES_BWD),
+       ("DY", "DE", "INP", "MS", "MH"), ("DX", "DRES", "DSCALE", "DSHIFT")),
     Op("gated rms_norm (Mamba2: gate before, groups of 256)", False,
        dict(GATED, HAS_GATE=True, GATE_AFTER=False, GATE_SILU=True, NORM_GROUP=256), ("X", "Z"), ("Y",)),
     Op("gated rms_norm (Qwen3-Next: gate after)", False,
@@ -297,12 +308,37 @@ def kernel_args(op: Op, tl_dtype, block: int) -> dict:
         args["MOD"] = (broadcast("MS", tl_dtype), broadcast("MH", tl_dtype), *second) if has_mod else \
             Leaf("constexpr", value=None)
         constexprs["MOD_OPTS"] = (False, tl_dtype, tl_dtype, f.get("ONE_PLUS", False)) if has_mod else None
+    if op.backward:
+        args["ADALN"], constexprs["ADALN_OPTS"] = _adaln_args(f, tl_dtype)
     constexprs["L2"] = False
     args.update({name: pointer(name, tl_dtype, on) for name, on in vectors.items()})
     args.update(scalars, **constexprs, N=Leaf("i32", "N", divisible=True), weight_offset=scalar("weight_offset"),
                 residual_scale=scalar("residual_scale"),
                 DROPOUT=(scalar("seed", f["HAS_DROPOUT"], "i64"), scalar("dropout_p"), scalar("dropout_scale")))
     return args
+
+
+def _adaln_args(f: dict, tl_dtype) -> tuple[tuple, tuple]:
+    """The backward kernels' ADALN and ADALN_OPTS: the modulation's scale and shift (and the gated
+    branch's x_gate with its x) per sample, their gradients summed per run into fp32 partial rows, or per
+    token, stored per row; absent: (None, 0, 1, 0) operands and no outputs."""
+    absent = tuple(Leaf("constexpr", value=v) for v in (None, 0, 1, 0))
+    layout, gated = f.get("ADALN", (None, False))
+    if layout is None:
+        none = Leaf("constexpr", value=None)
+        return (absent, absent, absent, (none, Leaf("constexpr", value=0)), none, none, none), (False, 0, 0, 0)
+    if layout == "per_sample":
+        scale, shift = broadcast("MS", tl_dtype), broadcast("MH", tl_dtype)
+        outs, mode = ("DSCALE_PART", "DSHIFT_PART", "DXGATE_PART"), 1
+    else:  # per token: a row of each per row of x (outer stride, period, inner stride)
+        scale, shift = ((pointer(name, tl_dtype), Leaf("i32", f"stride_{name}", divisible=True),
+                         Leaf("i32", f"period_{name}"), Leaf("i32", f"inner_{name}", divisible=True))
+                        for name in ("MS", "MH"))
+        outs, mode = ("DSCALE", "DSHIFT", "DXGATE"), 2
+    x_gate = broadcast("XG", tl_dtype) if gated else absent
+    xb = operand("XB", tl_dtype, gated)
+    grads = (pointer(outs[0], tl_dtype), pointer(outs[1], tl_dtype), pointer(outs[2], tl_dtype, gated))
+    return (scale, shift, x_gate, xb, *grads), (f.get("ONE_PLUS", False), mode, mode, mode if gated else 0)
 
 
 def source(op: Op, dtype: str, block: int, looped: bool) -> tuple[ASTSource, list[str]]:
@@ -429,7 +465,8 @@ def configurations(ns: list[int], dtypes: list[str]):
                 two_norms = op.flags.get("HAS_W1", False) or op.flags.get("HAS_DY1", False)
                 block, warps, looped = K._blocking(n, size, backward=op.backward, two_norms=two_norms,
                                                    quant=op.flags.get("QUANT", False),
-                                                   gated=op.flags.get("HAS_GATE", False))
+                                                   gated=op.flags.get("HAS_GATE", False)
+                                                   or op.flags.get("ADALN", (None,))[0] == "per_sample")
                 key = (op.name, dtype, block, warps, looped)
                 yield op, dtype, n, block, warps, looped, key in seen
                 seen.add(key)

@@ -554,3 +554,120 @@ def test_a_norm_in_fp32_rounded_before_its_modulation(affine, dtype, backend, re
     assert torch.equal(got, want), (got - want).abs().max()
     # y kept in fp32 into the product (the product then rounded as the block's): another value
     assert not torch.equal((n * (1 + t["scale"]).float()).to(dtype) + t["shift"], want)
+
+
+# ---- the chain's backward inside the kernels' backward -------------------------------------------
+# The kernels' backward takes the modulation's and the gated branch's gradients too: dscale, dshift and
+# dx_gate per row where the operand has a row per row of x, else summed per run of rows a program
+# covers (its rows lie in one run). 3 x 14 rows over 4 interpreted "SMs": 16 programs of 3 rows would
+# straddle the samples, so they take 2 (14 = 7 x 2), and a partial row sums two rows of one sample.
+
+CHAIN_B, CHAIN_S = 3, 14
+
+
+def _kernels_take_the_backward(kernels, monkeypatch):
+    """Fail the test where the chain's backward runs around the kernels."""
+    def around(call):
+        pytest.fail("the modulation's or the gated branch's backward ran around the kernels")
+    monkeypatch.setattr(kernels, "_add_norm_bwd_around_kernels", around)
+
+
+def _chain_tensors(dtype, layout, n=N, seed=0, scale_dtype=None):
+    """x, r, gate, scale, shift, w, b as a diffusion block reads them: per sample as ``emb.chunk(6)``
+    pieces (strided views), per token, per column, or per frame of a video's (B, F, S, N) tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    lead = (CHAIN_B, 2, 7) if layout == "per_frame" else (CHAIN_B, CHAIN_S)
+    x, r = (torch.randn(*lead, n, generator=gen).to(dtype) for _ in range(2))
+    t = dict(x=x, r=r, w=torch.randn(n, generator=gen).to(dtype), b=torch.randn(n, generator=gen).to(dtype))
+    if layout == "per_sample":
+        emb = (torch.randn(CHAIN_B, 6 * n, generator=gen) * 0.5).to(scale_dtype or dtype)
+        t["shift"], t["scale"], t["gate"] = (c[:, None] for c in emb.chunk(6, dim=-1)[:3])
+    else:
+        shape = {"per_token": (*lead, n), "per_column": (n,), "per_frame": (CHAIN_B, 2, 1, n)}[layout]
+        t["shift"], t["scale"], t["gate"] = ((torch.randn(*shape, generator=gen) * 0.5).to(scale_dtype or dtype)
+                                             for _ in range(3))
+    t["gate"] = t["gate"].to(dtype)
+    return t
+
+
+def chain_block(form, t, kind="layer_norm"):
+    """(modulated output, sum): the block's gate, add, norm and modulation as its own ops."""
+    s = t["r"] + t["gate"] * t["x"]
+    n_ = s.shape[-1]
+    norm = (lambda v: F.layer_norm(v, (n_,), t["w"].to(v.dtype), t["b"].to(v.dtype), 1e-6)) \
+        if kind == "layer_norm" else (lambda v: F.rms_norm(v, (n_,), t["w"].to(v.dtype), 1e-6))
+    if form in ("dit", "one_plus"):
+        return norm(s) * (1 + t["scale"]) + t["shift"], s
+    if form == "addcmul":
+        return torch.addcmul(t["shift"], norm(s), 1 + t["scale"]), s
+    if form == "wan":
+        return (norm(s.float()) * (1 + t["scale"]) + t["shift"]).type_as(s), s
+    if form == "scale_only":
+        return norm(s) * (1 + t["scale"]), s
+    return norm(s) + t["shift"], s
+
+
+def chain_ours(form, t, kind="layer_norm"):
+    scale = None if form == "shift_only" else t["scale"] if form == "one_plus" else 1 + t["scale"]
+    shift = None if form == "scale_only" else t["shift"]
+    mod = Modulation(scale, shift, fused=form == "addcmul", one_plus=form == "one_plus",
+                     out_dtype=t["x"].dtype if form == "wan" else None)
+    return add_norm(t["x"], t["r"], t["w"], t["b"] if kind == "layer_norm" else None, kind=kind, eps=1e-6,
+                    x_gate=t["gate"], modulation=mod, out_dtype=FP32 if form == "wan" else None)
+
+
+def _chain_grads_within(form, t, kind="layer_norm"):
+    gen = torch.Generator().manual_seed(9)
+    cot = [torch.randn(t["x"].shape, generator=gen, dtype=FP64) for _ in range(2)]
+    names = ["x", "r", "gate", "w"] + (["b"] if kind == "layer_norm" else []) \
+        + (["scale"] if form != "shift_only" else []) + (["shift"] if form != "scale_only" else [])
+    got = _grads(lambda a: chain_ours(form, a, kind), t, names, cot)
+    base = _grads(lambda a: chain_block(form, a, kind), t, names, cot)
+    exact = _grads(lambda a: chain_block(form, a, kind), {k: v.double() for k, v in t.items()}, names, cot)
+    _assert_grads_within(got, base, exact)
+
+
+@pytest.mark.parametrize("layout", ("per_sample", "per_token", "per_column", "per_frame"))
+@pytest.mark.parametrize("form", ("dit", "one_plus", "addcmul", "wan", "scale_only", "shift_only"))
+def test_the_kernels_backward_takes_the_chain(form, layout, triton_cpu, monkeypatch):
+    """bf16, LayerNorm with weight and bias: every gradient (x, the residual, the gate, the scale, the
+    shift, the norm's parameters) within the rule against the block's ops in fp64, nothing around."""
+    from normfuse.kernels import triton as kernels
+
+    _kernels_take_the_backward(kernels, monkeypatch)
+    _chain_grads_within(form, _chain_tensors(BF16, layout, seed=2, scale_dtype=FP32 if form == "wan" else None))
+
+
+@pytest.mark.parametrize("kind", ("layer_norm", "rms_norm"))
+@pytest.mark.parametrize("dtype", (FP32, FP16), ids=("fp32", "fp16"))
+def test_the_kernels_backward_takes_the_chain_in_each_dtype(dtype, kind, triton_cpu, monkeypatch):
+    from normfuse.kernels import triton as kernels
+
+    _kernels_take_the_backward(kernels, monkeypatch)
+    _chain_grads_within("dit", _chain_tensors(dtype, "per_sample", seed=4), kind)
+
+
+@pytest.mark.parametrize("layout", ("per_sample", "per_token"))
+def test_the_kernels_backward_takes_the_chain_on_a_looped_row(layout, triton_cpu, monkeypatch):
+    """Rows wider than one backward block (5000 bf16 columns): the runs' sums go through the partial rows."""
+    from normfuse.kernels import triton as kernels
+
+    _kernels_take_the_backward(kernels, monkeypatch)
+    t = _chain_tensors(BF16, layout, n=5000, seed=6)
+    assert kernels._blocking(5000, 2, backward=True, gated=True)[2]  # (looped)
+    _chain_grads_within("dit", t)
+
+
+def test_a_table_shared_across_the_batch_keeps_its_backward_around_the_kernels(triton_cpu, monkeypatch):
+    """A (1, S, N) scale (one row per token, the same for every sample) has neither a row per row of x
+    nor one per run: its gradient is a sum across the batch, which the torch ops around the kernels take."""
+    from normfuse.kernels import triton as kernels
+
+    calls = []
+    around = kernels._add_norm_bwd_around_kernels
+    monkeypatch.setattr(kernels, "_add_norm_bwd_around_kernels", lambda call: calls.append(1) or around(call))
+    t = _chain_tensors(BF16, "per_sample", seed=8)
+    gen = torch.Generator().manual_seed(1)
+    t["scale"] = (torch.randn(1, CHAIN_S, N, generator=gen) * 0.5).to(BF16)
+    _chain_grads_within("dit", t)
+    assert calls

@@ -11,6 +11,7 @@ interpreter when NORMFUSE_TRITON_CPU=1 (the tests do).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -650,9 +651,13 @@ if triton is not None:
 
     @triton.jit
     def _row_grads(DY, DE, INP, DY1, Z, w, w1, b, row, cols, mask, mean, rstd, HAS_WEIGHT: tl.constexpr,
-                   HAS_B: tl.constexpr, IS_RMS: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, GATE_OPTS: tl.constexpr):
+                   HAS_B: tl.constexpr, IS_RMS: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, GATE_OPTS: tl.constexpr,
+                   ADALN, ADALN_OPTS: tl.constexpr):
         """x_hat, the gradients into the norm outputs (dn, dn1) and g = dn * w' + dn1 * w1' of one
-        block of a row; with a gate also the norm input u, act(z), act'(z) and (gate "after") dz."""
+        block of a row; with a gate also the norm input u, act(z), act'(z) and (gate "after") dz; with a
+        modulation m = y * factor + shift (ADALN) dy is m's gradient: dn = dy * factor, and the
+        modulation's own gradients dy * y0 (y0 = n * w' + b unrounded: rounding is straight-through)
+        and dy (0.0 without a scale / a shift)."""
         HAS_GATE: tl.constexpr = Z[0] is not None
         u = tl.load(INP[0] + row * INP[1] + cols, mask=mask, other=0.0).to(tl.float32)
         a, da = _load_gate(Z[0], row * Z[1], cols, mask, HAS_GATE, GATE_OPTS[1])
@@ -668,6 +673,18 @@ if triton is not None:
         dn = dy
         if ADD_AFTER_NORM and DE[0] is not None:
             dn += tl.load(DE[0] + row * DE[1] + cols, mask=mask, other=0.0).to(tl.float32)
+        dscale = 0.0
+        dshift = 0.0
+        if ADALN[1][0] is not None:
+            dshift = dn
+        if ADALN[0][0] is not None:
+            y0 = xhat
+            if HAS_WEIGHT:
+                y0 = y0 * w
+            if HAS_B:
+                y0 = y0 + b
+            dscale = dn * y0
+            dn = dn * _factor(ADALN[0], row, cols, mask, ADALN_OPTS[0])
         dz = 0.0
         if HAS_GATE and GATE_OPTS[0]:  # y = y0 * act(z): dz = dy * y0 * act'(z), and y0 gets dy * act(z)
             y0 = xhat
@@ -684,12 +701,12 @@ if triton is not None:
         if DY1[0] is not None:
             dn1 = tl.load(DY1[0] + row * DY1[1] + cols, mask=mask, other=0.0).to(tl.float32)
             g = g + dn1 * w1
-        return xhat, dy, dn, g, dn1, u, a, da, dz
+        return xhat, dy, dn, g, dn1, u, a, da, dz, dscale, dshift
 
     @triton.jit
     def _block_grads(DY, DE, INP, DY1, Z, W, B, W1, MEAN, RSTD, row, row_ok, start, cols0, N, mean, rstd,
                      weight_offset, IS_RMS: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, GATE_OPTS: tl.constexpr,
-                     NORM_GROUP: tl.constexpr):
+                     NORM_GROUP: tl.constexpr, ADALN, ADALN_OPTS: tl.constexpr):
         """One block of a wide row (looped backward): its columns, mask, the statistics of its
         groups (NORM_GROUP: per column), and _row_grads."""
         cols = start + cols0
@@ -698,10 +715,10 @@ if triton is not None:
             mean, rstd = _group_stats_of(RSTD, MEAN, row, cols, mask, N, IS_RMS, NORM_GROUP)
         w, b = _load_params(W, B, cols, mask, weight_offset, W is not None, B is not None)
         w1, _ = _load_params(W1, W1, cols, mask, weight_offset, DY1[0] is not None, False)
-        xhat, dy, dn, g, dn1, u, a, da, dz = _row_grads(DY, DE, INP, DY1, Z, w, w1, b, row, cols, mask, mean, rstd,
-                                                        W is not None, B is not None, IS_RMS, ADD_AFTER_NORM,
-                                                        GATE_OPTS)
-        return cols, mask, xhat, dy, dn, g, dn1, u, a, da, dz
+        xhat, dy, dn, g, dn1, u, a, da, dz, dscale, dshift = _row_grads(
+            DY, DE, INP, DY1, Z, w, w1, b, row, cols, mask, mean, rstd, W is not None, B is not None, IS_RMS,
+            ADD_AFTER_NORM, GATE_OPTS, ADALN, ADALN_OPTS)
+        return cols, mask, xhat, dy, dn, g, dn1, u, a, da, dz, dscale, dshift
 
     @triton.jit
     def _through_clamp(c1, MEAN, row, row_ok, L2: tl.constexpr):
@@ -724,9 +741,11 @@ if triton is not None:
     @triton.jit
     def _store_input_grads(DE, DX, DRES, DX1, DZ, RS, row, row_ok, cols, mask, N, xhat, dy, g, c1, c2, rstd,
                            residual_scale, DROPOUT, u, a, da, dz, IS_RMS: tl.constexpr,
-                           ADD_AFTER_NORM: tl.constexpr, GATE_OPTS: tl.constexpr):
+                           ADD_AFTER_NORM: tl.constexpr, GATE_OPTS: tl.constexpr, ADALN):
         """du = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) (a gate "before": times act(z), and
-        dz = du * u * act'(z)) (+ dextra); dx = du * keep * scale * rowscale, dresidual, dx1 from it."""
+        dz = du * u * act'(z)) (+ dextra); dx = du * keep * scale * rowscale, dresidual, dx1 from it.
+        A gated branch b = x * x_gate (ADALN): dx = db * x_gate, and db * x, the x_gate's gradient
+        before its sum, is returned (0.0 without one)."""
         if IS_RMS:
             du = (g - xhat * c1) * rstd
         else:
@@ -743,6 +762,11 @@ if triton is not None:
             dx = _keep_scale(dx, row, cols, N, DROPOUT[0], DROPOUT[1], DROPOUT[2])
         if RS is not None:
             dx = dx * _row_scale(RS, row, row_ok)
+        dx_gate = 0.0
+        if ADALN[2][0] is not None:
+            XG, XB = ADALN[2], ADALN[3]
+            dx_gate = dx * tl.load(XB[0] + row * XB[1] + cols, mask=mask, other=0.0).to(tl.float32)
+            dx = dx * tl.load(XG[0] + _broadcast_row(XG, row) + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX[0] + row * DX[1] + cols, _round(dx, DX[0].dtype.element_ty), mask=mask)
         if DRES[0] is not None:
             dres = dy if ADD_AFTER_NORM else du
@@ -750,6 +774,18 @@ if triton is not None:
                      mask=mask)
         if DX1[0] is not None:
             tl.store(DX1[0] + row * DX1[1] + cols, _round(du, DX1[0].dtype.element_ty), mask=mask)
+        return dx_gate
+
+    @triton.jit
+    def _adaln_grad(OUT, MODE: tl.constexpr, acc, v, row, cols, mask, N):
+        """One of the adaLN chain's gradients (a scale's, a shift's, an x_gate's) for one block of a row:
+        MODE 2 (the operand has a row per row of x) stored as that row's, rounded to its dtype; MODE 1
+        (one row per run of x's rows, this program's rows all in one run) added to ``acc``, returned."""
+        if MODE == 2:
+            tl.store(OUT + row * N + cols, _round(v, OUT.dtype.element_ty), mask=mask)
+        if MODE == 1:
+            acc += tl.where(mask, v, 0.0)
+        return acc
 
     @triton.jit
     def _add_norm_bwd_kernel(
@@ -758,11 +794,14 @@ if triton is not None:
         DX, DRES, DX1, DZ,               # the input grads (pointer, row stride)
         DW_PART, DB_PART, DW1_PART, DB1_PART,
         n_rows, N, weight_offset, residual_scale, rows_per_program, DROPOUT,
+        ADALN,                           # (scale, shift, x_gate, x, dscale, dshift, dx_gate): the adaLN chain's
+        ADALN_OPTS: tl.constexpr,        # (one_plus, and the MODE of each of its three gradients: _adaln_grad)
         IS_RMS: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, GATE_OPTS: tl.constexpr, NORM_GROUP: tl.constexpr,
         BLOCK_N: tl.constexpr, L2: tl.constexpr = False,
     ):
         """Each program takes a contiguous chunk of rows and writes fp32 dw/db (dw1/db1) partials
-        to row `pid` of [programs, N] buffers, summed on the host."""
+        to row `pid` of [programs, N] buffers, summed on the host; so are the adaLN chain's gradients
+        per run of rows (MODE 1: a program's rows lie in one run)."""
         HAS_DY1: tl.constexpr = DY1[0] is not None
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
@@ -772,6 +811,9 @@ if triton is not None:
         db = tl.zeros([BLOCK_N], dtype=tl.float32)
         dw1 = tl.zeros([BLOCK_N], dtype=tl.float32)
         db1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        dscale_run = tl.zeros([BLOCK_N], dtype=tl.float32)
+        dshift_run = tl.zeros([BLOCK_N], dtype=tl.float32)
+        dx_gate_run = tl.zeros([BLOCK_N], dtype=tl.float32)
         for i in range(rows_per_program):
             row = pid * rows_per_program + i
             row_ok = row < n_rows
@@ -782,17 +824,21 @@ if triton is not None:
             else:
                 rstd = tl.load(RSTD + row, mask=row_ok, other=0.0)
                 mean = 0.0 if IS_RMS else tl.load(MEAN + row, mask=row_ok, other=0.0)
-            xhat, dy, dn, g, dn1, u, a, da, dz = _row_grads(DY, DE, INP, DY1, Z, w, w1, b, row, cols, mask, mean,
-                                                            rstd, W is not None, B is not None, IS_RMS,
-                                                            ADD_AFTER_NORM, GATE_OPTS)
+            xhat, dy, dn, g, dn1, u, a, da, dz, dscale, dshift = _row_grads(
+                DY, DE, INP, DY1, Z, w, w1, b, row, cols, mask, mean, rstd, W is not None, B is not None, IS_RMS,
+                ADD_AFTER_NORM, GATE_OPTS, ADALN, ADALN_OPTS)
             if NORM_GROUP > 0:  # the means over each column's group
                 c1 = _group_sum(g * xhat, NORM_GROUP, BLOCK_N) / NORM_GROUP
                 c2 = 0.0 if IS_RMS else _group_sum(g, NORM_GROUP, BLOCK_N) / NORM_GROUP
             else:
                 c1 = _through_clamp(tl.sum(g * xhat, axis=0) / N, MEAN, row, row_ok, L2)
                 c2 = 0.0 if IS_RMS else tl.sum(g, axis=0) / N
-            _store_input_grads(DE, DX, DRES, DX1, DZ, RS, row, row_ok, cols, mask, N, xhat, dy, g, c1, c2, rstd,
-                               residual_scale, DROPOUT, u, a, da, dz, IS_RMS, ADD_AFTER_NORM, GATE_OPTS)
+            dx_gate = _store_input_grads(DE, DX, DRES, DX1, DZ, RS, row, row_ok, cols, mask, N, xhat, dy, g, c1, c2,
+                                         rstd, residual_scale, DROPOUT, u, a, da, dz, IS_RMS, ADD_AFTER_NORM,
+                                         GATE_OPTS, ADALN)
+            dscale_run = _adaln_grad(ADALN[4], ADALN_OPTS[1], dscale_run, dscale, row, cols, mask, N)
+            dshift_run = _adaln_grad(ADALN[5], ADALN_OPTS[2], dshift_run, dshift, row, cols, mask, N)
+            dx_gate_run = _adaln_grad(ADALN[6], ADALN_OPTS[3], dx_gate_run, dx_gate, row, cols, mask, N)
             dw += dn * xhat
             db += dn
             if HAS_DY1:
@@ -807,6 +853,12 @@ if triton is not None:
             tl.store(DW1_PART + part, dw1, mask=cols < N)
             if DB1_PART is not None:
                 tl.store(DB1_PART + part, db1, mask=cols < N)
+        if ADALN_OPTS[1] == 1:
+            tl.store(ADALN[4] + part, dscale_run, mask=cols < N)
+        if ADALN_OPTS[2] == 1:
+            tl.store(ADALN[5] + part, dshift_run, mask=cols < N)
+        if ADALN_OPTS[3] == 1:
+            tl.store(ADALN[6] + part, dx_gate_run, mask=cols < N)
 
     @triton.jit
     def _add_to_partial(PART, part, v, mask):
@@ -815,12 +867,27 @@ if triton is not None:
             tl.store(PART + part, tl.load(PART + part, mask=mask, other=0.0) + v, mask=mask)
 
     @triton.jit
+    def _adaln_looped_grads(ADALN, ADALN_OPTS: tl.constexpr, part, grads, row, cols, mask, N):
+        """The looped kernel's _adaln_grad of one block, for the scale, the shift and the x_gate: a
+        run's sum added into this program's partial row, a row's stored."""
+        _adaln_looped_grad(ADALN[4], ADALN_OPTS[1], part, grads[0], row, cols, mask, N)
+        _adaln_looped_grad(ADALN[5], ADALN_OPTS[2], part, grads[1], row, cols, mask, N)
+        _adaln_looped_grad(ADALN[6], ADALN_OPTS[3], part, grads[2], row, cols, mask, N)
+
+    @triton.jit
+    def _adaln_looped_grad(OUT, MODE: tl.constexpr, part, v, row, cols, mask, N):
+        if MODE == 1:
+            _add_to_partial(OUT, part, v, mask)
+        if MODE == 2:
+            _adaln_grad(OUT, 2, 0.0, v, row, cols, mask, N)
+
+    @triton.jit
     def _add_norm_bwd_looped_kernel(
         DY, DE, INP, DY1, Z,
         MEAN, RSTD, W, B, W1, RS,
         DX, DRES, DX1, DZ,
         DW_PART, DB_PART, DW1_PART, DB1_PART,
-        n_rows, N, weight_offset, residual_scale, rows_per_program, DROPOUT,
+        n_rows, N, weight_offset, residual_scale, rows_per_program, DROPOUT, ADALN, ADALN_OPTS: tl.constexpr,
         IS_RMS: tl.constexpr, ADD_AFTER_NORM: tl.constexpr, GATE_OPTS: tl.constexpr, NORM_GROUP: tl.constexpr,
         BLOCK_N: tl.constexpr, L2: tl.constexpr = False,
     ):
@@ -843,25 +910,27 @@ if triton is not None:
             c2 = zero
             if NORM_GROUP == 0:  # (a group lies within a block: its sums are taken in the second pass)
                 for start in range(0, N, BLOCK_N):
-                    cols, mask, xhat, dy, dn, g, dn1, u, a, da, dz = _block_grads(
+                    cols, mask, xhat, dy, dn, g, dn1, u, a, da, dz, dscale, dshift = _block_grads(
                         DY, DE, INP, DY1, Z, W, B, W1, MEAN, RSTD, row, row_ok, start, cols0, N, mean, rstd,
-                        weight_offset, IS_RMS, ADD_AFTER_NORM, GATE_OPTS, NORM_GROUP)
+                        weight_offset, IS_RMS, ADD_AFTER_NORM, GATE_OPTS, NORM_GROUP, ADALN, ADALN_OPTS)
                     c1 += tl.sum(g * xhat, axis=0)
                     c2 += tl.sum(g, axis=0)
                 c1 = _through_clamp(c1 / N, MEAN, row, row_ok, L2)
                 c2 = c2 / N
             for start in range(0, N, BLOCK_N):
-                cols, mask, xhat, dy, dn, g, dn1, u, a, da, dz = _block_grads(
+                cols, mask, xhat, dy, dn, g, dn1, u, a, da, dz, dscale, dshift = _block_grads(
                     DY, DE, INP, DY1, Z, W, B, W1, MEAN, RSTD, row, row_ok, start, cols0, N, mean, rstd,
-                    weight_offset, IS_RMS, ADD_AFTER_NORM, GATE_OPTS, NORM_GROUP)
+                    weight_offset, IS_RMS, ADD_AFTER_NORM, GATE_OPTS, NORM_GROUP, ADALN, ADALN_OPTS)
                 c1_c, c2_c, rstd_c = c1, c2, rstd
                 if NORM_GROUP > 0:  # the means over each column's group, within this block
                     c1_c = _group_sum(g * xhat, NORM_GROUP, BLOCK_N) / NORM_GROUP
                     c2_c = _group_sum(g, NORM_GROUP, BLOCK_N) / NORM_GROUP
                     rstd_c = _group_stats_of(RSTD, MEAN, row, cols, mask, N, IS_RMS, NORM_GROUP)[1]
-                _store_input_grads(DE, DX, DRES, DX1, DZ, RS, row, row_ok, cols, mask, N, xhat, dy, g, c1_c, c2_c,
-                                   rstd_c, residual_scale, DROPOUT, u, a, da, dz, IS_RMS, ADD_AFTER_NORM, GATE_OPTS)
+                dx_gate = _store_input_grads(DE, DX, DRES, DX1, DZ, RS, row, row_ok, cols, mask, N, xhat, dy, g,
+                                             c1_c, c2_c, rstd_c, residual_scale, DROPOUT, u, a, da, dz, IS_RMS,
+                                             ADD_AFTER_NORM, GATE_OPTS, ADALN)
                 part = pid.to(tl.int64) * N + cols
+                _adaln_looped_grads(ADALN, ADALN_OPTS, part, (dscale, dshift, dx_gate), row, cols, mask, N)
                 _add_to_partial(DW_PART, part, dn * xhat, mask)
                 _add_to_partial(DB_PART, part, dn, mask)
                 if DY1[0] is not None:
@@ -948,8 +1017,8 @@ def _param(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.contiguous()
 
 
-# add_norm_bwd's outputs past the 8 gradients these kernels write (a modulation's, a gated branch's: ops.py
-# runs such calls on the reference backend): None
+# add_norm_bwd's outputs past the 8 gradients the channel-norm kernels write (they take no modulation and no
+# gated branch): None
 _BWD_NOT_WRITTEN = (None,) * (len(DECLARATIONS["add_norm_bwd"].outputs) - 8)
 _SCALE_FORMS = {form: i for i, form in enumerate(QUANT_SCALE_FORMS)}
 _QUANT_APPLY = {apply: i for i, apply in enumerate(QUANT_APPLY)}
@@ -1102,8 +1171,9 @@ def _rows_of(t: Optional[Tensor]) -> Optional[Tensor]:
 # (y * scale + shift) their epilogue: the gate, scale and shift read through their strides
 # (broadcast_operand), the branch rounded once before the add, y modulated as it is stored. Operands
 # whose leading dims do not collapse into two strides run as the reference's torch ops around the
-# kernels, and so does the backward of both (reference.modulation_grads recomputes y from the saved
-# statistics; the gradient into the branch stays fp32 until the gate's). Same numbers as the reference.
+# kernels. The backward kernels take both too (see "the backward of the adaLN chain" below), but for
+# layouts they cannot sum per run: there reference.modulation_grads recomputes y from the saved
+# statistics and the gradient into the branch stays fp32 until the gate's, around the kernels.
 
 def _modulation_in_kernels(call: AddNormCall) -> bool:
     """Whether the kernels can read the modulation's scale and shift in place and round as it does."""
@@ -1186,12 +1256,14 @@ def norm_add_fwd(call: NormAddCall):
     return out, y, mean, rstd
 
 
-def _bwd_plan(call: BackwardCall, n_rows: int, n_cols: int, device) -> tuple:
-    """(block, num_warps, looped, programs, rows_per_program) of a row backward."""
+def _bwd_plan(call: BackwardCall, n_rows: int, n_cols: int, device, adaln: bool = False) -> tuple:
+    """(block, num_warps, looped, programs, rows_per_program) of a row backward (``adaln``: the kernels
+    sum gradients of the adaLN chain per run of rows, up to three more fp32 accumulators a column: the
+    DiT chain's spilled 8 B/thread at bf16 N = 5120 and 8192 on sm90 in one pass, so such rows loop)."""
     grads, gate, norm_group = call.grads, call.gate, call.norm.group
     inp = call.saved.inp
     block, num_warps, looped = _blocking(n_cols, max(inp.element_size(), grads.dy.element_size()), backward=True,
-                                         two_norms=_has_y1(call), gated=gate is not None or bool(norm_group))
+                                         two_norms=_has_y1(call), gated=gate is not None or bool(norm_group) or adaln)
     if looped and (norm_group or 0) > block:
         block = norm_group  # a group of the statistics lies within one block of the loop
     k = 4 if block <= 1024 else 2 if block <= 4096 else 1
@@ -1221,13 +1293,99 @@ def _add_norm_bwd_around_kernels(call: BackwardCall) -> tuple:
     return tuple(out)
 
 
+# The backward of the adaLN chain (the modulation's scale and shift, the gated branch's x_gate) runs in the
+# row kernels when each operand is read per row of x or per run of consecutive rows (per sample: (B, 1, N),
+# a run per sample; per column: one run): a per-row gradient is stored as the row's, a run's is summed in
+# fp32 by each program over its rows, which lie in one run (rows_per_program divides the runs' length),
+# and the programs' partial rows of a run are summed on the host. Other layouts, a second modulation, a
+# gated norm and the channel-norm kernels keep the torch ops around the kernels.
+
+_NO_ADALN = ((_NO_BROADCAST, _NO_BROADCAST, _NO_BROADCAST, _NO_ROWS, None, None, None), (False, 0, 0, 0))
+
+
+def _adaln_grad_layout(t: Optional[Tensor], inp: Tensor) -> Optional[tuple[int, int]]:
+    """(MODE, period) of the gradient of an adaLN operand ``t`` read along x's rows (``inp`` has x's
+    shape): (0, 0) without one, (2, 0) when t has a row per row of x, (1, P) when one row of t serves
+    each run of P consecutive rows (P = 0: every row); None otherwise (a table shared across the batch)."""
+    if t is None:
+        return 0, 0
+    operand = broadcast_operand(t, inp)
+    if operand is None or t.dtype not in TL_DTYPES:
+        return None
+    _, outer, period, inner = operand
+    n_cols = inp.shape[-1]
+    n_rows = inp.numel() // n_cols if n_cols else 0
+    if t.numel() == inp.numel():
+        return 2, 0
+    if inner == 0 and outer == 0 and t.numel() == n_cols:
+        return 1, 0
+    if inner == 0 and n_rows % period == 0 and t.numel() == n_rows // period * n_cols:
+        return 1, period
+    return None
+
+
+def _adaln_in_kernels(call: BackwardCall) -> Optional[dict]:
+    """How the row kernels take the adaLN chain's backward: the layout of each gradient (scale, shift,
+    x_gate: _adaln_grad_layout), or None when the torch ops around the kernels take it."""
+    mod, x_gate = call.modulation, call.x_gate
+    if call.add_after_norm or call.gate is not None or call.norm.group or call.second is not None \
+            or (mod is not None and mod.twice) or (x_gate is not None and x_gate.x is None):
+        return None
+    inp = call.saved.inp
+    layouts = [_adaln_grad_layout(t, inp) for t in ((mod.scale, mod.shift) if mod is not None else (None, None))]
+    layouts.append(_adaln_grad_layout(None if x_gate is None else x_gate.gate, inp))
+    return None if None in layouts else dict(zip(("scale", "shift", "x_gate"), layouts))
+
+
+def _rows_dividing(period: int, rows_per_program: int) -> int:
+    """The largest number of rows at most ``rows_per_program`` that divides ``period``."""
+    return next(d for d in range(min(rows_per_program, period), 0, -1) if period % d == 0)
+
+
+def _adaln_launch(call: BackwardCall, layouts: Optional[dict], n_rows: int, n_cols: int, programs: int,
+                  alloc) -> tuple[tuple, tuple, list]:
+    """ADALN and ADALN_OPTS of the backward kernels (``programs`` of them) and, per gradient, (operand,
+    MODE, period, buffer)."""
+    if layouts is None:
+        return (*_NO_ADALN, [])
+    mod, x_gate, inp = call.modulation, call.x_gate, call.saved.inp
+    operands = (None if mod is None else mod.scale, None if mod is None else mod.shift,
+                None if x_gate is None else x_gate.gate)
+    outs = []
+    for t, (mode, period) in zip(operands, layouts.values()):
+        shape = (n_rows, n_cols) if mode == 2 else (programs, n_cols)
+        dtype = t.dtype if mode == 2 else torch.float32
+        outs.append((t, mode, period, None if mode == 0 else alloc(shape, dtype=dtype, device=inp.device)))
+    x = None if x_gate is None else _rows_2d(x_gate.x, n_cols)
+    adaln = (*(broadcast_operand(t, inp) for t in operands), _row_operand(x), *(o[3] for o in outs))
+    one_plus = mod is not None and mod.one_plus
+    return adaln, (one_plus, *(o[1] for o in outs)), outs
+
+
+def _adaln_grad_of(t: Optional[Tensor], mode: int, period: int, buffer: Optional[Tensor], n_rows: int,
+                   rows_per_program: int) -> Optional[Tensor]:
+    """The gradient of adaLN operand ``t`` from what the kernels wrote (_adaln_launch's buffer)."""
+    if t is None:
+        return None
+    if mode == 2:
+        return buffer.reshape(t.shape)
+    if period == 0 or n_rows == 0:
+        total = buffer.sum(0)
+    else:
+        total = buffer.view(n_rows // period, period // rows_per_program, -1).sum(1)
+    return total.reshape(t.shape).to(t.dtype)
+
+
 def add_norm_bwd(call: BackwardCall):
     """The op's outputs: the 8 gradients (dx, dresidual, dweight, dbias, dx1, dweight1, dbias1, dgate), None
-    where that input does not exist, then None for the outputs these kernels do not write (but for the
-    modulation's and the gated branch's, taken around the kernels)."""
+    where that input does not exist, then the modulation's and the gated branch's (dmod_scale, dmod_shift,
+    dx_gate), and None for the second modulation's (taken around the kernels)."""
+    layouts = None
     if call.modulation is not None or call.x_gate is not None:
-        return _add_norm_bwd_around_kernels(call)
-    j = strided_bwd_ok(call)
+        layouts = _adaln_in_kernels(call)
+        if layouts is None:
+            return _add_norm_bwd_around_kernels(call)
+    j = strided_bwd_ok(call) if layouts is None else None
     if j is not None:  # a channel norm: its input stored channels-first
         return _add_norm_bwd_strided(call, j)
     grads, saved, norm, dtypes, gate = call.grads, call.saved, call.norm, call.dtypes, call.gate
@@ -1241,13 +1399,20 @@ def add_norm_bwd(call: BackwardCall):
     dz = None if gate is None else inp.new_empty(inp.shape, dtype=gate.z.dtype)
     dres = inp.new_empty(inp.shape, dtype=dtypes.residual) if dtypes.residual is not None else None
     dx1 = inp.new_empty(inp.shape, dtype=dtypes.x1) if dtypes.x1 is not None else None
-    block, num_warps, looped, programs, rows_per_program = _bwd_plan(call, n_rows, n_cols, inp.device)
+    runs = [period for mode, period in (layouts or {}).values() if mode == 1]
+    block, num_warps, looped, programs, rows_per_program = _bwd_plan(call, n_rows, n_cols, inp.device,
+                                                                      adaln=bool(runs))
+    runs = [period for period in runs if period]
+    if runs and n_rows:  # a program's rows lie in one run of each per-run operand
+        rows_per_program = _rows_dividing(functools.reduce(math.gcd, runs), rows_per_program)
+        programs = n_rows // rows_per_program
     alloc = torch.zeros if looped or not n_rows else torch.empty  # zero rows: the sums below must be zero
 
     def partials(exists):
         return alloc((programs, n_cols), dtype=torch.float32, device=inp.device) if exists else None
     dw_part, db_part = partials(weight is not None), partials(dtypes.bias is not None)
     dw1_part, db1_part = partials(has_y1), partials(has_y1 and dtypes.bias1 is not None)
+    adaln, adaln_opts, adaln_outs = _adaln_launch(call, layouts, n_rows, n_cols, programs, alloc)
     if n_rows:
         def out_rows(t):
             return _NO_ROWS if t is None else (t.view(-1, n_cols), n_cols)
@@ -1260,6 +1425,7 @@ def add_norm_bwd(call: BackwardCall):
             None if call.rowscale is None else call.rowscale.reshape(-1).contiguous(),
             out_rows(dx), out_rows(dres), out_rows(dx1), out_rows(dz), dw_part, db_part, dw1_part, db1_part,
             n_rows, n_cols, norm.weight_offset, call.residual_scale, rows_per_program, _dropout_args(call.dropout),
+            adaln, adaln_opts,
             IS_RMS=norm.kind != "layer_norm", L2=norm.kind == "l2_norm", ADD_AFTER_NORM=call.add_after_norm,
             GATE_OPTS=(gate is not None and gate.position == "after", gate is None or gate.activation == "silu"),
             NORM_GROUP=norm.group or 0, BLOCK_N=block, num_warps=num_warps)
@@ -1268,9 +1434,11 @@ def add_norm_bwd(call: BackwardCall):
     def reduced(part, dtype):
         return None if part is None else part.sum(0).to(dtype)
     weight1 = None if call.second is None else call.second.weight
+    dscale, dshift, dx_gate = (_adaln_grad_of(*out, n_rows, rows_per_program) for out in adaln_outs) \
+        if adaln_outs else (None, None, None)
     return (dx, dres, reduced(dw_part, None if weight is None else weight.dtype), reduced(db_part, dtypes.bias), dx1,
             reduced(dw1_part, None if weight1 is None else weight1.dtype), reduced(db1_part, dtypes.bias1), dz,
-            *_BWD_NOT_WRITTEN)
+            dscale, dshift, dx_gate, None, None)
 
 
 def dropout_keep(seed, n_rows: int, n_cols: int, p: float, device) -> Tensor:

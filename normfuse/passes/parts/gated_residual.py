@@ -138,10 +138,9 @@ class _GatedResidual(FusionPart):
 
     def fused_bytes(self, found: GatedBranch, y_bytes: int, size) -> tuple[int, int]:
         """Forward: the kernels' prologue reads the gate (x in place of the product the add read).
-        Backward (torch ops around the kernels' backward, kernels/triton.py): the gradient into the
-        branch (fp32) written and read, the x_gate's gradient reduced from it."""
-        product, x_gate = size.bytes(found.product), size.bytes(found.x_gate)
-        return x_gate, 4 * size.numel(found.product) * 2 + 2 * product + 2 * x_gate
+        Backward: the kernels' backward reads the branch x and the gate, and writes the gate's
+        gradient (kernels/triton.py: the chain's backward)."""
+        return size.bytes(found.x_gate), size.bytes(found.branch) + 2 * size.bytes(found.x_gate)
 
     # ---------------------------------------------------------------- checker
     def uses(self, options: dict) -> bool:

@@ -318,12 +318,13 @@ class _Modulation(FusionPart):
 
     def fused_bytes(self, found: ModulationMatch, y_bytes: int, size) -> tuple[int, int]:
         """Forward: the kernels' epilogue reads scale and shift (y is stored modulated,
-        kernels/triton.py). Backward (torch ops around the kernels' backward): the norm's input
-        read again to rebuild y, the gradient into y written and read, the gradients of scale and
-        shift written."""
+        kernels/triton.py). Backward: the kernels' backward reads scale and shift again and writes
+        their gradients (per sample: a partial row per program, summed; per token: a row per row).
+        A second modulation runs around the kernels' backward: the norm's input read again to rebuild
+        y, the gradients into y and y1 written and read, the gradients of the scales and shifts written."""
         operands = sum(size.bytes(t) for t in found.operands if isinstance(t, fx.Node))
         if found.second is None:
-            return operands, 3 * y_bytes + 2 * operands
+            return operands, 2 * operands
         # the second modulation: y1 written; its gradient read and added to y's (written, read once more)
         return operands + y_bytes, 5 * y_bytes + 2 * operands
 
