@@ -1367,9 +1367,11 @@ def _adaln_grad_of(t: Optional[Tensor], mode: int, period: int, buffer: Optional
     """The gradient of adaLN operand ``t`` from what the kernels wrote (_adaln_launch's buffer)."""
     if t is None:
         return None
+    if n_rows == 0:
+        return t.new_zeros(t.shape)
     if mode == 2:
         return buffer.reshape(t.shape)
-    if period == 0 or n_rows == 0:
+    if period == 0:
         total = buffer.sum(0)
     else:
         total = buffer.view(n_rows // period, period // rows_per_program, -1).sum(1)
