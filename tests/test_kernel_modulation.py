@@ -649,12 +649,14 @@ def test_the_kernels_backward_takes_the_chain_in_each_dtype(dtype, kind, triton_
 
 @pytest.mark.parametrize("layout", ("per_sample", "per_token"))
 def test_the_kernels_backward_takes_the_chain_on_a_looped_row(layout, triton_cpu, monkeypatch):
-    """Rows wider than one backward block (5000 bf16 columns): the runs' sums go through the partial rows."""
+    """Rows of three backward blocks (20000 bf16 columns): each block's part of a run's sum is added into
+    the program's partial row, each block of a per-token gradient stored."""
     from normfuse.kernels import triton as kernels
 
     _kernels_take_the_backward(kernels, monkeypatch)
-    t = _chain_tensors(BF16, layout, n=5000, seed=6)
-    assert kernels._blocking(5000, 2, backward=True, gated=True)[2]  # (looped)
+    t = _chain_tensors(BF16, layout, n=20000, seed=6)
+    block, _, looped = kernels._blocking(20000, 2, backward=True)
+    assert looped and 20000 > 2 * block
     _chain_grads_within("dit", t)
 
 

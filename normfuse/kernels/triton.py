@@ -1297,8 +1297,8 @@ def _add_norm_bwd_around_kernels(call: BackwardCall) -> tuple:
 # row kernels when each operand is read per row of x or per run of consecutive rows (per sample: (B, 1, N),
 # a run per sample; per column: one run): a per-row gradient is stored as the row's, a run's is summed in
 # fp32 by each program over its rows, which lie in one run (rows_per_program divides the runs' length),
-# and the programs' partial rows of a run are summed on the host. Other layouts, a second modulation, a
-# gated norm and the channel-norm kernels keep the torch ops around the kernels.
+# and the programs' partial rows of a run are summed on the host. Other layouts, a second modulation and a
+# gated norm keep the torch ops around the kernels; a channel norm's input is read as rows (a copy).
 
 _NO_ADALN = ((_NO_BROADCAST, _NO_BROADCAST, _NO_BROADCAST, _NO_ROWS, None, None, None), (False, 0, 0, 0))
 
