@@ -673,3 +673,26 @@ def test_a_table_shared_across_the_batch_keeps_its_backward_around_the_kernels(t
     t["scale"] = (torch.randn(1, CHAIN_S, N, generator=gen) * 0.5).to(BF16)
     _chain_grads_within("dit", t)
     assert calls
+
+
+def test_runs_with_no_small_divisor_take_a_divisor_above(triton_cpu, monkeypatch):
+    """4 samples of 22 tokens over 16 interpreted programs: 6 rows a program would straddle samples, and
+    22's divisors under 6 (2) would make 44 programs; the programs take 11 rows (half a sample) each."""
+    from normfuse.kernels import triton as kernels
+
+    assert kernels._rows_dividing(22, 6, 88, 4) == 11
+    assert kernels._rows_dividing(4097, 8, 4097, 132) == 17      # 17 x 241: 241 programs
+    assert kernels._rows_dividing(4099, 8, 4099, 132) == 1       # a prime: one row a program
+    assert kernels._rows_dividing(4608, 9, 4608, 132) == 9       # Flux-dev's 4096 + 512 tokens: as planned
+    _kernels_take_the_backward(kernels, monkeypatch)
+    seen = []
+    launch = kernels._adaln_launch
+    monkeypatch.setattr(kernels, "_adaln_launch", lambda call, layouts, n_rows, n_cols, programs, alloc:
+                        seen.append(programs) or launch(call, layouts, n_rows, n_cols, programs, alloc))
+    gen = torch.Generator().manual_seed(12)
+    x, r = (torch.randn(4, 22, N, generator=gen).to(BF16) for _ in range(2))
+    shift, scale, gate = (c[:, None] for c in (torch.randn(4, 6 * N, generator=gen) * 0.5).to(BF16).chunk(6, -1)[:3])
+    t = dict(x=x, r=r, w=torch.randn(N, generator=gen).to(BF16), b=torch.randn(N, generator=gen).to(BF16),
+             scale=scale, shift=shift, gate=gate)
+    _chain_grads_within("dit", t)
+    assert seen == [8]

@@ -1337,9 +1337,16 @@ def _adaln_in_kernels(call: BackwardCall) -> Optional[dict]:
     return None if None in layouts else dict(zip(("scale", "shift", "x_gate"), layouts))
 
 
-def _rows_dividing(period: int, rows_per_program: int) -> int:
-    """The largest number of rows at most ``rows_per_program`` that divides ``period``."""
-    return next(d for d in range(min(rows_per_program, period), 0, -1) if period % d == 0)
+def _rows_dividing(period: int, rows_per_program: int, n_rows: int, sms: int) -> int:
+    """Rows per program that divide ``period`` (a program's rows then lie in one run), near the planned
+    ``rows_per_program``: the largest divisor up to it, unless that is under half of it (a period with
+    no small divisor: 4097 = 17 x 241 would take one row a program, and as many fp32 partial rows as x
+    has rows), then the smallest divisor above it that leaves a program per SM."""
+    below = next(d for d in range(min(rows_per_program, period), 0, -1) if period % d == 0)
+    if 2 * below >= rows_per_program:
+        return below
+    above = next((d for d in range(rows_per_program + 1, period + 1) if period % d == 0), period)
+    return above if n_rows // above >= sms else below
 
 
 def _adaln_launch(call: BackwardCall, layouts: Optional[dict], n_rows: int, n_cols: int, programs: int,
@@ -1406,7 +1413,8 @@ def add_norm_bwd(call: BackwardCall):
                                                                       adaln=bool(runs))
     runs = [period for period in runs if period]
     if runs and n_rows:  # a program's rows lie in one run of each per-run operand
-        rows_per_program = _rows_dividing(functools.reduce(math.gcd, runs), rows_per_program)
+        rows_per_program = _rows_dividing(functools.reduce(math.gcd, runs), rows_per_program, n_rows,
+                                          _sm_count(inp.device))
         programs = n_rows // rows_per_program
     alloc = torch.zeros if looped or not n_rows else torch.empty  # zero rows: the sums below must be zero
 
