@@ -55,9 +55,11 @@ EXPECTED = {
     # the single-stream q/k norms split per slice of their rows (passes/norm_over_slices.py): 2 norms more
     "hunyuan_video": dict(norms=16, fused=16, fused_with_add=4, input_is_add=4, rope=4, fused_rope=4, rope_refused=0,
                           modulation=(6, 6), gated=(4, 4), equal=True, grads="within", passes=(73, 24)),
-    "hunyuan_video_i2v": dict(norms=16, fused=16, fused_with_add=3, input_is_add=3, rope=4, fused_rope=4,
-                              rope_refused=0, modulation=(6, 3), gated=(3, 3), equal=True, grads="within",
-                              passes=(84, 43)),
+    # the first frame's tokens: the norm over the cat of the two segments' gated adds, its output sliced
+    # at the same row, split into a norm per segment (each takes its add, gate and modulation)
+    "hunyuan_video_i2v": dict(norms=19, fused=19, fused_with_add=6, input_is_add=6, rope=4, fused_rope=4,
+                              rope_refused=0, modulation=(9, 9), gated=(6, 6), equal=True, grads="within",
+                              passes=(84, 28)),
     "sana":          dict(norms=6, fused=6, fused_with_add=4, input_is_add=4, rope=0, fused_rope=0, rope_refused=0,
                           modulation=(5, 5), gated=(2, 2), equal=True, grads="within", passes=(45, 25)),
     "qwen_image":    dict(norms=18, fused=18, fused_with_add=7, input_is_add=7, rope=8, fused_rope=8, rope_refused=0,
@@ -107,7 +109,7 @@ PER_BLOCK = {
     "cogvideox15": {"num_layers": (31, 8)},
     "ltx_video": {"num_layers": (26, 8)},
     "hunyuan_video": {"num_layers": (42, 9), "num_single_layers": (20, 5)},
-    "hunyuan_video_i2v": {"num_layers": (50, 25), "num_single_layers": (23, 11)},
+    "hunyuan_video_i2v": {"num_layers": (50, 11), "num_single_layers": (23, 9)},
     "sana": {"num_layers": (19, 11)},
     "qwen_image": {"num_layers": (38, 8)},
     "qwen_image_edit": {"num_layers": (51, 15)},
@@ -212,10 +214,11 @@ def test_diffusion_bf16_zoo(name):
     _bf16_case(name)
 
 
-@pytest.mark.parametrize("name", ["dit", "z_image"])
+@pytest.mark.parametrize("name", ["dit", "z_image", "hunyuan_video_i2v"])
 def test_check_proves_every_site(name):
     """``normfuse.check``: every rewritten site proved symbolically (Z-Image's complex RoPE reads its
-    table through one ``unsqueeze`` per q and k: the same value, one set of symbols)."""
+    table through one ``unsqueeze`` per q and k: the same value, one set of symbols; HunyuanVideo I2V's
+    norms split per segment, the checker's copy of the graph split alike)."""
     import normfuse
     from tests.zoo.diffusion import build
 

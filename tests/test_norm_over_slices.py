@@ -326,3 +326,75 @@ def test_exported_graphs_keep_the_norm_whole_with_the_reason(variant):
     assert [s.op for s in rep.sites] == ["norm", "norm"], rep
     assert all(s.rope_reason.startswith("a RoPE follows this q/k norm on a slice of the tokens") for s in rep.sites)
     assert torch.equal(out, ref)
+
+
+# ---- segments: a norm over a cat of the segments' sums, its output sliced at the same rows -----------
+
+class _Segments(nn.Module):
+    """HunyuanVideo I2V's token replace: the first ``first`` tokens (a frame) gated and modulated with
+    their own set, the others with the block's; the two gated adds joined by a cat the norm reads, its
+    output sliced at row ``cut`` (default: the same row) and each slice modulated."""
+
+    def __init__(self, dim=16, first=3, cut=None):
+        super().__init__()
+        self.first, self.cut = first, cut if cut is not None else first
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, h, attn, emb):
+        gate0, gate1, scale0, scale1, shift0, shift1 = (c[:, None] for c in emb.chunk(6, dim=-1))
+        t, cut = self.first, self.cut
+        zero = h[:, :t] + attn[:, :t] * gate0
+        orig = h[:, t:] + attn[:, t:] * gate1
+        h = torch.cat([zero, orig], dim=1)
+        n = self.norm(h)
+        return h, torch.cat([n[:, :cut] * (1 + scale0) + shift0, n[:, cut:] * (1 + scale1) + shift1], dim=1)
+
+
+def _segment_inputs(dtype=torch.float32, dim=16):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(2, 8, dim, generator=g).to(dtype), torch.randn(2, 8, dim, generator=g).to(dtype),
+            (torch.randn(2, 6 * dim, generator=g) * 0.5).to(dtype)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_segment_s_norm_takes_its_add_gate_and_modulation(dtype):
+    ref, out, rep = eager_and_optimized(_Segments().to(dtype), *_segment_inputs(dtype))
+    assert [s.op for s in rep.sites] == ["add_norm", "add_norm"], rep
+    assert all(s.fused_modulation and s.fused_gated_residual for s in rep.sites), rep
+    assert len({s.call for s in rep.sites}) == 2
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+
+
+def test_slices_off_the_segments_still_take_their_modulation():
+    """Sliced at another row than the cat's: the slices' norms read rows of the cat (no add to take),
+    each takes its modulation; the same bits."""
+    ref, out, rep = eager_and_optimized(_Segments(cut=5), *_segment_inputs())
+    assert [s.op for s in rep.sites] == ["norm", "norm"] and all(s.fused_modulation for s in rep.sites), rep
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+
+
+def test_the_segments_are_proved_and_their_gradients_hold():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = normfuse.check(_Segments(), *_segment_inputs())
+    assert res.ok, res
+    assert [s.symbolic.status for s in res.sites] == ["proved"] * 2, res.sites
+
+
+def test_a_wrong_segment_fails_the_check(monkeypatch):
+    """Two segments of 4 rows: a split that reads the other segment for each slice is caught."""
+    from normfuse.passes import norm_over_slices
+
+    found = norm_over_slices._piece_of_cat
+
+    def swapped(x, dim, rows):
+        piece = found(x, dim, rows)
+        if piece is None:
+            return None
+        pieces = list(norm_over_slices.canonical(x)["tensors"])
+        return pieces[1 - pieces.index(piece)] if piece in pieces else piece
+    monkeypatch.setattr(norm_over_slices, "_piece_of_cat", swapped)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = normfuse.check(_Segments(first=4), *_segment_inputs(), backward=False)
+    assert not res.ok and any(not o.passed for o in res.outputs), res

@@ -11,6 +11,14 @@ CogVideoX and CogView4 normalize q (B, H, S, D) and store the rotated image toke
     q = norm_q(q)
     q[:, :, T:] = rope(q[:, :, T:], cos, sin)                   # the T text tokens kept as they are
 
+HunyuanVideo I2V gates, adds and modulates its first frame's tokens with a set of their own (token
+replace): the two segments' sums are joined by a cat, normalized together, and the norm's output is
+sliced at the same row, each slice modulated with its set::
+
+    h = cat([h[:, :T] + attn[:, :T] * tr_gate_msa, h[:, T:] + attn[:, T:] * gate_msa], dim=1)
+    n = norm2(h)
+    n = cat([n[:, :T] * (1 + tr_scale) + tr_shift, n[:, T:] * (1 + scale) + shift], dim=1)
+
 A norm over the last dim reads one row and writes that row, so the norm of a slice of the rows
 is the slice of the norm: ``norm(x)[:, a:b] == norm(x[:, a:b])``, the same operations on the same
 elements (the same bits). ``split_norm_over_slices`` writes it so where a slice of a norm's rows
@@ -19,7 +27,10 @@ a norm of the input's slice: a view, no copy; the same rows normalized once in a
 rotated slice is stored back into the norm's output, read after the store (the stored value is
 then ``cat`` of the norm of the rows not stored and the rotation: the store's copy becomes the
 cat's). The rotated slice is then a norm followed by a RoPE of its whole output, as
-the q/k fusion (``fusions/qk_norm_rope.py``) expects. The rewrite records what it split
+the q/k fusion (``fusions/qk_norm_rope.py``) expects. A slice of a cat's rows that is one of its
+pieces is read as that piece, so each of HunyuanVideo I2V's segments gets a norm of its own sum, whose
+gated add, scale and shift its call takes. The pass splits a norm where a slice's call then takes a
+step the whole norm's could not (``pipeline._splits_taken``). The rewrite records what it split
 (``record.GraphSplits``); the checker splits its copy of the original graph alike before pairing
 sites (``verify/sites.py``), so each site is held to the split graph, and the split itself to the
 model's outputs.
@@ -33,39 +44,47 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from normfuse.passes.canonical import canonical, node_dtype, node_shape
+from normfuse.passes.canonical import canonical, mutates, node_dtype, node_shape
 from normfuse.passes.graph import copy_meta
 from normfuse.passes.rope_over_cat import narrowed_meta, rope_region, rows_index
 
-__all__ = ["splittable", "split_norm_over_slices", "split_stores_into_cats"]
+__all__ = ["splittable", "split_norm_over_slices", "split_stores_into_cats", "past_no_op_casts"]
 
 
-def splittable(norms: dict[fx.Node, fx.Node]) -> dict[fx.Node, fx.Node]:
+def splittable(norms: dict[fx.Node, fx.Node], rotated: bool = True) -> dict[fx.Node, fx.Node]:
     """The norms of ``norms`` (output -> input) that have a form split_norm_over_slices splits (no
-    change to the graph): nothing to try when none has."""
-    return {y: x for y, x in norms.items() if _split_form(y, x) is not None}
+    change to the graph): nothing to try when none has. ``rotated=False``: also those whose row slices
+    no RoPE reads (each slice's own steps, its scale and shift, are what the split is tried for)."""
+    return {y: x for y, x in norms.items() if _split_form(y, x, rotated) is not None}
 
 
 def split_norm_over_slices(graph: fx.Graph, norms: dict[fx.Node, fx.Node],
-                           only: tuple[tuple[str, str], ...] | None = None) -> tuple[tuple[str, str], ...]:
+                           only: tuple[tuple[str, str], ...] | None = None, rotated: bool = True,
+                           pieces_of: dict[str, tuple[str, list[str]]] | None = None) -> tuple[tuple[str, str], ...]:
     """Give each row slice of a norm's output a norm of its own (module docstring). ``norms``: the
-    output -> input of the norms to consider (those the q/k fusion computes); ``only``: the (output,
-    input) names to split (the checker replays the pass's splits by name). Returns the names split."""
+    output -> input of the norms to consider; ``only``: the (output, input) names to split (the checker
+    replays the pass's splits by name); ``rotated=False``: slices no RoPE reads are split too.
+    ``pieces_of``: filled with, per split (by the name it returns), the norm's output as given and the
+    outputs of its new norms. Returns the names split: (the output past its no-op casts, the input)."""
     if only is not None:
         by_name = {n.name: n for n in graph.nodes}
         norms = {by_name[y]: by_name[x] for y, x in only if y in by_name and x in by_name}
+        rotated = False  # (the pass decided which to split)
     split = []
-    for y, x in norms.items():
-        form = _split_form(y, x)
+    for given, x in norms.items():
+        form = _split_form(given, x, rotated)
         if form is None:
             continue
         y, region, pieces, stored = form
+        made = []
         if pieces is not None:
             for piece, dim in pieces:
-                _split_piece(graph, piece, dim, x, region)
+                made.append(_split_piece(graph, piece, dim, x, region))
         else:
-            _store_as_cat(graph, *stored, x, region)
+            made += _store_as_cat(graph, *stored, x, region)
         split.append((y.name, x.name))
+        if pieces_of is not None:
+            pieces_of[y.name] = (given.name, [n.name for n in made])
         for node in reversed(region):
             if not node.users:
                 graph.erase_node(node)
@@ -123,21 +142,24 @@ def split_stores_into_cats(graph: fx.Graph, norm_outputs: set, only: tuple[str, 
     return tuple(rewritten)
 
 
-def _split_form(y: fx.Node, x: fx.Node) -> tuple | None:
+def _split_form(y: fx.Node, x: fx.Node, rotated: bool = True) -> tuple | None:
     """(the norm's output past its no-op casts, its region, the row slices when every reader is one
-    and one is rotated, else the stored slice's match), or None when the norm has no such form."""
-    y = _past_no_op_casts(y)  # CogView4's norm_q(q).to(dtype): the stores write into the cast's value
+    and one is rotated (with ``rotated=False``: two slices or more; a model's one slice of its last norm,
+    HF's ``hidden[:, -k:]`` before the head, is not tried), else the stored slice's match), or None
+    when the norm has no such form."""
+    y = past_no_op_casts(y)  # CogView4's norm_q(q).to(dtype): the stores write into the cast's value
     region = _region(x, y)
     if region is None:
         return None
     pieces = _row_slices(y)
     if pieces is not None:
-        return (y, region, pieces, None) if any(rope_region(p) is not None for p, _ in pieces) else None
+        taken = len(pieces) > 1 if not rotated else any(rope_region(p) is not None for p, _ in pieces)
+        return (y, region, pieces, None) if taken else None
     stored = _stored_slice(y)
     return None if stored is None else (y, region, None, stored)
 
 
-def _past_no_op_casts(y: fx.Node) -> fx.Node:
+def past_no_op_casts(y: fx.Node) -> fx.Node:
     """``y``, or the last of the casts to its own dtype that follow it, each the only reader of the one
     before (``.to(dtype)`` of a value already in that dtype: the same tensor)."""
     while len(y.users) == 1:
@@ -241,6 +263,9 @@ def _rows_of(graph: fx.Graph, x: fx.Node, dim: int, index: Any, rows: tuple[int,
     when ``x`` swaps ``dim`` with another (CogVideoX's ``q.transpose(1, 2)`` before its norm: the norm of
     the slice then reads a transpose, as the q/k fusion expects of a norm after the heads' swap)."""
     total, (start, end) = node_shape(x)[dim], rows
+    piece = _piece_of_cat(x, dim, rows)
+    if piece is not None:
+        return piece
     c = canonical(x)
     n = len(node_shape(x))
     swapped = c is not None and c.prim == "transpose" and isinstance(c["input"], fx.Node) \
@@ -258,20 +283,51 @@ def _rows_of(graph: fx.Graph, x: fx.Node, dim: int, index: Any, rows: tuple[int,
     return sliced
 
 
-def _split_piece(graph: fx.Graph, piece: fx.Node, dim: int, x: fx.Node, region: list[fx.Node]) -> None:
-    """Replace ``piece`` (a slice of the norm's rows) by the norm of the same slice of ``x``."""
+def _piece_of_cat(x: fx.Node, dim: int, rows: tuple[int, int]) -> fx.Node | None:
+    """The piece of ``x = cat([..., piece, ...], dim)`` (through cats of cats) whose rows are exactly
+    ``rows``: ``x[rows]`` is that piece, the same elements (HunyuanVideo I2V joins its first frame's
+    and the other frames' sums with a cat the next norm reads, then slices that norm's output at the
+    same row). None when the rows are not one whole piece, or the piece is written in place (the cat
+    copied it before)."""
+    c = canonical(x)
+    if c is None or c.prim != "cat":
+        return None
+    dims = c["dim"]
+    cat_dim = dims[0] if isinstance(dims, (list, tuple)) and len(dims) == 1 else dims
+    shape = node_shape(x)
+    if not isinstance(cat_dim, int) or not shape or cat_dim % len(shape) != dim:
+        return None
+    start = 0
+    for piece in c["tensors"]:
+        size = (node_shape(piece) or ())[dim] if isinstance(piece, fx.Node) and len(node_shape(piece) or ()) > dim \
+            else None
+        if not isinstance(size, int):
+            return None
+        if start <= rows[0] and rows[1] <= start + size:
+            local = (rows[0] - start, rows[1] - start)
+            if local == (0, size) and node_dtype(piece) == node_dtype(x) and not any(mutates(u) for u in piece.users):
+                return piece
+            return _piece_of_cat(piece, dim, local) if node_dtype(piece) == node_dtype(x) else None
+        start += size
+    return None
+
+
+def _split_piece(graph: fx.Graph, piece: fx.Node, dim: int, x: fx.Node, region: list[fx.Node]) -> fx.Node:
+    """Replace ``piece`` (a slice of the norm's rows) by the norm of the same slice of ``x``; returns that norm."""
     rows = _bounds(piece, node_shape(x)[dim])
-    piece.replace_all_uses_with(_norm_of_rows(graph, x, region, dim, rows_index(dim, *rows), rows))
+    norm = _norm_of_rows(graph, x, region, dim, rows_index(dim, *rows), rows)
+    piece.replace_all_uses_with(norm)
     graph.erase_node(piece)
+    return norm
 
 
 def _store_as_cat(graph: fx.Graph, piece: fx.Node, dim: int, store: fx.Node, readers: list[fx.Node], x: fx.Node,
-                  region: list[fx.Node]) -> None:
+                  region: list[fx.Node]) -> list[fx.Node]:
     """``y[index] = rotation(y[index])`` read after as ``cat`` of the norm of the other rows and the
     rotation of the norm of ``x[index]`` (``_stored_slice``'s match)."""
     total = node_shape(x)[dim]
     start, end = _bounds(piece, total)
-    _split_piece(graph, piece, dim, x, region)
+    rotated_norm = _split_piece(graph, piece, dim, x, region)
     rows = (end, total) if start == 0 else (0, start)  # the rows not stored
     kept = _norm_of_rows(graph, x, region, dim, rows_index(dim, *rows), rows)
     rotated = store.args[2]
@@ -281,3 +337,4 @@ def _store_as_cat(graph: fx.Graph, piece: fx.Node, dim: int, store: fx.Node, rea
     for reader in readers:
         reader.replace_input_with(region[-1], whole)
     graph.erase_node(store)
+    return [rotated_norm, kept]

@@ -37,14 +37,13 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from normfuse.config import FuseConfig
 from normfuse.kernels.qk_rope import KINDS as QK_KINDS
 from normfuse.passes.analysis import Analysis, analyze
-from normfuse.passes.canonical import canonical
-from normfuse.passes.fusions import fusion_of
 from normfuse.passes.dtensor_graph import hoist_from_local
 from normfuse.passes.graph import copy_graph
 from normfuse.passes.planning import Planning, plan
 from normfuse.passes.provenance import elementwise_norm_note, site_record, site_records
 from normfuse.passes.record import GraphSplits, attach_records, is_fused_call
-from normfuse.passes.norm_over_slices import split_norm_over_slices, split_stores_into_cats, splittable
+from normfuse.passes.norm_over_slices import (past_no_op_casts, split_norm_over_slices, split_stores_into_cats,
+                                              splittable)
 from normfuse.passes.rope_over_cat import split_rope_over_cat
 from normfuse.passes.rewrite import apply_plans
 from normfuse.reporting import FusionReport, Region, Site
@@ -77,14 +76,13 @@ class PassFailure(Exception):
         self.error = error
 
 
-def _read_through_views(node: fx.Node) -> list[fx.Node]:
-    """``node`` and the values it reads through slices and transposes (a split norm's input is a slice
-    of the original norm's input, or of that input's source before the heads' swap)."""
-    chain = [node]
-    while (c := canonical(chain[-1])) is not None and c.prim in ("slice", "transpose") \
-            and isinstance(c["input"], fx.Node):
-        chain.append(c["input"])
-    return chain
+def _steps_taken(site) -> set[str]:
+    """What a site's call can take besides its norm: the steps found at it with no reason against them
+    (a RoPE, the adaLN scale and shift, ...) and the add its norm reads."""
+    taken = {name for name, found in site.parts.items() if getattr(found, "reason", None) is None}
+    if site.in_add is not None and site.in_add.reason is None:
+        taken.add("the add")
+    return taken
 
 
 @dataclass
@@ -251,29 +249,34 @@ class NormFusionPass(CustomGraphPass):
             report.graph_modules.append(gm)
         return report, (analysis[0] if analysis else None)
 
-    def _splits_taken(self, graph: fx.Graph, norms: dict[fx.Node, fx.Node]) -> tuple[tuple[str, str], ...]:
-        """The norms to split per slice of their rows (passes/norm_over_slices.py): those whose rotated
-        slice the q/k fusion then takes with its RoPE, tried on a copy of the graph. A split whose
-        RoPE would stay gains nothing and costs a second norm call (and a cat where a store was)."""
-        norms = splittable(norms)
+    def _splits_taken(self, graph: fx.Graph, found: Analysis, qk: dict[fx.Node, fx.Node],
+                      others: dict[fx.Node, fx.Node]) -> tuple[tuple[str, str], ...]:
+        """The norms to split per slice of their rows (passes/norm_over_slices.py), tried on a copy of
+        the graph: those a slice of which then takes a step the whole norm could not (its RoPE; its
+        scale and shift and its add, HunyuanVideo I2V's first frame). ``qk``: the q/k norms (split where a
+        slice is rotated), ``others``: any norm (split where every reader is a row slice). A split that
+        takes nothing more costs a second norm call (and a cat where a store was)."""
+        norms = {**splittable(others, rotated=False), **splittable(qk)}
         if not norms:  # (most graphs: no copy to make)
             return ()
         try:
             trial = copy_graph(graph)
             by_name = {n.name: n for n in trial.nodes}
-            tried = split_norm_over_slices(trial, {by_name[y.name]: by_name[x.name] for y, x in norms.items()})
+            pieces: dict[str, tuple[str, list[str]]] = {}
+            tried = split_norm_over_slices(trial, {by_name[y.name]: by_name[x.name] for y, x in norms.items()},
+                                           rotated=False, pieces_of=pieces)
             if not tried:
                 return ()
-            taken, part = set(), fusion_of("qk_norm_rope").name
+            whole = {site.match.output.name: _steps_taken(site) for site in found.sites}
+            after = {}  # by the norm's output and by the no-op casts after it (a split ends at the last)
             for site in analyze(trial).sites:
-                rope = site.parts.get(part)
-                if rope is not None and rope.reason is None:
-                    taken.update(n.name for n in _read_through_views(site.match.input))
+                for node in {site.match.output, past_no_op_casts(site.match.output)}:
+                    after[node.name] = _steps_taken(site)
         except Exception:  # noqa: BLE001 - a trial that fails splits nothing; the graph's other sites go on
             log.debug("normfuse: the trial split per slice failed; no norm is split", exc_info=True)
             return ()
-        inputs = {x.name: x for x in norms.values()}
-        return tuple((y, x) for y, x in tried if {n.name for n in _read_through_views(inputs[x])} & taken)
+        return tuple((y, x) for y, x in tried
+                     if any(after.get(p, set()) - whole.get(pieces[y][0], set()) for p in pieces[y][1]))
 
     def _sites_after_failure(self, gm: fx.GraphModule, message: str) -> list[Site]:
         """The sites the pass would have rewritten, each with the failure as its reason."""
@@ -298,15 +301,18 @@ class NormFusionPass(CustomGraphPass):
         found = analyze(graph, self._stage)
         # (not in ATen post-grad graphs: no qk_norm_rope call is made there, and the splits write torch-level ops)
         splits = GraphSplits()
-        if self.config.fuse_rope and not self._as_op:
-            cats = split_rope_over_cat(graph, {s.match.output for s in found.sites})
+        if not self._as_op:
+            rope = self.config.fuse_rope
+            cats = split_rope_over_cat(graph, {s.match.output for s in found.sites}) if rope else ()
+            plain = {s.match.output: s.match.input for s in found.sites
+                     if s.match.group is None and s.match.layout is None and s.match.reason is None}
             qk = {s.match.output: s.match.input for s in found.sites  # the norms qk_norm_rope computes
-                  if s.match.kind in QK_KINDS and s.match.group is None and s.match.layout is None
-                  and s.match.reason is None}
-            norms = split_norm_over_slices(graph, qk, only=self._splits_taken(graph, qk)) if qk else ()
+                  if rope and s.match.kind in QK_KINDS and s.match.output in plain}
+            taken = self._splits_taken(graph, found, qk, plain)
+            norms = split_norm_over_slices(graph, {}, only=taken) if taken else ()
             splits = GraphSplits(cats, norms, split_stores_into_cats(graph, set(qk)) if qk else ())
         if splits:
-            found = analyze(graph, self._stage)  # each piece's norm now reads its own RoPE
+            found = analyze(graph, self._stage)  # each piece's norm now reads its own RoPE, add, scale and shift
         note = elementwise_norm_note(found)
         if note is not None:
             report.notes.append(note)
