@@ -24,7 +24,7 @@ from normfuse.vocabulary import LOW_PRECISION, TORCH_NORMS
 
 __all__ = ["real_users", "mutates", "is_check_only", "Canon", "canonicalize", "canonical", "common_subexpressions", "SPELLINGS", "PARAMS", "tensor_meta", "node_dtype",
            "node_shape", "dim_value", "same_dim", "same_shape", "broadcasts_to", "last_dim", "is_exact_upcast", "is_split_piece",
-           "unbound_dim", "strided_store"]
+           "unbound_dim", "strided_store", "one_dim"]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -368,9 +368,8 @@ def _cat_of_slices(node: fx.Node, args: dict) -> fx.Node | None:
     """The tensor ``x`` of ``cat([x[..., a:b], x[..., b:c], ...], dim)`` when the slices tile x
     along that dim in order (so the cat is x's values again); else None."""
     tensors, ndim = args.get("tensors"), len(node_shape(node) or ())
-    dims = args.get("dim")
-    dim = dims[0] if isinstance(dims, (list, tuple)) and len(dims) == 1 else dims
-    if not isinstance(tensors, (list, tuple)) or len(tensors) < 2 or not isinstance(dim, int) or not ndim:
+    dim = one_dim(args) if "dim" in args else None
+    if not isinstance(tensors, (list, tuple)) or len(tensors) < 2 or dim is None or not ndim:
         return None
     source, end = None, 0
     for t in tensors:
@@ -379,8 +378,8 @@ def _cat_of_slices(node: fx.Node, args: dict) -> fx.Node | None:
             return None
         if source is None:
             source = c["input"]
-        d = c["dim"][0] if isinstance(c["dim"], (list, tuple)) else c["dim"]
-        if c["input"] is not source or not isinstance(d, int) or d % ndim != dim % ndim \
+        d = one_dim(c, ndim)
+        if c["input"] is not source or d is None or d != dim % ndim \
                 or (c["start"] or 0) != end or c["end"] is None and t is not tensors[-1]:
             return None
         end = c["end"]
@@ -438,6 +437,17 @@ def unbound_dim(node: fx.Node) -> Any:
     if not _spelled(node, UNBIND_SPELLINGS):
         return None
     return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+
+
+def one_dim(c: "Canon", ndim: int | None = None) -> int | None:
+    """The one dim a canonical op's ``dim`` names (a cat's, a slice's, an unsqueeze's: an int, or a
+    list of one int), counted from 0 when ``ndim`` is given; None when it names none or several."""
+    d = c["dim"]
+    if isinstance(d, (list, tuple)):
+        d = d[0] if len(d) == 1 else None
+    if not isinstance(d, int) or isinstance(d, bool):
+        return None
+    return d % ndim if ndim else d
 
 
 def strided_store(node: fx.Node) -> tuple[fx.Node, int, int, Any] | None:

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from normfuse.passes.canonical import canonical, mutates, node_dtype, node_shape
+from normfuse.passes.canonical import canonical, mutates, node_dtype, node_shape, one_dim
 from normfuse.passes.graph import copy_meta
 from normfuse.passes.rope_over_cat import narrowed_meta, rope_region, rows_index
 
@@ -108,9 +108,8 @@ def split_stores_into_cats(graph: fx.Graph, norm_outputs: set, only: tuple[str, 
         if c is None or c.prim != "cat":
             continue
         pieces = list(c["tensors"])
-        dims = c["dim"]
-        dim = dims[0] if isinstance(dims, (list, tuple)) and len(dims) == 1 else dims
-        if not isinstance(dim, int) or len(pieces) < 2 or (only is None and not all(p in norm_outputs for p in pieces)) \
+        dim = one_dim(c)
+        if dim is None or len(pieces) < 2 or (only is None and not all(p in norm_outputs for p in pieces)) \
                 or any(node_dtype(p) != node_dtype(cat) or len(p.users) != 1 for p in pieces):
             continue  # (a piece in another dtype is promoted by the cat; one read elsewhere may change after it)
         stored = _stored_slice(cat)
@@ -186,10 +185,10 @@ def _row_slice(node: fx.Node, y: fx.Node) -> int | None:
             or node.target is not operator.getitem \
             or not all(b is None or type(b) is int for b in (c["start"], c["end"])):
         return None
-    dim = c["dim"][0] if isinstance(c["dim"], (list, tuple)) else c["dim"]
-    if not isinstance(dim, int) or dim % len(shape) == len(shape) - 1 or not isinstance(shape[dim], int):
+    dim = one_dim(c, len(shape))
+    if dim is None or dim == len(shape) - 1 or not isinstance(shape[dim], int):
         return None
-    return dim % len(shape)
+    return dim
 
 
 def _bounds(piece: fx.Node, total: int) -> tuple[int, int]:
@@ -292,10 +291,8 @@ def _piece_of_cat(x: fx.Node, dim: int, rows: tuple[int, int]) -> fx.Node | None
     c = canonical(x)
     if c is None or c.prim != "cat":
         return None
-    dims = c["dim"]
-    cat_dim = dims[0] if isinstance(dims, (list, tuple)) and len(dims) == 1 else dims
     shape = node_shape(x)
-    if not isinstance(cat_dim, int) or not shape or cat_dim % len(shape) != dim:
+    if not shape or one_dim(c, len(shape)) != dim:
         return None
     start = 0
     for piece in c["tensors"]:

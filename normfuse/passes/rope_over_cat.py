@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from normfuse.passes.canonical import canonical, is_split_piece, node_shape
+from normfuse.passes.canonical import canonical, is_split_piece, node_shape, one_dim
 from normfuse.passes.graph import copy_meta
 
 __all__ = ["split_rope_over_cat", "rope_region", "narrowed_meta", "rows_index"]
@@ -59,8 +59,7 @@ def _cat_of(node: fx.Node, norm_outputs: set) -> tuple[list[fx.Node], int] | Non
     pieces, shape = list(c["tensors"]), node_shape(node)
     if shape is None or len(shape) != 4 or len(pieces) < 2 or not all(p in norm_outputs for p in pieces):
         return None
-    dim = c["dim"][0] if isinstance(c["dim"], (list, tuple)) and len(c["dim"]) == 1 else c["dim"]
-    dim = dim % 4 if isinstance(dim, int) else None
+    dim = one_dim(c, 4)
     sizes = [node_shape(p) for p in pieces]
     if dim is None or dim == 3 or any(s is None or not isinstance(s[dim], int) for s in sizes):
         return None

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from normfuse.passes.canonical import (TUPLE_SPELLINGS, canonical, canonicalize, common_subexpressions, node_dtype,
-                                       node_shape, strided_store, unbound_dim)
+                                       node_shape, one_dim, strided_store, unbound_dim)
 from normfuse.passes.find import live_dropout_p
 from normfuse.passes.fusions import fusion_of
 from normfuse.passes.order import STEPS
@@ -368,9 +368,8 @@ def _eval_view_as_real(node: fx.Node, c, val) -> Any:
 def _eval_stack(node: fx.Node, c, val) -> Any:
     """Rows stacked along a new last dim: the groups of their columns."""
     ndim = len(node_shape(node) or ())
-    dims = c["dim"] if isinstance(c["dim"], (list, tuple)) else [c["dim"]]
     rows = [val(t) for t in c["tensors"]]
-    if list(dims) not in ([-1], [ndim - 1]) or any(not isinstance(r, list) or _structured(r) or
+    if one_dim(c, ndim or None) not in (-1, ndim - 1) or any(not isinstance(r, list) or _structured(r) or
                                                      isinstance(r, _Heads) for r in rows) \
             or len({len(r) for r in rows}) != 1:
         raise _Unsupported(f"{node.name} stacks other than rows of one length along a new last dim")

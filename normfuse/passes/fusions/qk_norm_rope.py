@@ -57,7 +57,7 @@ import torch.fx as fx
 from normfuse.kernels.qk_rope import KINDS as QK_KINDS, qk_norm_rope
 from normfuse.kernels.specs import OP_OUTPUTS
 from normfuse.passes.canonical import (canonical, is_exact_upcast, is_split_piece, node_dtype, node_shape, real_users,
-                                       same_dim, same_shape, strided_store, tensor_meta, unbound_dim)
+                                       one_dim, same_dim, same_shape, strided_store, tensor_meta, unbound_dim)
 from normfuse.passes.graph import copy_meta
 from normfuse.passes.fusions.base import Fusion
 from normfuse.passes.step import BuiltCall, PlanContext
@@ -500,8 +500,7 @@ def _table(index, t, transposed: bool, batch: int, seq: int, width: int, row: bo
         return t  # a RoPE on the (B, S, N) row: HF's 3-d table, no heads axis to add
     if row or c is None or c.prim != "unsqueeze" or not isinstance(c["input"], fx.Node):
         return None
-    dim = c["dim"][0] if isinstance(c["dim"], (list, tuple)) else c["dim"]
-    if dim not in ((1, -3) if transposed else (2, -2)):
+    if one_dim(c) not in ((1, -3) if transposed else (2, -2)):
         return None
     base = c["input"]
     shape = node_shape(base)
