@@ -387,8 +387,8 @@ def test_a_wrong_segment_fails_the_check(monkeypatch):
 
     found = norm_over_slices._piece_of_cat
 
-    def swapped(x, dim, rows):
-        piece = found(x, dim, rows)
+    def swapped(x, dim, rows, until):
+        piece = found(x, dim, rows, until)
         if piece is None:
             return None
         pieces = list(norm_over_slices.canonical(x)["tensors"])
@@ -398,3 +398,61 @@ def test_a_wrong_segment_fails_the_check(monkeypatch):
         warnings.simplefilter("ignore")
         res = normfuse.check(_Segments(first=4), *_segment_inputs(), backward=False)
     assert not res.ok and any(not o.passed for o in res.outputs), res
+
+
+class _SegmentsWritten(nn.Module):
+    """The segments' form with an in-place write the split must not step around: ``form`` "piece" (the
+    first segment's sum written through a view after the cat copied it), "slice" (two overlapping slices
+    of the norm's output, one written in place: the other sees it), or "add" (no cat: the norm takes
+    its add whole; one slice modulated, the other not: split, neither slice could take the add)."""
+
+    def __init__(self, form, dim=16, first=3):
+        super().__init__()
+        self.form, self.first = form, first
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, h, attn, emb):
+        gate0, gate1, scale0, scale1, shift0, shift1 = (c[:, None] for c in emb.chunk(6, dim=-1))
+        t = self.first
+        if self.form == "add":
+            h = h + attn
+            n = self.norm(h)
+            return h, n[:, :t] * (1 + scale0) + shift0, n[:, t:].sum(-1)
+        zero = h[:, :t] + attn[:, :t] * gate0
+        h = torch.cat([zero, h[:, t:] + attn[:, t:] * gate1], dim=1)
+        if self.form == "piece":
+            zero.view(-1).add_(1.0)
+        n = self.norm(h)
+        first, rest = n[:, :t + 2], n[:, t:]
+        if self.form == "slice":
+            first.mul_(2.0)
+        return h, torch.cat([first[:, :t] * (1 + scale0) + shift0, rest * (1 + scale1) + shift1], dim=1)
+
+
+@pytest.mark.parametrize("form", ["piece", "slice", "add"])
+def test_a_split_that_would_change_a_value_or_lose_the_add_is_not_made(form):
+    """The same bits as eager in each form: a piece written after its cat is not read in the cat's
+    place (the slice of the cat is read), slices written in place keep the norm whole, and a norm whose
+    slices could not take its add keeps its add_norm call."""
+    ref, out, rep = eager_and_optimized(_SegmentsWritten(form), *_segment_inputs())
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    if form == "piece":
+        assert [s.op for s in rep.sites] == ["norm", "norm"] and not any(s.fused_add for s in rep.sites), rep
+    else:
+        assert len(rep.sites) == 1 and not rep.sites[0].fused_modulation, rep
+        assert rep.sites[0].op == ("add_norm" if form == "add" else "norm"), rep
+
+
+class _OneRotatedSlice(_SlicedRope):
+    """Only the rotated rows read (the text rows dropped): one row slice of the q/k norms' outputs."""
+
+    def forward(self, x, cos, sin):
+        q, k = (t.unflatten(-1, (self.heads, self.dim)) for t in (x, 2 * x))
+        q, k = self.norm_q(q), self.norm_k(k)
+        return self._rotate(q[:, :-TEXT], cos, sin) * self._rotate(k[:, :-TEXT], cos, sin)
+
+
+def test_one_rotated_slice_takes_its_rope():
+    ref, out, rep = eager_and_optimized(_OneRotatedSlice(), *_inputs())
+    assert [s.op for s in rep.sites] == ["qk_norm_rope", "qk_norm_rope"], rep
+    assert torch.equal(out, ref)

@@ -142,18 +142,20 @@ def split_stores_into_cats(graph: fx.Graph, norm_outputs: set, only: tuple[str, 
 
 
 def _split_form(y: fx.Node, x: fx.Node, rotated: bool = True) -> tuple | None:
-    """(the norm's output past its no-op casts, its region, the row slices when every reader is one
-    and one is rotated (with ``rotated=False``: two slices or more; a model's one slice of its last norm,
-    HF's ``hidden[:, -k:]`` before the head, is not tried), else the stored slice's match), or None
-    when the norm has no such form."""
+    """(the norm's output past its no-op casts, its region, the row slices when every reader is one,
+    none is written in place, and one is rotated (with ``rotated=False``, or two slices or more: a
+    model's one slice of its last norm, HF's ``hidden[:, -k:]`` before the head, is not tried), else
+    the stored slice's match), or None when the norm has no such form."""
     y = past_no_op_casts(y)  # CogView4's norm_q(q).to(dtype): the stores write into the cast's value
     region = _region(x, y)
     if region is None:
         return None
     pieces = _row_slices(y)
     if pieces is not None:
-        taken = len(pieces) > 1 if not rotated else any(rope_region(p) is not None for p, _ in pieces)
-        return (y, region, pieces, None) if taken else None
+        taken = any(rope_region(p) is not None for p, _ in pieces) or (not rotated and len(pieces) > 1)
+        # slices are views of one tensor: a write into one (or into y) would reach the others, not the
+        # split's separate norms
+        return (y, region, pieces, None) if taken and not _written_through(y) else None
     stored = _stored_slice(y)
     return None if stored is None else (y, region, None, stored)
 
@@ -169,6 +171,39 @@ def past_no_op_casts(y: fx.Node) -> fx.Node:
             break
         y = user
     return y
+
+
+_VIEW_PRIMS = ("view", "slice", "transpose", "unsqueeze", "cast")  # (a cast to its own dtype is the same tensor)
+
+
+def _writes(node: fx.Node) -> bool:
+    """An in-place op or a store (``t[index] = value``)."""
+    return mutates(node) or (node.op == "call_function" and node.target is operator.setitem)
+
+
+def _written_through(y: fx.Node) -> bool:
+    """Whether a node writes in place into ``y`` or into a view of it (followed through views and casts)."""
+    seen, frontier = {y}, [y]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if _writes(user) and user.args and user.args[0] is node:
+                return True
+            c = canonical(user)
+            if user not in seen and (user.target is operator.getitem or (c is not None and c.prim in _VIEW_PRIMS)):
+                seen.add(user)
+                frontier.append(user)
+    return False
+
+
+def _written_between(first: fx.Node, last: fx.Node) -> bool:
+    """Whether a node after ``first`` up to ``last`` (graph order) writes in place into anything."""
+    node = first.next
+    while node.op != "root" and node <= last:
+        if _writes(node):
+            return True
+        node = node.next
+    return False
 
 
 def _row_slices(y: fx.Node) -> list[tuple[fx.Node, int]] | None:
@@ -248,7 +283,7 @@ def _norm_of_rows(graph: fx.Graph, x: fx.Node, region: list[fx.Node], dim: int, 
     change of x after the norm does not reach the copy."""
     total, (start, end) = node_shape(x)[dim], rows
     with graph.inserting_before(region[-1].next):
-        sliced = _rows_of(graph, x, dim, index, rows)
+        sliced = _rows_of(graph, x, dim, index, rows, region[-1])
         env: dict[fx.Node, Any] = {x: sliced}
         for node in region:
             new = graph.node_copy(node, lambda a: env.get(a, a))
@@ -257,12 +292,12 @@ def _norm_of_rows(graph: fx.Graph, x: fx.Node, region: list[fx.Node], dim: int, 
     return env[region[-1]]
 
 
-def _rows_of(graph: fx.Graph, x: fx.Node, dim: int, index: Any, rows: tuple[int, int]) -> fx.Node:
+def _rows_of(graph: fx.Graph, x: fx.Node, dim: int, index: Any, rows: tuple[int, int], at: fx.Node) -> fx.Node:
     """``x[index]`` (rows [rows[0], rows[1]) along ``dim``); of a transpose's input, transposed after,
     when ``x`` swaps ``dim`` with another (CogVideoX's ``q.transpose(1, 2)`` before its norm: the norm of
     the slice then reads a transpose, as the q/k fusion expects of a norm after the heads' swap)."""
     total, (start, end) = node_shape(x)[dim], rows
-    piece = _piece_of_cat(x, dim, rows)
+    piece = _piece_of_cat(x, dim, rows, at)
     if piece is not None:
         return piece
     c = canonical(x)
@@ -282,12 +317,13 @@ def _rows_of(graph: fx.Graph, x: fx.Node, dim: int, index: Any, rows: tuple[int,
     return sliced
 
 
-def _piece_of_cat(x: fx.Node, dim: int, rows: tuple[int, int]) -> fx.Node | None:
+def _piece_of_cat(x: fx.Node, dim: int, rows: tuple[int, int], until: fx.Node) -> fx.Node | None:
     """The piece of ``x = cat([..., piece, ...], dim)`` (through cats of cats) whose rows are exactly
     ``rows``: ``x[rows]`` is that piece, the same elements (HunyuanVideo I2V joins its first frame's
     and the other frames' sums with a cat the next norm reads, then slices that norm's output at the
-    same row). None when the rows are not one whole piece, or the piece is written in place (the cat
-    copied it before)."""
+    same row), read in its place at ``until``. None when the rows are not one whole piece, or anything is
+    written in place between the piece and ``until`` (through a view of the piece, its source: the cat
+    copied the values before)."""
     c = canonical(x)
     if c is None or c.prim != "cat":
         return None
@@ -302,9 +338,9 @@ def _piece_of_cat(x: fx.Node, dim: int, rows: tuple[int, int]) -> fx.Node | None
             return None
         if start <= rows[0] and rows[1] <= start + size:
             local = (rows[0] - start, rows[1] - start)
-            if local == (0, size) and node_dtype(piece) == node_dtype(x) and not any(mutates(u) for u in piece.users):
-                return piece
-            return _piece_of_cat(piece, dim, local) if node_dtype(piece) == node_dtype(x) else None
+            if local == (0, size) and node_dtype(piece) == node_dtype(x):
+                return None if _written_between(piece, until) else piece
+            return _piece_of_cat(piece, dim, local, until) if node_dtype(piece) == node_dtype(x) else None
         start += size
     return None
 

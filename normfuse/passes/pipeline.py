@@ -252,10 +252,11 @@ class NormFusionPass(CustomGraphPass):
     def _splits_taken(self, graph: fx.Graph, found: Analysis, qk: dict[fx.Node, fx.Node],
                       others: dict[fx.Node, fx.Node]) -> tuple[tuple[str, str], ...]:
         """The norms to split per slice of their rows (passes/norm_over_slices.py), tried on a copy of
-        the graph: those a slice of which then takes a step the whole norm could not (its RoPE; its
-        scale and shift and its add, HunyuanVideo I2V's first frame). ``qk``: the q/k norms (split where a
-        slice is rotated), ``others``: any norm (split where every reader is a row slice). A split that
-        takes nothing more costs a second norm call (and a cat where a store was)."""
+        the graph: those whose slices then take more steps the whole norm could not (a RoPE; a scale and
+        shift, an add: HunyuanVideo I2V's first frame), counted over the slices, than the steps of the
+        whole norm's call the slices lose (its add, when they read slices of the sum). ``qk``: the q/k
+        norms (split where a slice is rotated), ``others``: any norm (split where two row slices or more
+        read it). A split that takes nothing more costs a second norm call (and a cat where a store was)."""
         norms = {**splittable(others, rotated=False), **splittable(qk)}
         if not norms:  # (most graphs: no copy to make)
             return ()
@@ -275,8 +276,11 @@ class NormFusionPass(CustomGraphPass):
         except Exception:  # noqa: BLE001 - a trial that fails splits nothing; the graph's other sites go on
             log.debug("normfuse: the trial split per slice failed; no norm is split", exc_info=True)
             return ()
-        return tuple((y, x) for y, x in tried
-                     if any(after.get(p, set()) - whole.get(pieces[y][0], set()) for p in pieces[y][1]))
+        def pays(y: str) -> bool:
+            before, made = whole.get(pieces[y][0], set()), [after.get(p, set()) for p in pieces[y][1]]
+            gained = sum(len(steps - before) for steps in made)
+            return gained > len(before - set.intersection(*made)) if made else False
+        return tuple((y, x) for y, x in tried if pays(y))
 
     def _sites_after_failure(self, gm: fx.GraphModule, message: str) -> list[Site]:
         """The sites the pass would have rewritten, each with the failure as its reason."""
