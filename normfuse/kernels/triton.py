@@ -1303,12 +1303,13 @@ def _add_norm_bwd_around_kernels(call: BackwardCall) -> tuple:
 _NO_ADALN = ((_NO_BROADCAST, _NO_BROADCAST, _NO_BROADCAST, _NO_ROWS, None, None, None), (False, 0, 0, 0))
 
 
-def _adaln_grad_layout(t: Optional[Tensor], inp: Tensor) -> Optional[tuple[int, int]]:
-    """(MODE, period) of the gradient of an adaLN operand ``t`` read along x's rows (``inp`` has x's
-    shape): (0, 0) without one, (2, 0) when t has a row per row of x, (1, P) when one row of t serves
-    each run of P consecutive rows (P = 0: every row); None otherwise (a table shared across the batch)."""
+def _adaln_grad_layout(t: Optional[Tensor], inp: Tensor) -> Optional[tuple]:
+    """(t, MODE, period, t as the kernels read it: broadcast_operand) of the gradient of an adaLN operand
+    ``t`` read along x's rows (``inp`` has x's shape): MODE 0 without one, 2 when t has a row per row of
+    x, 1 with period P when one row of t serves each run of P consecutive rows (P = 0: every row); None
+    otherwise (a table shared across the batch)."""
     if t is None:
-        return 0, 0
+        return t, 0, 0, _NO_BROADCAST
     operand = broadcast_operand(t, inp)
     if operand is None or t.dtype not in TL_DTYPES:
         return None
@@ -1316,25 +1317,25 @@ def _adaln_grad_layout(t: Optional[Tensor], inp: Tensor) -> Optional[tuple[int, 
     n_cols = inp.shape[-1]
     n_rows = inp.numel() // n_cols if n_cols else 0
     if t.numel() == inp.numel():
-        return 2, 0
+        return t, 2, 0, operand
     if inner == 0 and outer == 0 and t.numel() == n_cols:
-        return 1, 0
+        return t, 1, 0, operand
     if inner == 0 and n_rows % period == 0 and t.numel() == n_rows // period * n_cols:
-        return 1, period
+        return t, 1, period, operand
     return None
 
 
-def _adaln_in_kernels(call: BackwardCall) -> Optional[dict]:
+def _adaln_in_kernels(call: BackwardCall) -> Optional[list]:
     """How the row kernels take the adaLN chain's backward: the layout of each gradient (scale, shift,
-    x_gate: _adaln_grad_layout), or None when the torch ops around the kernels take it."""
+    x_gate, in that order: _adaln_grad_layout), or None when the torch ops around the kernels take it."""
     mod, x_gate = call.modulation, call.x_gate
     if call.add_after_norm or call.gate is not None or call.norm.group or call.second is not None \
             or (mod is not None and mod.twice) or (x_gate is not None and x_gate.x is None):
         return None
-    inp = call.saved.inp
-    layouts = [_adaln_grad_layout(t, inp) for t in ((mod.scale, mod.shift) if mod is not None else (None, None))]
-    layouts.append(_adaln_grad_layout(None if x_gate is None else x_gate.gate, inp))
-    return None if None in layouts else dict(zip(("scale", "shift", "x_gate"), layouts))
+    operands = (None if mod is None else mod.scale, None if mod is None else mod.shift,
+                None if x_gate is None else x_gate.gate)
+    layouts = [_adaln_grad_layout(t, call.saved.inp) for t in operands]
+    return None if None in layouts else layouts
 
 
 def _rows_dividing(period: int, rows_per_program: int, n_rows: int, sms: int) -> int:
@@ -1349,22 +1350,20 @@ def _rows_dividing(period: int, rows_per_program: int, n_rows: int, sms: int) ->
     return above if n_rows // above >= sms else below
 
 
-def _adaln_launch(call: BackwardCall, layouts: Optional[dict], n_rows: int, n_cols: int, programs: int,
+def _adaln_launch(call: BackwardCall, layouts: Optional[list], n_rows: int, n_cols: int, programs: int,
                   alloc) -> tuple[tuple, tuple, list]:
     """ADALN and ADALN_OPTS of the backward kernels (``programs`` of them) and, per gradient, (operand,
     MODE, period, buffer)."""
     if layouts is None:
         return (*_NO_ADALN, [])
     mod, x_gate, inp = call.modulation, call.x_gate, call.saved.inp
-    operands = (None if mod is None else mod.scale, None if mod is None else mod.shift,
-                None if x_gate is None else x_gate.gate)
     outs = []
-    for t, (mode, period) in zip(operands, layouts.values()):
+    for t, mode, period, _ in layouts:
         shape = (n_rows, n_cols) if mode == 2 else (programs, n_cols)
         dtype = t.dtype if mode == 2 else torch.float32
         outs.append((t, mode, period, None if mode == 0 else alloc(shape, dtype=dtype, device=inp.device)))
     x = None if x_gate is None else _rows_2d(x_gate.x, n_cols)
-    adaln = (*(broadcast_operand(t, inp) for t in operands), _row_operand(x), *(o[3] for o in outs))
+    adaln = (*(layout[3] for layout in layouts), _row_operand(x), *(o[3] for o in outs))
     one_plus = mod is not None and mod.one_plus
     return adaln, (one_plus, *(o[1] for o in outs)), outs
 
@@ -1408,7 +1407,7 @@ def add_norm_bwd(call: BackwardCall):
     dz = None if gate is None else inp.new_empty(inp.shape, dtype=gate.z.dtype)
     dres = inp.new_empty(inp.shape, dtype=dtypes.residual) if dtypes.residual is not None else None
     dx1 = inp.new_empty(inp.shape, dtype=dtypes.x1) if dtypes.x1 is not None else None
-    runs = [period for mode, period in (layouts or {}).values() if mode == 1]
+    runs = [period for _, mode, period, _ in layouts or () if mode == 1]
     block, num_warps, looped, programs, rows_per_program = _bwd_plan(call, n_rows, n_cols, inp.device,
                                                                       adaln=bool(runs))
     runs = [period for period in runs if period]

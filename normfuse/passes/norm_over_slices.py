@@ -46,7 +46,7 @@ import torch.fx as fx
 
 from normfuse.passes.canonical import canonical, mutates, node_dtype, node_shape, one_dim
 from normfuse.passes.graph import copy_meta
-from normfuse.passes.rope_over_cat import narrowed_meta, rope_region, rows_index
+from normfuse.passes.rope_over_cat import narrowed_meta, piece_spans, rope_region, rows_index
 
 __all__ = ["splittable", "split_norm_over_slices", "split_stores_into_cats", "past_no_op_casts"]
 
@@ -116,15 +116,8 @@ def split_stores_into_cats(graph: fx.Graph, norm_outputs: set, only: tuple[str, 
         if stored is None or stored[1] != dim % len(node_shape(cat)):
             continue
         piece, _, store, readers = stored
-        rows, start = _bounds(piece, node_shape(cat)[stored[1]]), 0
-        sizes = [(node_shape(p) or (None,) * (stored[1] + 1))[stored[1]] for p in pieces]
-        if not all(isinstance(size, int) for size in sizes):
-            continue
-        spans = []
-        for size in sizes:
-            spans.append((start, start + size))
-            start += size
-        if rows not in spans:
+        rows, spans = _bounds(piece, node_shape(cat)[stored[1]]), piece_spans(pieces, stored[1])
+        if spans is None or rows not in spans:
             continue
         k = spans.index(rows)
         rewritten.append(cat.name)
@@ -147,17 +140,19 @@ def _split_form(y: fx.Node, x: fx.Node, rotated: bool = True) -> tuple | None:
     model's one slice of its last norm, HF's ``hidden[:, -k:]`` before the head, is not tried), else
     the stored slice's match), or None when the norm has no such form."""
     y = past_no_op_casts(y)  # CogView4's norm_q(q).to(dtype): the stores write into the cast's value
-    region = _region(x, y)
-    if region is None:
-        return None
-    pieces = _row_slices(y)
+    pieces, stored = _row_slices(y), None  # (y's readers first: most norms have neither form)
     if pieces is not None:
-        taken = any(rope_region(p) is not None for p, _ in pieces) or (not rotated and len(pieces) > 1)
+        taken = (not rotated and len(pieces) > 1) or any(rope_region(p) is not None for p, _ in pieces)
         # slices are views of one tensor: a write into one (or into y) would reach the others, not the
         # split's separate norms
-        return (y, region, pieces, None) if taken and not _written_through(y) else None
-    stored = _stored_slice(y)
-    return None if stored is None else (y, region, None, stored)
+        if not taken or _written_through(y):
+            return None
+    else:
+        stored = _stored_slice(y)
+        if stored is None:
+            return None
+    region = _region(x, y)
+    return None if region is None else (y, region, pieces, stored)
 
 
 def past_no_op_casts(y: fx.Node) -> fx.Node:
@@ -328,20 +323,15 @@ def _piece_of_cat(x: fx.Node, dim: int, rows: tuple[int, int], until: fx.Node) -
     if c is None or c.prim != "cat":
         return None
     shape = node_shape(x)
-    if not shape or one_dim(c, len(shape)) != dim:
-        return None
-    start = 0
-    for piece in c["tensors"]:
-        size = (node_shape(piece) or ())[dim] if isinstance(piece, fx.Node) and len(node_shape(piece) or ()) > dim \
-            else None
-        if not isinstance(size, int):
-            return None
-        if start <= rows[0] and rows[1] <= start + size:
-            local = (rows[0] - start, rows[1] - start)
-            if local == (0, size) and node_dtype(piece) == node_dtype(x):
+    pieces = list(c["tensors"])
+    spans = piece_spans(pieces, dim) if shape and one_dim(c, len(shape)) == dim else None
+    for piece, (start, end) in zip(pieces, spans or ()):
+        if start <= rows[0] and rows[1] <= end:
+            if node_dtype(piece) != node_dtype(x):
+                return None
+            if (start, end) == rows:
                 return None if _written_between(piece, until) else piece
-            return _piece_of_cat(piece, dim, local, until) if node_dtype(piece) == node_dtype(x) else None
-        start += size
+            return _piece_of_cat(piece, dim, (rows[0] - start, rows[1] - start), until)
     return None
 
 

@@ -28,7 +28,7 @@ import torch.fx as fx
 from normfuse.passes.canonical import canonical, is_split_piece, node_shape, one_dim
 from normfuse.passes.graph import copy_meta
 
-__all__ = ["split_rope_over_cat", "rope_region", "narrowed_meta", "rows_index"]
+__all__ = ["split_rope_over_cat", "rope_region", "narrowed_meta", "rows_index", "piece_spans"]
 
 # what a rotation's steps are, between the cat and its output
 _STEPS = frozenset(["view", "flatten", "unsqueeze", "cast", "slice", "cat", "stack", "neg", "mul", "add", "sub"])
@@ -85,8 +85,7 @@ def rope_region(cat: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
     inside = set(region) | {cat}
     if any(u not in inside for n in [cat, *region] if n is not out for u in n.users):
         return None  # a step of the rotation is read elsewhere: it stays whole
-    order = {n: i for i, n in enumerate(cat.graph.nodes)}
-    return sorted(region, key=order.__getitem__), out
+    return sorted(region), out  # (fx nodes compare by their place in the graph)
 
 
 def _step(node: fx.Node) -> bool:
@@ -107,10 +106,10 @@ def _reaches(node: fx.Node, target: fx.Node, depth: int = _DEPTH) -> bool:
 def _split(graph: fx.Graph, cat: fx.Node, pieces: list[fx.Node], dim: int, region: tuple, tables: dict) -> None:
     nodes, out = region
     total = node_shape(cat)[dim]
-    outputs, start = [], 0
+    outputs = []
     with graph.inserting_before(out):
-        for piece in pieces:
-            size = node_shape(piece)[dim]
+        for piece, (start, end) in zip(pieces, piece_spans(pieces, dim)):
+            size = end - start
             env: dict[fx.Node, Any] = {cat: piece}
 
             def arg(a, start=start, size=size, env=env):
@@ -129,7 +128,6 @@ def _split(graph: fx.Graph, cat: fx.Node, pieces: list[fx.Node], dim: int, regio
                 narrowed_meta(new, node, dim, start, size, total)
                 env[node] = new
             outputs.append(env[out])
-            start += size
         joined = graph.call_function(torch.cat, (outputs, dim))
     copy_meta(joined, out)
     out.replace_all_uses_with(joined)
@@ -158,6 +156,20 @@ def _table_slice(graph: fx.Graph, table: fx.Node, dim: int, start: int, size: in
             cache[key] = graph.call_function(operator.getitem, (table, rows_index(at, start, start + size)))
         narrowed_meta(cache[key], table, at, start, size, total)
     return cache[key]
+
+
+def piece_spans(pieces: list, dim: int) -> list[tuple[int, int]] | None:
+    """The rows [start, end) along ``dim`` each piece of ``cat(pieces, dim)`` takes in the cat, or None
+    when a piece's size there is not a known int."""
+    spans, start = [], 0
+    for piece in pieces:
+        shape = node_shape(piece) if isinstance(piece, fx.Node) else None
+        size = shape[dim] if shape is not None and len(shape) > dim else None
+        if not isinstance(size, int):
+            return None
+        spans.append((start, start + size))
+        start += size
+    return spans
 
 
 def rows_index(dim: int, start: int, end: int) -> tuple:
