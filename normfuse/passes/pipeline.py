@@ -332,6 +332,10 @@ class NormFusionPass(CustomGraphPass):
         self._stage("lint")
         if self.apply:
             graph.lint()
+            # lint walks the nodes forward; the generated code frees each value after its last use found
+            # walking backward: a node moved with stale links would be freed before a call reads it
+            if list(graph.nodes) != list(reversed(graph.nodes))[::-1]:
+                raise RuntimeError("the rewritten graph's node list differs walked forward and backward")
             gm.graph = graph  # the setter recompiles the module's code
             attach_records(gm, records, splits)  # what each call replaced, for the checker (record.py)
         return sites

@@ -93,7 +93,9 @@ def _insertion_point(p: Plan) -> fx.Node:
     """The plan's first node, with the late operands moved up before it (in graph order)."""
     first = p.insertion.first
     for node in p.insertion.moves:
-        if node > first:  # an earlier call may have moved it up already, further than this one needs
+        # an earlier call may have moved it up already, further than this one needs, or replaced it (its
+        # output, placed where that call's site starts, stands for it: moving the erased node would relink it)
+        if node > first and not node._erased:
             first.prepend(node)
     return first
 

@@ -809,6 +809,7 @@ def _partner(ctx: PlanContext, site, found: RopeMatch):
     from this one's output: every layer reads one cos/sin table, and the next layer's q norm,
     downstream of this one, is no partner (its call could not start where this one does)."""
     index = ctx.analysis.index
+    ours = _attention_of(site.match)
     for other in ctx.analysis.sites:
         theirs = other.parts.get(QK_NORM_ROPE.name)
         if other is site or other.number in ctx.unavailable or theirs is None or theirs.reason is not None:
@@ -817,9 +818,24 @@ def _partner(ctx: PlanContext, site, found: RopeMatch):
             continue
         if index.is_ancestor(site.match.output, other.match.input):
             continue
+        if None not in (ours, _attention_of(other.match)) and ours != _attention_of(other.match):
+            # LTX-2's audio-to-video q and video-to-audio k share the video table: one call would make each
+            # attention's gradients flow through the other's (zeros where eager has none), and move one
+            # attention's k projection up before the other attention
+            continue
         if index.same(theirs.cos, found.cos) and index.same(theirs.sin, found.sin) and _same_rope(theirs, found) \
                 and _modes(other) == _modes(site) and (other.match.weight is None) == (site.match.weight is None):
             return other
+    return None
+
+
+def _attention_of(m) -> str | None:
+    """The innermost module around a q/k norm that is not a norm (its attention), as the graph recorded
+    it (``nn_module_stack``), or None."""
+    stack = (m.anchor or m.output).meta.get("nn_module_stack") or {}
+    for path, cls in reversed(list(stack.values())):
+        if "norm" not in (getattr(cls, "__name__", None) or str(cls)).lower():
+            return str(path)
     return None
 
 
