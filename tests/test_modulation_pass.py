@@ -418,3 +418,46 @@ def test_a_norm_in_fp32_rounded_before_its_modulation(case, dtype):
         assert site.fused and not site.fused_modulation and "rounded to" in site.modulation_reason, site
     else:
         assert site.fused and not site.fused_modulation, site
+
+
+class ViewedToFrames(nn.Module):
+    """Kandinsky 5's output layer: the last residual add on (B, N, C), its sum viewed to (B, T, H, W, C),
+    normalized and modulated there, the scale and shift (B, 1, 1, 1, C) after ``[:, None, None]`` (or one
+    value per column: ``per_column``)."""
+
+    def __init__(self, per_column=False, d=16):
+        super().__init__()
+        self.per_column = per_column
+        self.proj, self.mod = nn.Linear(d, d), nn.Linear(d, 2 * d)
+        self.norm, self.out = nn.LayerNorm(d, elementwise_affine=False), nn.Linear(d, 4)
+        self.table = nn.Parameter(torch.randn(2, d))
+
+    def forward(self, x, t):
+        x = x + self.proj(x)
+        x = x.reshape(x.shape[0], 2, 4, 4, x.shape[-1])
+        if self.per_column:
+            scale, shift = self.table
+        else:
+            scale, shift = (v[:, None, None, None] for v in self.mod(t).chunk(2, dim=-1))
+        return self.out(self.norm(x) * (1 + scale) + shift)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("per_column", [False, True])
+def test_a_modulation_after_a_view_of_the_sum(per_column, batch):
+    """The call computes in the add's shape (B, N, C) and y is viewed to (B, T, H, W, C) after it: a
+    scale of (B, 1, 1, 1, C) broadcasts against the view only, and stays outside the call with the reason
+    (the optimized model ran into the op's shape check before); one value per column is taken."""
+    torch.manual_seed(0)
+    model = ViewedToFrames(per_column).eval()
+    x, t = torch.randn(batch, 32, 16), torch.randn(batch, 16)
+    with torch.no_grad():
+        want = model(x, t)
+        got = normfuse.optimize(model)(x, t)
+    site = normfuse.report(model).sites[0]
+    assert torch.equal(got, want)
+    assert site.fused and site.fused_add, site
+    if per_column:
+        assert site.fused_modulation, site
+    else:
+        assert not site.fused_modulation and "viewed to (" in site.modulation_reason, site

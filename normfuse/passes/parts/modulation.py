@@ -245,6 +245,13 @@ def _modulation(index: GraphIndex, y: fx.Node, first: fx.Node | None, casts: lis
     return ModulationMatch(scale, shift, dtype, fused, dtype, tuple(nodes), factor=one_plus)
 
 
+def _per_column(t: Any, ndim: int) -> bool:
+    """An operand with one value per column (or none) of at most ``ndim`` dims: it broadcasts alike against
+    any view of y of ``ndim`` dims that keeps the last dim."""
+    shape = node_shape(t) if isinstance(t, fx.Node) else ()
+    return t is None or shape is not None and len(shape) <= ndim and all(same_dim(d, 1) for d in shape[:-1])
+
+
 class _Modulation(FusionPart):
     name = "modulation"
     exclusive = True  # y is modulated: no second norm shares the call, no linear recomputes y
@@ -270,6 +277,13 @@ class _Modulation(FusionPart):
             return None, "the call reads its operands permuted (a channel norm): the modulation reads rows of y"
         if plan.exclusive or site.match.group is not None:
             return None, "a gated or grouped norm: the call does not modulate its output"
+        rows = node_shape(site.in_add.node) if plan.op == "add_norm" else node_shape(site.match.output)
+        y = node_shape(site.match.output)
+        if rows is None or y is None or not same_shape(rows, y) and not all(_per_column(t, len(rows))
+                                                                            for t in found.operands):
+            # (Kandinsky 5: the add on (B, N, C), its sum viewed to (B, T, H, W, C), a scale of (B, 1, 1, 1, C))
+            return None, f"the call computes in the add's shape {tuple(rows or ())} and y is viewed to " \
+                         f"{tuple(y or ())} after it: the scale and shift broadcast against the view"
         if found.second is not None and any(m.shift is not None and m.steps[-1] in ctx.reserved
                                             for m in (found, found.second)):
             return None, "a shift of the two modulations is the residual stream that the next norm's call adds"
