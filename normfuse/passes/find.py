@@ -933,19 +933,35 @@ def _add_behind_reshape(index: GraphIndex, node: fx.Node, chain: list) -> AddMat
     not follow: found, so the report says why it stays outside the kernel; None when there is
     no add behind it."""
     what = index.prim(node)
-    cur = node
+    cur, moved = node, False
     while isinstance(cur, fx.Node) and cur not in index.norm_outputs and index.prim(cur) in ("view", "permute",
                                                                                             "cast", "dropout"):
+        moved = moved or _moves_last_dim(index, cur)
         cur = index.canon(cur)["input"]
     am = as_add(index, cur, None) if isinstance(cur, fx.Node) else None
     if am is None:
         return None
-    if what == "view":
+    if moved:
         reason = (f"the add reaches the norm through a view that moves the normalized dim ({_shape_text(cur)} -> "
                   f"{_shape_text(node)}): the kernels normalize rows of the add's own last dim")
+    elif what in ("view", "permute"):  # Latte's (B*F, S, C) -> (B*S, F, C): the same rows in another order
+        reason = (f"the add reaches the norm through views and permutes that reorder its rows ({_shape_text(cur)} -> "
+                  f"{_shape_text(node)}): the call would read and write the sum in the norm's order of rows")
     else:
         reason = f"the add reaches the norm through {what} {node.name}, which the kernels do not read through"
     return AddMatch(node=am.node, operands=am.operands, chain=tuple(chain), reason=am.reason or reason)
+
+
+def _moves_last_dim(index: GraphIndex, node: fx.Node) -> bool:
+    """Whether a view or permute changes what the last dim holds (its size, or which dim it is)."""
+    c = index.canon(node)
+    if c.prim == "permute":
+        dims, ndim = c["dims"], len(node_shape(node) or ())
+        return not ndim or not isinstance(dims[-1], int) or dims[-1] % ndim != ndim - 1
+    if c.prim == "view":
+        shapes = node_shape(node), node_shape(c["input"])
+        return not all(shapes) or not same_dim(shapes[0][-1], shapes[1][-1])
+    return False
 
 
 def _shape_text(node: Any) -> str:

@@ -342,27 +342,41 @@ def _eval_node(node: fx.Node, load, eps: float | None, eps_sym, heads: _HeadRows
     raise _Unsupported(f"no symbolic rule for primitive {p!r} (node {node.name})")
 
 
+def _per_head(value: Any, step) -> Any:
+    """``step`` of a value, head by head when it is split into heads (a norm over all heads, then
+    its complex RoPE per head: Lumina-Next)."""
+    return _Heads(step(head) for head in value) if isinstance(value, _Heads) else step(value)
+
+
+def _is_complex(value: Any) -> bool:
+    return isinstance(value, _Complex) or (isinstance(value, _Heads) and all(isinstance(h, _Complex) for h in value))
+
+
 def _eval_mul(node: fx.Node, c, val) -> Any:
     a, b = val(c["input"]), val(c["other"])
-    if isinstance(a, _Complex) or isinstance(b, _Complex):  # the complex form's rotation
-        if isinstance(a, (_Groups, _Heads)) or isinstance(b, (_Groups, _Heads)):
-            raise _Unsupported(f"{node.name} multiplies complex values with pairs or heads")
-        return _complex_mul(a, b)
+    if _is_complex(a) or _is_complex(b):  # the complex form's rotation
+        if isinstance(b, _Heads):
+            a, b = b, a
+        if isinstance(a, _Groups) or isinstance(b, (_Groups, _Heads)):
+            raise _Unsupported(f"{node.name} multiplies complex values with pairs, or two values split into heads")
+        return _per_head(a, lambda head: _complex_mul(head, b))
     return _elementwise(operator.mul, a, b)
 
 
 def _eval_view_as_complex(node: fx.Node, c, val) -> Any:
-    value = val(c["input"])
-    if not isinstance(value, _Groups) or any(len(g) != 2 for g in value):
-        raise _Unsupported(f"{node.name} reads a value that is not pairs of columns as complex")
-    return _Complex(value)
+    def pairs_as_complex(value):
+        if not isinstance(value, _Groups) or any(len(g) != 2 for g in value):
+            raise _Unsupported(f"{node.name} reads a value that is not pairs of columns as complex")
+        return _Complex(value)
+    return _per_head(val(c["input"]), pairs_as_complex)
 
 
 def _eval_view_as_real(node: fx.Node, c, val) -> Any:
-    value = val(c["input"])
-    if not isinstance(value, _Complex):
-        raise _Unsupported(f"{node.name} reads a value that is not complex")
-    return _Groups(value)
+    def as_pairs(value):
+        if not isinstance(value, _Complex):
+            raise _Unsupported(f"{node.name} reads a value that is not complex")
+        return _Groups(value)
+    return _per_head(val(c["input"]), as_pairs)
 
 
 def _eval_stack(node: fx.Node, c, val) -> Any:
@@ -411,6 +425,10 @@ def _split_heads(node: fx.Node, c, row: Any, heads: _HeadRows) -> Any:
         if isinstance(row, _Heads):  # each head's pairs (Wan: the norm over all heads, then its RoPE per head)
             return _Heads(_pairs(node, head) for head in row)
         return _pairs(node, row)
+    if isinstance(before, int) and len(shape_out) == len(shape_in) + 1 and tuple(shape_out[-2:]) == (2, before // 2) \
+            and after != heads.head_dim and not _structured(row):
+        # each head's halves (Cosmos, CogView4: x.reshape(..., 2, -1).unbind(-2)); two heads are heads
+        return _Heads(_halves(node, head) for head in row) if isinstance(row, _Heads) else _halves(node, row)
     if before == after or isinstance(row, _Heads):
         return row
     if after != heads.head_dim or not isinstance(before, int) or before % after or len(row) % heads.per_head:
@@ -422,6 +440,12 @@ def _pairs(node: fx.Node, row: list) -> "_Groups":
     if len(row) % 2:
         raise _Unsupported(f"{node.name} pairs the columns of a row of {len(row)} symbols")
     return _Groups(zip(row[0::2], row[1::2]))
+
+
+def _halves(node: fx.Node, row: list) -> "_Groups":
+    if len(row) % 2:
+        raise _Unsupported(f"{node.name} halves a row of {len(row)} symbols")
+    return _Groups([row[:len(row) // 2], row[len(row) // 2:]])
 
 
 class _Unwritten(list):
@@ -479,8 +503,9 @@ def _flattened(node: fx.Node, c, value: Any) -> Any:
         if isinstance(value, _Groups):
             raise _Unsupported(f"{node.name} flattens pairs other than into the last dim")
         return value
-    if isinstance(value, _Groups) and start == ndim - 2:
-        return _interleaved(value)
+    if start == ndim - 2 and (isinstance(value, _Groups) or isinstance(value, _Heads) and
+                              all(isinstance(h, _Groups) for h in value)):
+        return _per_head(value, _interleaved)
     raise _Unsupported(f"{node.name} flattens dims {start}..{end} into the last")
 
 
@@ -745,10 +770,14 @@ def prove_site(pair: SitePair, seed: int = 0, equal: dict[fx.Node, fx.Node] | No
                 rows[role] = _part_read(pair, role, leaves[same(source)])
             else:
                 raise _Unsupported(f"the fused call's {role} is a constant {node!r}")
+        unread: dict[fx.Node, str] = {}  # inputs that are no row, an error only if the subgraph reads their values
         for i, node in enumerate(pair.inputs):  # values the original reads that the call does not
             source = _source(node, inside, transposes)
             if same(source) not in leaves and source not in inside:
-                leaves[same(source)] = _leaf(source, f"z{i}_", hidden, pair.layout, heads)
+                try:
+                    leaves[same(source)] = _leaf(source, f"z{i}_", hidden, pair.layout, heads)
+                except _Unsupported as why:  # e.g. the dtype source of a type_as (Cosmos: ``.type_as(hidden_states)``)
+                    unread[same(source)] = str(why)
         values: dict[fx.Node, Any] = {}
 
         def load(n, unwritten=False):  # (unwritten: a store reads the empty tensor it writes into)
@@ -759,7 +788,7 @@ def prove_site(pair: SitePair, seed: int = 0, equal: dict[fx.Node, fx.Node] | No
                 return values[source] if unwritten else _written(values[source], n.name)
             if same(source) in leaves:
                 return leaves[same(source)]
-            raise _Unsupported(f"{n.name} is read by the subgraph but is outside it")
+            raise _Unsupported(unread.get(same(source), f"{n.name} is read by the subgraph but is outside it"))
 
         for node in pair.nodes:
             values[node] = _eval_node(node, load, pair.eps, eps_sym, heads)
