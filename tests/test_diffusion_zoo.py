@@ -90,6 +90,29 @@ EXPECTED = {
                           modulation=(6, 6), gated=(4, 4), equal=True, grads="within", passes=(73, 24)),
     "mochi":         dict(norms=22, fused=22, fused_with_add=3, input_is_add=3, rope=0, fused_rope=0, rope_refused=0,
                           modulation=(14, 14), gated=(0, 0), equal=True, grads="within", passes=(26, 27)),
+    "cosmos":        dict(norms=16, fused=16, fused_with_add=6, input_is_add=6, rope=4, fused_rope=4, rope_refused=0,
+                          modulation=(7, 7), gated=(6, 6), equal=True, grads="within", passes=(75, 16)),
+    # the complex RoPE: eager's complex64 product is rounded as its CPU loop goes (one fused multiply-add
+    # on heads of 4 pairs), the call rounds each product (test_lumina_next_complex_rope_rounds_each_product);
+    # its gates are the scale of a norm's output (x + tanh(gate) * norm2(attn), as Z-Image's)
+    "lumina_next":   dict(norms=20, fused=20, fused_with_add=4, input_is_add=4, rope=6, fused_rope=6, rope_refused=0,
+                          modulation=(9, 9), gated=(4, 0), equal=False, grads="within", passes=(60, 25)),
+    "hunyuan_dit":   dict(norms=8, fused=8, fused_with_add=3, input_is_add=3, rope=3, fused_rope=3, rope_refused=0,
+                          modulation=(2, 2), gated=(0, 0), equal=True, grads="within", passes=(32, 11)),
+    # the stream reordered between its spatial and temporal blocks: 4 adds stay, with the reason
+    "latte":         dict(norms=9, fused=9, fused_with_add=5, input_is_add=9, rope=0, fused_rope=0, rope_refused=0,
+                          modulation=(9, 9), gated=(2, 2), equal=True, grads="equal", passes=(62, 29)),
+    "cogview3plus":  dict(norms=13, fused=13, fused_with_add=7, input_is_add=7, rope=0, fused_rope=0, rope_refused=0,
+                          modulation=(9, 9), gated=(7, 7), equal=True, grads="equal", passes=(50, 18)),
+    # the video norm modulated twice (for two attentions); each attention's q and k in one call
+    "ltx2":          dict(norms=42, fused=42, fused_with_add=16, input_is_add=16, rope=16, fused_rope=16,
+                          rope_refused=0, modulation=(14, 14), gated=(12, 12), equal=True, grads="within",
+                          passes=(188, 48)),
+    "bria":          dict(norms=12, fused=12, fused_with_add=2, input_is_add=2, rope=6, fused_rope=6, rope_refused=0,
+                          modulation=(6, 6), gated=(2, 2), equal=True, grads="within", passes=(53, 18)),
+    "wan_vace":      dict(norms=43, fused=43, fused_with_add=18, input_is_add=18, rope=12, fused_rope=12,
+                          rope_refused=0, modulation=(13, 13), gated=(9, 9), equal=True, grads="within",
+                          passes=(183, 52)),
 }
 
 # The passes one more block adds, before and after the pass, per kind of block (the config key that
@@ -214,11 +237,14 @@ def test_diffusion_bf16_zoo(name):
     _bf16_case(name)
 
 
-@pytest.mark.parametrize("name", ["dit", "z_image", "hunyuan_video_i2v"])
+@pytest.mark.parametrize("name", ["dit", "z_image", "hunyuan_video_i2v", "cosmos", "lumina_next", "wan21"])
 def test_check_proves_every_site(name):
     """``normfuse.check``: every rewritten site proved symbolically (Z-Image's complex RoPE reads its
     table through one ``unsqueeze`` per q and k: the same value, one set of symbols; HunyuanVideo I2V's
-    norms split per segment, the checker's copy of the graph split alike)."""
+    norms split per segment, the checker's copy of the graph split alike; Cosmos's RoPE halves each head,
+    ``reshape(..., 2, -1).unbind(-2)``, and reads ``type_as(hidden_states)``, whose dtype only it takes;
+    Lumina-Next's q/k norms over all heads, then the complex RoPE per head; Wan's two heads viewed as
+    (2, head_dim) are heads, not halves)."""
     import normfuse
     from tests.zoo.diffusion import build
 
@@ -333,3 +359,124 @@ def test_training_saves_no_more_than_eager(name):
         eager, fused = _saved_bytes(model, kwargs), _saved_bytes(optimized, kwargs)
     assert normfuse.report(optimized).counts()["fused"] > 0
     assert 0 < fused <= eager, (fused, eager)
+
+
+def _plant_rope(fault):
+    def plant(gm):
+        from normfuse.verify.sites import fused_calls
+
+        call = next(n for n in fused_calls(gm.graph) if "cos" in n.kwargs)
+        kw = dict(call.kwargs)
+        if fault == "wrong_half":      # halves read as adjacent pairs
+            kw["layout"] = "gptj" if kw["layout"] == "neox" else "neox"
+        else:                          # cos and sin swapped
+            kw["cos"], kw["sin"] = kw["sin"], kw["cos"]
+        call.kwargs = kw
+        gm.recompile()
+    return plant
+
+
+@pytest.mark.parametrize("name,fault", [("cosmos", "wrong_half"), ("cosmos", "rotated_sign"),
+                                        ("lumina_next", "rotated_sign")])
+def test_a_planted_rope_fault_is_refuted(name, fault):
+    """The forms the checker now reads per head (Cosmos's halves, Lumina-Next's complex product) are
+    proved, not passed over: a call with the other layout or with cos and sin swapped is refuted at its
+    site."""
+    from helpers import optimized_with_fault
+
+    import normfuse
+    from tests.zoo.diffusion import build
+
+    model, kwargs = build(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = normfuse.check(model, **kwargs, optimized=optimized_with_fault(model, _plant_rope(fault)),
+                             backward=False)
+    assert not res.ok
+    assert res.first_divergence is not None and res.first_divergence.symbolic.status == "refuted", \
+        res.first_divergence
+
+
+def test_latte_says_its_adds_reach_the_norms_reordered():
+    """Latte's adds reach the next block's norms through reshape, permute, reshape: the rows reordered,
+    the normalized dim kept, and the reason says so (it said the view moved the normalized dim)."""
+    from tests.zoo.diffusion import measure
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reasons = measure("latte")["add_reasons"]
+    assert reasons and all("reorder its rows" in r for r in reasons), reasons
+
+
+def test_lumina_next_complex_rope_rounds_each_product():
+    """Lumina-Next's complex RoPE: eager's complex64 product on the CPU rounds as its loop goes (two
+    roundings on the vectorized path, one fused multiply-add on others: heads of 4 pairs take the latter
+    here), the call rounds each product; so the prediction is within the tolerance rule, not the same bits,
+    and equal with fuse_rope=False (the rest of the chain is)."""
+    import copy
+
+    import normfuse
+    from tests.zoo.diffusion import build, prediction
+
+    model, kwargs = build("lumina_next")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        want = prediction(model(**kwargs))
+        no_rope = prediction(normfuse.optimize(copy.deepcopy(model), fuse_rope=False)(**kwargs))
+        res = normfuse.check(model, **kwargs, backward=False)
+    assert torch.equal(no_rope, want)
+    assert res.ok, res
+
+
+def _ltx2_optimized(filter_fn=None):
+    import copy
+
+    import normfuse
+    from tests.zoo.diffusion import build, prediction
+
+    model, kwargs = build("ltx2")
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        want = prediction(model(**kwargs))
+        optimized = normfuse.optimize(copy.deepcopy(model), filter_fn=filter_fn)
+        got = prediction(optimized(**kwargs))
+    failures = [str(w.message) for w in caught if "left this graph unchanged" in str(w.message)]
+    return got, want, normfuse.report(optimized), failures
+
+
+_LTX2_SITES = {"transformer_blocks.1.audio_to_video_norm", "transformer_blocks.1.audio_to_video_attn.norm_q",
+               "transformer_blocks.1.video_to_audio_attn.norm_k"}
+
+
+@pytest.mark.parametrize("subset", [False, True])
+def test_ltx2_twice_modulated_norm_and_its_attentions(subset):
+    """LTX-2's video norm is modulated twice, for the audio-to-video attention's q and the video-to-audio
+    attention's k. A q/k call pairs the norms of one attention only (the two share the video table: paired,
+    the second attention's k projection was moved up as the erased nodes the norm's call had replaced,
+    which relinked the graph's node list: the pass failed, or with some sites filtered, the generated code
+    freed the table before the call read it). Every site fused, the same bits."""
+    got, want, report, failures = _ltx2_optimized((lambda s: s.fqn in _LTX2_SITES) if subset else None)
+    assert not failures, failures
+    assert torch.equal(got, want)
+    counts = report.counts()
+    assert counts["fused"] == (3 if subset else counts["sites"]) and counts["fused_rope"] == (2 if subset else 16)
+
+
+def test_a_graph_whose_node_list_breaks_is_left_unchanged(monkeypatch):
+    """Planted: the moves of a call's late operands relink nodes an earlier call erased (the fault fixed
+    above). The lint stage walks the node list both ways and the pass leaves the graph as it was, with
+    the warning, instead of a model whose code frees a value before its last reader."""
+    from normfuse.passes import rewrite
+
+    def stale(p):
+        first = p.insertion.first
+        for node in p.insertion.moves:
+            if node > first:
+                first.prepend(node)
+        return first
+
+    monkeypatch.setattr(rewrite, "_insertion_point", stale)
+    monkeypatch.setattr("normfuse.passes.fusions.qk_norm_rope._attention_of", lambda m: None)  # pair as before
+    got, want, report, failures = _ltx2_optimized(lambda s: s.fqn in _LTX2_SITES)
+    assert failures and "node list" in failures[0], failures
+    assert torch.equal(got, want) and report.counts()["fused"] == 0

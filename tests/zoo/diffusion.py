@@ -278,6 +278,105 @@ def _hunyuan_image():
                        return_dict=False)
 
 
+
+def _cosmos():
+    # Cosmos-Predict2 (no learnable position embedding; Cosmos 1.0's normalizes its table with
+    # vector_norm(dtype=float32), which an fp64 copy of the model cannot run): the q/k RoPE in the
+    # unbind(-2) / cat form, read per head
+    model = _make("CosmosTransformer3DModel", in_channels=4, out_channels=4, num_attention_heads=2,
+                  attention_head_dim=12, num_layers=2, mlp_ratio=2, text_embed_dim=16, adaln_lora_dim=4,
+                  max_size=(4, 32, 32), patch_size=(1, 2, 2), rope_scale=(2.0, 1.0, 1.0), concat_padding_mask=True,
+                  extra_pos_embed_type=None)
+    return model, dict(hidden_states=_randn(1, 4, 1, 16, 16), timestep=torch.tensor([500]),
+                       encoder_hidden_states=_randn(1, 12, 16, seed=2), attention_mask=torch.ones(1, 12),
+                       fps=30, padding_mask=torch.zeros(1, 1, 16, 16), return_dict=False)
+
+
+def _lumina_next():
+    # the q/k norms over all heads, then the complex RoPE per head (freqs_cis as the pipeline builds it)
+    from diffusers.models.embeddings import get_2d_rotary_pos_embed_lumina
+
+    model = _make("LuminaNextDiT2DModel", sample_size=16, patch_size=2, in_channels=4, hidden_size=24, num_layers=2,
+                  num_attention_heads=3, num_kv_heads=1, multiple_of=16, ffn_dim_multiplier=None, norm_eps=1e-5,
+                  learn_sigma=False, qk_norm=True, cross_attention_dim=32, scaling_factor=1.0)
+    return model, dict(hidden_states=_randn(2, 4, 16, 16), encoder_hidden_states=_randn(2, 16, 32, seed=2),
+                       timestep=torch.tensor([0.3, 0.7]), encoder_mask=torch.ones(2, 16),
+                       image_rotary_emb=get_2d_rotary_pos_embed_lumina(8, 384, 384), cross_attention_kwargs={},
+                       return_dict=False)
+
+
+def _hunyuan_dit():
+    # the RoPE table of a 4 x 4 grid of patches as the pipeline builds it for a square image: the grid's
+    # crop region of the 32 x 32 base is the whole base
+    from diffusers.models.embeddings import get_2d_rotary_pos_embed
+
+    model = _make("HunyuanDiT2DModel", sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8,
+                  num_attention_heads=2, cross_attention_dim=8, cross_attention_dim_t5=8, pooled_projection_dim=4,
+                  hidden_size=16, text_len=4, text_len_t5=4, activation_fn="gelu-approximate")
+    rope = get_2d_rotary_pos_embed(8, ((0, 0), (32, 32)), (4, 4), output_type="pt")
+    return model, dict(hidden_states=_randn(2, 4, 8, 8), timestep=torch.tensor([3.0, 500.0]),
+                       encoder_hidden_states=_randn(2, 4, 8, seed=2), text_embedding_mask=torch.ones(2, 4),
+                       encoder_hidden_states_t5=_randn(2, 4, 8, seed=3), text_embedding_mask_t5=torch.ones(2, 4),
+                       image_meta_size=torch.tensor([[1024.0, 1024, 16, 16, 0, 0]] * 2),
+                       style=torch.zeros(2, dtype=torch.long), image_rotary_emb=rope, return_dict=False)
+
+
+def _latte():
+    # spatial and temporal blocks: the stream reordered between them (reshape, permute, reshape)
+    model = _make("LatteTransformer3DModel", sample_size=8, num_layers=2, patch_size=2, attention_head_dim=4,
+                  num_attention_heads=2, caption_channels=8, in_channels=4, cross_attention_dim=8, out_channels=8,
+                  attention_bias=True, activation_fn="gelu-approximate", num_embeds_ada_norm=1000,
+                  norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6)
+    return model, dict(hidden_states=_randn(2, 4, 1, 8, 8), encoder_hidden_states=_randn(2, 8, 8, seed=2),
+                       timestep=torch.tensor([3, 500]), enable_temporal_attentions=True, return_dict=False)
+
+
+def _cogview3plus():
+    model = _make("CogView3PlusTransformer2DModel", patch_size=2, in_channels=4, num_layers=2, attention_head_dim=4,
+                  num_attention_heads=2, out_channels=4, text_embed_dim=8, time_embed_dim=8, condition_dim=2,
+                  pos_embed_max_size=8, sample_size=8)
+    size = torch.tensor([[64, 64]] * 2)
+    return model, dict(hidden_states=_randn(2, 4, 8, 8), encoder_hidden_states=_randn(2, 8, 8, seed=2),
+                       original_size=size, target_size=size, crop_coords=torch.tensor([[0, 0]] * 2),
+                       timestep=torch.tensor([3, 500]), return_dict=False)
+
+
+def _ltx2():
+    # video and audio streams; the video norm modulated twice, for the audio-to-video attention's q and the
+    # video-to-audio attention's k (one q/k call pairs the norms that share the video RoPE table)
+    model = _make("LTX2VideoTransformer3DModel", in_channels=4, out_channels=4, patch_size=1, patch_size_t=1,
+                  num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4,
+                  audio_out_channels=4, audio_num_attention_heads=2, audio_attention_head_dim=4,
+                  audio_cross_attention_dim=8, num_layers=2, qk_norm="rms_norm_across_heads", caption_channels=16,
+                  rope_double_precision=False)
+    frames, h, w = 2, 4, 4
+    return model, dict(hidden_states=_randn(1, frames * h * w, 4), audio_hidden_states=_randn(1, 9, 4, seed=2),
+                       encoder_hidden_states=_randn(1, 8, 16, seed=3),
+                       audio_encoder_hidden_states=_randn(1, 8, 16, seed=4), timestep=torch.tensor([500.0]),
+                       encoder_attention_mask=torch.ones(1, 8, dtype=torch.bool), num_frames=frames, height=h,
+                       width=w, audio_num_frames=9, fps=25.0, return_dict=False)
+
+
+def _bria():
+    model = _make("BriaTransformer2DModel", patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                  attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=None,
+                  axes_dims_rope=[0, 4, 4])
+    img_ids = torch.cartesian_prod(torch.arange(1), torch.arange(4), torch.arange(4)).float()
+    return model, dict(hidden_states=_randn(1, 16, 4), encoder_hidden_states=_randn(1, 8, 32, seed=2),
+                       img_ids=img_ids, txt_ids=torch.zeros(8, 3), timestep=torch.tensor([1.0]), return_dict=False)
+
+
+def _wan_vace():
+    # control hints added into the stream after blocks 0 and 2
+    model = _make("WanVACETransformer3DModel", patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                  in_channels=4, out_channels=4, text_dim=16, freq_dim=256, ffn_dim=32, num_layers=4,
+                  cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32, vace_layers=[0, 2],
+                  vace_in_channels=12)
+    return model, dict(hidden_states=_randn(1, 4, 2, 8, 8), encoder_hidden_states=_randn(1, 8, 16, seed=2),
+                       control_hidden_states=_randn(1, 12, 2, 8, 8, seed=3), timestep=torch.tensor([700]),
+                       return_dict=False)
+
+
 DIFFUSION: dict[str, DiffusionModel] = {m.name: m for m in [
     DiffusionModel("dit", "DiTTransformer2DModel", "DiT", _dit),
     DiffusionModel("pixart_alpha", "PixArtTransformer2DModel", "PixArt", lambda: _pixart(alpha=True)),
@@ -309,6 +408,14 @@ DIFFUSION: dict[str, DiffusionModel] = {m.name: m for m in [
     DiffusionModel("easyanimate", "EasyAnimateTransformer3DModel", "EasyAnimate", _easyanimate),
     DiffusionModel("hunyuan_image", "HunyuanImageTransformer2DModel", "HunyuanImage", _hunyuan_image,
                    ("num_layers", "num_single_layers")),
+    DiffusionModel("cosmos", "CosmosTransformer3DModel", "Cosmos", _cosmos),
+    DiffusionModel("lumina_next", "LuminaNextDiT2DModel", "Lumina", _lumina_next),
+    DiffusionModel("hunyuan_dit", "HunyuanDiT2DModel", "HunyuanDiT", _hunyuan_dit),
+    DiffusionModel("latte", "LatteTransformer3DModel", "Latte", _latte),
+    DiffusionModel("cogview3plus", "CogView3PlusTransformer2DModel", "CogView3", _cogview3plus),
+    DiffusionModel("ltx2", "LTX2VideoTransformer3DModel", "LTX-Video", _ltx2),
+    DiffusionModel("bria", "BriaTransformer2DModel", "Bria", _bria, ("num_layers", "num_single_layers")),
+    DiffusionModel("wan_vace", "WanVACETransformer3DModel", "Wan", _wan_vace),
 ]}
 
 
