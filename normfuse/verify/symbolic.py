@@ -357,7 +357,8 @@ def _eval_mul(node: fx.Node, c, val) -> Any:
     if _is_complex(a) or _is_complex(b):  # the complex form's rotation
         if isinstance(b, _Heads):
             a, b = b, a
-        if isinstance(a, _Groups) or isinstance(b, (_Groups, _Heads)):
+        if isinstance(a, _Groups) or isinstance(b, (_Groups, _Heads)) or \
+                (isinstance(a, _Heads) and not all(isinstance(h, _Complex) for h in a)):
             raise _Unsupported(f"{node.name} multiplies complex values with pairs, or two values split into heads")
         return _per_head(a, lambda head: _complex_mul(head, b))
     return _elementwise(operator.mul, a, b)
@@ -426,7 +427,7 @@ def _split_heads(node: fx.Node, c, row: Any, heads: _HeadRows) -> Any:
             return _Heads(_pairs(node, head) for head in row)
         return _pairs(node, row)
     if isinstance(before, int) and len(shape_out) == len(shape_in) + 1 and tuple(shape_out[-2:]) == (2, before // 2) \
-            and after != heads.head_dim and not _structured(row):
+            and after != heads.head_dim and (before <= heads.head_dim or isinstance(row, _Heads)) and not _structured(row):
         # each head's halves (Cosmos, CogView4: x.reshape(..., 2, -1).unbind(-2)); two heads are heads
         return _Heads(_halves(node, head) for head in row) if isinstance(row, _Heads) else _halves(node, row)
     if before == after or isinstance(row, _Heads):
