@@ -829,21 +829,15 @@ def _partner(ctx: PlanContext, site, found: RopeMatch):
     return None
 
 
-def _module_path(node: fx.Node) -> str | None:
-    stack = node.meta.get("nn_module_stack") if isinstance(node, fx.Node) else None
-    return str(list(stack.values())[-1][0]) if stack else None
-
-
 def _attention_of(m) -> str | None:
-    """The module a q/k norm's attention is, as the graph recorded it (``nn_module_stack``), or None: the
-    innermost module of the norm where that module also computes the norm's input (a norm written in the
-    attention's forward), else its parent (the norm is a module of its own, ``attn.norm_q``)."""
-    out, inp = _module_path(m.anchor or m.output), _module_path(m.input)
-    if out is None:
-        return None
-    if inp is not None and (inp == out or inp.startswith(out) and inp[len(out)] in ".["):
-        return out
-    return out.rpartition(".")[0]
+    """The innermost module around a q/k norm that is not a norm (its attention), as the graph recorded
+    it (``nn_module_stack``), or None. (A norm's input may be computed inside the norm's module, a cast:
+    which module makes the input does not tell a norm module from its attention.)"""
+    stack = (m.anchor or m.output).meta.get("nn_module_stack") or {}
+    for path, cls in reversed(list(stack.values())):
+        if "norm" not in (getattr(cls, "__name__", None) or str(cls)).lower():
+            return str(path)
+    return None
 
 
 class _QkNormRope(Fusion):
