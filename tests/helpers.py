@@ -114,3 +114,26 @@ def eager_and_optimized(model, *args):
         optimized = normfuse.optimize(copy.deepcopy(model))
         out = optimized(*args)
     return ref, out, normfuse.report(optimized)
+
+
+def plant_rope_fault(gm, fault: str) -> None:
+    """Edit the first qk_norm_rope call of a rewritten graph the way a buggy rewrite would (a fault the
+    checker must refute, or for the rounding one, catch numerically)."""
+    from normfuse.verify.sites import fused_calls
+
+    call = next(n for n in fused_calls(gm.graph) if n.kwargs.get("rotary_dim") is not None)
+    kw = dict(call.kwargs)
+    if fault == "wrong_half":      # the partner of column j taken as in the other layout
+        kw["layout"] = "gptj" if kw["layout"] == "neox" else "neox"
+    elif fault == "rotated_sign":  # sin for cos: the rotated half enters with the other sign and table
+        kw["cos"], kw["sin"] = kw["sin"], kw["cos"]
+    elif fault == "rotary_dim":    # GLM: the whole head rotated instead of its first half
+        assert kw["rotary_dim"] < call.args[0].meta["example_value"].shape[-1]
+        kw["rotary_dim"] *= 2
+    elif fault == "no_bf16_round":  # y * cos + rot(y) * sin in fp32, rounded once
+        assert kw["rope_dtype"] == torch.bfloat16
+        kw["norm_out_dtype"] = kw["rope_dtype"] = torch.float32
+    else:
+        raise ValueError(fault)
+    call.kwargs = kw
+    gm.recompile()

@@ -361,28 +361,13 @@ def test_training_saves_no_more_than_eager(name):
     assert 0 < fused <= eager, (fused, eager)
 
 
-def _plant_rope(fault):
-    def plant(gm):
-        from normfuse.verify.sites import fused_calls
-
-        call = next(n for n in fused_calls(gm.graph) if "cos" in n.kwargs)
-        kw = dict(call.kwargs)
-        if fault == "wrong_half":      # halves read as adjacent pairs
-            kw["layout"] = "gptj" if kw["layout"] == "neox" else "neox"
-        else:                          # cos and sin swapped
-            kw["cos"], kw["sin"] = kw["sin"], kw["cos"]
-        call.kwargs = kw
-        gm.recompile()
-    return plant
-
-
 @pytest.mark.parametrize("name,fault", [("cosmos", "wrong_half"), ("cosmos", "rotated_sign"),
                                         ("lumina_next", "rotated_sign")])
 def test_a_planted_rope_fault_is_refuted(name, fault):
     """The forms the checker now reads per head (Cosmos's halves, Lumina-Next's complex product) are
     proved, not passed over: a call with the other layout or with cos and sin swapped is refuted at its
     site."""
-    from helpers import optimized_with_fault
+    from helpers import optimized_with_fault, plant_rope_fault
 
     import normfuse
     from tests.zoo.diffusion import build
@@ -390,7 +375,8 @@ def test_a_planted_rope_fault_is_refuted(name, fault):
     model, kwargs = build(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        res = normfuse.check(model, **kwargs, optimized=optimized_with_fault(model, _plant_rope(fault)),
+        res = normfuse.check(model, **kwargs,
+                             optimized=optimized_with_fault(model, lambda gm: plant_rope_fault(gm, fault)),
                              backward=False)
     assert not res.ok
     assert res.first_divergence is not None and res.first_divergence.symbolic.status == "refuted", \

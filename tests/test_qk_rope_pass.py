@@ -17,9 +17,8 @@ import torch.nn.functional as F
 
 import normfuse
 from normfuse.verify.numeric import perturb_vectors
-from normfuse.verify.sites import fused_calls
 from normfuse.zoo import example_inputs, hf_model
-from helpers import optimized_with_fault
+from helpers import optimized_with_fault, plant_rope_fault
 
 pytest.importorskip("transformers")
 
@@ -96,28 +95,8 @@ def test_triton_kernels_in_a_training_step(name, triton_cpu):
 
 # --------------------------------------------------------------------------- planted faults
 
-def _plant(gm, fault):
-    """Edit the first qk_norm_rope call of a rewritten graph the way a buggy rewrite would."""
-    call = next(n for n in fused_calls(gm.graph) if n.kwargs.get("rotary_dim") is not None)
-    kw = dict(call.kwargs)
-    if fault == "wrong_half":      # the partner of column j taken as in adjacent pairs
-        kw["layout"] = "gptj"
-    elif fault == "rotated_sign":  # sin for cos: the rotated half enters with the other sign and table
-        kw["cos"], kw["sin"] = kw["sin"], kw["cos"]
-    elif fault == "rotary_dim":    # GLM: the whole head rotated instead of its first half
-        assert kw["rotary_dim"] < call.args[0].meta["example_value"].shape[-1]
-        kw["rotary_dim"] *= 2
-    elif fault == "no_bf16_round":  # y * cos + rot(y) * sin in fp32, rounded once
-        assert kw["rope_dtype"] == torch.bfloat16
-        kw["norm_out_dtype"] = kw["rope_dtype"] = torch.float32
-    else:
-        raise ValueError(fault)
-    call.kwargs = kw
-    gm.recompile()
-
-
 def _faulty_copy(model, fault):
-    return optimized_with_fault(model, lambda gm: _plant(gm, fault))
+    return optimized_with_fault(model, lambda gm: plant_rope_fault(gm, fault))
 
 
 # the sites of layer 0's q_norm / k_norm call (OLMo 2's q/k norms come before any residual norm)

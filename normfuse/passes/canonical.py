@@ -24,7 +24,7 @@ from normfuse.vocabulary import LOW_PRECISION, TORCH_NORMS
 
 __all__ = ["real_users", "mutates", "is_check_only", "Canon", "canonicalize", "canonical", "common_subexpressions", "SPELLINGS", "PARAMS", "tensor_meta", "node_dtype",
            "node_shape", "dim_value", "same_dim", "same_shape", "broadcasts_to", "last_dim", "is_exact_upcast", "is_split_piece",
-           "unbound_dim", "strided_store", "one_dim"]
+           "unbound_dim", "strided_store", "one_dim", "dim_named"]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -439,15 +439,21 @@ def unbound_dim(node: fx.Node) -> Any:
     return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
 
 
-def one_dim(c: "Canon", ndim: int | None = None) -> int | None:
-    """The one dim a canonical op's ``dim`` names (a cat's, a slice's, an unsqueeze's: an int, or a
-    list of one int), counted from 0 when ``ndim`` is given; None when it names none or several."""
-    d = c["dim"]
-    if isinstance(d, (list, tuple)):
-        d = d[0] if len(d) == 1 else None
-    if not isinstance(d, int) or isinstance(d, bool):
+def dim_named(dims: Any, ndim: int | None = None) -> int | None:
+    """The one dim ``dims`` names (an int, or a list of one int: a cat's, a slice's, a reduction's),
+    counted from 0 when ``ndim`` is given (None when outside it); None when it names none or several."""
+    if isinstance(dims, (list, tuple)):
+        dims = dims[0] if len(dims) == 1 else None
+    if not isinstance(dims, int) or isinstance(dims, bool):
         return None
-    return d % ndim if ndim else d
+    if not ndim:
+        return dims
+    return dims % ndim if -ndim <= dims < ndim else None
+
+
+def one_dim(c: "Canon", ndim: int | None = None) -> int | None:
+    """The one dim a canonical op's ``dim`` names (``dim_named``)."""
+    return dim_named(c["dim"], ndim)
 
 
 def strided_store(node: fx.Node) -> tuple[fx.Node, int, int, Any] | None:

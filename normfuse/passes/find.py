@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from normfuse.passes.canonical import (Canon, canonical, dim_value, is_exact_upcast, last_dim, node_dtype,
+from normfuse.passes.canonical import (Canon, canonical, dim_named, dim_value, is_exact_upcast, last_dim, node_dtype,
                                        node_shape, real_users, same_dim, same_shape, tensor_meta)
 from normfuse.passes.graph import GraphIndex
 from normfuse.vocabulary import KERNEL_DTYPES, LOW_PRECISION, TORCH_NORMS
@@ -80,20 +80,12 @@ def const_value(value: Any) -> float | None:
 
 
 def _last_dim_only(dims: Any, ndim: int | None) -> bool:
-    if dims is None or ndim is None:
-        return False
-    dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
-    return len(dims) == 1 and isinstance(dims[0], int) and dims[0] in (-1, ndim - 1)
+    return bool(ndim) and dim_named(dims, ndim) == ndim - 1
 
 
 def _reduced_dim(dims: Any, ndim: int | None) -> int | None:
-    """The one dim a reduction takes, made non-negative (None: several, none, or not a constant)."""
-    if dims is None or ndim is None:
-        return None
-    dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
-    if len(dims) != 1 or not isinstance(dims[0], int) or isinstance(dims[0], bool) or not -ndim <= dims[0] < ndim:
-        return None
-    return dims[0] % ndim
+    """The one dim a reduction takes, made non-negative (None: several, none, not a constant, or no rank)."""
+    return dim_named(dims, ndim) if ndim else None
 
 
 def channel_layout(d: int, ndim: int) -> tuple[int, ...]:
@@ -956,12 +948,8 @@ def _moves_last_dim(index: GraphIndex, node: fx.Node) -> bool:
     """Whether a view or permute changes what the last dim holds (its size, or which dim it is)."""
     c = index.canon(node)
     if c.prim == "permute":
-        dims, ndim = c["dims"], len(node_shape(node) or ())
-        return not ndim or not isinstance(dims[-1], int) or dims[-1] % ndim != ndim - 1
-    if c.prim == "view":
-        shapes = node_shape(node), node_shape(c["input"])
-        return not all(shapes) or not same_dim(shapes[0][-1], shapes[1][-1])
-    return False
+        return not _last_dim_only(c["dims"][-1:], len(node_shape(node) or ()))
+    return c.prim == "view" and not same_dim(last_dim(node), last_dim(c["input"]))
 
 
 def _shape_text(node: Any) -> str:

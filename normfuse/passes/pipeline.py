@@ -249,15 +249,15 @@ class NormFusionPass(CustomGraphPass):
             report.graph_modules.append(gm)
         return report, (analysis[0] if analysis else None)
 
-    def _splits_taken(self, graph: fx.Graph, found: Analysis, qk: dict[fx.Node, fx.Node],
-                      others: dict[fx.Node, fx.Node]) -> tuple[tuple[str, str], ...]:
+    def _splits_taken(self, graph: fx.Graph, found: Analysis, plain: dict[fx.Node, fx.Node]
+                      ) -> tuple[tuple[str, str], ...]:
         """The norms to split per slice of their rows (passes/norm_over_slices.py), tried on a copy of
         the graph: those whose slices then take more steps the whole norm could not (a RoPE; a scale and
         shift, an add: HunyuanVideo I2V's first frame), counted over the slices, than the steps of the
-        whole norm's call the slices lose (its add, when they read slices of the sum). ``qk``: the q/k
-        norms (split where a slice is rotated), ``others``: any norm (split where two row slices or more
-        read it). A split that takes nothing more costs a second norm call (and a cat where a store was)."""
-        norms = {**splittable(others, rotated=False), **splittable(qk)}
+        whole norm's call the slices lose (its add, when they read slices of the sum). ``plain``: the
+        norms (output -> input) that may be split: where a slice is rotated, or two row slices or more
+        read it. A split that takes nothing more costs a second norm call (and a cat where a store was)."""
+        norms = splittable(plain, rotated=False)
         if not norms:  # (most graphs: no copy to make)
             return ()
         try:
@@ -312,7 +312,7 @@ class NormFusionPass(CustomGraphPass):
                      if s.match.group is None and s.match.layout is None and s.match.reason is None}
             qk = {s.match.output: s.match.input for s in found.sites  # the norms qk_norm_rope computes
                   if rope and s.match.kind in QK_KINDS and s.match.output in plain}
-            taken = self._splits_taken(graph, found, qk, plain)
+            taken = self._splits_taken(graph, found, plain)
             norms = split_norm_over_slices(graph, {}, only=taken) if taken else ()
             splits = GraphSplits(cats, norms, split_stores_into_cats(graph, set(qk)) if qk else ())
         if splits:

@@ -357,8 +357,7 @@ def _eval_mul(node: fx.Node, c, val) -> Any:
     if _is_complex(a) or _is_complex(b):  # the complex form's rotation
         if isinstance(b, _Heads):
             a, b = b, a
-        if isinstance(a, _Groups) or isinstance(b, (_Groups, _Heads)) or \
-                (isinstance(a, _Heads) and not all(isinstance(h, _Complex) for h in a)):
+        if isinstance(a, _Groups) or isinstance(b, (_Groups, _Heads)) or (isinstance(a, _Heads) and not _is_complex(a)):
             raise _Unsupported(f"{node.name} multiplies complex values with pairs, or two values split into heads")
         return _per_head(a, lambda head: _complex_mul(head, b))
     return _elementwise(operator.mul, a, b)

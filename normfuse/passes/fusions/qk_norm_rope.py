@@ -818,7 +818,8 @@ def _partner(ctx: PlanContext, site, found: RopeMatch):
             continue
         if index.is_ancestor(site.match.output, other.match.input):
             continue
-        if None not in (ours, _attention_of(other.match)) and ours != _attention_of(other.match):
+        attention = _attention_of(other.match)
+        if None not in (ours, attention) and ours != attention:
             # LTX-2's audio-to-video q and video-to-audio k share the video table: one call would make each
             # attention's gradients flow through the other's (zeros where eager has none), and move one
             # attention's k projection up before the other attention
