@@ -472,16 +472,22 @@ def configurations(ns: list[int], dtypes: list[str]):
                 seen.add(key)
 
 
+def launch_options(backward: bool, warps: int) -> dict:
+    """The compile options the ops launch with: the forward kernels contract no fp32 product into an add."""
+    return {"num_warps": warps} if backward else {"num_warps": warps, "enable_fp_fusion": False}
+
+
 def compile_one(op: Op, dtype: str, block: int, warps: int, looped: bool, target: str) -> dict:
     src, names = source(op, dtype, block, looped)
     t0 = time.perf_counter()
-    kernel = triton.compile(src, target=TARGETS[target], options={"num_warps": warps})
+    kernel = triton.compile(src, target=TARGETS[target], options=launch_options(op.backward, warps))
     row = {"compile_s": time.perf_counter() - t0, "shared": kernel.metadata.shared}
     threads = warps * TARGETS[target].warp_size
     if target.startswith("cuda"):
         res = cuda_resources(kernel.asm["cubin"])
         row.update(res)
         row["occupancy"] = cuda_occupancy(res["regs"], warps, kernel.metadata.shared, TARGETS[target].arch)
+        row["fma_f32"] = kernel.asm["ptx"].count("fma.rn.f32")  # contracted fp32 steps (forward: none, as eager)
         elem = DTYPES[dtype][0].itemsize
         for name, rec in ptx_accesses(kernel.asm["ptx"], names).items():
             if name in STAT_PTRS or name == "?":
@@ -605,7 +611,7 @@ def strided_rows(dtypes: list[str], targets: list[str]) -> list[dict]:
                     if key not in compiled:
                         t0 = time.perf_counter()
                         src, names = strided_source(fn, flags, layouts, dtype, block_hw, block_n)
-                        kernel = triton.compile(src, target=TARGETS[target], options={"num_warps": warps})
+                        kernel = triton.compile(src, target=TARGETS[target], options=launch_options(backward, warps))
                         row = {"compile_s": time.perf_counter() - t0, "shared": kernel.metadata.shared}
                         threads = warps * TARGETS[target].warp_size
                         if target.startswith("cuda"):

@@ -34,7 +34,7 @@ import triton
 from triton.compiler import ASTSource
 
 from bench_static_kernels import (DTYPES, TARGETS, Leaf, cuda_occupancy, cuda_resources, hip_occupancy,
-                                  hip_resources, kernel_source, ptx_accesses)
+                                  hip_resources, kernel_source, launch_options, ptx_accesses)
 from normfuse.kernels import triton_rope as KR
 
 HQ, HK = 32, 8  # Qwen3-8B's heads (GQA); the tile takes the larger count
@@ -103,8 +103,7 @@ def source(backward: bool, layout: str, row_norm: bool, D: int, R: int, dtype: s
 def compile_one(backward, layout, row_norm, D, R, dtype, target, heads=HQ, half_table=False, layer=False) -> dict:
     src, warps, tile, names = source(backward, layout, row_norm, D, R, dtype, heads, half_table, layer)
     t0 = time.perf_counter()
-    options = {"num_warps": warps} if backward else {"num_warps": warps, "enable_fp_fusion": False}  # as launched
-    kernel = triton.compile(src, target=TARGETS[target], options=options)
+    kernel = triton.compile(src, target=TARGETS[target], options=launch_options(backward, warps))
     row = {"compile_s": time.perf_counter() - t0, "warps": warps, **tile, "shared": kernel.metadata.shared}
     if target.startswith("cuda"):
         res = cuda_resources(kernel.asm["cubin"])

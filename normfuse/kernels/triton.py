@@ -1159,7 +1159,8 @@ def _launch_fwd(call, y: Optional[Tensor], s: Optional[Tensor], y1: Optional[Ten
         ROUND_SUM_FIRST=rounding.round_sum_first,
         GATE_OPTS=(gate is not None and gate.position == "after", gate is None or gate.activation == "silu",
                    TL_DTYPES[gate_out or out_dtype]),
-        NORM_GROUP=norm_group or 0, BLOCK_N=block, num_warps=num_warps)
+        NORM_GROUP=norm_group or 0, BLOCK_N=block, num_warps=num_warps,
+        enable_fp_fusion=False)  # fp32 steps round where eager's ops do: no product contracted into an add
     return mean, rstd
 
 
@@ -1655,7 +1656,7 @@ def _add_norm_fwd_strided(call: AddNormCall, j: int):
                 TL_DTYPES[out_dtype]),
         IS_RMS=kind == "rms_norm", ROUND_FIRST=rounding.norm_round_dtype is not None,
         SCALE_RESIDUAL=rows.residual_scale != 1.0, ROUND_SUM_FIRST=rounding.round_sum_first,
-        BLOCK_HW=block_hw, BLOCK_N=block_n, num_warps=num_warps)
+        BLOCK_HW=block_hw, BLOCK_N=block_n, num_warps=num_warps, enable_fp_fusion=False)  # as the row kernels
     return y, s, mean, rstd, None
 
 
