@@ -326,6 +326,43 @@ def test_a_q_norm_does_not_pair_with_the_next_layer_s_q_norm():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+class QKNormCrossAttention(_Attention):
+    """An attention whose class is named with "norm": q and k rotated with their own tables."""
+
+    def forward(self, q, k, q_table, k_table):
+        B, S = q.shape[:2]
+        qn = self.q_norm(q.view(B, S, self.heads, self.dim)).transpose(1, 2)
+        kn = self.k_norm(k.view(B, S, self.heads, self.dim)).transpose(1, 2)
+        v = k.view(B, S, self.heads, self.dim).transpose(1, 2)
+        (qc, qs), (kc, ks) = ((c.unsqueeze(1), s.unsqueeze(1)) for c, s in (q_table, k_table))
+        return F.scaled_dot_product_attention(self._rotate(qn, qc, qs), self._rotate(kn, kc, ks), v)
+
+
+class _CrossStreams(nn.Module):
+    """LTX-2's audio-video cross attentions: the video-to-audio one's q and the audio-to-video one's k read
+    the video table, the other two the audio table."""
+
+    def __init__(self):
+        super().__init__()
+        self.a2v, self.v2a = QKNormCrossAttention(), QKNormCrossAttention()
+
+    def forward(self, q, k, cos, sin):
+        video, audio = (cos, sin), (sin, cos)
+        return self.a2v(q, k, video, audio), self.v2a(k, q, audio, video)
+
+
+def test_q_k_norms_pair_within_one_attention_whatever_its_class_is_named():
+    """Two attentions' norms that read one table are not one call: each attention's gradients would flow
+    through the other's (zeros where eager has none). The norm's own module is the one that computes the
+    norm only, not the one whose class name says "norm"."""
+    ref, out, rep = _optimized_toy(_CrossStreams())
+    assert len(rep.sites) == 4 and all(s.op == "qk_norm_rope" and s.fused_rope for s in rep.sites), rep
+    for call in {s.call for s in rep.sites}:
+        assert len({s.fqn.split(".")[0] for s in rep.sites if s.call == call}) == 1, rep
+    for got, want in zip(out, ref):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_standalone_false_leaves_the_q_k_norms_and_their_rope():
     """q/k norms have no add next to them: with standalone=False they stay as the model wrote them."""
     ref, out, rep = _optimized_toy(_Attention(), standalone=False)

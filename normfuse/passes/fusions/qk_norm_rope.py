@@ -809,7 +809,9 @@ def _partner(ctx: PlanContext, site, found: RopeMatch):
     from this one's output: every layer reads one cos/sin table, and the next layer's q norm,
     downstream of this one, is no partner (its call could not start where this one does)."""
     index = ctx.analysis.index
-    ours = _attention_of(site.match)
+    computing = _modules_computing(index.graph)
+    normalizing = {n for s in ctx.analysis.sites for n in s.match.nodes}
+    ours = _attention_of(index, site.match, computing, normalizing)
     for other in ctx.analysis.sites:
         theirs = other.parts.get(QK_NORM_ROPE.name)
         if other is site or other.number in ctx.unavailable or theirs is None or theirs.reason is not None:
@@ -818,7 +820,7 @@ def _partner(ctx: PlanContext, site, found: RopeMatch):
             continue
         if index.is_ancestor(site.match.output, other.match.input):
             continue
-        attention = _attention_of(other.match)
+        attention = _attention_of(index, other.match, computing, normalizing)
         if None not in (ours, attention) and ours != attention:
             # LTX-2's audio-to-video q and video-to-audio k share the video table: one call would make each
             # attention's gradients flow through the other's (zeros where eager has none), and move one
@@ -830,14 +832,29 @@ def _partner(ctx: PlanContext, site, found: RopeMatch):
     return None
 
 
-def _attention_of(m) -> str | None:
-    """The innermost module around a q/k norm that is not a norm (its attention), as the graph recorded
-    it (``nn_module_stack``), or None. (A norm's input may be computed inside the norm's module, a cast:
-    which module makes the input does not tell a norm module from its attention.)"""
-    stack = (m.anchor or m.output).meta.get("nn_module_stack") or {}
-    for path, cls in reversed(list(stack.values())):
-        if "norm" not in (getattr(cls, "__name__", None) or str(cls)).lower():
-            return str(path)
+def _innermost_module(node: fx.Node) -> tuple[str, ...]:
+    """The module paths around ``node`` as the graph recorded them (``nn_module_stack``), outermost first."""
+    return tuple(str(path) for path, _ in (node.meta.get("nn_module_stack") or {}).values())
+
+
+def _modules_computing(graph: fx.Graph) -> dict[str, list[fx.Node]]:
+    """The computing nodes of each innermost module path."""
+    nodes: dict[str, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module") and (stack := _innermost_module(node)):
+            nodes.setdefault(stack[-1], []).append(node)
+    return nodes
+
+
+def _attention_of(index, m, computing: dict[str, list[fx.Node]], normalizing: set[fx.Node]) -> str | None:
+    """The innermost module around a q/k norm that computes more than norms (its attention), or None.
+    A module whose nodes all normalize (``normalizing``: the nodes of every norm found), with casts, views,
+    slices and cats of their rows, is a norm's own (whatever its class is named: an attention class may be
+    named QKNormCrossAttention; a norm split per slice of its rows is two norms in one module)."""
+    for path in reversed(_innermost_module(m.anchor or m.output)):
+        if any(n not in normalizing and index.prim(n) not in ("cast", "view", "slice", "cat")
+               for n in computing.get(path, ())):
+            return path
     return None
 
 
