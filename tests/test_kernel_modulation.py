@@ -276,13 +276,63 @@ def test_gated_branch_opcheck():
 
 @pytest.mark.parametrize("kwargs,error,words", [
     (dict(x_gate=torch.ones(B, 2, N)), ShapeMismatchError, "must broadcast to x's shape"),
-    (dict(x_gate=torch.ones(B, 1, N), x1=torch.ones(B, S, N)), InvalidOptionError, "cannot be combined"),
+    (dict(x_gate=torch.ones(B, 1, N), rowscale=torch.ones(B, S)), InvalidOptionError, "cannot be combined"),
+    (dict(x_gate=torch.ones(B, 1, N), x1=torch.ones(B, S, N, dtype=torch.bfloat16)), InvalidOptionError,
+     "x1 must have the product's dtype"),
     (dict(x_gate=torch.ones(B, 1, N, dtype=torch.int32)), normfuse.errors.UnsupportedDtypeError, "Cast it first"),
 ])
 def test_gated_branch_bad_arguments(kwargs, error, words):
     x = torch.randn(B, S, N)
     with pytest.raises(error, match=words):
         add_norm(x, x, None, None, kind="layer_norm", eps=1e-6, **kwargs)
+
+
+def two_gated_branches(t):
+    """SD3.5's dual-attention block: the first attention's gated branch summed with the stream, then the
+    second's, then norm2 and its modulation."""
+    s = (t["r"] + t["gate"] * t["x"]) + t["gate2"] * t["x2"]
+    return F.layer_norm(s, (N,), None, None, 1e-6) * (1 + t["scale"]) + t["shift"], s
+
+
+def two_gated_branches_ours(t):
+    """The call gates x, adds the stream as x1, then adds the second gated branch, formed before it, as its
+    residual: ``(gate * x + x1) + residual``, each step rounded where the block rounds."""
+    return add_norm(t["x"], t["gate2"] * t["x2"], None, None, kind="layer_norm", eps=1e-6, x_gate=t["gate"],
+                    x1=t["r"], modulation=Modulation(1 + t["scale"], t["shift"]))
+
+
+def _two_gated(dtype, per_token=False, seed=0):
+    t = _gated(dtype, per_token, seed)
+    gen = torch.Generator().manual_seed(seed + 200)
+    t["x2"] = torch.randn(B, S, N, generator=gen).to(dtype)
+    t["gate2"] = torch.randn(*t["gate"].shape, generator=gen).to(dtype)
+    return t
+
+
+@BACKENDS
+@pytest.mark.parametrize("per_token", (False, True), ids=("per_sample", "per_token"))
+@pytest.mark.parametrize("dtype", (FP32, BF16), ids=("fp32", "bf16"))
+def test_a_gated_branch_with_a_second_branch(dtype, per_token, backend, request, monkeypatch):
+    """x_gate with x1: the sum ``round(round(gate * x) + x1)`` then the residual, as the block's two adds
+    (bit-equal on the reference; the Triton kernels take all of it, their reductions held to the rule);
+    gradients within the rule against fp64."""
+    _on(backend, request)
+    if backend == "triton":
+        from normfuse.kernels import triton as kernels
+        _kernels_take_it_all(kernels, monkeypatch)
+    t = _two_gated(dtype, per_token)
+    got, want = two_gated_branches_ours(t), two_gated_branches(t)
+    exact = two_gated_branches({k: v.double() for k, v in t.items()})
+    assert torch.equal(got[1], want[1])
+    for a, b, e in zip(got, want, exact):
+        if backend == "reference":
+            assert torch.equal(a, b)
+        _assert_within(a, b, e)
+    gen = torch.Generator().manual_seed(11)
+    cot = [torch.randn(B, S, N, generator=gen, dtype=FP64) for _ in range(2)]
+    names = ["x", "r", "gate", "x2", "gate2", "scale", "shift"]
+    _assert_grads_within(_grads(two_gated_branches_ours, t, names, cot), _grads(two_gated_branches, t, names, cot),
+                         _grads(two_gated_branches, {k: v.double() for k, v in t.items()}, names, cot))
 
 
 # ---- the modulation as the kernels' epilogue (Triton) ---------------------------------------------

@@ -461,3 +461,122 @@ def test_a_modulation_after_a_view_of_the_sum(per_column, batch):
         assert site.fused_modulation, site
     else:
         assert not site.fused_modulation and "viewed to (" in site.modulation_reason, site
+
+
+class LearnedModulation(nn.Module):
+    """A norm without affine followed by learned parameters of one value per column, as a block may hold
+    them: ``shape`` (C,), (1, 1, C) or (1, 1, 1, C) (the last widens y to 4 dims), ``form`` the steps."""
+
+    def __init__(self, shape, form, d=16, dtype=torch.float32):
+        super().__init__()
+        self.form = form
+        self.proj, self.out = nn.Linear(d, d, dtype=dtype), nn.Linear(d, 4, dtype=dtype)
+        self.norm = nn.LayerNorm(d, elementwise_affine=False, dtype=dtype)
+        self.scale = nn.Parameter(torch.randn(*shape, dtype=dtype))
+        self.shift = nn.Parameter(torch.randn(*shape, dtype=dtype))
+
+    def forward(self, x):
+        x = x + self.proj(x)
+        n = self.norm(x)
+        if self.form == "one_plus":
+            y = n * (1 + self.scale) + self.shift
+        elif self.form == "scale_shift":
+            y = n * self.scale + self.shift
+        else:  # "shift"
+            y = n + self.shift
+        return self.out(y)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+@pytest.mark.parametrize("form", ("one_plus", "scale_shift", "shift"))
+@pytest.mark.parametrize("shape", ((16,), (1, 1, 16), (1, 1, 1, 16)), ids=("C", "11C", "111C"))
+def test_learned_parameters_after_a_norm_without_affine(shape, form, dtype):
+    """The op takes a weight and a bias of shape (C,) only: a (1, 1, C) parameter is the modulation's
+    per-column operand, a (1, 1, 1, C) one (y widened) stays in the graph (the optimized model ran into
+    the op's shape check with both before). After a norm call, ``+ bias`` is not the op's bias: eager's
+    layer_norm with a bias rounds its affine step otherwise than a separate add (fp32 differed by 1 ulp)."""
+    torch.manual_seed(0)
+    model = LearnedModulation(shape, form, dtype=dtype).eval()
+    x = torch.randn(2, 8, 16).to(dtype)
+    with torch.no_grad():
+        want = model(x)
+        got = normfuse.optimize(model)(x)
+    site = normfuse.report(model).sites[0]
+    assert site.fused and site.fused_add, site
+    assert torch.equal(got, want)
+    if len(shape) < 4:  # the scale is the norm's weight or the modulation's factor; the shift the modulation's
+        assert site.fused_modulation, site
+    res = normfuse.check(LearnedModulation(shape, form), torch.randn(2, 8, 16))
+    assert res.ok, res
+    assert all(s.symbolic.status == "proved" for s in res.sites), res
+
+
+class ScaleFromAnotherNorm(nn.Module):
+    """One norm's scale is computed from another norm's output, and its own add comes first: its call would
+    move the scale's projection up before its add, above the other norm's call that makes what it reads."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.f, self.g, self.proj, self.out = (nn.Linear(d, d) for _ in range(4))
+        self.norm_a, self.norm_b = nn.LayerNorm(d), nn.LayerNorm(d, elementwise_affine=False)
+
+    def forward(self, x, z):
+        sum_b = x + self.f(x)
+        sum_a = z + self.g(z)
+        scale = self.proj(self.norm_a(sum_a))
+        return self.out(self.norm_b(sum_b) * (1 + scale)), sum_a
+
+
+def test_an_operand_read_from_an_earlier_call_s_output_is_not_moved_above_that_call():
+    """Every value a call replaces is made where the call goes: a later call moves no reader of it above
+    that (the pass failed its lint stage and left the graph unchanged before); this call goes where its
+    output is first read instead."""
+    torch.manual_seed(0)
+    model = ScaleFromAnotherNorm().eval()
+    x, z = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    with torch.no_grad():
+        want = model(x, z)
+        got = normfuse.optimize(model)(x, z)
+    rep = normfuse.report(model)
+    assert all(s.fused and s.fused_add for s in rep.sites) and rep.counts()["fused_modulation"] == 1, rep
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+class TwoGatedBranches(nn.Module):
+    """SD3.5's dual-attention block (``"sd35"``: the first attention's gated branch added to the stream, then
+    the second's, then norm2 and its modulation) and WanVACE's (``"control"``: a block's gated branch added,
+    then a control hint scaled by a number, then the next block's norm)."""
+
+    def __init__(self, form, dtype=torch.float32, d=C):
+        super().__init__()
+        self.form = form
+        self.attn, self.attn2, self.ff = (nn.Linear(d, d, dtype=dtype) for _ in range(3))
+        self.ada = nn.Linear(d, 4 * d, dtype=dtype)
+        self.norm2 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6, dtype=dtype)
+
+    def forward(self, h, emb):
+        gate, gate2, scale, shift = (c.unsqueeze(1) for c in self.ada(F.silu(emb)).chunk(4, dim=1))
+        first, second = self.attn(h), self.attn2(h)  # (SD3.5's attn2 reads norm1's second output, not the sum)
+        h = h + gate * first
+        h = h + (gate2 * second if self.form == "sd35" else second * 0.5)
+        return self.ff(self.norm2(h) * (1 + scale) + shift), h
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+@pytest.mark.parametrize("form", ("sd35", "control"))
+def test_a_gated_branch_added_before_another_branch(form, dtype):
+    """``(h + gate * a) + b``: the call gates a, adds h as its second branch (x1), then b as its residual,
+    as the two adds round (SD3.5's second gate, WanVACE's control hint: the gated branch was left to eager
+    with the reason that the call took a second branch)."""
+    torch.manual_seed(0)
+    model = TwoGatedBranches(form, dtype).eval()
+    h, emb = _inputs(dtype)
+    with torch.no_grad():
+        want = model(h, emb)
+        got = normfuse.optimize(model)(h, emb)
+    site = normfuse.report(model).sites[0]
+    assert site.fused_add and site.fused_x1 and site.fused_gated_residual and site.fused_modulation, site
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    res = normfuse.check(TwoGatedBranches(form), *_inputs(torch.float32))
+    assert res.ok, res
+    assert res.sites[0].symbolic.status == "proved", res.sites[0]

@@ -456,3 +456,36 @@ def test_one_rotated_slice_takes_its_rope():
     ref, out, rep = eager_and_optimized(_OneRotatedSlice(), *_inputs())
     assert [s.op for s in rep.sites] == ["qk_norm_rope", "qk_norm_rope"], rep
     assert torch.equal(out, ref)
+
+
+
+class _FinalNormOfTheStreams(nn.Module):
+    """ConsisID's last norm: the text and image streams' sums joined by a cat, normalized,
+    and the image rows kept (``norm_final(cat([text, image]))[:, T:]``)."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.ff, self.ff_text = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.norm_final = nn.LayerNorm(dim, eps=1e-5)
+
+    def forward(self, h, text):
+        h, text = h + self.ff(h), text + self.ff_text(text)
+        return self.norm_final(torch.cat([text, h], dim=1))[:, text.shape[1]:]
+
+
+def test_a_norm_of_streams_read_through_one_slice_stays_whole_with_the_reason():
+    """Normalizing the image piece alone would take its add, but the text stream's parameters would get no
+    gradient where eager gives them zeros (an optimizer's weight decay, DDP's unused-parameter check see
+    the difference): the norm stays whole, fused without its adds, and the report says why."""
+    g = torch.Generator().manual_seed(5)
+    h, text = torch.randn(2, 8, 16, generator=g), torch.randn(2, 3, 16, generator=g)
+    model = _FinalNormOfTheStreams()
+    ref, out, rep = eager_and_optimized(model, h, text)
+    site = rep.sites[0]
+    assert site.op == "norm" and site.input_is_add and not site.fused_add, rep
+    assert site.add_reason.startswith("the norm reads a cat of 2 pieces along its rows, 2 of them sums"), rep
+    assert torch.equal(out, ref)
+    optimized = normfuse.optimize(copy.deepcopy(model))
+    optimized(h, text).sum().backward()
+    model(h, text).sum().backward()
+    assert all((p.grad is None) == (q.grad is None) for p, q in zip(model.parameters(), optimized.parameters()))

@@ -333,12 +333,17 @@ def _in_graph_code(frame) -> bool:
 
 
 def _check_x_gate(x, x_gate, x1, rowscale, dropout_p, gate, quant_dtype) -> None:
-    """A gated residual branch: a tensor broadcasting to x, not combined with the branch modes."""
+    """A gated residual branch: a tensor broadcasting to x; with x1 (``(x * x_gate + x1) + residual``: SD3.5's
+    two gated branches, one summed with the stream first) of the product's dtype; not with the other modes."""
     check_operand("x_gate", x_gate, x)
     check_broadcast("x_gate", x_gate, x)
-    if x1 is not None or rowscale is not None or dropout_p or gate is not None or quant_dtype is not None:
-        raise InvalidOptionError("x_gate (a gated residual branch, x * x_gate) cannot be combined with x1, rowscale, "
+    if rowscale is not None or dropout_p or gate is not None or quant_dtype is not None:
+        raise InvalidOptionError("x_gate (a gated residual branch, x * x_gate) cannot be combined with rowscale, "
                                  "dropout, gate or quant_dtype yet; gate the branch before add_norm.")
+    product = torch.promote_types(x.dtype, x_gate.dtype)
+    if x1 is not None and x1.dtype != product:
+        raise InvalidOptionError(f"x1 is {x1.dtype} and x * x_gate is {product}: with x_gate, x1 must have the "
+                                 "product's dtype (the kernels round the product and its sum with x1 to it); cast x1.")
 
 
 def _float_or_none(value):

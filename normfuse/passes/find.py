@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from normfuse.passes.canonical import (Canon, canonical, dim_named, dim_value, is_exact_upcast, last_dim, node_dtype,
-                                       node_shape, real_users, same_dim, same_shape, tensor_meta)
+                                       node_shape, one_dim, real_users, same_dim, same_shape, tensor_meta)
 from normfuse.passes.graph import GraphIndex
 from normfuse.vocabulary import KERNEL_DTYPES, LOW_PRECISION, TORCH_NORMS
 
@@ -128,6 +128,13 @@ def _vector_of(node: Any, n: int | None, layout: tuple[int, ...] | None = None) 
         return False
     at = len(shape) - 1 if layout is None else len(shape) - (len(layout) - layout[-1])
     return at >= 0 and same_dim(shape[at], n) and all(same_dim(d, 1) for i, d in enumerate(shape) if i != at)
+
+
+def _weight_vector(node: Any, n: int | None) -> bool:
+    """The (n,) vector the fused op takes as the norm's weight or bias: a (1, 1, n) one is a
+    modulation's per-column operand (read through its strides), a (1, 1, 1, n) one widens y."""
+    shape = node_shape(node)
+    return shape is not None and n is not None and len(shape) == 1 and same_dim(shape[0], n)
 
 
 def _channel_param(index: GraphIndex, operand: Any, n: int, layout: tuple[int, ...]):
@@ -484,7 +491,7 @@ def _weight_operand(index: GraphIndex, operand: Any, n: int, layout: tuple[int, 
     if layout is not None:
         found = _channel_param(index, operand, n, layout)
         return None if found is None else (found[0], 0.0, found[1])
-    if _is_param_like(index, operand) and _vector_of(operand, n):
+    if _is_param_like(index, operand) and _weight_vector(operand, n):
         nodes = []
         cur = operand
         while cur is not strip_upcasts(index, cur) and index.prim(cur) == "cast":
@@ -492,7 +499,7 @@ def _weight_operand(index: GraphIndex, operand: Any, n: int, layout: tuple[int, 
             cur = index.canon(cur)["input"]
         return strip_upcasts(index, operand), 0.0, nodes
     c = index.canon(operand)
-    if c is not None and c.prim == "add" and c["alpha"] == 1 and _vector_of(operand, n):
+    if c is not None and c.prim == "add" and c["alpha"] == 1 and _weight_vector(operand, n):
         a, b = c["input"], c["other"]
         off, w = (const_value(a), b) if const_value(a) is not None else (const_value(b), a)
         # w + 0.0 is w in any dtype (x-transformers' ``gamma + float(unit_offset)``); another offset in fp32
@@ -578,7 +585,9 @@ def _with_tail(index: GraphIndex, m: NormMatch, call: bool = False) -> NormMatch
                     break
                 other = channel_bias[0]
                 added += channel_bias[1]
-            elif other is None or not _is_param_like(index, other) or not _vector_of(other, n):
+            elif call or other is None or not _is_param_like(index, other) or not _weight_vector(other, n):
+                # (after a norm call: eager's layer_norm with a bias rounds its affine step otherwise than
+                # a separate ``+ b``; the add is the modulation's shift then)
                 break
             bias = strip_upcasts(index, other)
             phase = "w"
@@ -633,10 +642,10 @@ def find_norms(index: GraphIndex) -> list[NormMatch]:
             m = _match_normalize(index, node, c)
         if m is None or any(x in claimed for x in m.nodes):
             continue
-        if m.reason is None and m.weight is not None and not _vector_of(m.weight, m.hidden_size):
+        if m.reason is None and m.weight is not None and not _weight_vector(m.weight, m.hidden_size):
             m = replace(m, reason=f"weight of shape {node_shape(m.weight)} is not a vector of the hidden size "
                                   f"{m.hidden_size}")
-        if m.reason is None and m.bias is not None and not _vector_of(m.bias, m.hidden_size):
+        if m.reason is None and m.bias is not None and not _weight_vector(m.bias, m.hidden_size):
             m = replace(m, reason=f"bias of shape {node_shape(m.bias)} is not a vector of the hidden size "
                                   f"{m.hidden_size}")
         claimed.update(m.nodes)
@@ -838,7 +847,8 @@ def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
         else:
             live_dropout = c is not None and c.prim == "dropout" and (n is None or same_dim(last_dim(cur), n))
             if not is_pass_through(index, cur, n) and not live_dropout:
-                return _stream_collapse(index, cur, chain) or _add_behind_reshape(index, cur, chain)
+                return _stream_collapse(index, cur, chain) or _add_behind_reshape(index, cur, chain) \
+                    or _cat_of_sums(index, cur, chain)
         chain.append(cur)
         cur = index.canon(cur)["input"]
     return None
@@ -942,6 +952,24 @@ def _add_behind_reshape(index: GraphIndex, node: fx.Node, chain: list) -> AddMat
     else:
         reason = f"the add reaches the norm through {what} {node.name}, which the kernels do not read through"
     return AddMatch(node=am.node, operands=am.operands, chain=tuple(chain), reason=am.reason or reason)
+
+
+def _cat_of_sums(index: GraphIndex, node: fx.Node, chain: list) -> AddMatch | None:
+    """A cat along the rows of pieces some of which are sums (the text and the image streams joined before
+    one norm: Flux's first single-stream norm, ConsisID's norm_final): found, so the report says why it
+    stays outside the kernel; None for any other node. (A norm whose output is read in slices that are the
+    cat's pieces, every row read, is split per piece before this: passes/norm_over_slices.py.)"""
+    c = index.canon(node)
+    shape = node_shape(node)
+    if c is None or c.prim != "cat" or not shape or one_dim(c, len(shape)) in (None, len(shape) - 1):
+        return None
+    pieces = list(c["tensors"])
+    sums = [am for am in (as_add(index, p, None) for p in pieces) if am is not None]
+    if not sums:
+        return None
+    return AddMatch(node=sums[0].node, operands=sums[0].operands, chain=tuple(chain), reason=(
+        f"the norm reads a cat of {len(pieces)} pieces along its rows, {len(sums)} of them sums: a call reads one "
+        "add (the norm is split per piece where its output is read in slices that are the pieces, every row)"))
 
 
 def _moves_last_dim(index: GraphIndex, node: fx.Node) -> bool:

@@ -217,7 +217,7 @@ def _place(analysis: Analysis, p: Plan, late: dict[fx.Node, int]) -> tuple[Inser
     later (Nemotron's LayerNorm1P computes ``weight + 1`` after the residual add) moves up
     together with what it is computed from, when that is pure and reads only values computed
     before it; else the call goes where its first output is read (``_last_place``). ``late``:
-    the values earlier calls placed after their site's start replace -> where that call goes."""
+    the values earlier calls replace -> where that call goes."""
     index = analysis.index
     candidates = _candidates(analysis, p)
     first = min(candidates, key=index.order.__getitem__)
@@ -253,12 +253,9 @@ def _last_place(analysis: Analysis, p: Plan, candidates: list[fx.Node], operands
         return None
     index = analysis.index
     inside = set(candidates) | set(folded_nodes(p.taken))
-    y = analysis.sites[p.lead].match.output
     for step, found in taken_steps(p.taken):
         inside |= set(step.nodes(found))
-    for part, found in taken_parts(p.taken):  # the node the call's y replaces, as the parts give it
-        y = part.y_output(found, y)
-    replaced = {y, sum_node(analysis, p), *(n for part, found in taken_parts(p.taken) for n in part.added_outputs(found))}
+    replaced = set(replaced_values(analysis, p))
     lead = analysis.sites[p.lead]
     chain = set(lead.in_add.chain) if p.op == "add_norm" and lead.in_add is not None else set()
     read_outside = [n for n in inside if any(u not in inside for u in n.users)]
@@ -281,7 +278,17 @@ def _last_place(analysis: Analysis, p: Plan, candidates: list[fx.Node], operands
         return None
     if any(mutates(u) and start <= index.order.get(u, -1) <= end for t in operands for u in t.users):
         return None
-    return last, tuple(n for n in replaced if n is not None), tuple(follows)
+    return last, tuple(replaced), tuple(follows)
+
+
+def replaced_values(analysis: Analysis, p: Plan) -> tuple[fx.Node, ...]:
+    """The values the call's outputs stand for: y as the parts give it, the sum, the outputs parts add (y1)."""
+    y = analysis.sites[p.lead].match.output
+    for part, found in taken_parts(p.taken):
+        y = part.y_output(found, y)
+    added = (n for part, found in taken_parts(p.taken) for n in part.added_outputs(found))
+    outputs = (y, sum_node(analysis, p), *added)
+    return tuple(n for n in dict.fromkeys(outputs) if n is not None)
 
 
 def _movable_up(index: GraphIndex, operand: fx.Node, first: fx.Node, site: set, late: dict[fx.Node, int]
@@ -426,7 +433,7 @@ def plan(analysis: Analysis, config, as_op: bool = False, excluded: Callable[[in
     claimed: set[fx.Node] = set()
     reserved = {s.in_add.node for s in analysis.sites if s.in_add is not None and s.in_add.reason is None}
     unavailable: set[int] = set()  # sites no call may take as its second norm: excluded, or taken already
-    late: dict[fx.Node, int] = {}   # values replaced by calls placed after their site's start -> where those go
+    late: dict[fx.Node, int] = {}   # values earlier calls replace -> where those calls go
     context = PlanContext(analysis, config, as_op, unavailable=unavailable, claimed=claimed, reserved=reserved,
                           norm_refusal=refusal, steps=STEPS)
     for site in analysis.sites:
@@ -461,7 +468,9 @@ def plan(analysis: Analysis, config, as_op: bool = False, excluded: Callable[[in
         claimed.update(chosen.claims)  # an add folded into one kernel is not folded into another
         if config.recompute_norm_output and not as_op and not chosen.exclusive:
             chosen.recompute = _linear_readers(analysis, chosen)
-        late.update({n: analysis.index.order[chosen.insertion.first] for n in chosen.insertion.replaces})
+        # where each value the call replaces is computed now: a later call moves no reader of it above that
+        late.update({n: analysis.index.order[chosen.insertion.first]
+                     for n in chosen.insertion.replaces or replaced_values(analysis, chosen)})
         number = len(planning.plans)
         planning.plans.append(chosen)
         for member in chosen.sites:

@@ -28,7 +28,9 @@ from normfuse.passes.parts.second_norm import SECOND_NORM
 __all__ = ["PARTS", "FusionPart", "CallPiece", "PlanContext", "taken_parts", "folded_nodes", "BRANCH_FOLD",
            "CHANNEL_LAYOUT", "GATE", "GATED_RESIDUAL", "MODULATION", "QUANT", "SECOND_NORM"]
 
-PARTS: tuple[FusionPart, ...] = (CHANNEL_LAYOUT, BRANCH_FOLD, GATE, MODULATION, QUANT, SECOND_NORM, GATED_RESIDUAL)
+# (the gated residual before the branch fold: the kernel gates x before the branch's other steps, and the
+# checker's formula applies the parts' steps on x in this order)
+PARTS: tuple[FusionPart, ...] = (CHANNEL_LAYOUT, GATED_RESIDUAL, BRANCH_FOLD, GATE, MODULATION, QUANT, SECOND_NORM)
 
 
 def taken_parts(taken: dict) -> list[tuple[FusionPart, object]]:

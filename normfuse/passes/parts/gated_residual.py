@@ -63,9 +63,21 @@ def _gate_and_branch(product: fx.Node, c) -> tuple[fx.Node, fx.Node] | None:
 
 
 def find_gated_branch(index: GraphIndex, in_add) -> GatedBranch | None:
-    """The gated operand of the add the norm normalizes (``in_add``: find.find_input_add's), or None."""
-    add = in_add.node if in_add is not None and in_add.reason is None else None
-    c = index.canon(add) if add is not None else None
+    """The gated operand of the add the norm normalizes (``in_add``: find.find_input_add's), or else of an
+    operand of it that is a sum only it reads (``(stream + gate * branch) + other``), or None."""
+    if in_add is None or in_add.reason is not None:
+        return None
+    found = gated_operand(index, in_add.node)
+    c = index.canon(in_add.node)
+    for operand in (c["input"], c["other"]) if found is None and c is not None and c.prim == "add" else ():
+        if isinstance(operand, fx.Node) and index.prim(operand) == "add" and real_users(operand) == [in_add.node]:
+            found = found or gated_operand(index, operand)
+    return found
+
+
+def gated_operand(index: GraphIndex, add: fx.Node) -> GatedBranch | None:
+    """The operand of ``add`` that is ``branch * x_gate``, read by the add only, or None."""
+    c = index.canon(add)
     if c is None or c.prim != "add" or c["alpha"] != 1:
         return None
     for operand in (c["input"], c["other"]):
@@ -82,6 +94,27 @@ def find_gated_branch(index: GraphIndex, in_add) -> GatedBranch | None:
                 return GatedBranch(add, operand, same, x_gate, tuple(casts))
             return GatedBranch(add, operand, branch, x_gate)
     return None
+
+
+def _second_branch_only(fold) -> bool:
+    """The branch fold took a second add (x1), and no drop path or dropout (the kernel gates x before them)."""
+    return fold is not None and fold.x1 is not None and fold.rowscale is None and not fold.dropout_p
+
+
+def _in_second_branch(index: GraphIndex, plan, fold) -> tuple[GatedBranch | None, str | None]:
+    """The gated operand of the inner add the branch fold took (``(stream + gate * branch) + other``: SD3.5's
+    first attention's gated branch, then the second's; WanVACE's control hint added after the block): the call
+    forms ``gate * branch + x1`` (x1 the other operand of the inner add), then adds ``other`` as its residual."""
+    inner = next((n for n in fold.nodes if index.prim(n) == "add"), None)
+    found = gated_operand(index, inner) if inner is not None else None
+    if found is None:
+        return None, "the call takes the add's operand that is a sum as its x and x1, and neither is gated"
+    if found.product is fold.x1:  # the two operands of the inner sum play one part in it
+        fold.x, fold.x1 = fold.x1, fold.x
+    if fold.x is not found.product or node_dtype(fold.x1) != node_dtype(found.product):
+        return None, "the gated product and the value it is first added to differ in dtype"
+    plan.x = found.branch
+    return found, None
 
 
 class _GatedResidual(FusionPart):
@@ -101,14 +134,19 @@ class _GatedResidual(FusionPart):
         if ctx.as_op:
             return None, "Inductor's post-grad pass does not write the gated branch (use backend=\"normfuse\" or optimize)"
         add = site.in_add
-        if plan.op != "add_norm" or add is None or add.node is not found.add or plan.permute is not None \
-                or plan.residual_scale != 1.0:
+        if plan.op != "add_norm" or add is None or plan.permute is not None:
             return None, "the call does not take the add the gated branch goes into"
         if found.product in ctx.claimed:
             return None, "the gated product is computed by another norm's call (as the scale of its output)"
-        if not all(step.joins_gated_branch for step in ctx.steps if step.name in plan.taken) or len(plan.sites) > 1:
-            return None, "the call takes another step on its branch or its output (a second branch, drop path, " \
-                         "dropout, a gated norm, fp8, a second norm) that the gated branch does not combine with yet"
+        fold = plan.taken.get("branch_fold")
+        if not all(step.joins_gated_branch or step.name == "branch_fold" and _second_branch_only(fold)
+                   for step in ctx.steps if step.name in plan.taken) or len(plan.sites) > 1:
+            return None, "the call takes another step on its branch or its output (drop path, dropout, a gated " \
+                         "norm, fp8, a second norm) that the gated branch does not combine with yet"
+        if fold is not None:  # the add's branch is a sum, the call's x and x1: its gated operand is x
+            return _in_second_branch(ctx.analysis.index, plan, fold)
+        if found.add is not add.node or plan.residual_scale != 1.0:
+            return None, "the call does not take the add the gated branch goes into"
         if plan.residual is found.product:  # the stream was taken for the branch: they play one part in the sum
             plan.x, plan.residual = plan.residual, plan.x
         if plan.x is not found.product:
