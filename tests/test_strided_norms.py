@@ -318,3 +318,38 @@ def test_timm_channel_norms_fuse_with_their_add(monkeypatch, name, rule):
         assert all(s.add_reason is None for s in report.sites)
     ok, err, err_eager, bound = within_tolerance(out, ref, ref.double())
     assert ok, (err, err_eager, bound)
+
+
+class _TransposedStream(nn.Module):
+    """A stream that is a conv's output transposed (AceStep's and SANA-WM's patch embedders: channels first in
+    memory), its adds each normalized by a norm written out (diffusers' RMSNorm) or a LayerNorm."""
+
+    def __init__(self, c=32):
+        super().__init__()
+        self.embed, self.ff, self.ff2 = nn.Conv1d(8, c, 1), nn.Linear(c, c), nn.Linear(c, c)
+        self.weight, self.norm2 = nn.Parameter(torch.rand(c) + 0.5), nn.LayerNorm(c)
+
+    def forward(self, x):
+        h = self.embed(x).transpose(1, 2)
+        h = h + self.ff(h)
+        n = h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype) * self.weight
+        h = h + self.ff2(n)
+        return self.norm2(h), h
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
+def test_a_transposed_stream_s_sum_keeps_its_layout_on_the_cpu_path(dtype, grad):
+    """The CPU path forms the sum in the stream's layout, as eager's ``h + f(h)`` does (it took the branch's,
+    contiguous: a norm written out after it reduced its rows in another order, and the optimized model
+    differed from eager by up to 12 ulp in fp32)."""
+    torch.manual_seed(0)
+    model = _TransposedStream().to(dtype)
+    x = torch.randn(2, 8, 64).to(dtype)
+    with torch.set_grad_enabled(grad):
+        want = model(x)
+        got = normfuse.optimize(copy.deepcopy(model))(x)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert got[1].stride() == want[1].stride()
+    s = add_norm(torch.randn(2, 64, 32).to(dtype), want[1].detach(), None, None, kind="rms_norm", eps=1e-6)[1]
+    assert s.stride() == want[1].stride()
