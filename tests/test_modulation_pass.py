@@ -544,8 +544,8 @@ def test_an_operand_read_from_an_earlier_call_s_output_is_not_moved_above_that_c
 
 class TwoGatedBranches(nn.Module):
     """SD3.5's dual-attention block (``"sd35"``: the first attention's gated branch added to the stream, then
-    the second's, then norm2 and its modulation) and WanVACE's (``"control"``: a block's gated branch added,
-    then a control hint scaled by a number, then the next block's norm)."""
+    the second's, then norm2 and its modulation), and ``"control"``: a block's gated branch added, then a
+    control hint scaled by a number (WanVACE's, without Wan's fp32 composition), then the next norm."""
 
     def __init__(self, form, dtype=torch.float32, d=C):
         super().__init__()
@@ -566,8 +566,8 @@ class TwoGatedBranches(nn.Module):
 @pytest.mark.parametrize("form", ("sd35", "control"))
 def test_a_gated_branch_added_before_another_branch(form, dtype):
     """``(h + gate * a) + b``: the call gates a, adds h as its second branch (x1), then b as its residual,
-    as the two adds round (SD3.5's second gate, WanVACE's control hint: the gated branch was left to eager
-    with the reason that the call took a second branch)."""
+    as the two adds round (SD3.5's second gate: the gated branch was left to eager with the reason that
+    the call took a second branch)."""
     torch.manual_seed(0)
     model = TwoGatedBranches(form, dtype).eval()
     h, emb = _inputs(dtype)
@@ -580,3 +580,63 @@ def test_a_gated_branch_added_before_another_branch(form, dtype):
     res = normfuse.check(TwoGatedBranches(form), *_inputs(torch.float32))
     assert res.ok, res
     assert res.sites[0].symbolic.status == "proved", res.sites[0]
+
+
+
+class WanControlHint(nn.Module):
+    """WanVACE: a Wan block's sum formed in fp32 and rounded by a cast, then a control hint added."""
+
+    def __init__(self, d=C):
+        super().__init__()
+        self.ffn, self.ada, self.out = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.norm1 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, h, emb, hint):
+        gate = self.ada(emb).unsqueeze(1)
+        h = (h.float() + self.ffn(h).float() * gate).type_as(h)
+        h = h + hint * 0.5
+        return self.out(self.norm1(h)), h
+
+
+def test_a_gated_branch_in_a_sum_rounded_by_a_cast_keeps_the_reason():
+    torch.manual_seed(0)
+    model = WanControlHint().eval()
+    h, emb = _inputs(torch.float32)
+    hint = torch.randn(B, S, C)
+    with torch.no_grad():
+        want = model(h, emb, hint)
+        got = normfuse.optimize(model)(h, emb, hint)
+    site = normfuse.report(model).sites[0]
+    assert site.fused_add and not site.fused_gated_residual, site
+    assert site.gated_residual_reason.startswith("the gated branch is in a sum rounded by a cast"), site
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+class ModulatedPerFrame(nn.Module):
+    """SANA-WM: the norm's output viewed to (B, frames, tokens, C), then modulated with a scale per frame."""
+
+    def __init__(self, d=16, frames=2):
+        super().__init__()
+        self.frames = frames
+        self.proj, self.mod, self.out = nn.Linear(d, d), nn.Linear(d, 2 * d * frames), nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, x, t):
+        b, n, d = x.shape
+        x = x + self.proj(x)
+        scale, shift = self.mod(t).view(b, self.frames, 1, 2 * d).chunk(2, dim=-1)
+        y = self.norm(x).reshape(b, self.frames, -1, d) * (1 + scale) + shift
+        return self.out(y.reshape(b, n, d))
+
+
+def test_a_modulation_after_a_view_of_the_norm_s_output_keeps_the_reason():
+    torch.manual_seed(0)
+    model = ModulatedPerFrame().eval()
+    x, t = torch.randn(2, 8, 16), torch.randn(2, 16)
+    with torch.no_grad():
+        want = model(x, t)
+        got = normfuse.optimize(model)(x, t)
+    site = normfuse.report(model).sites[0]
+    assert site.fused_add and site.modulation and not site.fused_modulation, site
+    assert site.modulation_reason.startswith("the norm's output is viewed to (2, 2, 4, 16) before its modulation")
+    assert torch.equal(got, want)

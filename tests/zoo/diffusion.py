@@ -377,6 +377,32 @@ def _wan_vace():
                        return_dict=False)
 
 
+def _ace_step():
+    # the stream is a conv's output transposed (channels first in memory); diffusers' RMSNorm written out
+    model = _make("AceStepTransformer1DModel", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, in_channels=24,
+                  audio_acoustic_hidden_dim=8, patch_size=2, rope_theta=10000.0, rms_norm_eps=1e-6, sliding_window=16)
+    return model, dict(hidden_states=_randn(1, 8, 8), timestep=torch.tensor([0.6]), timestep_r=torch.tensor([0.3]),
+                       encoder_hidden_states=_randn(1, 6, 32, seed=2), context_latents=_randn(1, 8, 16, seed=3),
+                       return_dict=False)
+
+
+def _sana_wm():
+    # SANA's linear attention with a camera branch; the stream a patch embedder's flatten(2).transpose(1, 2)
+    model = _make("SanaWMTransformer3DModel", in_channels=4, num_layers=2, hidden_size=32, num_attention_heads=2,
+                  patch_size=(1, 1, 1), softmax_every_n=2, linear_head_dim=16, t_kernel_size=3, conv_kernel_size=4,
+                  caption_channels=8, mlp_ratio=2.0, chunk_plucker_channels=8, chunk_plucker_post_attn_blocks=2)
+    b, f, h, w = 1, 4, 4, 4
+    c2w = torch.eye(4).repeat(b, f, 1, 1)
+    c2w[..., 2, 3] = torch.arange(f, dtype=torch.float32) * 0.1
+    camera = torch.cat([c2w.flatten(start_dim=-2), torch.tensor([float(w), float(h), w / 2, h / 2]).expand(b, f, 4)],
+                       dim=-1)
+    return model, dict(hidden_states=_randn(b, 4, f, h, w), timestep=torch.tensor([[[100.0, 300.0, 500.0, 700.0]]]),
+                       encoder_hidden_states=_randn(b, 1, 8, 8, seed=2),
+                       encoder_attention_mask=torch.ones(b, 8, dtype=torch.long), camera_conditions=camera,
+                       chunk_plucker=_randn(b, 8, f, h, w, seed=4), return_dict=False)
+
+
 DIFFUSION: dict[str, DiffusionModel] = {m.name: m for m in [
     DiffusionModel("dit", "DiTTransformer2DModel", "DiT", _dit),
     DiffusionModel("pixart_alpha", "PixArtTransformer2DModel", "PixArt", lambda: _pixart(alpha=True)),
@@ -416,6 +442,8 @@ DIFFUSION: dict[str, DiffusionModel] = {m.name: m for m in [
     DiffusionModel("ltx2", "LTX2VideoTransformer3DModel", "LTX-Video", _ltx2),
     DiffusionModel("bria", "BriaTransformer2DModel", "Bria", _bria, ("num_layers", "num_single_layers")),
     DiffusionModel("wan_vace", "WanVACETransformer3DModel", "Wan", _wan_vace),
+    DiffusionModel("ace_step", "AceStepTransformer1DModel", "AceStep", _ace_step, ("num_hidden_layers",)),
+    DiffusionModel("sana_wm", "SanaWMTransformer3DModel", "Sana", _sana_wm),
 ]}
 
 

@@ -70,7 +70,11 @@ def find_gated_branch(index: GraphIndex, in_add) -> GatedBranch | None:
     found = gated_operand(index, in_add.node)
     c = index.canon(in_add.node)
     for operand in (c["input"], c["other"]) if found is None and c is not None and c.prim == "add" else ():
-        if isinstance(operand, fx.Node) and index.prim(operand) == "add" and real_users(operand) == [in_add.node]:
+        reader = in_add.node
+        # (through casts: Wan's ``(h.float() + ffn.float() * gate).type_as(h)``, found for its reason)
+        while isinstance(operand, fx.Node) and index.prim(operand) == "cast" and real_users(operand) == [reader]:
+            reader, operand = operand, index.canon(operand)["input"]
+        if isinstance(operand, fx.Node) and index.prim(operand) == "add" and real_users(operand) == [reader]:
             found = found or gated_operand(index, operand)
     return found
 
@@ -145,6 +149,9 @@ class _GatedResidual(FusionPart):
                          "norm, fp8, a second norm) that the gated branch does not combine with yet"
         if fold is not None:  # the add's branch is a sum, the call's x and x1: its gated operand is x
             return _in_second_branch(ctx.analysis.index, plan, fold)
+        if found.add is not add.node and found.add not in add.node.all_input_nodes:  # (find read through casts)
+            return None, "the gated branch is in a sum rounded by a cast before the add the call takes (Wan's " \
+                         "fp32 composition): the call's second branch is a sum in the product's dtype"
         if found.add is not add.node or plan.residual_scale != 1.0:
             return None, "the call does not take the add the gated branch goes into"
         if plan.residual is found.product:  # the stream was taken for the branch: they play one part in the sum

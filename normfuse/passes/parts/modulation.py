@@ -195,6 +195,16 @@ def find_modulation(index: GraphIndex, match) -> ModulationMatch | None:
             return dataclasses.replace(first, times=2, second=second)
         return dataclasses.replace(first, times=len(found), reason=reason)
     found = _modulation(index, y, _only_reader(y), casts)
+    if found is None and len(readers) == 1 and index.prim(readers[0]) == "view":
+        # SANA-WM's ``norm2(x).reshape(B, frames, -1, C) * (1 + scale) + shift``, a scale per frame
+        viewed = readers[0]
+        while (reader := _only_reader(viewed)) is not None and index.prim(reader) == "view":
+            viewed = reader
+        found = _modulation(index, viewed, _only_reader(viewed), [])
+        if found is not None:
+            return dataclasses.replace(found, reason=f"the norm's output is viewed to {tuple(node_shape(viewed) or ())} "
+                                                     "before its modulation: the call modulates the rows of y as the "
+                                                     "norm gives them")
     if found is not None and rounded is not None and found.dtype != rounded:
         return dataclasses.replace(found, reason=f"the norm's output is rounded to {rounded} before a modulation "
                                                  f"in {found.dtype}: the call rounds y to the modulation's dtype")
