@@ -202,9 +202,9 @@ def find_modulation(index: GraphIndex, match) -> ModulationMatch | None:
             viewed = reader
         found = _modulation(index, viewed, _only_reader(viewed), [])
         if found is not None:
-            return dataclasses.replace(found, reason=f"the norm's output is viewed to {tuple(node_shape(viewed) or ())} "
-                                                     "before its modulation: the call modulates the rows of y as the "
-                                                     "norm gives them")
+            shape = tuple(node_shape(viewed) or ())
+            return dataclasses.replace(found, reason=f"the norm's output is viewed to {shape} before its modulation: "
+                                                     "the call modulates the rows of y as the norm gives them")
     if found is not None and rounded is not None and found.dtype != rounded:
         return dataclasses.replace(found, reason=f"the norm's output is rounded to {rounded} before a modulation "
                                                  f"in {found.dtype}: the call rounds y to the modulation's dtype")
