@@ -138,7 +138,8 @@ def test_fuse_rope_false_leaves_the_rope():
 
 class _Attention(nn.Module):
     """q/k RMSNorm per head, then a RoPE: ``"neox"`` as HF writes it, ``"pairs"`` the interleaved
-    form written with ``select`` (not read), ``"strided"`` Wan's stores, ``"none"`` no RoPE; ``leak``
+    form written with ``select`` (not read), ``"strided"`` Wan's stores, ``"matrix"`` Kandinsky 5's rotation
+    matrices (not read), ``"none"`` no RoPE; ``leak``
     also returns the normalized q."""
 
     def __init__(self, rope="neox", leak=False, heads=2, dim=8, norm=nn.RMSNorm, q_scale=None):
@@ -161,6 +162,10 @@ class _Attention(nn.Module):
             return out
         if self.rope == "none":  # no rotation: the attention reads the normalized q and k
             return x
+        if self.rope == "matrix":  # Kandinsky 5: a 2x2 rotation matrix times each pair
+            c, s = cos[..., 0::2], sin[..., 0::2]
+            table = torch.stack([c, -s, s, c], dim=-1).view(*c.shape, 2, 2)
+            return (table * x.reshape(*x.shape[:-1], -1, 1, 2)).sum(-1).reshape(x.shape)
         pairs = x.unflatten(-1, (-1, 2))
         rot = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
         return x * cos + rot * sin
@@ -233,6 +238,7 @@ def test_toy_rope_recognized_or_left(rope, leak, why):
 
 @pytest.mark.parametrize("rope,why", [
     ("strided", "a RoPE follows this q/k norm written into a tensor through indexed stores"),
+    ("matrix", "a RoPE follows this q/k norm as a 2x2 rotation matrix times each pair"),
     ("none", None),
 ])
 def test_a_rope_in_a_form_not_read_is_kept_with_the_reason(rope, why):

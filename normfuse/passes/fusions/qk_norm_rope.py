@@ -535,13 +535,14 @@ _FORMS_READ = ("qk_norm_rope reads HF's rotate_half, interleaved pairs (GPT-J's,
 # what a rotation may pass through after the norm: same values moved, cast, combined elementwise
 _ROTATION_PATH = frozenset(["view", "permute", "transpose", "flatten", "unsqueeze", "squeeze", "expand", "cast",
                             "slice", "cat", "stack", "neg", "mul", "add", "sub", "addcmul", "view_as_complex",
-                            "view_as_real"])
+                            "view_as_real", "sum"])
 
 
 def _rotation_after(index, value: fx.Node, depth: int = 12) -> str | None:
     """Whether the values of ``value`` are rotated before anything else reads them (a matmul, the
     attention): a sum or difference of two of its products, one by a tensor computed elsewhere (a
-    table), as every RoPE writes ``x * cos ± rotated(x) * sin``, or a complex product. Returns
+    table), as every RoPE writes ``x * cos ± rotated(x) * sin``, a product by a table summed over a
+    dim (a rotation matrix times each pair), or a complex product. Returns
     how the form differs from those read (for the reason), or None when no rotation follows."""
     reached, frontier, extra = {value}, [value], []
     for _ in range(depth):
@@ -567,6 +568,11 @@ def _rotation_after(index, value: fx.Node, depth: int = 12) -> str | None:
             break
         if c.prim in ("add", "sub") and c["input"] in reached and c["other"] in reached and any(
                 index.prim(a) == "mul" and _by_table(index, a, reached) for a in (c["input"], c["other"])):
+            break
+        if c.prim == "sum" and c["input"] in reached and index.prim(c["input"]) == "mul" \
+                and _by_table(index, c["input"], reached):
+            # Kandinsky 5: a 2x2 rotation matrix per pair, ``(rope * x.reshape(..., -1, 1, 2)).sum(-1)``
+            extra.append("as a 2x2 rotation matrix times each pair (a product summed over the pair)")
             break
     else:
         return None
