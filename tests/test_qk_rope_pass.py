@@ -168,6 +168,9 @@ class _Attention(nn.Module):
             return (table * x.reshape(*x.shape[:-1], -1, 1, 2)).sum(-1).reshape(x.shape)
         pairs = x.unflatten(-1, (-1, 2))
         rot = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+        if self.rope == "pairs_joined":  # PRX: the rotated tokens joined with others after the RoPE
+            rotated = x * cos + rot * sin
+            return torch.cat([rotated[:, :, :-1], sin.expand_as(rotated)[:, :, -1:]], dim=2)
         return x * cos + rot * sin
 
     def forward(self, q, k, cos, sin):
@@ -239,6 +242,7 @@ def test_toy_rope_recognized_or_left(rope, leak, why):
 @pytest.mark.parametrize("rope,why", [
     ("strided", "a RoPE follows this q/k norm written into a tensor through indexed stores"),
     ("matrix", "a RoPE follows this q/k norm as a 2x2 rotation matrix times each pair"),
+    ("pairs_joined", "a RoPE follows this q/k norm in another layout or order of steps;"),
     ("none", None),
 ])
 def test_a_rope_in_a_form_not_read_is_kept_with_the_reason(rope, why):

@@ -550,9 +550,28 @@ def _rotation_after(index, value: fx.Node, depth: int = 12) -> str | None:
             index.prim(u) in _ROTATION_PATH or is_split_piece(u) or _indexes(u))]
         reached.update(frontier)
     reached_in_order = sorted(reached, key=index.order.__getitem__)  # the reason's words the same every run
+    rotation = None
     for n in reached_in_order:
         c = index.canon(n)
         if c is None:
+            continue
+        if c.prim == "mul" and any(index.prim(a) == "view_as_complex" and a in reached for a in (c["input"], c["other"])):
+            rotation = n
+        elif c.prim in ("add", "sub") and c["input"] in reached and c["other"] in reached and any(
+                index.prim(a) == "mul" and _by_table(index, a, reached) for a in (c["input"], c["other"])):
+            rotation = n
+        elif c.prim == "sum" and c["input"] in reached and index.prim(c["input"]) == "mul" \
+                and _by_table(index, c["input"], reached):
+            # Kandinsky 5: a 2x2 rotation matrix per pair, ``(rope * x.reshape(..., -1, 1, 2)).sum(-1)``
+            rotation = n
+            extra.append("as a 2x2 rotation matrix times each pair (a product summed over the pair)")
+        if rotation is not None:
+            break
+    else:
+        return None
+    for n in reached_in_order:  # what the values go through up to the rotation (a cat after it: PRX's k)
+        c = index.canon(n)
+        if c is None or index.order[n] > index.order[rotation]:
             continue
         if c.prim == "cat" and any(isinstance(t, fx.Node) and t not in reached for t in c["tensors"]):
             extra.append("over rows concatenated with other tokens' before it")
@@ -560,23 +579,7 @@ def _rotation_after(index, value: fx.Node, depth: int = 12) -> str | None:
             extra.append("on a slice of the tokens")
         if any(u.op == "call_function" and u.target is operator.setitem for u in n.users):
             extra.append("written into a tensor through indexed stores (out[..., 0::2] = ..., q[:, :, n:] = ...)")
-    for n in reached_in_order:
-        c = index.canon(n)
-        if c is None:
-            continue
-        if c.prim == "mul" and any(index.prim(a) == "view_as_complex" and a in reached for a in (c["input"], c["other"])):
-            break
-        if c.prim in ("add", "sub") and c["input"] in reached and c["other"] in reached and any(
-                index.prim(a) == "mul" and _by_table(index, a, reached) for a in (c["input"], c["other"])):
-            break
-        if c.prim == "sum" and c["input"] in reached and index.prim(c["input"]) == "mul" \
-                and _by_table(index, c["input"], reached):
-            # Kandinsky 5: a 2x2 rotation matrix per pair, ``(rope * x.reshape(..., -1, 1, 2)).sum(-1)``
-            extra.append("as a 2x2 rotation matrix times each pair (a product summed over the pair)")
-            break
-    else:
-        return None
-    shape = node_shape(n)
+    shape = node_shape(rotation)
     if shape is not None and len(shape) == 3:
         extra.append("on the (batch, seq, heads * head_dim) row, before any view to heads")
     return ", ".join(sorted(set(extra))) or "in another layout or order of steps"
