@@ -37,9 +37,9 @@ EXPECTED = {
                           modulation=(8, 8), gated=(6, 6), equal=True, grads="equal", passes=(40, 11)),
     "sd35_medium":   dict(norms=18, fused=18, fused_with_add=7, input_is_add=7, rope=0, fused_rope=0, rope_refused=0,
                           modulation=(8, 8), gated=(6, 6), equal=True, grads="within", passes=(86, 22)),
-    "flux":          dict(norms=12, fused=12, fused_with_add=2, input_is_add=3, rope=6, fused_rope=6, rope_refused=0,
+    "flux":          dict(norms=12, fused=12, fused_with_add=2, input_is_add=2, rope=6, fused_rope=6, rope_refused=0,
                           modulation=(6, 6), gated=(2, 2), equal=True, grads="within", passes=(53, 18)),
-    "flux2":         dict(norms=12, fused=12, fused_with_add=2, input_is_add=3, rope=6, fused_rope=6, rope_refused=0,
+    "flux2":         dict(norms=12, fused=12, fused_with_add=2, input_is_add=2, rope=6, fused_rope=6, rope_refused=0,
                           modulation=(6, 6), gated=(2, 2), equal=True, grads="within", passes=(56, 21)),
     "wan21":         dict(norms=15, fused=15, fused_with_add=6, input_is_add=6, rope=4, fused_rope=4, rope_refused=0,
                           modulation=(5, 5), gated=(4, 4), equal=True, grads="within", passes=(62, 16)),
@@ -53,7 +53,7 @@ EXPECTED = {
     "ltx_video":     dict(norms=13, fused=13, fused_with_add=4, input_is_add=4, rope=4, fused_rope=4, rope_refused=0,
                           modulation=(5, 5), gated=(2, 2), equal=True, grads="within", passes=(56, 18)),
     # the single-stream q/k norms split per slice of their rows (passes/norm_over_slices.py): 2 norms more
-    "hunyuan_video": dict(norms=16, fused=16, fused_with_add=4, input_is_add=5, rope=4, fused_rope=4, rope_refused=0,
+    "hunyuan_video": dict(norms=16, fused=16, fused_with_add=4, input_is_add=4, rope=4, fused_rope=4, rope_refused=0,
                           modulation=(6, 6), gated=(4, 4), equal=True, grads="within", passes=(73, 24)),
     # the first frame's tokens: the norm over the cat of the two segments' gated adds, its output sliced
     # at the same row, split into a norm per segment (each takes its add, gate and modulation)
@@ -69,11 +69,11 @@ EXPECTED = {
                             passes=(106, 35)),
     "z_image":       dict(norms=26, fused=26, fused_with_add=7, input_is_add=6, rope=8, fused_rope=8, rope_refused=0,
                           modulation=(13, 13), gated=(5, 0), equal=True, grads="within", passes=(109, 33)),
-    "chroma":        dict(norms=13, fused=13, fused_with_add=2, input_is_add=3, rope=6, fused_rope=6, rope_refused=0,
+    "chroma":        dict(norms=13, fused=13, fused_with_add=2, input_is_add=2, rope=6, fused_rope=6, rope_refused=0,
                           modulation=(6, 6), gated=(2, 2), equal=True, grads="within", passes=(56, 21)),
     "skyreels_v2":   dict(norms=15, fused=15, fused_with_add=6, input_is_add=6, rope=4, fused_rope=4, rope_refused=0,
                           modulation=(5, 5), gated=(4, 4), equal=True, grads="within", passes=(62, 16)),
-    "auraflow":      dict(norms=12, fused=12, fused_with_add=4, input_is_add=5, rope=0, fused_rope=0, rope_refused=0,
+    "auraflow":      dict(norms=12, fused=12, fused_with_add=4, input_is_add=4, rope=0, fused_rope=0, rope_refused=0,
                           modulation=(6, 6), gated=(3, 3), equal=True, grads="equal", passes=(45, 26)),
     "cogview4":      dict(norms=17, fused=17, fused_with_add=7, input_is_add=7, rope=4, fused_rope=4, rope_refused=0,
                           modulation=(9, 9), gated=(7, 7), equal=True, grads="within", passes=(67, 21)),
@@ -86,7 +86,7 @@ EXPECTED = {
     # the text and the image q/k LayerNorms concatenated, the image rows' RoPE stored into the cat
     "easyanimate":   dict(norms=18, fused=18, fused_with_add=7, input_is_add=7, rope=4, fused_rope=4, rope_refused=0,
                           modulation=(9, 9), gated=(7, 7), equal=True, grads="within", passes=(72, 22)),
-    "hunyuan_image": dict(norms=16, fused=16, fused_with_add=4, input_is_add=5, rope=4, fused_rope=4, rope_refused=0,
+    "hunyuan_image": dict(norms=16, fused=16, fused_with_add=4, input_is_add=4, rope=4, fused_rope=4, rope_refused=0,
                           modulation=(6, 6), gated=(4, 4), equal=True, grads="within", passes=(73, 24)),
     "mochi":         dict(norms=22, fused=22, fused_with_add=3, input_is_add=3, rope=0, fused_rope=0, rope_refused=0,
                           modulation=(14, 14), gated=(0, 0), equal=True, grads="within", passes=(26, 27)),
@@ -108,13 +108,15 @@ EXPECTED = {
     "ltx2":          dict(norms=42, fused=42, fused_with_add=16, input_is_add=16, rope=16, fused_rope=16,
                           rope_refused=0, modulation=(14, 14), gated=(12, 12), equal=True, grads="within",
                           passes=(188, 48)),
-    "bria":          dict(norms=12, fused=12, fused_with_add=2, input_is_add=3, rope=6, fused_rope=6, rope_refused=0,
+    "bria":          dict(norms=12, fused=12, fused_with_add=2, input_is_add=2, rope=6, fused_rope=6, rope_refused=0,
                           modulation=(6, 6), gated=(2, 2), equal=True, grads="within", passes=(53, 18)),
     "wan_vace":      dict(norms=43, fused=43, fused_with_add=18, input_is_add=18, rope=12, fused_rope=12,
                           rope_refused=0, modulation=(13, 13), gated=(11, 9), equal=True, grads="within",
                           passes=(183, 52)),
+    # ACE-Step: its stream is a conv's output transposed and its adds read the stream first; the CPU path forms
+    # the sum in the branch's layout, so the norm written out after it reduces in another order (within the rule)
     "ace_step":      dict(norms=15, fused=15, fused_with_add=6, input_is_add=6, rope=4, fused_rope=4, rope_refused=0,
-                          modulation=(5, 5), gated=(4, 4), equal=True, grads="within", passes=(87, 21)),
+                          modulation=(5, 5), gated=(4, 4), equal=False, grads="within", passes=(87, 21)),
     "sana_wm":       dict(norms=18, fused=18, fused_with_add=4, input_is_add=4, rope=0, fused_rope=0, rope_refused=4,
                           modulation=(5, 0), gated=(0, 0), equal=True, grads="within", passes=(177, 147)),
 }

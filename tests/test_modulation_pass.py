@@ -640,3 +640,19 @@ def test_a_modulation_after_a_view_of_the_norm_s_output_keeps_the_reason():
     assert site.fused_add and site.modulation and not site.fused_modulation, site
     assert site.modulation_reason.startswith("the norm's output is viewed to (2, 2, 4, 16) before its modulation")
     assert torch.equal(got, want)
+
+
+def test_two_branches_under_autocast_keep_the_stream_s_dtype():
+    """Under autocast the stream stays fp32 while ``gate * attn`` is bf16: the inner sum rounds to fp32, not
+    the product's dtype, so the gate stays outside the call with the reason, and the call still takes the
+    inner sum as its second branch (a refused gate once left x and x1 both the stream: (h + h) + b)."""
+    torch.manual_seed(0)
+    model = TwoGatedBranches("sd35").eval()
+    h, emb = _inputs(torch.float32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(h, emb)
+        got = normfuse.optimize(model)(h, emb)
+    site = normfuse.report(model).sites[0]
+    assert site.fused_x1 and not site.fused_gated_residual, site
+    assert site.gated_residual_reason == "the gated product and the value it is first added to differ in dtype"
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -231,7 +231,8 @@ def add_norm(x, residual=None, weight=None, bias=None, *, kind, eps, weight_offs
     Differentiable in x, residual, weight, bias and the gate. Not with weight1 or quant.
     x_gate: a gated residual branch, s = residual + x * x_gate (diffusion transformers'
     ``hidden_states + gate.unsqueeze(1) * attn_output``), x_gate broadcasting to x (per sample or per
-    token); the product rounded as eager's. Differentiable. Not with x1, rowscale, dropout, gate or quant.
+    token); the product rounded as eager's. Differentiable. With x1 (of the product's dtype): (x * x_gate + x1)
+    + residual. Not with rowscale, dropout, gate or quant.
     modulation: a :class:`~normfuse.kernels.specs.Modulation` (diffusion transformers' adaLN: y * scale +
     shift, per sample or per token): y is then the modulated output; with its scale1 / shift1 the same
     y modulated a second time is returned as y1 (y, y1, s). Differentiable in scale and

@@ -238,11 +238,6 @@ def norm_input(x: Tensor, residual: Optional[Tensor], residual_scale: float, sum
     """(s, u): the sum rounded to sum_dtype and the norm input (s, or the unrounded sum)."""
     if round_sum_first:
         s = pre_sum(branch(x, x1, rowscale, keep, dropout_p), residual, residual_scale, sum_dtype)
-        if residual is not None and residual.shape == s.shape and channel_split(residual) is not None \
-                and s.stride() != residual.stride():
-            # in the stream's layout, as eager's add returned it: a norm written out reduces its rows
-            # in the order of their layout (AceStep's, SANA-WM's stream is a transposed conv output)
-            s = sum_like(residual, s.dtype).copy_(s)
         return s, s
     u = unrounded_sum(branch(x, x1, rowscale, keep, dropout_p, acc_dtype(sum_dtype)), residual, residual_scale,
                       sum_dtype)

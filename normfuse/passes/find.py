@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from normfuse.passes.canonical import (Canon, canonical, dim_named, dim_value, is_exact_upcast, last_dim, node_dtype,
-                                       node_shape, one_dim, real_users, same_dim, same_shape, tensor_meta)
+                                       node_shape, real_users, same_dim, same_shape, tensor_meta)
 from normfuse.passes.graph import GraphIndex
 from normfuse.vocabulary import KERNEL_DTYPES, LOW_PRECISION, TORCH_NORMS
 
@@ -847,8 +847,7 @@ def find_input_add(index: GraphIndex, m: NormMatch) -> AddMatch | None:
         else:
             live_dropout = c is not None and c.prim == "dropout" and (n is None or same_dim(last_dim(cur), n))
             if not is_pass_through(index, cur, n) and not live_dropout:
-                return _stream_collapse(index, cur, chain) or _add_behind_reshape(index, cur, chain) \
-                    or _cat_of_sums(index, cur, chain)
+                return _stream_collapse(index, cur, chain) or _add_behind_reshape(index, cur, chain)
         chain.append(cur)
         cur = index.canon(cur)["input"]
     return None
@@ -952,24 +951,6 @@ def _add_behind_reshape(index: GraphIndex, node: fx.Node, chain: list) -> AddMat
     else:
         reason = f"the add reaches the norm through {what} {node.name}, which the kernels do not read through"
     return AddMatch(node=am.node, operands=am.operands, chain=tuple(chain), reason=am.reason or reason)
-
-
-def _cat_of_sums(index: GraphIndex, node: fx.Node, chain: list) -> AddMatch | None:
-    """A cat along the rows of pieces some of which are sums (the text and the image streams joined before
-    one norm: Flux's first single-stream norm, ConsisID's norm_final): found, so the report says why it
-    stays outside the kernel; None for any other node. (A norm whose output is read in slices that are the
-    cat's pieces, every row read, is split per piece before this: passes/norm_over_slices.py.)"""
-    c = index.canon(node)
-    shape = node_shape(node)
-    if c is None or c.prim != "cat" or not shape or one_dim(c, len(shape)) in (None, len(shape) - 1):
-        return None
-    pieces = list(c["tensors"])
-    sums = [am for am in (as_add(index, p, None) for p in pieces) if am is not None]
-    if not sums:
-        return None
-    return AddMatch(node=sums[0].node, operands=sums[0].operands, chain=tuple(chain), reason=(
-        f"the norm reads a cat of {len(pieces)} pieces along its rows, {len(sums)} of them sums: a call reads one "
-        "add (the norm is split per piece where its output is read in slices that are the pieces, every row)"))
 
 
 def _moves_last_dim(index: GraphIndex, node: fx.Node) -> bool:

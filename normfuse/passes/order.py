@@ -23,16 +23,17 @@ ORDER: tuple[tuple[Step, str], ...] = (
     (NORM_ADD, "before the parts: a plain norm whose output goes into the stream's add becomes a norm_add "
                "call, and the gated norm, the fp8 epilogue and a second norm, offered after it, say why they do not "
                "extend that call"),
-    (BRANCH_FOLD, "the add's branch (second add, drop path, dropout): it changes the add_norm call's x; no "
-                  "later step reads the branch"),
+    (BRANCH_FOLD, "the add's branch (second add, drop path, dropout): it changes the add_norm call's x; only "
+                  "the gated residual, later, reads what it took (a second add whose operand is gated)"),
     (GATE, "before the epilogues: a gated norm changes what y is (exclusive), which the modulation, the fp8 "
            "epilogue and the second norm after it read"),
     (MODULATION, "after the gated norm, which it does not combine with; it changes what y is (exclusive), which "
                  "the fp8 epilogue and the second norm after it read"),
     (QUANT, "an epilogue of the one y: after every step that decides what y is"),
     (SECOND_NORM, "after every step that changes y: a second norm shares the call only when none did"),
-    (GATED_RESIDUAL, "after every step it does not combine with (the branch's, the gated norm, the fp8 epilogue, a "
-                     "second norm): it takes the call only when none of them did, and changes its x to the branch"),
+    (GATED_RESIDUAL, "after every step it does not combine with (drop path, dropout, the gated norm, the fp8 "
+                     "epilogue, a second norm): it takes the call only when none of them did, and changes its x to "
+                     "the branch; after the branch fold, whose second add's gated operand it takes as x"),
     (QK_NORM_ROPE, "last: it takes only a plain norm's call that no step before it extended"),
 )
 

@@ -49,6 +49,7 @@ the call replaces both RoPE outputs. A q whose k is not found is fused alone.
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -818,9 +819,8 @@ def _partner(ctx: PlanContext, site, found: RopeMatch):
     from this one's output: every layer reads one cos/sin table, and the next layer's q norm,
     downstream of this one, is no partner (its call could not start where this one does)."""
     index = ctx.analysis.index
-    computing = _modules_computing(index.graph)
-    normalizing = {n for s in ctx.analysis.sites for n in s.match.nodes}
-    ours = _attention_of(index, site.match, computing, normalizing)
+    attentions = _attentions(ctx.analysis)
+    ours = attentions[site.number]
     for other in ctx.analysis.sites:
         theirs = other.parts.get(QK_NORM_ROPE.name)
         if other is site or other.number in ctx.unavailable or theirs is None or theirs.reason is not None:
@@ -829,7 +829,7 @@ def _partner(ctx: PlanContext, site, found: RopeMatch):
             continue
         if index.is_ancestor(site.match.output, other.match.input):
             continue
-        attention = _attention_of(index, other.match, computing, normalizing)
+        attention = attentions[other.number]
         if None not in (ours, attention) and ours != attention:
             # LTX-2's audio-to-video q and video-to-audio k share the video table: one call would make each
             # attention's gradients flow through the other's (zeros where eager has none), and move one
@@ -855,13 +855,30 @@ def _modules_computing(graph: fx.Graph) -> dict[str, list[fx.Node]]:
     return nodes
 
 
+_LAST_ATTENTIONS: list = [None, {}]  # (a weak reference to the analysis, {site number: its attention})
+
+
+def _attentions(analysis) -> dict[int, str | None]:
+    """Each site's attention (``_attention_of``), read once per analysis (one pass over the graph): the
+    planner asks per q/k site, for it and each candidate partner."""
+    ref, attentions = _LAST_ATTENTIONS
+    if ref is None or ref() is not analysis:
+        computing = _modules_computing(analysis.index.graph)
+        normalizing = {n for s in analysis.sites for n in s.match.nodes}
+        attentions = {s.number: _attention_of(analysis.index, s.match, computing, normalizing)
+                      for s in analysis.sites}
+        _LAST_ATTENTIONS[:] = [weakref.ref(analysis), attentions]
+    return attentions
+
+
 def _attention_of(index, m, computing: dict[str, list[fx.Node]], normalizing: set[fx.Node]) -> str | None:
     """The innermost module around a q/k norm that computes more than norms (its attention), or None.
     A module whose nodes all normalize (``normalizing``: the nodes of every norm found), with casts, views,
     slices and cats of their rows, is a norm's own (whatever its class is named: an attention class may be
     named QKNormCrossAttention; a norm split per slice of its rows is two norms in one module)."""
     for path in reversed(_innermost_module(m.anchor or m.output)):
-        if any(n not in normalizing and index.prim(n) not in ("cast", "view", "slice", "cat")
+        if any(n not in normalizing and index.prim(n) not in ("cast", "view", "permute", "transpose", "expand",
+                                                                 "slice", "cat")
                for n in computing.get(path, ())):
             return path
     return None

@@ -105,7 +105,7 @@ def _second_branch_only(fold) -> bool:
     return fold is not None and fold.x1 is not None and fold.rowscale is None and not fold.dropout_p
 
 
-def _in_second_branch(index: GraphIndex, plan, fold) -> tuple[GatedBranch | None, str | None]:
+def _in_second_branch(index: GraphIndex, plan, fold, claimed) -> tuple[GatedBranch | None, str | None]:
     """The gated operand of the inner add the branch fold took (``(stream + gate * branch) + other``: SD3.5's
     first attention's gated branch, then the second's; WanVACE's control hint added after the block): the call
     forms ``gate * branch + x1`` (x1 the other operand of the inner add), then adds ``other`` as its residual."""
@@ -113,10 +113,13 @@ def _in_second_branch(index: GraphIndex, plan, fold) -> tuple[GatedBranch | None
     found = gated_operand(index, inner) if inner is not None else None
     if found is None:
         return None, "the call takes the add's operand that is a sum as its x and x1, and neither is gated"
-    if found.product is fold.x1:  # the two operands of the inner sum play one part in it
-        fold.x, fold.x1 = fold.x1, fold.x
-    if fold.x is not found.product or node_dtype(fold.x1) != node_dtype(found.product):
+    if found.product in claimed:
+        return None, "the gated product is computed by another norm's call (as the scale of its output)"
+    other = fold.x if found.product is fold.x1 else fold.x1 if found.product is fold.x else None
+    if other is None or node_dtype(other) != node_dtype(found.product):
         return None, "the gated product and the value it is first added to differ in dtype"
+    # (the fold changes only once taken: a refused gate leaves the fold's x and x1 as they were)
+    fold.x, fold.x1 = found.product, other  # the two operands of the inner sum play one part in it
     plan.x = found.branch
     return found, None
 
@@ -148,7 +151,7 @@ class _GatedResidual(FusionPart):
             return None, "the call takes another step on its branch or its output (drop path, dropout, a gated " \
                          "norm, fp8, a second norm) that the gated branch does not combine with yet"
         if fold is not None:  # the add's branch is a sum, the call's x and x1: its gated operand is x
-            return _in_second_branch(ctx.analysis.index, plan, fold)
+            return _in_second_branch(ctx.analysis.index, plan, fold, ctx.claimed)
         if found.add is not add.node and found.add not in add.node.all_input_nodes:  # (find read through casts)
             return None, "the gated branch is in a sum rounded by a cast before the add the call takes (Wan's " \
                          "fp32 composition): the call's second branch is a sum in the product's dtype"
