@@ -131,8 +131,8 @@ def _vector_of(node: Any, n: int | None, layout: tuple[int, ...] | None = None) 
 
 
 def _weight_vector(node: Any, n: int | None) -> bool:
-    """The (n,) vector the fused op takes as the norm's weight or bias: a (1, 1, n) one is a
-    modulation's per-column operand (read through its strides), a (1, 1, 1, n) one widens y."""
+    """The (n,) vector the fused op takes as the norm's weight or bias: a (1, 1, n) one stays a step after
+    the norm (a scale or shift the call reads through its strides), a (1, 1, 1, n) one widens y."""
     shape = node_shape(node)
     return shape is not None and n is not None and len(shape) == 1 and same_dim(shape[0], n)
 
@@ -587,7 +587,7 @@ def _with_tail(index: GraphIndex, m: NormMatch, call: bool = False) -> NormMatch
                 added += channel_bias[1]
             elif call or other is None or not _is_param_like(index, other) or not _weight_vector(other, n):
                 # (after a norm call: eager's layer_norm with a bias rounds its affine step otherwise than
-                # a separate ``+ b``; the add is the modulation's shift then)
+                # a separate ``+ b``, which stays a step after the norm: a shift)
                 break
             bias = strip_upcasts(index, other)
             phase = "w"
