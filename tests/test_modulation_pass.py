@@ -656,3 +656,38 @@ def test_two_branches_under_autocast_keep_the_stream_s_dtype():
     assert site.fused_x1 and not site.fused_gated_residual, site
     assert site.gated_residual_reason == "the gated product and the value it is first added to differ in dtype"
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+class ScaledNormThenBranch(nn.Module):
+    """Z-Image's gate on a norm's output (``h + tanh(g) * norm2(a)``: the product is norm2's call's y,
+    scaled in its epilogue), then another branch added before the next norm."""
+
+    def __init__(self, second_gated, d=C):
+        super().__init__()
+        self.second_gated = second_gated
+        self.attn, self.attn2, self.ff = (nn.Linear(d, d) for _ in range(3))
+        self.ada = nn.Linear(d, 2 * d)
+        self.norm_a2, self.norm_ff = nn.RMSNorm(d, eps=1e-6), nn.RMSNorm(d, eps=1e-6)
+
+    def forward(self, h, emb):
+        g1, g2 = (c.unsqueeze(1) for c in self.ada(F.silu(emb)).chunk(2, dim=1))
+        a, b = self.attn(h), self.attn2(h)
+        h = h + torch.tanh(g1) * self.norm_a2(a)
+        h = h + (g2 * b if self.second_gated else b)
+        return self.ff(self.norm_ff(h)), h
+
+
+@pytest.mark.parametrize("second_gated", [True, False])
+def test_a_branch_another_call_scales_is_not_folded(second_gated):
+    """The inner sum's operand is another call's output: the next call does not fold it as its second branch
+    (the pass failed its lint stage and left the whole graph unchanged); both norms fused, the same bits."""
+    torch.manual_seed(0)
+    model = ScaledNormThenBranch(second_gated).eval()
+    h, emb = _inputs(torch.float32)
+    with torch.no_grad():
+        want = model(h, emb)
+        got = normfuse.optimize(model)(h, emb)
+    rep = normfuse.report(model)
+    assert all(s.fused for s in rep.sites) and rep.sites[1].fused_add and not rep.warnings, rep
+    assert rep.sites[1].fused_gated_residual == second_gated, rep
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
