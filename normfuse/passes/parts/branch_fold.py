@@ -206,7 +206,7 @@ class _BranchFold(FusionPart):
         if not fold.folded:
             return None, None
         if any(v in ctx.claimed and index.prim(v) != "add" for v in (fold.x, fold.x1)):
-            # a value another call computes in its epilogue (a norm's scaled output: Z-Image's ``tanh(gate) *
+            # a value another call computes in its epilogue (a norm's scaled output: Z-Image's ``tanh(g) *
             # norm2(attn)``), not a sum another call returns: folding it left the graph's nodes out of order
             return None, None
         plan.x = fold.x
