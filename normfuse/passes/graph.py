@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from normfuse.passes.canonical import Canon, common_subexpressions
 
-__all__ = ["GraphIndex", "dependency_graph", "copy_graph", "copy_graph_module", "copy_meta"]
+__all__ = ["GraphIndex", "dependency_graph", "copy_graph", "copy_graph_module", "copy_meta", "module_paths"]
 
 
 class GraphIndex:
@@ -118,6 +118,11 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
         if isinstance(child, fx.GraphModule):
             setattr(copied, name, copy_graph_module(child))
     return copied
+
+
+def module_paths(node: fx.Node) -> tuple[str, ...]:
+    """The paths of the modules around a node as the graph recorded them (``nn_module_stack``), outermost first."""
+    return tuple(str(path) for path, _ in (node.meta.get("nn_module_stack") or {}).values())
 
 
 def copy_meta(dst: fx.Node, src: fx.Node) -> None:

@@ -44,7 +44,7 @@ from normfuse.config import FuseConfig
 from normfuse.passes.analysis import analyze
 from normfuse.passes.canonical import node_dtype, node_shape, same_shape, tensor_meta
 from normfuse.passes.find import is_pass_through
-from normfuse.passes.graph import GraphIndex, dependency_graph
+from normfuse.passes.graph import GraphIndex, dependency_graph, module_paths
 from normfuse.passes.prenorm_model import (FINALS_ATTR, drop_unused_finals, final_norm_like, final_norms,
                                            prepare_module, register_final)
 from normfuse.passes.provenance import site_record
@@ -359,8 +359,7 @@ def _convert_graph(gm: fx.GraphModule, config: FuseConfig, model: nn.Module | No
         if b.reason is None:
             b.reason = _plan(index, g, b)
     norm_nodes = {n for state in states if state.placement not in CANDIDATES for n in state.match.nodes}
-    in_dynamo = any("L['self']" in str(v[0]) for n in graph.nodes
-                    for v in (n.meta.get("nn_module_stack") or {}).values())
+    in_dynamo = any("L['self']" in path for n in graph.nodes for path in module_paths(n))
     todo, finals, used = [], [], set()
     for stream in _streams(index, blocks):
         name = stream[0].fqn or f"site {stream[0].number}"

@@ -68,6 +68,7 @@ class PlanContext:
     reserved: set                      # adds some norm reads its sum from (an add_norm may take them)
     norm_refusal: Callable[[Any], str | None]  # planning.refusal: why a site's norm cannot be fused
     steps: tuple = ()                  # every step, in the order they are offered (order.STEPS)
+    memo: dict = field(default_factory=dict)  # what a step reads once per planning (the q/k norms' attentions)
 
 
 class Step:

@@ -49,7 +49,6 @@ the call replaces both RoPE outputs. A q whose k is not found is fused alone.
 from __future__ import annotations
 
 import operator
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +58,7 @@ from normfuse.kernels.qk_rope import KINDS as QK_KINDS, qk_norm_rope
 from normfuse.kernels.specs import OP_OUTPUTS
 from normfuse.passes.canonical import (canonical, is_exact_upcast, is_split_piece, node_dtype, node_shape, real_users,
                                        one_dim, same_dim, same_shape, strided_store, tensor_meta, unbound_dim)
-from normfuse.passes.graph import copy_meta
+from normfuse.passes.graph import copy_meta, module_paths
 from normfuse.passes.fusions.base import Fusion
 from normfuse.passes.step import BuiltCall, PlanContext
 from normfuse.vocabulary import KERNEL_DTYPES
@@ -819,7 +818,9 @@ def _partner(ctx: PlanContext, site, found: RopeMatch):
     from this one's output: every layer reads one cos/sin table, and the next layer's q norm,
     downstream of this one, is no partner (its call could not start where this one does)."""
     index = ctx.analysis.index
-    attentions = _attentions(ctx.analysis)
+    if "attentions" not in ctx.memo:
+        ctx.memo["attentions"] = _attentions(ctx.analysis)
+    attentions = ctx.memo["attentions"]
     ours = attentions[site.number]
     for other in ctx.analysis.sites:
         theirs = other.parts.get(QK_NORM_ROPE.name)
@@ -841,34 +842,15 @@ def _partner(ctx: PlanContext, site, found: RopeMatch):
     return None
 
 
-def _innermost_module(node: fx.Node) -> tuple[str, ...]:
-    """The module paths around ``node`` as the graph recorded them (``nn_module_stack``), outermost first."""
-    return tuple(str(path) for path, _ in (node.meta.get("nn_module_stack") or {}).values())
-
-
-def _modules_computing(graph: fx.Graph) -> dict[str, list[fx.Node]]:
-    """The computing nodes of each innermost module path."""
-    nodes: dict[str, list[fx.Node]] = {}
-    for node in graph.nodes:
-        if node.op in ("call_function", "call_method", "call_module") and (stack := _innermost_module(node)):
-            nodes.setdefault(stack[-1], []).append(node)
-    return nodes
-
-
-_LAST_ATTENTIONS: list = [None, {}]  # (a weak reference to the analysis, {site number: its attention})
-
-
 def _attentions(analysis) -> dict[int, str | None]:
-    """Each site's attention (``_attention_of``), read once per analysis (one pass over the graph): the
-    planner asks per q/k site, for it and each candidate partner."""
-    ref, attentions = _LAST_ATTENTIONS
-    if ref is None or ref() is not analysis:
-        computing = _modules_computing(analysis.index.graph)
-        normalizing = {n for s in analysis.sites for n in s.match.nodes}
-        attentions = {s.number: _attention_of(analysis.index, s.match, computing, normalizing)
-                      for s in analysis.sites}
-        _LAST_ATTENTIONS[:] = [weakref.ref(analysis), attentions]
-    return attentions
+    """Each site's attention (``_attention_of``), from one pass over the graph: the computing nodes of
+    each innermost module path."""
+    computing: dict[str, list[fx.Node]] = {}
+    for node in analysis.index.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module") and (paths := module_paths(node)):
+            computing.setdefault(paths[-1], []).append(node)
+    normalizing = {n for s in analysis.sites for n in s.match.nodes}
+    return {s.number: _attention_of(analysis.index, s.match, computing, normalizing) for s in analysis.sites}
 
 
 def _attention_of(index, m, computing: dict[str, list[fx.Node]], normalizing: set[fx.Node]) -> str | None:
@@ -876,7 +858,7 @@ def _attention_of(index, m, computing: dict[str, list[fx.Node]], normalizing: se
     A module whose nodes all normalize (``normalizing``: the nodes of every norm found), with casts, views,
     slices and cats of their rows, is a norm's own (whatever its class is named: an attention class may be
     named QKNormCrossAttention; a norm split per slice of its rows is two norms in one module)."""
-    for path in reversed(_innermost_module(m.anchor or m.output)):
+    for path in reversed(module_paths(m.anchor or m.output)):
         if any(n not in normalizing and index.prim(n) not in ("cast", "view", "permute", "transpose", "expand",
                                                                  "slice", "cat")
                for n in computing.get(path, ())):
