@@ -192,10 +192,13 @@ def _gated(dtype, per_token=False, seed=0):
 BACKENDS = pytest.mark.parametrize("backend", ("reference", "triton"))
 
 
-def _on(backend, request):
-    """Run the ops on ``backend``: the Triton kernels under the interpreter, or the reference."""
+def _on(backend, request, monkeypatch=None):
+    """Run the ops on ``backend``: the Triton kernels under the interpreter (with ``monkeypatch``: the
+    kernels take the whole call, ``_kernels_take_it_all``), or the reference."""
     if backend == "triton":
         request.getfixturevalue("triton_cpu")
+        if monkeypatch is not None:
+            _kernels_take_it_all(monkeypatch)
 
 
 @BACKENDS
@@ -316,10 +319,7 @@ def test_a_gated_branch_with_a_second_branch(dtype, per_token, backend, request,
     """x_gate with x1: the sum ``round(round(gate * x) + x1)`` then the residual, as the block's two adds
     (bit-equal on the reference; the Triton kernels take all of it, their reductions held to the rule);
     gradients within the rule against fp64."""
-    _on(backend, request)
-    if backend == "triton":
-        from normfuse.kernels import triton as kernels
-        _kernels_take_it_all(kernels, monkeypatch)
+    _on(backend, request, monkeypatch)
     t = _two_gated(dtype, per_token)
     got, want = two_gated_branches_ours(t), two_gated_branches(t)
     exact = two_gated_branches({k: v.double() for k, v in t.items()})
@@ -337,8 +337,10 @@ def test_a_gated_branch_with_a_second_branch(dtype, per_token, backend, request,
 
 # ---- the modulation as the kernels' epilogue (Triton) ---------------------------------------------
 
-def _kernels_take_it_all(kernels, monkeypatch):
+def _kernels_take_it_all(monkeypatch):
     """Fail the test where a gated branch or a modulation runs around the kernels."""
+    from normfuse.kernels import triton as kernels
+
     part = kernels._kernel_part
 
     def strict(call):
@@ -355,9 +357,7 @@ def _kernels_take_it_all(kernels, monkeypatch):
 def test_the_kernels_modulate_in_their_epilogue(form, dtype, per_token, triton_cpu, monkeypatch):
     """Without a gated branch the Triton kernels modulate y as they store it (no pass around them):
     within the rule against the block in fp64, and bf16 bit-equal to the block."""
-    from normfuse.kernels import triton as kernels
-
-    _kernels_take_it_all(kernels, monkeypatch)
+    _kernels_take_it_all(monkeypatch)
     t = _tensors(dtype, per_token, scale_dtype=FP32 if form == "wan" else None, seed=1)
     got, want = ours(form, t, "rms_norm"), eager(form, t, "rms_norm")
     if dtype == BF16:
@@ -370,10 +370,9 @@ def test_the_kernels_modulate_in_their_epilogue(form, dtype, per_token, triton_c
 def test_the_kernels_read_chunks_of_the_embedding_in_place(triton_cpu, monkeypatch):
     """scale and shift as DiT takes them, ``emb.chunk(6, dim=-1)`` pieces viewed per sample: the kernels
     read them through their strides (no copy), per token as well, and a looped (wide) row too."""
-    from normfuse.kernels import triton as kernels
     from normfuse.kernels.triton import broadcast_operand
 
-    _kernels_take_it_all(kernels, monkeypatch)
+    _kernels_take_it_all(monkeypatch)
     gen = torch.Generator().manual_seed(2)
     for n in (N, 20000):
         x, r = (torch.randn(B, S, n, generator=gen).to(BF16) for _ in range(2))
@@ -401,9 +400,7 @@ def test_the_kernels_take_the_gated_branch_and_the_modulation(triton_cpu, monkey
     """DiT's block tail with its gate, scale and shift as ``emb.chunk(6)`` pieces: the kernels read the
     gate as their prologue and modulate as their epilogue, nothing runs around them; bf16 bit-equal
     to the block, a wide (looped) row too."""
-    from normfuse.kernels import triton as kernels
-
-    _kernels_take_it_all(kernels, monkeypatch)
+    _kernels_take_it_all(monkeypatch)
     gen = torch.Generator().manual_seed(4)
     for n in (N, 20000):
         x, r = (torch.randn(B, S, n, generator=gen).to(BF16) for _ in range(2))
@@ -443,10 +440,7 @@ def _twice(dtype, per_token=False, seed=0, n=N):
 def test_two_modulations_of_one_norm(dtype, per_token, backend, request, monkeypatch):
     """y and y1 of one call: bit-equal to the block on the reference path and in 16 bits on the
     kernels (which modulate both in their epilogue, nothing around them), within the rule in fp32."""
-    _on(backend, request)
-    if backend == "triton":
-        from normfuse.kernels import triton as kernels
-        _kernels_take_it_all(kernels, monkeypatch)
+    _on(backend, request, monkeypatch)
     t = _twice(dtype, per_token)
     got, want = sd35_ours(t), sd35_block(t)
     exact = sd35_block({k: v.double() for k, v in t.items()})
@@ -458,9 +452,7 @@ def test_two_modulations_of_one_norm(dtype, per_token, backend, request, monkeyp
 
 
 def test_two_modulations_on_a_looped_row(triton_cpu, monkeypatch):
-    from normfuse.kernels import triton as kernels
-
-    _kernels_take_it_all(kernels, monkeypatch)
+    _kernels_take_it_all(monkeypatch)
     t = _twice(BF16, seed=5, n=20000)
     assert all(torch.equal(a, b) for a, b in zip(sd35_ours(t), sd35_block(t)))
 
@@ -537,10 +529,7 @@ def test_the_factor_one_plus_scale_in_the_call(form, dtype, per_token, backend, 
     """Modulation(scale, shift, one_plus=True) is the block's ``n * (1 + scale) + shift`` with the add
     rounded to scale's dtype as the graph's: bit-equal on the reference path and in 16 bits on the
     kernels (which compute it in their epilogue), within the rule in fp32; gradients of the raw scale."""
-    _on(backend, request)
-    if backend == "triton":
-        from normfuse.kernels import triton as kernels
-        _kernels_take_it_all(kernels, monkeypatch)
+    _on(backend, request, monkeypatch)
     t = _tensors(dtype, per_token, scale_dtype=FP32 if form == "wan" else None, seed=4)
     (got, got_s), (want, want_s) = ours_one_plus(form, t), eager(form, t)
     exact = eager(form, {k: v.double() for k, v in t.items()})[0]
@@ -563,10 +552,7 @@ def test_the_factor_one_plus_scale_in_the_call(form, dtype, per_token, backend, 
 def test_the_factor_rounds_to_the_scale_s_dtype(dtype, scale_dtype, backend, request, monkeypatch):
     """1 + scale rounds to the scale's dtype (as the graph's add), not to the product's (fp32 here):
     bit-equal to the block on both paths."""
-    _on(backend, request)
-    if backend == "triton":
-        from normfuse.kernels import triton as kernels
-        _kernels_take_it_all(kernels, monkeypatch)
+    _on(backend, request, monkeypatch)
     t = _tensors(dtype, per_token=True, scale_dtype=scale_dtype, seed=8)
     t["scale"] = t["scale"] * 64  # factors far from 1: their rounding to the scale's dtype shows
     (got, _), (want, _) = ours_one_plus("dit", t), eager("dit", t)
@@ -589,10 +575,7 @@ def test_a_norm_in_fp32_rounded_before_its_modulation(affine, dtype, backend, re
     ``F.layer_norm(x.float(), ...).to(x.dtype) * (1 + scale) + shift``. The call's norm in fp32
     (out_dtype fp32), y rounded to the modulation's 16-bit dtype before the product: bit-equal to the
     block on the reference path and the kernels (a y kept in fp32 into the product fails either)."""
-    _on(backend, request)
-    if backend == "triton":
-        from normfuse.kernels import triton as kernels
-        _kernels_take_it_all(kernels, monkeypatch)
+    _on(backend, request, monkeypatch)
     t = _tensors(dtype, per_token=False, seed=11)
     w, b = (t["w"], t["b"]) if affine else (None, None)
     s = t["x"] + t["r"]

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import optimized_with_fault
+from helpers import eager_and_optimized, optimized_with_fault
 
 import normfuse
 from normfuse.tolerances import within_tolerance
@@ -451,10 +451,8 @@ def test_a_modulation_after_a_view_of_the_sum(per_column, batch):
     torch.manual_seed(0)
     model = ViewedToFrames(per_column).eval()
     x, t = torch.randn(batch, 32, 16), torch.randn(batch, 16)
-    with torch.no_grad():
-        want = model(x, t)
-        got = normfuse.optimize(model)(x, t)
-    site = normfuse.report(model).sites[0]
+    want, got, rep = eager_and_optimized(model, x, t)
+    site = rep.sites[0]
     assert torch.equal(got, want)
     assert site.fused and site.fused_add, site
     if per_column:
@@ -498,10 +496,8 @@ def test_learned_parameters_after_a_norm_without_affine(shape, form, dtype):
     torch.manual_seed(0)
     model = LearnedModulation(shape, form, dtype=dtype).eval()
     x = torch.randn(2, 8, 16).to(dtype)
-    with torch.no_grad():
-        want = model(x)
-        got = normfuse.optimize(model)(x)
-    site = normfuse.report(model).sites[0]
+    want, got, rep = eager_and_optimized(model, x)
+    site = rep.sites[0]
     assert site.fused and site.fused_add, site
     assert torch.equal(got, want)
     if len(shape) < 4:  # the scale is the norm's weight or the modulation's factor; the shift the modulation's
@@ -534,10 +530,7 @@ def test_an_operand_read_from_an_earlier_call_s_output_is_not_moved_above_that_c
     torch.manual_seed(0)
     model = ScaleFromAnotherNorm().eval()
     x, z = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
-    with torch.no_grad():
-        want = model(x, z)
-        got = normfuse.optimize(model)(x, z)
-    rep = normfuse.report(model)
+    want, got, rep = eager_and_optimized(model, x, z)
     assert all(s.fused and s.fused_add for s in rep.sites) and rep.counts()["fused_modulation"] == 1, rep
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
@@ -571,10 +564,8 @@ def test_a_gated_branch_added_before_another_branch(form, dtype):
     torch.manual_seed(0)
     model = TwoGatedBranches(form, dtype).eval()
     h, emb = _inputs(dtype)
-    with torch.no_grad():
-        want = model(h, emb)
-        got = normfuse.optimize(model)(h, emb)
-    site = normfuse.report(model).sites[0]
+    want, got, rep = eager_and_optimized(model, h, emb)
+    site = rep.sites[0]
     assert site.fused_add and site.fused_x1 and site.fused_gated_residual and site.fused_modulation, site
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     res = normfuse.check(TwoGatedBranches(form), *_inputs(torch.float32))
@@ -603,10 +594,8 @@ def test_a_gated_branch_in_a_sum_rounded_by_a_cast_keeps_the_reason():
     model = WanControlHint().eval()
     h, emb = _inputs(torch.float32)
     hint = torch.randn(B, S, C)
-    with torch.no_grad():
-        want = model(h, emb, hint)
-        got = normfuse.optimize(model)(h, emb, hint)
-    site = normfuse.report(model).sites[0]
+    want, got, rep = eager_and_optimized(model, h, emb, hint)
+    site = rep.sites[0]
     assert site.fused_add and not site.fused_gated_residual, site
     assert site.gated_residual_reason.startswith("the gated branch is in a sum rounded by a cast"), site
     assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -633,10 +622,8 @@ def test_a_modulation_after_a_view_of_the_norm_s_output_keeps_the_reason():
     torch.manual_seed(0)
     model = ModulatedPerFrame().eval()
     x, t = torch.randn(2, 8, 16), torch.randn(2, 16)
-    with torch.no_grad():
-        want = model(x, t)
-        got = normfuse.optimize(model)(x, t)
-    site = normfuse.report(model).sites[0]
+    want, got, rep = eager_and_optimized(model, x, t)
+    site = rep.sites[0]
     assert site.fused_add and site.modulation and not site.fused_modulation, site
     assert site.modulation_reason.startswith("the norm's output is viewed to (2, 2, 4, 16) before its modulation")
     assert torch.equal(got, want)
@@ -649,10 +636,9 @@ def test_two_branches_under_autocast_keep_the_stream_s_dtype():
     torch.manual_seed(0)
     model = TwoGatedBranches("sd35").eval()
     h, emb = _inputs(torch.float32)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        want = model(h, emb)
-        got = normfuse.optimize(model)(h, emb)
-    site = normfuse.report(model).sites[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got, rep = eager_and_optimized(model, h, emb)
+    site = rep.sites[0]
     assert site.fused_x1 and not site.fused_gated_residual, site
     assert site.gated_residual_reason == "the gated product and the value it is first added to differ in dtype"
     assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -684,10 +670,7 @@ def test_a_branch_another_call_scales_is_not_folded(second_gated):
     torch.manual_seed(0)
     model = ScaledNormThenBranch(second_gated).eval()
     h, emb = _inputs(torch.float32)
-    with torch.no_grad():
-        want = model(h, emb)
-        got = normfuse.optimize(model)(h, emb)
-    rep = normfuse.report(model)
+    want, got, rep = eager_and_optimized(model, h, emb)
     assert all(s.fused for s in rep.sites) and rep.sites[1].fused_add and not rep.warnings, rep
     assert rep.sites[1].fused_gated_residual == second_gated, rep
     assert all(torch.equal(a, b) for a, b in zip(got, want))
